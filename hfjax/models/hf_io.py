@@ -1,0 +1,396 @@
+"""HF-format weights in and out: safetensors directories (single or index-sharded) and GGUF files.
+
+Loading streams tensors one at a time: each HF tensor is converted to hfjax's layout on the host
+and put straight onto its target sharding, so no full copy of the model is assembled on one
+device and the host holds at most one tensor. Stacked layer parameters are joined on device by
+one jitted concatenation whose output already has the final sharding.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Callable, Iterable, Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import logging
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from hfjax.models import transformer
+from hfjax.models.config import ModelConfig
+from hfjax.parallel import sharding as shd
+
+
+def _heads(w, n):  # [n*h, d] -> [d, n, h]
+    return w.T.reshape(w.shape[1], n, -1)
+
+
+# our parameter path -> (HF name template, HF -> ours, ours -> HF). `{i}` is the layer index.
+_L = "model.layers.{i}."
+CONVERTERS: dict[str, tuple[str, Callable, Callable]] = {
+    "model.embed_tokens": ("model.embed_tokens.weight", lambda w, c: w, lambda w, c: w),
+    "model.norm": ("model.norm.weight", lambda w, c: w, lambda w, c: w),
+    "lm_head": ("lm_head.weight", lambda w, c: w.T, lambda w, c: w.T),
+    "score": ("score.weight", lambda w, c: w.T, lambda w, c: w.T),
+    "model.layers.input_norm": (_L + "input_layernorm.weight", lambda w, c: w, lambda w, c: w),
+    "model.layers.post_attn_norm": (
+        _L + "post_attention_layernorm.weight",
+        lambda w, c: w,
+        lambda w, c: w,
+    ),
+    "model.layers.q_proj": (
+        _L + "self_attn.q_proj.weight",
+        lambda w, c: _heads(w, c.num_heads),
+        lambda w, c: w.reshape(w.shape[0], -1).T,
+    ),
+    "model.layers.k_proj": (
+        _L + "self_attn.k_proj.weight",
+        lambda w, c: _heads(w, c.num_kv_heads),
+        lambda w, c: w.reshape(w.shape[0], -1).T,
+    ),
+    "model.layers.v_proj": (
+        _L + "self_attn.v_proj.weight",
+        lambda w, c: _heads(w, c.num_kv_heads),
+        lambda w, c: w.reshape(w.shape[0], -1).T,
+    ),
+    "model.layers.o_proj": (
+        _L + "self_attn.o_proj.weight",
+        lambda w, c: w.T.reshape(c.num_heads, c.head_dim, -1),
+        lambda w, c: w.reshape(-1, w.shape[-1]).T,
+    ),
+    "model.layers.q_bias": (
+        _L + "self_attn.q_proj.bias",
+        lambda w, c: w.reshape(c.num_heads, -1),
+        lambda w, c: w.reshape(-1),
+    ),
+    "model.layers.k_bias": (
+        _L + "self_attn.k_proj.bias",
+        lambda w, c: w.reshape(c.num_kv_heads, -1),
+        lambda w, c: w.reshape(-1),
+    ),
+    "model.layers.v_bias": (
+        _L + "self_attn.v_proj.bias",
+        lambda w, c: w.reshape(c.num_kv_heads, -1),
+        lambda w, c: w.reshape(-1),
+    ),
+    "model.layers.q_norm": (_L + "self_attn.q_norm.weight", lambda w, c: w, lambda w, c: w),
+    "model.layers.k_norm": (_L + "self_attn.k_norm.weight", lambda w, c: w, lambda w, c: w),
+    "model.layers.gate_proj": (_L + "mlp.gate_proj.weight", lambda w, c: w.T, lambda w, c: w.T),
+    "model.layers.up_proj": (_L + "mlp.up_proj.weight", lambda w, c: w.T, lambda w, c: w.T),
+    "model.layers.down_proj": (_L + "mlp.down_proj.weight", lambda w, c: w.T, lambda w, c: w.T),
+}
+
+# HF tensors that carry nothing hfjax needs.
+_IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
+
+
+def _hf_name_index() -> list[tuple[re.Pattern, str]]:
+    out = []
+    for ours, (tmpl, _, _) in CONVERTERS.items():
+        pat = re.escape(tmpl).replace(re.escape("{i}"), r"(\d+)")
+        out.append((re.compile("^" + pat + "$"), ours))
+    return out
+
+
+_HF_PATTERNS = _hf_name_index()
+
+
+def parse_hf_name(name: str) -> tuple[str, int | None] | None:
+    """(our parameter path, layer index or None) for an HF tensor name; None if unknown."""
+    for pat, ours in _HF_PATTERNS:
+        m = pat.match(name)
+        if m:
+            return ours, int(m.group(1)) if m.groups() else None
+    return None
+
+
+def _flat_params(state: nnx.State) -> dict[str, nnx.Variable]:
+    out = {}
+    for path, var in jax.tree_util.tree_flatten_with_path(state, is_leaf=shd.is_variable)[0]:
+        out[shd._path_name(path)] = var
+    return out
+
+
+def expected_hf_tensors(cfg: ModelConfig, head: str = "causal_lm") -> dict[str, tuple]:
+    """HF tensor name -> HF shape that a checkpoint for `cfg` must provide."""
+    abstract = transformer.abstract(cfg, head)
+    out = {}
+    for path, var in _flat_params(nnx.state(abstract)).items():
+        tmpl, _, to_hf = CONVERTERS[path]
+        shape = var.get_value().shape
+        stacked = path.startswith("model.layers.")
+        one = shape[1:] if stacked else shape
+        hf_shape = jax.eval_shape(lambda x: to_hf(x, cfg), jax.ShapeDtypeStruct(one, jnp.float32))
+        for i in range(cfg.num_layers) if stacked else [None]:
+            out[tmpl.format(i=i)] = tuple(hf_shape.shape)
+    return out
+
+
+def assemble(
+    cfg: ModelConfig,
+    tensors: Iterable[tuple[str, np.ndarray]],
+    *,
+    head: str = "causal_lm",
+    mesh: Mesh | None = None,
+    rules: str | dict = "train",
+    optional: Iterable[str] = (),
+) -> nnx.Module:
+    """Builds a model from a stream of (HF name, HF-layout array), one tensor at a time.
+
+    Each tensor is converted and placed on its target sharding immediately (the training layout
+    of `mesh`, or the first device when mesh is None). Tensors in `optional` (our parameter
+    paths) keep their fresh initialisation when absent. Raises ValueError naming the tensor on a
+    missing tensor or a shape mismatch.
+    """
+    abstract = transformer.abstract(cfg, head)
+    graphdef, abs_state = nnx.split(abstract)
+    params = _flat_params(abs_state)
+    if mesh is None:
+        mesh = Mesh(np.array(jax.devices()[:1]).reshape(1), ("data",))
+    lay = shd.layout(mesh, rules)
+    dt = cfg.jnp_param_dtype
+    pieces: dict[str, dict[int | None, jax.Array]] = {k: {} for k in params}
+    for name, w in tensors:
+        parsed = parse_hf_name(name)
+        if parsed is None:
+            if not _IGNORED.match(name):
+                logging.warning("ignoring tensor %s: hfjax has no parameter for it", name)
+            continue
+        ours, i = parsed
+        if ours not in params:
+            if ours == "lm_head" and cfg.tie_word_embeddings or head != "causal_lm":
+                continue
+            raise ValueError(f"tensor {name} does not belong to a {cfg.model_type} {head} model")
+        if i is not None and i >= cfg.num_layers:
+            raise ValueError(f"tensor {name}: layer {i} but the config has {cfg.num_layers}")
+        var = params[ours]
+        full = var.get_value().shape
+        want = full[1:] if i is not None else full
+        converted = CONVERTERS[ours][1](np.asarray(w), cfg)
+        if tuple(converted.shape) != tuple(want):
+            hf_want = expected_hf_tensors(cfg, head).get(name)
+            raise ValueError(
+                f"tensor {name}: shape {tuple(np.shape(w))} does not match the config, "
+                f"which expects {hf_want}"
+            )
+        axes = var.get_metadata()["logical_axes"]
+        axes = axes[1:] if i is not None else axes
+        target = lay.sharding(axes, want, name)
+        pieces[ours][i] = jax.device_put(np.asarray(converted, dtype=dt), target)
+        del converted, w
+
+    optional = set(optional)
+    values = {}
+    for path, var in params.items():
+        got = pieces[path]
+        shape = var.get_value().shape
+        stacked = path.startswith("model.layers.")
+        need = list(range(cfg.num_layers)) if stacked else [None]
+        missing = [i for i in need if i not in got]
+        if missing and path in optional and not got:
+            values[path] = _fresh_head(cfg, head, var, lay)
+            continue
+        if missing:
+            tmpl = CONVERTERS[path][0]
+            raise ValueError(
+                f"missing tensor {tmpl.format(i=missing[0])} "
+                f"({len(missing)} missing for parameter {path})"
+            )
+        axes = var.get_metadata()["logical_axes"]
+        target = lay.sharding(axes, shape, path)
+        if stacked:
+            values[path] = _stack(tuple(got[i] for i in need), target)
+        else:
+            values[path] = got[None]
+        pieces[path] = {}
+    state = jax.tree.map_with_path(
+        lambda p, v: v.replace(values[shd._path_name(p)]), abs_state, is_leaf=shd.is_variable
+    )
+    return nnx.merge(graphdef, state)
+
+
+def _stack(arrays: tuple[jax.Array, ...], target: NamedSharding) -> jax.Array:
+    return jax.jit(lambda *xs: jnp.stack(xs), out_shardings=target)(*arrays)
+
+
+def _fresh_head(cfg: ModelConfig, head: str, var: nnx.Variable, lay: shd.Layout) -> jax.Array:
+    """A new scalar head: zeros for a critic (values start at 0), small normal for a scorer."""
+    shape = var.get_value().shape
+    if head == "value":
+        w = np.zeros(shape, np.float32)
+    else:
+        w = 0.02 * np.random.default_rng(0).standard_normal(shape, dtype=np.float32)
+    target = lay.sharding(var.get_metadata()["logical_axes"], shape, "score")
+    return jax.device_put(np.asarray(w, dtype=cfg.jnp_param_dtype), target)
+
+
+# ----------------------------------------------------------------------------- safetensors
+
+
+def _safetensor_files(path: str) -> list[str]:
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+        return [os.path.join(path, x) for x in files]
+    files = sorted(x for x in os.listdir(path) if x.endswith(".safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{path}: no *.safetensors files (and no index)")
+    return [os.path.join(path, x) for x in files]
+
+
+def _iter_safetensors(files: list[str]) -> Iterator[tuple[str, np.ndarray]]:
+    from safetensors import safe_open
+
+    for fn in files:
+        with safe_open(fn, framework="np") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def _check_safetensor_headers(files, cfg: ModelConfig, head: str, optional_hf: set[str]):
+    """Validates names and shapes from the file headers before any tensor is read."""
+    from safetensors import safe_open
+
+    found = {}
+    for fn in files:
+        with safe_open(fn, framework="np") as f:
+            for name in f.keys():
+                found[name] = tuple(f.get_slice(name).get_shape())
+    want = expected_hf_tensors(cfg, head)
+    for name, shape in want.items():
+        if name not in found:
+            if name in optional_hf:
+                continue
+            raise ValueError(f"missing tensor {name} (expected shape {shape})")
+        if found[name] != shape:
+            raise ValueError(
+                f"tensor {name}: shape {found[name]} does not match the config, "
+                f"which expects {shape}"
+            )
+
+
+def _read_config(path: str) -> dict:
+    fn = os.path.join(path, "config.json")
+    if not os.path.exists(fn):
+        raise FileNotFoundError(f"{path}: no config.json; is this an HF model directory?")
+    with open(fn) as f:
+        return json.load(f)
+
+
+def load(
+    path: str,
+    *,
+    mesh: Mesh | None = None,
+    dtype: str = "float32",
+    head: str = "causal_lm",
+    rules: str | dict = "train",
+    **config_overrides,
+) -> nnx.Module:
+    """Loads an HF directory or a `.gguf` file as an hfjax model.
+
+    With a mesh, parameters are placed in the training layout (`rules`) of that mesh; without
+    one, on the first device. `dtype` sets both the parameter and the compute dtype. For the
+    "value" and "score" heads, a causal-LM checkpoint provides the backbone and the head starts
+    fresh when the checkpoint has none.
+    """
+    overrides = {"param_dtype": dtype, "dtype": dtype, **config_overrides}
+    optional = ("score",) if head != "causal_lm" else ()
+    if str(path).endswith(".gguf"):
+        from hfjax.models import gguf_io
+
+        cfg = ModelConfig.from_hf_config(gguf_io.read_gguf_config(path), **overrides)
+        tensors = gguf_io.iter_gguf_tensors(path)
+    else:
+        if not os.path.isdir(path):
+            raise FileNotFoundError(f"{path}: not a directory or a .gguf file")
+        cfg = ModelConfig.from_hf_config(_read_config(path), **overrides)
+        files = _safetensor_files(path)
+        _check_safetensor_headers(files, cfg, head, {"score.weight"} if optional else set())
+        tensors = _iter_safetensors(files)
+    return assemble(cfg, tensors, head=head, mesh=mesh, rules=rules, optional=optional)
+
+
+def iter_hf_tensors(model: nnx.Module) -> Iterator[tuple[str, np.ndarray]]:
+    """Yields (HF name, HF-layout float array) for every parameter, one layer slice at a time."""
+    cfg: ModelConfig = model.config
+    for path, var in _flat_params(nnx.state(model, nnx.Param)).items():
+        tmpl, _, to_hf = CONVERTERS[path]
+        arr = var.get_value()
+        if path.startswith("model.layers."):
+            for i in range(cfg.num_layers):
+                yield tmpl.format(i=i), np.asarray(to_hf(np.asarray(jax.device_get(arr[i])), cfg))
+        else:
+            yield tmpl, np.asarray(to_hf(np.asarray(jax.device_get(arr)), cfg))
+
+
+def save_hf(
+    model: nnx.Module,
+    out_dir: str,
+    tokenizer=None,
+    *,
+    max_shard_bytes: int = 2 * 1024**3,
+) -> str:
+    """Writes `model` as an HF directory (config.json, safetensors, tokenizer files).
+
+    The directory is written under a temporary name and renamed into place, so a crash never
+    leaves a half-written model. Shards larger than `max_shard_bytes` are split with an index.
+    Returns out_dir.
+    """
+    from safetensors.numpy import save_file
+
+    cfg: ModelConfig = model.config
+    parent = os.path.dirname(os.path.abspath(out_dir)) or "."
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".tmp-hfjax-", dir=parent)
+    try:
+        shards: list[dict[str, np.ndarray]] = [{}]
+        size = 0
+        for name, w in iter_hf_tensors(model):
+            if size and size + w.nbytes > max_shard_bytes:
+                shards.append({})
+                size = 0
+            shards[-1][name] = np.ascontiguousarray(w)
+            size += w.nbytes
+        if len(shards) == 1:
+            save_file(shards[0], os.path.join(tmp, "model.safetensors"), {"format": "pt"})
+        else:
+            weight_map, total = {}, 0
+            for k, shard in enumerate(shards):
+                fn = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+                save_file(shard, os.path.join(tmp, fn), {"format": "pt"})
+                for name, w in shard.items():
+                    weight_map[name] = fn
+                    total += w.nbytes
+            with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
+                json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f)
+        hf = cfg.to_hf_config()
+        if type(model).__name__ == "ScoreModel":
+            hf["architectures"] = [hf["architectures"][0].replace("CausalLM", "")
+                                   + "ForSequenceClassification"]
+            hf["num_labels"] = 1
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump(hf, f, indent=2)
+        if tokenizer is not None:
+            tokenizer.save(tmp)
+        if os.path.exists(out_dir):
+            shutil.rmtree(out_dir)
+        os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def param_shardings_of(model: nnx.Module) -> dict[str, P]:
+    """Parameter path -> PartitionSpec, for inspection and tests."""
+    return {
+        k: v.get_value().sharding.spec for k, v in _flat_params(nnx.state(model, nnx.Param)).items()
+    }

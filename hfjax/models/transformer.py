@@ -1,0 +1,316 @@
+"""One Flax NNX decoder for the Llama / Mistral / Qwen2 / Qwen3 family.
+
+Layer parameters are always stored stacked, with a leading `layers` axis. The forward pass runs
+them either under `lax.scan` (compile time flat in depth) or as an unrolled Python loop over
+slices of the same arrays; the storage, loaders and shardings do not change between the two.
+
+Every parameter carries `logical_axes` metadata (vocab, embed, heads, kv_heads, head_dim, mlp,
+norm, layers); `hfjax.parallel.sharding` turns those names into `NamedSharding`s for a layout.
+
+The same backbone serves three heads: `CausalLM` (logits), `ValueModel` (a per-token scalar, the
+critic) and `ScoreModel` (one scalar per sequence, a reward or cost model).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from hfjax.models.config import ModelConfig
+
+
+class KVCache(NamedTuple):
+    """Preallocated keys and values of every layer: [layers, batch, slots, kv_heads, head_dim]."""
+
+    k: jax.Array
+    v: jax.Array
+
+    @classmethod
+    def zeros(cls, cfg: ModelConfig, batch: int, slots: int) -> KVCache:
+        shape = (cfg.num_layers, batch, slots, cfg.num_kv_heads, cfg.head_dim)
+        return cls(jnp.zeros(shape, cfg.jnp_dtype), jnp.zeros(shape, cfg.jnp_dtype))
+
+
+def positions_from_mask(attention_mask: jax.Array) -> jax.Array:
+    """Position ids of a left-padded batch: 0 at each row's first real token, 0 on padding."""
+    mask = attention_mask.astype(jnp.int32)
+    return jnp.maximum(jnp.cumsum(mask, axis=-1) - 1, 0)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> jax.Array:
+    """RoPE inverse frequencies [head_dim/2] in float32, with llama3 scaling when configured."""
+    dim = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim))
+    rs = cfg.rope_scaling
+    if rs is None:
+        return inv
+    factor, lo, hi = rs["factor"], rs["low_freq_factor"], rs["high_freq_factor"]
+    old_ctx = rs["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv
+    # Long wavelengths are slowed by `factor`, short ones kept; the band between is blended.
+    scaled = jnp.where(wavelen > old_ctx / lo, inv / factor, inv)
+    smooth = (old_ctx / wavelen - lo) / (hi - lo)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_ctx / hi) & (wavelen <= old_ctx / lo)
+    return jnp.where(medium, blended, scaled)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
+    """Rotates x [B, T, heads, head_dim] by positions [B, T] (rotate-half convention)."""
+    freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, D/2]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]
+    cos, sin = jnp.cos(emb).astype(x.dtype), jnp.sin(emb).astype(x.dtype)
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos + rotated * sin
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm computed in float32, scaled after casting back to x's dtype."""
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return weight.astype(x.dtype) * y.astype(x.dtype)
+
+
+_REMAT = {
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.checkpoint_dots,
+    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+def _param(rngs: nnx.Rngs, cfg: ModelConfig, shape, axes, init="normal") -> nnx.Param:
+    dt = cfg.jnp_param_dtype
+    if init == "ones":
+        value = jnp.ones(shape, dt)
+    elif init == "zeros":
+        value = jnp.zeros(shape, dt)
+    else:
+        value = (0.02 * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dt)
+    return nnx.Param(value, logical_axes=axes)
+
+
+class Layers(nnx.Module):
+    """All decoder layers' parameters, stacked on a leading `layers` axis."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        L, D, N, K, H, F = (
+            cfg.num_layers,
+            cfg.hidden_size,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            cfg.intermediate_size,
+        )
+        p = lambda shape, axes, init="normal": _param(rngs, cfg, shape, axes, init)
+        self.input_norm = p((L, D), ("layers", "norm"), "ones")
+        self.q_proj = p((L, D, N, H), ("layers", "embed", "heads", "head_dim"))
+        self.k_proj = p((L, D, K, H), ("layers", "embed", "kv_heads", "head_dim"))
+        self.v_proj = p((L, D, K, H), ("layers", "embed", "kv_heads", "head_dim"))
+        self.o_proj = p((L, N, H, D), ("layers", "heads", "head_dim", "embed"))
+        if cfg.attention_bias:
+            self.q_bias = p((L, N, H), ("layers", "heads", "head_dim"), "zeros")
+            self.k_bias = p((L, K, H), ("layers", "kv_heads", "head_dim"), "zeros")
+            self.v_bias = p((L, K, H), ("layers", "kv_heads", "head_dim"), "zeros")
+        if cfg.qk_norm:
+            self.q_norm = p((L, H), ("layers", "norm"), "ones")
+            self.k_norm = p((L, H), ("layers", "norm"), "ones")
+        self.post_attn_norm = p((L, D), ("layers", "norm"), "ones")
+        self.gate_proj = p((L, D, F), ("layers", "embed", "mlp"))
+        self.up_proj = p((L, D, F), ("layers", "embed", "mlp"))
+        self.down_proj = p((L, F, D), ("layers", "mlp", "embed"))
+
+    def arrays(self) -> dict[str, jax.Array]:
+        return {k: v[...] for k, v in vars(self).items() if isinstance(v, nnx.Param)}
+
+
+def _block(cfg: ModelConfig, inv_freq, p, h, positions, mask, cache_kv, cache_index):
+    """One decoder layer. p holds this layer's arrays; cache_kv is (k, v) slots or None.
+
+    Returns (new hidden, new (k, v) slots or None).
+    """
+    dt = cfg.jnp_dtype
+    w = lambda name: p[name].astype(dt)
+    x = rms_norm(h, p["input_norm"], cfg.rms_norm_eps)
+    q = jnp.einsum("btd,dnh->btnh", x, w("q_proj"))
+    k = jnp.einsum("btd,dkh->btkh", x, w("k_proj"))
+    v = jnp.einsum("btd,dkh->btkh", x, w("v_proj"))
+    if cfg.attention_bias:
+        q, k, v = q + w("q_bias"), k + w("k_bias"), v + w("v_bias")
+    if cfg.qk_norm:
+        q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
+        k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
+    q = apply_rope(q, positions, inv_freq)
+    k = apply_rope(k, positions, inv_freq)
+    new_kv = None
+    if cache_kv is not None:
+        ck, cv = cache_kv
+        ck = jax.lax.dynamic_update_slice_in_dim(ck, k.astype(ck.dtype), cache_index, axis=1)
+        cv = jax.lax.dynamic_update_slice_in_dim(cv, v.astype(cv.dtype), cache_index, axis=1)
+        new_kv = (ck, cv)
+        k, v = ck.astype(dt), cv.astype(dt)
+    attn = jax.nn.dot_product_attention(q, k, v, mask=mask, scale=1.0 / math.sqrt(cfg.head_dim))
+    h = h + jnp.einsum("btnh,nhd->btd", attn, w("o_proj"))
+    x = rms_norm(h, p["post_attn_norm"], cfg.rms_norm_eps)
+    gate = jnp.einsum("btd,df->btf", x, w("gate_proj"))
+    up = jnp.einsum("btd,df->btf", x, w("up_proj"))
+    h = h + jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, w("down_proj"))
+    return h, new_kv
+
+
+class Backbone(nnx.Module):
+    """Token embeddings, the stacked decoder layers and the final norm."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.config = cfg
+        self.embed_tokens = _param(rngs, cfg, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"))
+        self.layers = Layers(cfg, rngs)
+        self.norm = _param(rngs, cfg, (cfg.hidden_size,), ("norm",), "ones")
+
+    def __call__(
+        self,
+        input_ids: jax.Array,
+        attention_mask: jax.Array | None = None,
+        *,
+        positions: jax.Array | None = None,
+        cache: KVCache | None = None,
+        cache_index: jax.Array | int = 0,
+    ) -> tuple[jax.Array, KVCache | None]:
+        """Final hidden states [B, T, D] and the updated cache (None without a cache).
+
+        Without a cache, `attention_mask` [B, T] marks real tokens of a left-padded batch and
+        positions default to `positions_from_mask`. With a cache, the T new tokens are written at
+        slots [cache_index, cache_index + T); `attention_mask` [B, slots] then marks which slots
+        hold real tokens (the new ones included) and `positions` must be given.
+        """
+        cfg = self.config
+        B, T = input_ids.shape
+        if attention_mask is None:
+            attention_mask = jnp.ones((B, T if cache is None else cache.k.shape[2]), jnp.int32)
+        key_valid = attention_mask.astype(bool)
+        if positions is None:
+            if cache is not None:
+                raise ValueError("positions are required when decoding with a KV cache")
+            positions = positions_from_mask(attention_mask)
+        q_slot = jnp.arange(T)[:, None] + (0 if cache is None else cache_index)
+        causal = jnp.arange(key_valid.shape[1])[None, :] <= q_slot  # [T, S]
+        mask = (causal[None] & key_valid[:, None, :])[:, None]  # [B, 1, T, S]
+
+        h = jnp.take(self.embed_tokens[...], input_ids, axis=0).astype(cfg.jnp_dtype)
+        inv_freq = rope_inv_freq(cfg)
+        params = self.layers.arrays()
+
+        def layer(h, p, kv):
+            return _block(cfg, inv_freq, p, h, positions, mask, kv, cache_index)
+
+        if cfg.remat_policy != "none":
+            layer = jax.checkpoint(layer, policy=_REMAT[cfg.remat_policy])
+
+        if cache is None:
+            if cfg.scan_layers:
+                h, _ = jax.lax.scan(lambda h, p: (layer(h, p, None)[0], None), h, params)
+            else:
+                for i in range(cfg.num_layers):
+                    h = layer(h, {k: v[i] for k, v in params.items()}, None)[0]
+            new_cache = None
+        else:
+            # The whole cache rides in the carry and each layer updates its slice in place, so a
+            # decode step never copies the cache.
+            def step(carry, xs):
+                h, ck, cv = carry
+                i, p = xs
+                h, (k_i, v_i) = layer(h, p, (ck[i], cv[i]))
+                ck = jax.lax.dynamic_update_index_in_dim(ck, k_i, i, axis=0)
+                cv = jax.lax.dynamic_update_index_in_dim(cv, v_i, i, axis=0)
+                return (h, ck, cv), None
+
+            carry = (h, cache.k, cache.v)
+            if cfg.scan_layers:
+                carry, _ = jax.lax.scan(step, carry, (jnp.arange(cfg.num_layers), params))
+            else:
+                for i in range(cfg.num_layers):
+                    carry, _ = step(carry, (i, {k: v[i] for k, v in params.items()}))
+            h, ck, cv = carry
+            new_cache = KVCache(ck, cv)
+        return rms_norm(h, self.norm[...], cfg.rms_norm_eps), new_cache
+
+
+class CausalLM(nnx.Module):
+    """The policy: backbone plus a language-model head (tied to the embeddings or not)."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.config = cfg
+        self.model = Backbone(cfg, rngs=rngs)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = _param(rngs, cfg, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"))
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """Float32 logits [..., V] from final hidden states."""
+        dt = self.config.jnp_dtype
+        if self.config.tie_word_embeddings:
+            w = self.model.embed_tokens[...].astype(dt)
+            out = jnp.einsum("...d,vd->...v", hidden, w)
+        else:
+            out = jnp.einsum("...d,dv->...v", hidden, self.lm_head[...].astype(dt))
+        return out.astype(jnp.float32)
+
+    def __call__(self, input_ids, attention_mask=None, **kw):
+        """Logits [B, T, V]; with `cache=` also returns the updated cache."""
+        hidden, cache = self.model(input_ids, attention_mask, **kw)
+        logits = self.logits(hidden)
+        return logits if kw.get("cache") is None else (logits, cache)
+
+
+class ValueModel(nnx.Module):
+    """The critic: backbone plus a per-token scalar head. Returns values [B, T] in float32."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.config = cfg
+        self.model = Backbone(cfg, rngs=rngs)
+        self.score = _param(rngs, cfg, (cfg.hidden_size, 1), ("embed", None), "zeros")
+
+    def __call__(self, input_ids, attention_mask=None, **kw):
+        hidden, _ = self.model(input_ids, attention_mask, **kw)
+        w = self.score[...].astype(hidden.dtype)
+        return jnp.einsum("btd,do->bto", hidden, w)[..., 0].astype(jnp.float32)
+
+
+class ScoreModel(nnx.Module):
+    """A reward or cost model: backbone plus a scalar head read at the last real token.
+
+    Returns scores [B] in float32. Right or left padding both work: the last real token is the
+    last position where the attention mask is 1.
+    """
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.config = cfg
+        self.model = Backbone(cfg, rngs=rngs)
+        self.score = _param(rngs, cfg, (cfg.hidden_size, 1), ("embed", None))
+
+    def __call__(self, input_ids, attention_mask=None, **kw):
+        if attention_mask is None:
+            attention_mask = jnp.ones(input_ids.shape, jnp.int32)
+        hidden, _ = self.model(input_ids, attention_mask, **kw)
+        T = input_ids.shape[1]
+        last = T - 1 - jnp.argmax(attention_mask[:, ::-1].astype(jnp.int32), axis=1)
+        h_last = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]
+        return (h_last @ self.score[...].astype(hidden.dtype))[:, 0].astype(jnp.float32)
+
+
+HEADS = {"causal_lm": CausalLM, "value": ValueModel, "score": ScoreModel}
+
+
+def build(cfg: ModelConfig, head: str = "causal_lm", seed: int = 0) -> nnx.Module:
+    """A freshly initialised model with the given head ("causal_lm", "value" or "score")."""
+    if head not in HEADS:
+        raise ValueError(f"unknown head {head!r}; choose one of {sorted(HEADS)}")
+    return HEADS[head](cfg, rngs=nnx.Rngs(seed))
+
+
+def abstract(cfg: ModelConfig, head: str = "causal_lm") -> nnx.Module:
+    """The model's structure with ShapeDtypeStruct leaves: nothing is allocated."""
+    return nnx.eval_shape(lambda: HEADS[head](cfg, rngs=nnx.Rngs(0)))

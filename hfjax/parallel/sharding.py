@@ -1,0 +1,163 @@
+"""Layouts: a mesh plus rules that map logical parameter axes to mesh axes.
+
+Model code names each parameter dimension once (vocab, embed, heads, kv_heads, head_dim, mlp,
+norm, layers). A `Layout` turns those names into `NamedSharding`s on its mesh, so swapping a
+mesh or a rule never touches model code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+Rule = str | tuple[str, ...] | None
+
+# Training: FSDP over `embed`, tensor parallel over heads / mlp / vocab.
+TRAIN_RULES: dict[str, Rule] = {
+    "vocab": "tensor",
+    "embed": "fsdp",
+    "heads": "tensor",
+    "kv_heads": "tensor",
+    "head_dim": None,
+    "mlp": "tensor",
+    "norm": None,
+    "layers": None,
+}
+
+# Decoding: tensor parallel only; every other dimension replicated.
+DECODE_RULES: dict[str, Rule] = {**TRAIN_RULES, "embed": None}
+
+# Training rules whose shards nest inside DECODE_RULES shards (the hybrid engine's layout):
+# `fsdp` splits the same dimension as `tensor`, and `embed` stays whole.
+NESTED_TRAIN_RULES: dict[str, Rule] = {
+    **TRAIN_RULES,
+    "embed": None,
+    "vocab": ("tensor", "fsdp"),
+    "heads": ("tensor", "fsdp"),
+    "kv_heads": ("tensor", "fsdp"),
+    "mlp": ("tensor", "fsdp"),
+}
+
+RULE_SETS = {"train": TRAIN_RULES, "decode": DECODE_RULES, "nested_train": NESTED_TRAIN_RULES}
+
+
+def is_variable(x: Any) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """A mesh plus logical-axis rules.
+
+    `replicate_indivisible` lists logical axes that are replicated, with a logged warning, when
+    their mesh axes do not divide them (for example 3 KV heads on `tensor=2`: replicating the KV
+    projections is the common practice). Any other indivisible dimension is an error.
+    """
+
+    mesh: Mesh
+    rules: Mapping[str, Rule] = dataclasses.field(default_factory=lambda: dict(TRAIN_RULES))
+    replicate_indivisible: Sequence[str] = ("kv_heads",)
+
+    def spec(self, axes: Sequence[str | None], shape: Sequence[int], name: str = "?") -> P:
+        """The PartitionSpec for one tensor with the given logical axes and shape.
+
+        Raises ValueError naming the tensor when a mesh axis does not divide its dimension.
+        """
+        if len(axes) != len(shape):
+            raise ValueError(f"tensor {name}: logical axes {axes} do not match shape {shape}")
+        used: set[str] = set()
+        out = []
+        for logical, dim in zip(axes, shape):
+            rule = self.rules.get(logical) if logical is not None else None
+            mesh_axes = (rule,) if isinstance(rule, str) else tuple(rule or ())
+            # A mesh axis of size 1 or already used by an earlier dimension is dropped.
+            mesh_axes = tuple(
+                a for a in mesh_axes if a not in used and self.mesh.shape.get(a, 1) > 1
+            )
+            size = int(np.prod([self.mesh.shape[a] for a in mesh_axes])) if mesh_axes else 1
+            if dim % size:
+                if logical in self.replicate_indivisible:
+                    _warn_replicate(name, logical, dim, mesh_axes, size)
+                    mesh_axes = ()
+                else:
+                    raise ValueError(
+                        f"tensor {name}: mesh axes {mesh_axes} (size {size}) do not divide "
+                        f"dimension '{logical}'={dim} of shape {tuple(shape)}; pick a mesh whose "
+                        f"{'x'.join(mesh_axes)} size divides {dim}"
+                    )
+            used.update(mesh_axes)
+            out.append(None if not mesh_axes else mesh_axes[0] if len(mesh_axes) == 1 else mesh_axes)
+        while out and out[-1] is None:
+            out.pop()
+        return P(*out)
+
+    def sharding(self, axes, shape, name="?") -> NamedSharding:
+        return NamedSharding(self.mesh, self.spec(axes, shape, name))
+
+    def replicated(self) -> NamedSharding:
+        return NamedSharding(self.mesh, P())
+
+    def state_shardings(self, state: nnx.State) -> nnx.State:
+        """A tree prefix of `state` with one NamedSharding per variable.
+
+        Variables without `logical_axes` metadata are replicated.
+        """
+
+        def one(path, var):
+            axes = var.get_metadata().get("logical_axes")
+            shape = var.get_value().shape
+            if axes is None:
+                return self.replicated()
+            return self.sharding(axes, shape, name=_path_name(path))
+
+        return jax.tree.map_with_path(one, state, is_leaf=is_variable)
+
+
+_warned: set[tuple] = set()
+
+
+def _warn_replicate(name, logical, dim, mesh_axes, size):
+    from absl import logging
+
+    key = (logical, dim, mesh_axes)
+    if key not in _warned:
+        _warned.add(key)
+        logging.warning(
+            "dimension '%s'=%d is not divisible by mesh axes %s (size %d): replicating it "
+            "(first seen on %s)",
+            logical,
+            dim,
+            mesh_axes,
+            size,
+            name,
+        )
+
+
+def _path_name(path) -> str:
+    parts = []
+    for k in path:
+        parts.append(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))))
+    return ".".join(parts)
+
+
+def layout(mesh: Mesh, rules: str | Mapping[str, Rule] = "train", **kw) -> Layout:
+    """A Layout from a mesh and a rule-set name ("train", "decode", "nested_train") or dict."""
+    if isinstance(rules, str):
+        if rules not in RULE_SETS:
+            raise ValueError(f"unknown layout rules {rules!r}; choose one of {sorted(RULE_SETS)}")
+        rules = RULE_SETS[rules]
+    return Layout(mesh, dict(rules), **kw)
+
+
+def shard_model(model: nnx.Module, lay: Layout) -> nnx.Module:
+    """Places every parameter of `model` in `lay`'s shardings (in place) and returns it."""
+    state = nnx.state(model)
+    nnx.update(model, jax.device_put(state, lay.state_shardings(state)))
+    return model

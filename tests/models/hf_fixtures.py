@@ -1,0 +1,79 @@
+"""Tiny random HF models built by transformers inside the tests (the reference)."""
+
+import numpy as np
+import torch
+
+TINY = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-5,
+)
+
+
+def make_hf_model(kind: str, out_dir: str, seed: int = 0):
+    """Builds, saves and returns a tiny random transformers model of the given family."""
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    if kind == "llama":
+        cfg = tf.LlamaConfig(
+            **TINY,
+            tie_word_embeddings=False,
+            rope_theta=50000.0,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32,
+            },
+        )
+        model = tf.LlamaForCausalLM(cfg)
+    elif kind == "qwen2":
+        model = tf.Qwen2ForCausalLM(tf.Qwen2Config(**TINY, tie_word_embeddings=True))
+    elif kind == "qwen3":
+        model = tf.Qwen3ForCausalLM(tf.Qwen3Config(**TINY, tie_word_embeddings=False))
+    elif kind == "mistral":
+        model = tf.MistralForCausalLM(
+            tf.MistralConfig(**TINY, tie_word_embeddings=False, sliding_window=None)
+        )
+    else:
+        raise ValueError(kind)
+    # Random init leaves norms at 1 and biases at 0; perturb them so they are exercised.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(0.1 * torch.randn_like(p))
+    model.eval()
+    model.save_pretrained(out_dir)
+    return model
+
+
+def left_padded_batch(vocab: int, lengths=(9, 5, 12, 1), seed: int = 0):
+    """(input_ids, attention_mask) of a left-padded batch of mixed lengths, as numpy int32."""
+    rng = np.random.default_rng(seed)
+    T = max(lengths)
+    ids = np.zeros((len(lengths), T), np.int32)
+    mask = np.zeros((len(lengths), T), np.int32)
+    for b, n in enumerate(lengths):
+        ids[b, T - n :] = rng.integers(1, vocab, n)
+        mask[b, T - n :] = 1
+    return ids, mask
+
+
+def hf_logits(model, ids, mask):
+    """transformers logits with positions counted from each row's first real token."""
+    pos = np.maximum(np.cumsum(mask, -1) - 1, 0)
+    with torch.no_grad():
+        out = model(
+            input_ids=torch.tensor(ids, dtype=torch.long),
+            attention_mask=torch.tensor(mask, dtype=torch.long),
+            position_ids=torch.tensor(pos, dtype=torch.long),
+        )
+    return out.logits.float().numpy()
