@@ -8,6 +8,7 @@ one jitted concatenation whose output already has the final sharding.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -127,7 +128,8 @@ def expected_hf_tensors(cfg: ModelConfig, head: str = "causal_lm") -> dict[str, 
         shape = var.get_value().shape
         stacked = path.startswith("model.layers.")
         one = shape[1:] if stacked else shape
-        hf_shape = jax.eval_shape(lambda x: to_hf(x, cfg), jax.ShapeDtypeStruct(one, jnp.float32))
+        spec = jax.ShapeDtypeStruct(one, jnp.float32)
+        hf_shape = jax.eval_shape(functools.partial(to_hf, c=cfg), spec)
         for i in range(cfg.num_layers) if stacked else [None]:
             out[tmpl.format(i=i)] = tuple(hf_shape.shape)
     return out

@@ -93,7 +93,7 @@ class Layout:
                         f"{'x'.join(mesh_axes)} size divides {dim}"
                     )
             used.update(mesh_axes)
-            out.append(None if not mesh_axes else mesh_axes[0] if len(mesh_axes) == 1 else mesh_axes)
+            out.append(mesh_axes[0] if len(mesh_axes) == 1 else (mesh_axes or None))
         while out and out[-1] is None:
             out.pop()
         return P(*out)

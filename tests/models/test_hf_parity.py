@@ -61,12 +61,19 @@ def test_export_round_trip(hf_model, tmp_path):
 def test_layout_is_the_only_difference():
     """The same logical axes map to different specs under different layouts."""
     cfg = M.ModelConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
-        num_heads=4, num_kv_heads=2, head_dim=8,
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
     )
     mesh = MeshSpec.parse("fsdp=4,tensor=2").build(jax.devices())
     train = Layout(mesh).spec(("layers", "embed", "mlp"), (2, 32, 64))
-    decode = Layout(mesh, {"embed": None, "mlp": "tensor"}).spec(("layers", "embed", "mlp"), (2, 32, 64))
+    decode = Layout(mesh, {"embed": None, "mlp": "tensor"}).spec(
+        ("layers", "embed", "mlp"), (2, 32, 64)
+    )
     assert train == jax.sharding.PartitionSpec(None, "fsdp", "tensor")
     assert decode == jax.sharding.PartitionSpec(None, None, "tensor")
     del cfg
