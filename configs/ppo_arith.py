@@ -1,0 +1,119 @@
+"""The default job: PPO with a GAE critic on the embedded 2-digit arithmetic task.
+
+A tiny Llama-style model is trained from scratch: a short SFT warm start on deliberately
+imperfect data (carries dropped in most examples that need one), then PPO with an exact-answer
+reward. Every key can be overridden from the command line, e.g.
+    python -m launch.train --config.placement=split --config.actor.mesh=fsdp=2,tensor=2
+"""
+
+from ml_collections import config_dict
+
+
+def get_config() -> config_dict.ConfigDict:
+    c = config_dict.ConfigDict()
+    c.algorithm = "ppo"
+    c.seed = 0
+    # colocate | split | standalone, or a mapping {pool: {size, roles}}.
+    c.placement = "colocate"
+
+    c.model = config_dict.ConfigDict(
+        dict(
+            # A preset name or a path to an HF directory / .gguf file.
+            path="",
+            vocab_size=0,  # 0: the task tokenizer's size
+            hidden_size=128,
+            intermediate_size=384,
+            num_layers=2,
+            num_heads=4,
+            num_kv_heads=2,
+            head_dim=32,
+            dtype="float32",
+            scan_layers=True,
+            remat_policy="none",
+        )
+    )
+    c.data = config_dict.ConfigDict(
+        dict(
+            task="arith",
+            n_train=20000,
+            n_test=256,
+            train_batch_size=128,  # prompts per step
+            max_prompt_length=8,
+            max_response_length=8,
+        )
+    )
+    c.sft = config_dict.ConfigDict(
+        dict(steps=600, batch_size=128, micro_batch_size=128, lr=3e-3, corrupt_frac=0.65)
+    )
+    c.actor = config_dict.ConfigDict(
+        dict(
+            mesh="fsdp=-1",
+            lr=1e-4,
+            weight_decay=0.0,
+            grad_clip=1.0,
+            ppo_mini_batch_size=64,  # prompts; multiplied by rollout.n
+            ppo_micro_batch_size=64,  # sequences
+            ppo_epochs=1,
+            shuffle=True,
+            policy_loss="vanilla",
+            clip_ratio=0.2,
+            clip_ratio_low=0.2,
+            clip_ratio_high=0.2,
+            clip_ratio_c=3.0,
+            loss_agg_mode="token-mean",
+            entropy_coeff=0.0,
+            use_kl_loss=False,
+            kl_loss_coef=0.001,
+            kl_loss_type="low_var_kl",
+        )
+    )
+    c.rollout = config_dict.ConfigDict(
+        dict(
+            mesh="",  # empty: decode on the actor's mesh and layout
+            n=1,
+            temperature=1.0,
+            top_k=0,
+            top_p=1.0,
+            min_p=0.0,
+            response_length=8,
+        )
+    )
+    c.ref = config_dict.ConfigDict(dict(mesh="fsdp=-1"))
+    c.critic = config_dict.ConfigDict(
+        dict(
+            mesh="fsdp=-1",
+            lr=1e-3,
+            weight_decay=0.0,
+            grad_clip=1.0,
+            ppo_mini_batch_size=64,
+            ppo_micro_batch_size=64,
+            ppo_epochs=1,
+            shuffle=True,
+            cliprange_value=0.5,
+            loss_agg_mode="token-mean",
+        )
+    )
+    c.algo = config_dict.ConfigDict(
+        dict(
+            adv_estimator="gae",
+            gamma=1.0,
+            lam=1.0,
+            norm_adv_by_std_in_grpo=True,
+            use_kl_in_reward=True,
+            kl_penalty="kl",
+            kl_ctrl=config_dict.ConfigDict(
+                dict(type="fixed", kl_coef=0.001, target_kl=0.1, horizon=10000)
+            ),
+        )
+    )
+    c.trainer = config_dict.ConfigDict(
+        dict(
+            total_steps=60,
+            test_freq=20,
+            val_before_train=True,
+            sync_stage_timing=True,
+            log_every=1,
+            out_dir="runs/ppo_arith",
+        )
+    )
+    return c

@@ -1,0 +1,88 @@
+"""What the algorithm drivers share: the worker-group handles, stage timing, and the
+advantage stage (KL-in-reward plus a registered estimator), jitted once per shape."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from hfjax.algorithms import core
+from hfjax.controller.batch import Batch
+
+
+@dataclasses.dataclass
+class Workers:
+    """The worker groups of one run; roles an algorithm does not use are None."""
+
+    actor: Any
+    ref: Any = None
+    critic: Any = None
+    reward: Any = None
+    rm: Any = None
+    kl_ctrl: Any = None
+    sync_timing: bool = True
+    timing: dict[str, float] = dataclasses.field(default_factory=dict)
+
+    @contextlib.contextmanager
+    def stage(self, name: str, outputs: list | None = None):
+        """Times a stage as `timing_s/<name>`. With sync_timing, waits for the stage's outputs
+        (appended to `outputs`) so the time is the stage's own; without it, times dispatch only
+        and lets worker groups on disjoint pools overlap."""
+        t0 = time.perf_counter()
+        holder: list = [] if outputs is None else outputs
+        yield holder
+        if self.sync_timing and holder:
+            jax.block_until_ready([b.arrays if isinstance(b, Batch) else b for b in holder])
+        self.timing[f"timing_s/{name}"] = time.perf_counter() - t0
+
+
+@functools.partial(jax.jit, static_argnames=("estimator", "kl_penalty", "use_kl", "n", "opts"))
+def _advantage(arrays, kl_coef, *, estimator, kl_penalty, use_kl, n, opts):
+    mask = arrays["response_mask"].astype(jnp.float32)
+    scores = arrays["token_level_scores"]
+    metrics = {}
+    if use_kl:
+        rewards, kl = core.apply_kl_penalty(
+            scores, arrays["old_log_probs"], arrays["ref_log_prob"], mask, kl_coef, kl_penalty
+        )
+        metrics["actor/reward_kl_penalty"] = kl
+    else:
+        rewards = scores
+    b = scores.shape[0]
+    adv, ret = core.ADV_ESTIMATORS.get(estimator)(
+        token_level_rewards=rewards,
+        response_mask=mask,
+        values=arrays.get("values"),
+        index=jnp.arange(b) // n,
+        num_groups=b // n,
+        **dict(opts),
+    )
+    return {"token_level_rewards": rewards, "advantages": adv, "returns": ret}, metrics
+
+
+def compute_advantage(batch: Batch, algo_cfg, n: int, kl_coef: float) -> tuple[Batch, dict]:
+    """Adds token_level_rewards, advantages and returns; rows come in groups of n samples."""
+    use_kl = bool(algo_cfg.use_kl_in_reward)
+    keys = ["response_mask", "token_level_scores"] + (["old_log_probs", "ref_log_prob"]
+                                                      if use_kl else [])
+    if "values" in batch:
+        keys.append("values")
+    opts = (("gamma", float(algo_cfg.gamma)), ("lam", float(algo_cfg.lam)))
+    if algo_cfg.adv_estimator == "grpo":
+        opts += (("norm_adv_by_std_in_grpo", bool(algo_cfg.norm_adv_by_std_in_grpo)),)
+    out, metrics = _advantage(
+        {k: batch[k] for k in keys},
+        jnp.float32(kl_coef if use_kl else 0.0),
+        estimator=algo_cfg.adv_estimator,
+        kl_penalty=algo_cfg.kl_penalty,
+        use_kl=use_kl,
+        n=n,
+        opts=opts,
+    )
+    return batch.union(Batch(out)), metrics

@@ -1,0 +1,135 @@
+"""Worker groups: one model bound to one resource pool's mesh.
+
+A worker group owns the model's graphdef, its parameters (a pytree of `jax.Array`s placed by
+the group's layout), its optimizer state, and the jitted programs that run on them. Its public
+methods are tagged with a transfer protocol; `@method(DP_COMPUTE)` wraps a method so that its
+batch argument is placed on the group's mesh (padded to the data-parallel size) before the call,
+and the padding is dropped from its output after.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from absl import logging
+from flax import nnx
+
+from hfjax.controller.batch import Batch, transfer
+from hfjax.controller.protocol import get_protocol, register
+from hfjax.engine import update
+from hfjax.parallel import sharding as shd
+from hfjax.parallel.mesh import MeshSpec, ResourcePool, dp_size
+
+
+def _owned_transfer(x: jax.Array, sharding) -> jax.Array:
+    out = transfer(x, sharding)
+    return jnp.copy(out) if out is x else out
+
+
+def method(protocol: Any) -> Callable:
+    """Decorator for worker methods: dispatch the batch by `protocol`, collect the output."""
+    proto = get_protocol(protocol)
+
+    def deco(fn):
+        @functools.wraps(fn)
+        def wrapped(self: WorkerGroup, batch: Batch, *args, **kwargs):
+            placed, pad = proto.dispatch(batch, self.mesh)
+            out = fn(self, placed, *args, **kwargs)
+            if not isinstance(out, Batch) or not pad:
+                return out
+            # A method that returns k rows per input row (n samples per prompt) drops k * pad.
+            return proto.collect(out, pad * (len(out) // len(placed)))
+
+        return register(proto)(wrapped)
+
+    return deco
+
+
+class WorkerGroup:
+    """A model on a pool: mesh, layout, graphdef, params and optional optimizer state."""
+
+    def __init__(
+        self,
+        name: str,
+        pool: ResourcePool,
+        mesh_spec: str | MeshSpec,
+        model: nnx.Module,
+        *,
+        rules: str | dict = "train",
+        optimizer: optax.GradientTransformation | None = None,
+    ):
+        self.name = name
+        self.pool = pool
+        self.mesh = pool.mesh(mesh_spec)
+        self.layout = shd.layout(self.mesh, rules)
+        self.config = model.config
+        self.graphdef, state = nnx.split(model)
+        self.param_shardings = self.layout.state_shardings(state)
+        # A model built on another mesh (or loaded elsewhere) moves device to device here.
+        # Each group owns its buffers: updates donate them, so none may be shared with the model
+        # it was built from (a reference policy is often a copy of the actor on the same mesh).
+        self.params = jax.tree.map(
+            lambda sh, var: var.replace(_owned_transfer(var.get_value(), sh)),
+            self.param_shardings,
+            state,
+            is_leaf=shd.is_variable,
+        )
+        self._train_calls = 0
+        self.set_optimizer(optimizer)
+
+    def set_optimizer(self, optimizer: optax.GradientTransformation | None) -> None:
+        """Installs an optimizer with fresh state; compiled update programs are dropped."""
+        self.optimizer = optimizer
+        self.opt_state = self.opt_shardings = None
+        self._programs: dict[tuple, Callable] = {}
+        if optimizer is None:
+            return
+        everywhere = self.layout.replicated()
+        n = everywhere.mesh.devices.size
+        # Scalars such as the step count come out on one device; replicate them.
+        self.opt_state = jax.tree.map(
+            lambda x: x if len(x.sharding.device_set) == n else transfer(x, everywhere),
+            jax.jit(optimizer.init)(self.params),
+        )
+        self.opt_shardings = jax.tree.map(lambda x: x.sharding, self.opt_state)
+
+    def train(self, loss_fn, batch: Batch, keys, *, mini: int, micro: int, epochs: int,
+              shuffle: bool) -> dict[str, jax.Array]:
+        """Runs `epochs` passes of micro-batched updates of `loss_fn` over mini-batches of
+        `batch`; returns the metrics averaged over the steps (device scalars, not fetched)."""
+        update.check_mini_batching(len(batch), mini, micro, self.dp_size, self.name)
+        key = (loss_fn.__name__, mini // micro)
+        if key not in self._programs:
+            logging.info("%s: compiling %s with %d micro-batches", self.name, *key)
+            self._programs[key] = update.make_update_step(
+                loss_fn, self.optimizer, mini // micro, self.param_shardings, self.opt_shardings,
+                normalisers=update.normalisers,
+            )
+        step = self._programs[key]
+        sums: dict[str, jax.Array] = {}
+        count = 0
+        batches = update.mini_batches(batch.select(keys), mini, epochs, shuffle, self._train_calls)
+        for mb in batches:
+            mb = mb.to(self.mesh)
+            self.params, self.opt_state, m = step(self.params, self.opt_state, dict(mb.arrays))
+            sums = m if not sums else jax.tree.map(jnp.add, sums, m)
+            count += 1
+        self._train_calls += 1
+        return {k: v / count for k, v in sums.items()}
+
+    @property
+    def dp_size(self) -> int:
+        return dp_size(self.mesh)
+
+    def model(self, params=None) -> nnx.Module:
+        """The NNX model view of (the given or current) params; use inside jitted code."""
+        return nnx.merge(self.graphdef, self.params if params is None else params)
+
+    def __repr__(self) -> str:
+        axes = ",".join(f"{k}={v}" for k, v in self.mesh.shape.items() if v > 1) or "1 device"
+        return f"{type(self).__name__}({self.name!r}, pool={self.pool.name}, mesh={axes})"

@@ -1,0 +1,671 @@
+"""The rollout engine: a jitted KV-cache sampler for the actor's generation stage.
+
+Two compiled programs per shape bucket:
+
+- **prefill** runs the left-padded prompts through one forward pass that fills a KV cache of
+  `prompt_bucket` slots, repeats that cache (and the last-position logits) n times for n samples
+  per prompt, appends `new_tokens_bucket` empty slots, and samples the first response token;
+- **decode** runs a `lax.while_loop` that feeds one token per step into the cache and samples
+  the next, until every row has hit a stop token or `max_new_tokens` is reached. The loop state
+  (cache included) is donated, so the cache is updated in place.
+
+Both work on the functional form of the model (`nnx.split` -> graphdef + params state), so the
+caller passes fresh parameters on every call (the RL actor's weights change every step) and
+nothing is baked into the programs as a constant.
+
+Conventions:
+
+- **Rows.** Output row `b * n + j` is sample j of prompt b.
+- **Seeds.** Each prompt gets a PRNG key: with an int `seed`, `fold_in(key(seed), b)`; with a
+  per-prompt seed array, `key(seeds[b])`. Sample j of a prompt uses `fold_in(prompt_key, j)` and
+  step t folds in t. A row's samples therefore depend only on its own seed, never on which
+  other prompts share the batch.
+- **Stops.** The stop token (EOS or any id in `eos_ids`) is part of the response (mask 1, like
+  HF); every later position holds `pad_id` with mask 0 and log-prob 0.
+- **Log-probs.** `logprobs[r, t]` is the log-probability of the sampled token under the
+  distribution it was actually drawn from: logits / temperature, restricted to the top-k /
+  top-p / min-p set, renormalised. Greedy decoding (temperature 0) has no sampling distribution,
+  so it reports the log-prob under the untruncated temperature-1 softmax, which is what a
+  teacher-forced pass of the policy computes.
+- **Truncation order.** temperature, then top-k, then top-p on the renormalised top-k
+  distribution, then min-p (a threshold relative to the most likely token, so its place in the
+  order does not matter).
+- **Buckets.** Prompts are trimmed to their longest real length and left-padded to the next power
+  of two >= `min_prompt_bucket` (16); the new-token budget is rounded up the same way from
+  `min_new_tokens_bucket` (16). `max_new_tokens` itself is a traced loop bound, so a request for
+  20 tokens runs the 32-token program and returns exactly what a 20-token program would. The
+  batch size is not bucketed (a training run keeps it fixed).
+- **Sharding.** With a decode mesh, parameters go to `Layout(mesh, DECODE_RULES)` (tensor
+  parallel only), rows are split over the mesh's (data, fsdp) axes, and the cache's kv-heads over
+  `tensor` when it divides them (otherwise they stay replicated, as the decode layout does for
+  the KV projections). A prompt batch that does not divide the data-parallel size is padded
+  with copies of its first prompt, and the padded rows are dropped from the output.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import logging
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from hfjax.models.transformer import KVCache, positions_from_mask
+from hfjax.parallel import mesh as mesh_lib
+from hfjax.parallel import sharding as sharding_lib
+
+MIN_PROMPT_BUCKET = 16
+MIN_NEW_TOKENS_BUCKET = 16
+DEFAULT_MAX_PROMPT_LEN = 4096
+
+
+# --------------------------------------------------------------------------------------------
+# Requests and results
+# --------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one batch. Validated on construction (ValueError naming the field).
+
+    temperature 0 means greedy. top_k 0, top_p 1 and min_p 0 each disable their truncation.
+    `eos_ids` are the stop tokens (EOS and any others); empty means "always run to
+    max_new_tokens".
+    """
+
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    n: int = 1
+    eos_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        m = self.max_new_tokens
+        if isinstance(m, bool) or not isinstance(m, (int, np.integer)) or m <= 0:
+            raise ValueError(f"max_new_tokens={m!r}; it must be a positive int")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(
+                f"temperature={self.temperature!r}; use 0 for greedy or a positive float"
+            )
+        if not isinstance(self.top_k, (int, np.integer)) or self.top_k < 0:
+            raise ValueError(f"top_k={self.top_k!r}; use 0 (disabled) or a positive int")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p={self.top_p!r} is outside (0, 1]; use 1.0 to disable it")
+        if not 0.0 <= self.min_p < 1.0:
+            raise ValueError(f"min_p={self.min_p!r} is outside [0, 1); use 0.0 to disable it")
+        if not isinstance(self.n, (int, np.integer)) or self.n < 1:
+            raise ValueError(f"n={self.n!r}; the number of samples per prompt must be >= 1")
+        eos = (self.eos_ids,) if isinstance(self.eos_ids, (int, np.integer)) else self.eos_ids
+        object.__setattr__(self, "eos_ids", tuple(int(i) for i in eos))
+        object.__setattr__(self, "max_new_tokens", int(m))
+        object.__setattr__(self, "top_k", int(self.top_k))
+        object.__setattr__(self, "n", int(self.n))
+
+    @property
+    def greedy(self) -> bool:
+        """True when decoding takes the argmax (temperature 0)."""
+        return self.temperature == 0.0
+
+
+class GenerateOutput(NamedTuple):
+    """Responses of a batch; row b * n + j is sample j of prompt b.
+
+    tokens: int32 [rows, max_new_tokens], `pad_id` after a stop token.
+    mask: int32 [rows, max_new_tokens], 1 on real response tokens (stop token included).
+    logprobs: float32 [rows, max_new_tokens], log-prob of each token under the sampling
+      distribution (see the module docstring), 0 where mask is 0.
+    """
+
+    tokens: jax.Array
+    mask: jax.Array
+    logprobs: jax.Array
+
+
+def bucket_size(length: int, minimum: int) -> int:
+    """The power of two >= max(length, minimum): the shape a length is padded to."""
+    return 1 << (max(int(length), int(minimum)) - 1).bit_length()
+
+
+# --------------------------------------------------------------------------------------------
+# Token selection (pure functions of arrays)
+# --------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    """Everything that changes a program's shape or structure: the compile-cache key."""
+
+    batch: int  # prompts after padding to the data-parallel size
+    prompt_bucket: int
+    new_bucket: int
+    n: int
+    greedy: bool
+    top_k: int
+    use_top_p: bool
+    use_min_p: bool
+    num_stops: int
+
+
+class _Knobs(NamedTuple):
+    """Traced sampling scalars: changing them never recompiles."""
+
+    temperature: jax.Array
+    top_p: jax.Array
+    min_p: jax.Array
+    max_new: jax.Array
+    pad_id: jax.Array
+
+
+def _inverse_cdf(probs: jax.Array, u: jax.Array) -> jax.Array:
+    """Index drawn from each row of `probs` [R, V] with one uniform u [R] per row.
+
+    One uniform per row (rather than V Gumbel draws) keeps per-step RNG cost independent of the
+    vocabulary. Returns int32 [R]; never an index with zero probability.
+    """
+    cdf = jnp.cumsum(probs, axis=-1)
+    target = u * cdf[:, -1]
+    choice = jnp.sum(cdf <= target[:, None], axis=-1, dtype=jnp.int32)
+    # u * total can round up to total itself; the last index with mass is then the right answer.
+    last = probs.shape[-1] - 1 - jnp.argmax(probs[:, ::-1] > 0, axis=-1).astype(jnp.int32)
+    return jnp.minimum(choice, last)
+
+
+def _top_p_threshold(probs: jax.Array, top_p: jax.Array) -> jax.Array:
+    """Per-row probability threshold of nucleus (top-p) sampling; returns float32 [R].
+
+    A token is kept when the mass of the tokens strictly more likely than it is < top_p: the
+    smallest most-likely prefix whose mass reaches top_p (tokens tied at the boundary are all
+    kept). Instead of sorting the vocabulary (~130 ms for 16 x 49k on CPU) this bisects over the
+    float32 bit patterns of the threshold (positive floats order like their bits), 31 masked
+    sums: exact, and ~25x cheaper.
+    """
+    bits = jax.lax.bitcast_convert_type(probs, jnp.int32)
+    rows = probs.shape[0]
+    # Invariant: mass above `lo` is >= top_p, mass above `hi` is < top_p (nothing is above 1.0).
+    lo = jnp.zeros((rows,), jnp.int32)
+    hi = jnp.full((rows,), jax.lax.bitcast_convert_type(jnp.float32(1.0), jnp.int32) + 1)
+
+    def halve(_, bounds):
+        lo, hi = bounds
+        mid = lo + (hi - lo) // 2
+        above = jnp.sum(jnp.where(bits > mid[:, None], probs, 0.0), axis=-1)
+        ok = above < top_p
+        return jnp.where(ok, lo, mid), jnp.where(ok, mid, hi)
+
+    _, hi = jax.lax.fori_loop(0, 31, halve, (lo, hi))
+    return jax.lax.bitcast_convert_type(hi, jnp.float32)
+
+
+def select_tokens(
+    logits: jax.Array, keys: jax.Array, static: _Static, knobs: _Knobs
+) -> tuple[jax.Array, jax.Array]:
+    """Draws one token per row from float32 logits [R, V] with per-row PRNG keys [R].
+
+    Returns (tokens int32 [R], log-probs float32 [R]) under the distribution actually used.
+    """
+    if static.greedy:
+        tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        logp = jax.nn.log_softmax(logits, axis=-1)
+        return tok, jnp.take_along_axis(logp, tok[:, None], axis=-1)[:, 0]
+    vals = logits / knobs.temperature
+    idx = None
+    if static.top_k:
+        # Candidates first: everything after works on [R, k] instead of the full vocabulary.
+        vals, idx = jax.lax.top_k(vals, min(static.top_k, vals.shape[-1]))
+    if static.use_top_p or static.use_min_p:
+        probs = jax.nn.softmax(vals, axis=-1)
+        keep = jnp.ones(vals.shape, bool)
+        if static.use_top_p:
+            keep &= probs >= _top_p_threshold(probs, knobs.top_p)[:, None]
+        if static.use_min_p:
+            keep &= probs >= knobs.min_p * jnp.max(probs, axis=-1, keepdims=True)
+        vals = jnp.where(keep, vals, -jnp.inf)
+    logp = jax.nn.log_softmax(vals, axis=-1)
+    u = jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(keys)
+    choice = _inverse_cdf(jnp.exp(logp), u)
+    lp = jnp.take_along_axis(logp, choice[:, None], axis=-1)[:, 0]
+    tok = choice if idx is None else jnp.take_along_axis(idx, choice[:, None], axis=-1)[:, 0]
+    return tok.astype(jnp.int32), lp
+
+
+# --------------------------------------------------------------------------------------------
+# The two programs
+# --------------------------------------------------------------------------------------------
+
+
+class _Carry(NamedTuple):
+    """Decode-loop state; `t` is the index of the next response token to produce."""
+
+    t: jax.Array  # int32 []
+    cache: KVCache  # [layers, rows, prompt_bucket + new_bucket, kv_heads, head_dim]
+    last: jax.Array  # int32 [rows]: the token fed at the next step
+    done: jax.Array  # bool [rows]: a stop token has been emitted
+    lengths: jax.Array  # int32 [rows]: real prompt lengths (position of response token 0)
+    keys: jax.Array  # PRNG keys [rows]
+    attn: jax.Array  # int32 [rows, slots]: prompt mask, then ones for the response slots
+    tokens: jax.Array  # int32 [rows, new_bucket]
+    mask: jax.Array  # int32 [rows, new_bucket]
+    logprobs: jax.Array  # float32 [rows, new_bucket]
+
+
+def _step_keys(keys: jax.Array, t: jax.Array) -> jax.Array:
+    return jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, t)
+
+
+def _record(c: _Carry, tok: jax.Array, lp: jax.Array, stops: jax.Array, knobs: _Knobs) -> _Carry:
+    """Writes response token t of every row (pad after a stop) and advances t."""
+    live = ~c.done
+    tok = jnp.where(live, tok, knobs.pad_id)
+    lp = jnp.where(live, lp, 0.0)
+    col = (jnp.int32(0), c.t)
+    hit = jnp.any(tok[:, None] == stops[None, :], axis=-1)
+    return c._replace(
+        t=c.t + 1,
+        last=tok,
+        done=c.done | (live & hit),
+        tokens=jax.lax.dynamic_update_slice(c.tokens, tok[:, None], col),
+        mask=jax.lax.dynamic_update_slice(c.mask, live.astype(jnp.int32)[:, None], col),
+        logprobs=jax.lax.dynamic_update_slice(c.logprobs, lp[:, None], col),
+    )
+
+
+def _carry_shardings(mesh: Mesh, num_kv_heads: int) -> _Carry:
+    """NamedShardings of the loop state: rows over (data, fsdp), kv-heads over tensor."""
+    rows = mesh_lib.batch_spec(mesh)
+    row_axis = rows[0] if len(rows) else None
+    tp = mesh.shape.get("tensor", 1)
+    kv_axis = "tensor" if tp > 1 and num_kv_heads % tp == 0 else None
+    cache = NamedSharding(mesh, P(None, row_axis, None, kv_axis))
+    row = NamedSharding(mesh, P(row_axis))
+    return _Carry(
+        t=NamedSharding(mesh, P()),
+        cache=KVCache(cache, cache),
+        last=row,
+        done=row,
+        lengths=row,
+        keys=row,
+        attn=row,
+        tokens=row,
+        mask=row,
+        logprobs=row,
+    )
+
+
+def _constrain(c: _Carry, shardings: _Carry | None) -> _Carry:
+    return c if shardings is None else jax.lax.with_sharding_constraint(c, shardings)
+
+
+def _prefill(
+    graphdef: nnx.GraphDef,
+    static: _Static,
+    shardings: _Carry | None,
+    state: nnx.State,
+    ids: jax.Array,
+    mask: jax.Array,
+    seeds: jax.Array,
+    salts: jax.Array,
+    knobs: _Knobs,
+    stops: jax.Array,
+) -> _Carry:
+    """Prompt forward pass, cache fan-out to n samples and the first response token."""
+    model = nnx.merge(graphdef, state)
+    cfg = model.config
+    n, new = static.n, static.new_bucket
+    batch = ids.shape[0]
+    rep = (lambda x: jnp.repeat(x, n, axis=0)) if n > 1 else (lambda x: x)
+
+    cache = KVCache.zeros(cfg, batch, static.prompt_bucket)
+    positions = positions_from_mask(mask)
+    hidden, cache = model.model(ids, mask, positions=positions, cache=cache, cache_index=0)
+    # Left padding puts every row's last prompt token in the last column; only that position's
+    # logits are needed, which avoids a [B, T, vocab] tensor.
+    logits = rep(model.logits(hidden[:, -1]))
+
+    # Sample j of prompt b becomes row b * n + j; the cache is repeated, never recomputed.
+    pad_slots = ((0, 0), (0, 0), (0, new), (0, 0), (0, 0))
+    cache = KVCache(
+        jnp.pad(jnp.repeat(cache.k, n, axis=1), pad_slots),
+        jnp.pad(jnp.repeat(cache.v, n, axis=1), pad_slots),
+    )
+    prompt_keys = jax.vmap(lambda s, salt: jax.random.fold_in(jax.random.key(s), salt))(
+        seeds, salts
+    )
+    sample_idx = jnp.tile(jnp.arange(n, dtype=jnp.int32), batch)
+    row_keys = jax.vmap(jax.random.fold_in)(rep(prompt_keys), sample_idx)
+    rows = batch * n
+    mask = mask.astype(jnp.int32)
+    carry = _Carry(
+        t=jnp.int32(0),
+        cache=cache,
+        last=jnp.zeros((rows,), jnp.int32),
+        done=jnp.zeros((rows,), bool),
+        lengths=rep(jnp.sum(mask, axis=-1, dtype=jnp.int32)),
+        keys=row_keys,
+        attn=jnp.concatenate([rep(mask), jnp.ones((rows, new), jnp.int32)], axis=1),
+        tokens=jnp.full((rows, new), knobs.pad_id, jnp.int32),
+        mask=jnp.zeros((rows, new), jnp.int32),
+        logprobs=jnp.zeros((rows, new), jnp.float32),
+    )
+    carry = _constrain(carry, shardings)
+    tok, lp = select_tokens(logits, _step_keys(row_keys, carry.t), static, knobs)
+    return _constrain(_record(carry, tok, lp, stops, knobs), shardings)
+
+
+def _decode(
+    graphdef: nnx.GraphDef,
+    static: _Static,
+    shardings: _Carry | None,
+    state: nnx.State,
+    carry: _Carry,
+    knobs: _Knobs,
+    stops: jax.Array,
+) -> _Carry:
+    """One token per loop step until every row stopped or `knobs.max_new` tokens exist."""
+    model = nnx.merge(graphdef, state)
+
+    def cond(c: _Carry) -> jax.Array:
+        return (c.t < knobs.max_new) & ~jnp.all(c.done)
+
+    def body(c: _Carry) -> _Carry:
+        # Token t-1 sits at slot prompt_bucket + t - 1 and position length + t - 1.
+        slot = static.prompt_bucket + c.t - 1
+        positions = (c.lengths + c.t - 1)[:, None]
+        hidden, cache = model.model(
+            c.last[:, None], c.attn, positions=positions, cache=c.cache, cache_index=slot
+        )
+        logits = model.logits(hidden[:, 0])
+        tok, lp = select_tokens(logits, _step_keys(c.keys, c.t), static, knobs)
+        return _constrain(_record(c._replace(cache=cache), tok, lp, stops, knobs), shardings)
+
+    return jax.lax.while_loop(cond, body, carry)
+
+
+# --------------------------------------------------------------------------------------------
+# The sampler object
+# --------------------------------------------------------------------------------------------
+
+
+class Sampler:
+    """Compiled rollout programs for one model structure on one decode mesh.
+
+    Build it once from a model (only its structure is kept) and call `generate` with the current
+    parameters as often as needed: programs are compiled once per (batch, prompt bucket,
+    new-token bucket, static sampling config) and every compile is logged.
+    """
+
+    def __init__(
+        self,
+        model: nnx.Module,
+        *,
+        mesh: Mesh | None = None,
+        max_prompt_len: int = DEFAULT_MAX_PROMPT_LEN,
+        min_prompt_bucket: int = MIN_PROMPT_BUCKET,
+        min_new_tokens_bucket: int = MIN_NEW_TOKENS_BUCKET,
+        pad_id: int | None = None,
+        rules: str | dict | None = "decode",
+    ):
+        # rules=None keeps parameters in whatever layout the caller passes (an actor decoding
+        # in its training layout); otherwise they are moved to this layout of `mesh`.
+        if max_prompt_len < 1:
+            raise ValueError(f"max_prompt_len={max_prompt_len}; it must be >= 1")
+        self.graphdef, state = nnx.split(model)
+        self.config = model.config
+        self.mesh = mesh
+        self.max_prompt_len = int(max_prompt_len)
+        self.min_prompt_bucket = int(min_prompt_bucket)
+        self.min_new_tokens_bucket = int(min_new_tokens_bucket)
+        cfg_pad = self.config.pad_token_id
+        self.pad_id = int(pad_id if pad_id is not None else cfg_pad if cfg_pad is not None else 0)
+        self._layout = (
+            sharding_lib.layout(mesh, rules) if mesh is not None and rules is not None else None
+        )
+        self._dp = mesh_lib.dp_size(mesh) if mesh is not None else 1
+        self._shardings = (
+            _carry_shardings(mesh, self.config.num_kv_heads) if mesh is not None else None
+        )
+        self._programs: dict[_Static, tuple[Any, Any]] = {}
+        self.compile_log: list[_Static] = []  # one entry per compiled bucket, in order
+
+    # -- parameters --------------------------------------------------------------------------
+
+    def place(self, state: nnx.State) -> nnx.State:
+        """Returns `state` in the decode layout of the sampler's mesh (unchanged without a mesh).
+
+        Arrays already in place are not copied.
+        """
+        if self._layout is None:
+            return state
+        return jax.device_put(state, self._layout.state_shardings(state))
+
+    # -- requests ----------------------------------------------------------------------------
+
+    def _prepare(
+        self, input_ids: Any, attention_mask: Any, seed: int | Sequence[int] | np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
+        """Validates and pads a prompt batch on the host, before anything is compiled.
+
+        Returns (ids [B', P], mask [B', P], seeds [B'], salts [B'], B) where B' is B padded to
+        the data-parallel size and P the prompt bucket.
+        """
+        ids = np.asarray(input_ids)
+        mask = np.asarray(attention_mask)
+        if ids.ndim != 2 or ids.shape != mask.shape:
+            raise ValueError(
+                f"input_ids {ids.shape} and attention_mask {mask.shape} must both be "
+                "[batch, prompt_len]"
+            )
+        if not np.issubdtype(ids.dtype, np.integer):
+            raise ValueError(f"input_ids must be integer token ids, got dtype {ids.dtype}")
+        batch = ids.shape[0]
+        if batch == 0:
+            raise ValueError("empty batch: input_ids has no rows")
+        mask = (mask != 0).astype(np.int32)
+        lengths = mask.sum(axis=1)
+        if (lengths == 0).any():
+            raise ValueError(f"prompt rows {np.flatnonzero(lengths == 0).tolist()} are empty")
+        # Left padding: once a row's real tokens start they run to the end.
+        if (np.diff(mask, axis=1) < 0).any():
+            bad = np.flatnonzero((np.diff(mask, axis=1) < 0).any(axis=1)).tolist()
+            raise ValueError(
+                f"prompt rows {bad} are not left-padded; the sampler needs padding on the left "
+                "(attention_mask of the form 0..0 1..1)"
+            )
+        longest = int(lengths.max())
+        if longest > self.max_prompt_len:
+            raise ValueError(
+                f"a prompt has {longest} tokens, more than max_prompt_len={self.max_prompt_len};"
+                " truncate the prompts or build the Sampler with a larger max_prompt_len"
+            )
+        vocab = self.config.vocab_size
+        real = ids[mask.astype(bool)]
+        if real.size and (real.min() < 0 or real.max() >= vocab):
+            raise ValueError(f"input_ids hold ids outside [0, {vocab}): the model's vocabulary")
+
+        if np.ndim(seed) == 0:
+            seeds = np.full((batch,), int(seed), np.int64)
+            salts = np.arange(batch, dtype=np.int64)
+        else:
+            seeds = np.asarray(seed, np.int64).reshape(-1)
+            if seeds.shape != (batch,):
+                raise ValueError(
+                    f"seed array has shape {np.shape(seed)}; give one seed per prompt ({batch},)"
+                    " or a single int"
+                )
+            salts = np.zeros((batch,), np.int64)
+        # PRNG seeds are 32-bit: keep the low bits so any Python int works.
+        seeds = (seeds & 0xFFFFFFFF).astype(np.uint32)
+        salts = salts.astype(np.uint32)
+
+        # Drop all-padding columns, then left-pad to the bucket.
+        ids, mask = ids[:, ids.shape[1] - longest :], mask[:, mask.shape[1] - longest :]
+        width = bucket_size(longest, self.min_prompt_bucket)
+        ids = np.where(mask.astype(bool), ids, self.pad_id).astype(np.int32)
+        ids = np.pad(ids, ((0, 0), (width - longest, 0)), constant_values=self.pad_id)
+        mask = np.pad(mask, ((0, 0), (width - longest, 0)))
+        # Rows are split over the data-parallel axes, which must divide them: pad with copies of
+        # the first prompt (real tokens, so no fully-masked rows) and drop them afterwards.
+        extra = -batch % self._dp
+        if extra:
+            take = np.zeros((extra,), np.int64)
+            ids = np.concatenate([ids, ids[take]])
+            mask = np.concatenate([mask, mask[take]])
+            seeds = np.concatenate([seeds, seeds[take]])
+            salts = np.concatenate([salts, salts[take]])
+        return ids, mask, seeds, salts, batch
+
+    def _get_programs(self, static: _Static) -> tuple[Any, Any]:
+        programs = self._programs.get(static)
+        if programs is None:
+            logging.info(
+                "hfjax.engine: compiling rollout programs for batch=%d (rows=%d) "
+                "prompt_bucket=%d new_tokens_bucket=%d greedy=%s top_k=%d top_p=%s min_p=%s "
+                "stops=%d mesh=%s",
+                static.batch,
+                static.batch * static.n,
+                static.prompt_bucket,
+                static.new_bucket,
+                static.greedy,
+                static.top_k,
+                static.use_top_p,
+                static.use_min_p,
+                static.num_stops,
+                dict(self.mesh.shape) if self.mesh is not None else None,
+            )
+            args = (self.graphdef, static, self._shardings)
+            prefill = jax.jit(functools.partial(_prefill, *args))
+            decode = jax.jit(functools.partial(_decode, *args), donate_argnums=(1,))
+            programs = self._programs[static] = (prefill, decode)
+            self.compile_log.append(static)
+        return programs
+
+    def generate(
+        self,
+        state: nnx.State,
+        input_ids: Any,
+        attention_mask: Any,
+        params: SamplingParams,
+        seed: int | Sequence[int] | np.ndarray = 0,
+    ) -> GenerateOutput:
+        """Samples `params.n` responses for each left-padded prompt with parameters `state`.
+
+        `state` is the params state of `nnx.split(model)` for a model of this sampler's
+        structure; it is moved to the decode layout first when the sampler has a mesh. `seed`
+        is an int or one seed per prompt. Returns a GenerateOutput with rows b * n + j and
+        `params.max_new_tokens` columns. Raises ValueError on bad input before compiling.
+        """
+        ids, mask, seeds, salts, batch = self._prepare(input_ids, attention_mask, seed)
+        static = _Static(
+            batch=ids.shape[0],
+            prompt_bucket=ids.shape[1],
+            new_bucket=bucket_size(params.max_new_tokens, self.min_new_tokens_bucket),
+            n=params.n,
+            greedy=params.greedy,
+            top_k=params.top_k,
+            use_top_p=params.top_p < 1.0,
+            use_min_p=params.min_p > 0.0,
+            num_stops=len(params.eos_ids),
+        )
+        knobs = _Knobs(
+            temperature=np.float32(params.temperature if not params.greedy else 1.0),
+            top_p=np.float32(params.top_p),
+            min_p=np.float32(params.min_p),
+            max_new=np.int32(params.max_new_tokens),
+            pad_id=np.int32(self.pad_id),
+        )
+        stops = np.asarray(params.eos_ids, np.int32).reshape(-1)
+        prefill, decode = self._get_programs(static)
+        state = self.place(state)
+        if self.mesh is not None:
+            rows = mesh_lib.batch_sharding(self.mesh)
+            ids, mask, seeds, salts = jax.device_put((ids, mask, seeds, salts), rows)
+            knobs, stops = jax.device_put((knobs, stops), mesh_lib.replicated(self.mesh))
+        carry = prefill(state, ids, mask, seeds, salts, knobs, stops)
+        carry = decode(state, carry, knobs, stops)
+        rows_out, cols = batch * params.n, params.max_new_tokens
+        out = GenerateOutput(carry.tokens, carry.mask, carry.logprobs)
+        if out.tokens.shape != (rows_out, cols):
+            out = GenerateOutput(*(x[:rows_out, :cols] for x in out))
+        return out
+
+
+# --------------------------------------------------------------------------------------------
+# One-call entry point
+# --------------------------------------------------------------------------------------------
+
+
+_SAMPLERS: dict[tuple, Sampler] = {}
+_MAX_SAMPLERS = 8
+
+
+def _structure_key(graphdef: nnx.GraphDef) -> Any:
+    """A hashable stand-in for a graphdef.
+
+    A ModelConfig holding a dict (llama3 `rope_scaling`) makes the graphdef unhashable; its repr
+    names every node and attribute, so equal reprs mean equal structure.
+    """
+    try:
+        hash(graphdef)
+        return graphdef
+    except TypeError:
+        return repr(graphdef)
+
+
+def _sampler_for(
+    model: nnx.Module, mesh: Mesh | None, max_prompt_len: int, pad_id: int | None
+) -> tuple[Sampler, nnx.State]:
+    """The cached Sampler for this model's structure (and the model's params state)."""
+    graphdef, state = nnx.split(model)
+    key = (_structure_key(graphdef), mesh, max_prompt_len, pad_id)
+    sampler = _SAMPLERS.pop(key, None)
+    if sampler is None:
+        sampler = Sampler(model, mesh=mesh, max_prompt_len=max_prompt_len, pad_id=pad_id)
+    _SAMPLERS[key] = sampler  # most recently used last
+    while len(_SAMPLERS) > _MAX_SAMPLERS:
+        _SAMPLERS.pop(next(iter(_SAMPLERS)))
+    return sampler, state
+
+
+def generate(
+    model: nnx.Module,
+    input_ids: Any,
+    attention_mask: Any,
+    *,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    min_p: float = 0.0,
+    n: int = 1,
+    eos_ids: Sequence[int] | int = (),
+    seed: int | Sequence[int] | np.ndarray = 0,
+    mesh: Mesh | None = None,
+    max_prompt_len: int = DEFAULT_MAX_PROMPT_LEN,
+    pad_id: int | None = None,
+) -> GenerateOutput:
+    """Samples responses from `model` for left-padded prompts [B, T].
+
+    A convenience over `Sampler`: samplers (and their compiled programs) are cached per model
+    structure, mesh and limits, so repeated calls compile once per bucket. Returns a
+    GenerateOutput of [B * n, max_new_tokens] arrays (tokens, mask, logprobs).
+    """
+    params = SamplingParams(
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        min_p=min_p,
+        n=n,
+        eos_ids=tuple(eos_ids) if not isinstance(eos_ids, (int, np.integer)) else (eos_ids,),
+    )
+    sampler, state = _sampler_for(model, mesh, int(max_prompt_len), pad_id)
+    return sampler.generate(state, input_ids, attention_mask, params, seed=seed)

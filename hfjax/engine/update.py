@@ -1,0 +1,141 @@
+"""Micro-batched gradient steps: one jitted program per mini-batch.
+
+A mini-batch arrives as arrays with a leading batch axis, sharded over the data-parallel axes.
+The program views it as [n_micro, micro, ...] with a *strided* split (micro-batch i takes rows
+i, i + n_micro, ...), so every micro-batch is spread over all data-parallel devices instead of
+sitting on one of them. A `lax.scan` accumulates gradients over the micro-batches, then one
+optimizer update is applied. Parameters and optimizer state are donated.
+
+Each loss function returns its micro-batch loss already weighted by the micro-batch's share of
+the mini-batch normaliser (its share of the tokens for token-mean, of the sequences for a
+sequence mean), so the accumulated gradient is exactly the gradient of the mini-batch loss,
+whatever the micro-batch size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+LossFn = Callable[[Any, dict[str, jax.Array], dict[str, jax.Array]], tuple[jax.Array, dict]]
+
+
+def strided_micro_batches(x: jax.Array, n_micro: int) -> jax.Array:
+    """[B, ...] -> [n_micro, B // n_micro, ...] where micro-batch i holds rows i::n_micro."""
+    b = x.shape[0]
+    return jnp.swapaxes(x.reshape((b // n_micro, n_micro) + x.shape[1:]), 0, 1)
+
+
+def make_update_step(
+    loss_fn: LossFn,
+    optimizer: optax.GradientTransformation,
+    n_micro: int,
+    param_shardings: Any = None,
+    opt_shardings: Any = None,
+    normalisers: Callable[[dict[str, jax.Array]], dict[str, jax.Array]] | None = None,
+) -> Callable:
+    """Returns step(params, opt_state, batch) -> (params, opt_state, metrics).
+
+    `loss_fn(params, micro_batch, totals)` returns (weighted loss, metrics dict of scalars);
+    `normalisers(batch)` computes mini-batch totals (e.g. token counts) passed as `totals`.
+    Metrics are summed over micro-batches (they are weighted like the loss), plus `grad_norm`.
+    """
+
+    def step(params, opt_state, batch):
+        totals = normalisers(batch) if normalisers else {}
+        micro = jax.tree.map(lambda x: strided_micro_batches(x, n_micro), batch)
+        grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+
+        def body(acc, mb):
+            (loss, metrics), grads = grad_fn(params, mb, totals)
+            g_acc, m_acc = acc
+            g_acc = jax.tree.map(jnp.add, g_acc, grads)
+            m_acc = jax.tree.map(jnp.add, m_acc, {"loss": loss, **metrics})
+            return (g_acc, m_acc), None
+
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        first = jax.eval_shape(lambda: loss_fn(params, jax.tree.map(lambda x: x[0], micro), totals))
+        m0 = {"loss": jnp.zeros((), jnp.float32)}
+        m0.update({k: jnp.zeros(v.shape, v.dtype) for k, v in first[1].items()})
+        (grads, metrics), _ = jax.lax.scan(body, (zeros, m0), micro)
+        metrics["grad_norm"] = optax.global_norm(grads)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        return params, opt_state, metrics
+
+    kw = {}
+    if param_shardings is not None:
+        kw = dict(
+            in_shardings=(param_shardings, opt_shardings, None),
+            out_shardings=(param_shardings, opt_shardings, None),
+        )
+    return jax.jit(step, donate_argnums=(0, 1), **kw)
+
+
+def make_optimizer(
+    lr: float,
+    *,
+    weight_decay: float = 0.0,
+    grad_clip: float = 1.0,
+    warmup_steps: int = 0,
+    betas: tuple[float, float] = (0.9, 0.999),
+) -> optax.GradientTransformation:
+    """AdamW with optional global-norm clipping and linear warm-up to a constant rate."""
+    schedule = optax.linear_schedule(0.0, lr, warmup_steps) if warmup_steps else lr
+    if warmup_steps:
+        schedule = optax.join_schedules([schedule, optax.constant_schedule(lr)], [warmup_steps])
+    parts = []
+    if grad_clip and grad_clip > 0:
+        parts.append(optax.clip_by_global_norm(grad_clip))
+    parts.append(optax.adamw(schedule, b1=betas[0], b2=betas[1], weight_decay=weight_decay))
+    return optax.chain(*parts)
+
+
+def mini_batches(batch, mini: int, epochs: int, shuffle: bool, seed: int):
+    """Yields mini-batches for `epochs` passes, a fresh permutation per epoch when shuffling."""
+    n = len(batch)
+    rng = np.random.default_rng(seed)
+    for _ in range(epochs):
+        order = rng.permutation(n) if shuffle else np.arange(n)
+        for start in range(0, n, mini):
+            yield batch.take(order[start : start + mini])
+
+
+def check_mini_batching(n: int, mini: int, micro: int, dp: int, who: str) -> None:
+    """Raises ValueError unless n sequences split into mini-batches of micro-batches evenly."""
+    if mini <= 0 or n % mini:
+        raise ValueError(
+            f"{who}: mini-batch of {mini} sequences does not divide the batch of {n}; "
+            "pick ppo_mini_batch_size so that train_batch_size is a multiple of it"
+        )
+    if micro <= 0 or mini % micro:
+        raise ValueError(
+            f"{who}: micro-batch of {micro} sequences does not divide the mini-batch of {mini}; "
+            "pick ppo_micro_batch_size as a divisor of the mini-batch"
+        )
+    if micro % dp:
+        raise ValueError(
+            f"{who}: micro-batch of {micro} sequences does not split over {dp} data-parallel "
+            "devices; make ppo_micro_batch_size a multiple of the data-parallel size"
+        )
+
+
+def normalisers(batch):
+    """Mini-batch totals that losses divide by: response tokens and non-empty sequences."""
+    mask = batch["response_mask"]
+    return {
+        "tokens": jnp.maximum(jnp.sum(mask), 1).astype(jnp.float32),
+        "seqs": jnp.maximum(jnp.sum(jnp.any(mask > 0, axis=-1)), 1).astype(jnp.float32),
+    }
+
+
+def share_of_normaliser(mask, totals, loss_agg_mode: str):
+    """This micro-batch's share of the mini-batch normaliser for the aggregation mode."""
+    if loss_agg_mode == "token-mean":
+        return jnp.sum(mask).astype(jnp.float32) / totals["tokens"]
+    return jnp.sum(jnp.any(mask > 0, axis=-1)).astype(jnp.float32) / totals["seqs"]

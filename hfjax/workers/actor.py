@@ -1,0 +1,184 @@
+"""The actor (policy) and reference worker groups.
+
+Sequences in a batch are `prompts` [B, P] (left-padded) followed by `responses` [B, R]
+(right-padded); `input_ids` / `attention_mask` are their concatenation. The log-prob of response
+token t comes from the logits at position P + t - 1.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from hfjax.algorithms import core
+from hfjax.controller.batch import Batch
+from hfjax.controller.protocol import DP_COMPUTE
+from hfjax.controller.worker_group import WorkerGroup, method
+from hfjax.engine.sampler import SamplingParams
+from hfjax.engine.update import share_of_normaliser
+
+
+def response_logprobs(model, input_ids, attention_mask, response_len: int, temperature: float):
+    """(log-probs [B, R], entropy [B, R]) of the last R tokens, logits divided by temperature."""
+    logits = model(input_ids, attention_mask)[:, -response_len - 1 : -1]
+    logits = logits / temperature
+    labels = input_ids[:, -response_len:]
+    return core.logprobs_from_logits(logits, labels), core.entropy_from_logits(logits)
+
+
+class Reference(WorkerGroup):
+    """A frozen copy of the policy that scores responses (KL anchor)."""
+
+    def __init__(self, *args, temperature: float = 1.0, **kw):
+        super().__init__(*args, **kw)
+        self.temperature = temperature
+        self._logprob = jax.jit(self._logprob_fn, static_argnums=(3,))
+
+    def _logprob_fn(self, params, input_ids, attention_mask, response_len):
+        return response_logprobs(
+            self.model(params), input_ids, attention_mask, response_len, self.temperature
+        )
+
+    def _log_probs(self, batch: Batch):
+        r = batch["responses"].shape[1]
+        return self._logprob(self.params, batch["input_ids"], batch["attention_mask"], r)
+
+    @method(DP_COMPUTE)
+    def compute_ref_log_prob(self, batch: Batch) -> Batch:
+        """Batch with `ref_log_prob` [B, R]."""
+        lp, _ = self._log_probs(batch)
+        return Batch({"ref_log_prob": lp})
+
+
+class ActorRollout(Reference):
+    """The policy: generates, scores its own samples, and takes PPO-style updates.
+
+    `rollout_params()` is where the hybrid engine plugs in: it returns the parameters in the
+    layout used for decoding. Without the engine that is the training layout itself.
+    """
+
+    def __init__(self, *args, sampler: Any, actor_cfg: Any, rollout_cfg: Any,
+                 eos_ids: tuple[int, ...] = (), **kw):
+        super().__init__(*args, temperature=rollout_cfg.temperature, **kw)
+        self.sampler = sampler
+        self.eos_ids = tuple(eos_ids)
+        self.acfg = actor_cfg
+        self.rcfg = rollout_cfg
+
+    # -- generation -------------------------------------------------------------------------
+
+    def rollout_params(self):
+        return self.params
+
+    def generate(self, batch: Batch, *, greedy: bool = False, n: int | None = None) -> Batch:
+        """Samples n responses per prompt of a host batch (prompts, prompt_mask, seeds).
+
+        Returns the batch repeated n times (interleaved: rows b*n .. b*n+n-1 share prompt b),
+        on the actor's mesh, with responses, response_mask, input_ids, attention_mask and
+        rollout_log_probs. Prompts come from the host data pipeline, so the sampler uploads them
+        itself; the responses never leave the devices.
+        """
+        n = self.rcfg.n if n is None else n
+        r = self.rcfg
+        params = SamplingParams(
+            max_new_tokens=r.response_length,
+            temperature=0.0 if greedy else r.temperature,
+            top_k=r.top_k,
+            top_p=r.top_p,
+            min_p=r.min_p,
+            n=n,
+            eos_ids=self.eos_ids,
+        )
+        out = self.sampler.generate(
+            self.rollout_params(), batch["prompts"], batch["prompt_mask"], params,
+            seed=batch["seeds"],
+        )
+        rep = batch.select(["prompts", "prompt_mask"]).repeat(n, interleave=True).to(self.mesh)
+        prompts, pmask = rep["prompts"], rep["prompt_mask"]
+        resp, rmask = out.tokens, out.mask.astype(pmask.dtype)
+        arrays = _join(prompts, pmask, resp, rmask)
+        arrays["rollout_log_probs"] = out.logprobs
+        return rep.union(Batch(arrays)).to(self.mesh)
+
+    @method(DP_COMPUTE)
+    def compute_log_prob(self, batch: Batch) -> Batch:
+        """Batch with `old_log_probs` and `entropys` [B, R] under the current policy."""
+        lp, ent = self._log_probs(batch)
+        return Batch({"old_log_probs": lp, "entropys": ent})
+
+    # -- updates ----------------------------------------------------------------------------
+
+    def _policy_loss(self, params, mb, totals):
+        a = self.acfg
+        lp, ent = self._logprob_fn(
+            params, mb["input_ids"], mb["attention_mask"], mb["responses"].shape[1]
+        )
+        mask = mb["response_mask"]
+        weight = share_of_normaliser(mask, totals, a.loss_agg_mode)
+        pg_loss, clipfrac, ppo_kl, clipfrac_lower = core.POLICY_LOSSES.get(a.policy_loss)(
+            old_log_prob=mb["old_log_probs"],
+            log_prob=lp,
+            advantages=mb["advantages"],
+            response_mask=mask,
+            cliprange=a.clip_ratio,
+            cliprange_low=a.clip_ratio_low,
+            cliprange_high=a.clip_ratio_high,
+            clip_ratio_c=a.clip_ratio_c,
+            loss_agg_mode=a.loss_agg_mode,
+        )
+        entropy = core.agg_loss(ent, mask, a.loss_agg_mode)
+        loss = pg_loss - a.entropy_coeff * entropy
+        metrics = {
+            "actor/pg_loss": pg_loss * weight,
+            "actor/entropy": entropy * weight,
+            "actor/pg_clipfrac": clipfrac * weight,
+            "actor/ppo_kl": ppo_kl * weight,
+            "actor/pg_clipfrac_lower": clipfrac_lower * weight,
+        }
+        if a.use_kl_loss:
+            kld = core.kl_penalty(lp, mb["ref_log_prob"], a.kl_loss_type)
+            kl_loss = core.agg_loss(kld, mask, a.loss_agg_mode)
+            loss = loss + a.kl_loss_coef * kl_loss
+            metrics["actor/kl_loss"] = kl_loss * weight
+        return loss * weight, metrics
+
+    def _sft_loss(self, params, mb, totals):
+        lp, _ = response_logprobs(
+            self.model(params), mb["input_ids"], mb["attention_mask"], mb["responses"].shape[1], 1.0
+        )
+        mask = mb["response_mask"]
+        loss = -core.masked_sum(lp, mask) / totals["tokens"]
+        return loss, {}
+
+    def update_actor(self, batch: Batch) -> dict[str, jax.Array]:
+        """PPO epochs over shuffled mini-batches; returns mean metrics (device scalars)."""
+        a = self.acfg
+        keys = ["input_ids", "attention_mask", "responses", "response_mask", "old_log_probs",
+                "advantages"]
+        if a.use_kl_loss:
+            keys.append("ref_log_prob")
+        mini = a.ppo_mini_batch_size * self.rcfg.n
+        m = self.train(self._policy_loss, batch, keys, mini=mini, micro=a.ppo_micro_batch_size,
+                       epochs=a.ppo_epochs, shuffle=a.shuffle)
+        m["actor/grad_norm"] = m.pop("grad_norm")
+        m.pop("loss")
+        return m
+
+    def update_sft(self, batch: Batch, micro: int) -> dict[str, jax.Array]:
+        """One cross-entropy step on the responses of `batch` (the warm start)."""
+        keys = ["input_ids", "attention_mask", "responses", "response_mask"]
+        m = self.train(self._sft_loss, batch, keys, mini=len(batch), micro=micro, epochs=1,
+                       shuffle=False)
+        return {"sft/loss": m["loss"], "sft/grad_norm": m["grad_norm"]}
+
+
+@jax.jit
+def _join(prompts, pmask, resp, rmask) -> dict:
+    return {
+        "responses": resp,
+        "response_mask": rmask,
+        "input_ids": jnp.concatenate([prompts, resp], axis=1),
+        "attention_mask": jnp.concatenate([pmask, rmask], axis=1),
+    }

@@ -1,0 +1,58 @@
+"""The critic worker group: per-token values and clipped value-loss updates."""
+
+from __future__ import annotations
+
+import jax
+
+from hfjax.algorithms import core
+from hfjax.controller.batch import Batch
+from hfjax.controller.protocol import DP_COMPUTE
+from hfjax.controller.worker_group import WorkerGroup, method
+from hfjax.engine.update import share_of_normaliser
+
+
+class Critic(WorkerGroup):
+    """A ValueModel on its pool. Values of response token t are read at position P + t - 1."""
+
+    def __init__(self, *args, critic_cfg, n_samples: int = 1, **kw):
+        super().__init__(*args, **kw)
+        self.ccfg = critic_cfg
+        self.n_samples = n_samples
+        self._values = jax.jit(self._values_fn, static_argnums=(3,))
+
+    def _values_fn(self, params, input_ids, attention_mask, response_len):
+        values = self.model(params)(input_ids, attention_mask)
+        return values[:, -response_len - 1 : -1]
+
+    @method(DP_COMPUTE)
+    def compute_values(self, batch: Batch) -> Batch:
+        """Batch with `values` [B, R]."""
+        r = batch["responses"].shape[1]
+        return Batch({"values": self._values(self.params, batch["input_ids"],
+                                             batch["attention_mask"], r)})
+
+    def _loss(self, params, mb, totals):
+        c = self.ccfg
+        r = mb["responses"].shape[1]
+        vpreds = self._values_fn(params, mb["input_ids"], mb["attention_mask"], r)
+        mask = mb["response_mask"]
+        weight = share_of_normaliser(mask, totals, c.loss_agg_mode)
+        vf_loss, clipfrac = core.compute_value_loss(
+            vpreds, mb["returns"], mb["values"], mask, c.cliprange_value, c.loss_agg_mode
+        )
+        metrics = {
+            "critic/vf_loss": vf_loss * weight,
+            "critic/vf_clipfrac": clipfrac * weight,
+            "critic/vpred_mean": core.masked_mean(vpreds, mask) * weight,
+        }
+        return vf_loss * weight, metrics
+
+    def update_critic(self, batch: Batch) -> dict[str, jax.Array]:
+        """Value-loss epochs over shuffled mini-batches; returns mean metrics."""
+        c = self.ccfg
+        keys = ["input_ids", "attention_mask", "responses", "response_mask", "values", "returns"]
+        out = self.train(self._loss, batch, keys, mini=c.ppo_mini_batch_size * self.n_samples,
+                         micro=c.ppo_micro_batch_size, epochs=c.ppo_epochs, shuffle=c.shuffle)
+        out["critic/grad_norm"] = out.pop("grad_norm")
+        out.pop("loss")
+        return out

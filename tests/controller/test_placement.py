@@ -1,0 +1,182 @@
+"""Placement modes and explicit mappings, resolved to resource pools on 8 devices."""
+
+import jax
+import pytest
+from ml_collections import ConfigDict
+
+from hfjax.controller.placement import Placement, build_placement, resolve_placement
+
+PPO = ("actor", "rollout", "ref", "critic")
+GRPO = ("actor", "rollout", "ref")
+SAFE = ("actor", "rollout", "ref", "critic", "reward", "cost")
+
+
+def ids(pool):
+    return pool.device_ids
+
+
+def test_colocate_puts_every_role_on_one_global_pool():
+    pools = resolve_placement("colocate", PPO)
+    assert set(pools) == set(PPO)
+    assert all(pools[r] is pools["actor"] for r in PPO)
+    assert pools["actor"].name == "global"
+    assert ids(pools["actor"]) == tuple(range(8))
+
+
+def test_split_halves_devices_between_generation_and_scoring_sides():
+    pools = resolve_placement("split", ("actor", "rollout", "ref", "critic", "reward"))
+    assert pools["actor"].name == pools["ref"].name == pools["rollout"].name == "actor_pool"
+    assert pools["critic"].name == pools["reward"].name == "critic_pool"
+    assert ids(pools["actor"]) == (0, 1, 2, 3)
+    assert ids(pools["critic"]) == (4, 5, 6, 7)
+    assert pools["critic"] is pools["reward"]
+
+
+def test_split_without_scoring_models_uses_one_pool():
+    pools = resolve_placement("split", GRPO)
+    assert {p.name for p in pools.values()} == {"actor_pool"}
+    assert pools["actor"].size == 8
+
+
+def test_standalone_ppo_gives_each_model_two_devices():
+    pools = resolve_placement("standalone", ("actor", "rollout", "ref", "critic", "reward"))
+    assert pools["rollout"] is pools["actor"]
+    names = {r: p.name for r, p in pools.items()}
+    assert names == {
+        "actor": "actor_pool",
+        "rollout": "actor_pool",
+        "ref": "ref_pool",
+        "critic": "critic_pool",
+        "reward": "reward_pool",
+    }
+    assert [ids(pools[r]) for r in ("actor", "ref", "critic", "reward")] == [
+        (0, 1),
+        (2, 3),
+        (4, 5),
+        (6, 7),
+    ]
+
+
+def test_standalone_gives_remainder_to_actor():
+    # GRPO: actor(+rollout) and ref only -> 4 + 4; Safe-RLHF: 5 models on 8 -> actor gets 4.
+    pools = resolve_placement("standalone", GRPO)
+    assert (pools["actor"].size, pools["ref"].size) == (4, 4)
+    pools = resolve_placement("standalone", SAFE)
+    sizes = {r: p.size for r, p in pools.items()}
+    assert sizes == {"actor": 4, "rollout": 4, "ref": 1, "critic": 1, "reward": 1, "cost": 1}
+    all_ids = [i for r in ("actor", "ref", "critic", "reward", "cost") for i in ids(pools[r])]
+    assert sorted(all_ids) == list(range(8))
+
+
+def test_standalone_needs_a_device_per_model():
+    with pytest.raises(ValueError, match=r"placement 'standalone' needs 5 pools .* only 4 devices"):
+        resolve_placement("standalone", SAFE, jax.devices()[:4])
+
+
+def test_explicit_mapping_with_sizes():
+    mapping = {
+        "gen": {"size": 6, "roles": ["actor", "rollout", "ref"]},
+        "score": {"size": 2, "roles": ["critic"]},
+    }
+    pools = resolve_placement(mapping, PPO)
+    assert ids(pools["actor"]) == (0, 1, 2, 3, 4, 5)
+    assert ids(pools["critic"]) == (6, 7)
+    assert pools["ref"] is pools["actor"]
+
+
+def test_explicit_mapping_from_config_dict_and_inactive_roles_ignored():
+    cfg = ConfigDict(
+        {
+            "a": {"size": 4, "roles": ["actor", "rollout", "ref"]},
+            "b": {"size": 4, "roles": ["critic", "reward"]},
+        }
+    )
+    pools = resolve_placement(cfg, GRPO)
+    assert set(pools) == set(GRPO)
+    assert pools["actor"].name == "a"
+
+
+def test_explicit_mapping_with_device_ids():
+    mapping = {
+        "gen": {"devices": [4, 5, 6, 7], "roles": ["actor", "rollout"]},
+        "ref": {"devices": [0, 1], "roles": ["ref"]},
+    }
+    pools = resolve_placement(mapping, GRPO)
+    assert ids(pools["actor"]) == (4, 5, 6, 7)
+    assert ids(pools["ref"]) == (0, 1)
+
+
+@pytest.mark.parametrize(
+    "mapping, roles, match",
+    [
+        (
+            {"gen": {"size": 4, "roles": ["actor", "rollout", "ref"]}},
+            PPO,
+            r"role 'critic' has no pool in placement mapping\{gen=4:\[actor,rollout,ref\]\}; "
+            r"add it to a pool",
+        ),
+        (
+            {"a": {"size": 4, "roles": ["actor", "ref"]}, "b": {"size": 4, "roles": ["ref"]}},
+            ("actor", "ref"),
+            r"role 'ref' is on two pools, 'a' and 'b'",
+        ),
+        (
+            {"a": {"size": 6, "roles": ["actor"]}, "b": {"size": 4, "roles": ["ref"]}},
+            ("actor", "ref"),
+            r"needs 10 devices, only 8 are available",
+        ),
+        (
+            {
+                "a": {"devices": [0, 1, 2], "roles": ["actor"]},
+                "b": {"devices": [2, 3], "roles": ["ref"]},
+            },
+            ("actor", "ref"),
+            r"pools 'a' and 'b' overlap on device 2",
+        ),
+        (
+            {"a": {"devices": [0, 9], "roles": ["actor"]}},
+            ("actor",),
+            r"device ids \[9\] don't exist",
+        ),
+        (
+            {"a": {"size": 4, "devices": [0], "roles": ["actor"]}},
+            ("actor",),
+            r"give exactly one of 'size'",
+        ),
+        ({"a": {"size": 4, "roles": ["policy"]}}, ("actor",), r"unknown role 'policy'"),
+        ({"a": {"size": 4, "roles": "actor"}}, ("actor",), r"'roles' must be a non-empty list"),
+        ({"a": {"size": 0, "roles": ["actor"]}}, ("actor",), r"size must be a positive int"),
+        (
+            {"a": {"size": 4, "roles": ["actor"], "mesh": "x"}},
+            ("actor",),
+            r"unknown keys \['mesh'\]",
+        ),
+        ({"a": 4}, ("actor",), r"expected \{'size': n, 'roles'"),
+    ],
+)
+def test_explicit_mapping_errors(mapping, roles, match):
+    with pytest.raises(ValueError, match=match):
+        resolve_placement(mapping, roles)
+
+
+def test_mode_errors():
+    with pytest.raises(ValueError, match=r"unknown placement mode 'hybrid'; use one of colocate"):
+        resolve_placement("hybrid", PPO)
+    with pytest.raises(ValueError, match=r"active roles: unknown role 'policy'"):
+        resolve_placement("colocate", ("policy",))
+    with pytest.raises(ValueError, match=r"no roles given"):
+        resolve_placement("colocate", ())
+    with pytest.raises(TypeError, match="placement must be one of"):
+        resolve_placement(3, PPO)
+
+
+def test_placement_object_exposes_role_pool_and_description():
+    placement = build_placement("split", PPO, 8)
+    assert isinstance(placement, Placement)
+    assert placement.role_pool == {
+        "actor": "actor_pool",
+        "rollout": "actor_pool",
+        "ref": "actor_pool",
+        "critic": "critic_pool",
+    }
+    assert placement.describe() == "split{actor_pool=4:[actor,rollout,ref], critic_pool=4:[critic]}"

@@ -1,0 +1,168 @@
+"""Transfer protocols: dispatch/collect round trips on real 8-device meshes."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from hfjax.controller.batch import Batch
+from hfjax.controller.protocol import (
+    ALL_TO_ALL,
+    DP_COMPUTE,
+    ONE_TO_ALL,
+    get_protocol,
+    protocol_of,
+    register,
+)
+from hfjax.parallel.mesh import ResourcePool
+
+
+def pool_mesh(lo, hi, spec):
+    return ResourcePool(f"devices{lo}-{hi}", tuple(jax.devices()[lo:hi])).mesh(spec)
+
+
+def make_batch(n):
+    return Batch(
+        {
+            "tokens": jnp.arange(n * 3, dtype=jnp.int32).reshape(n, 3),
+            "mask": np.ones((n, 3), dtype=np.float32),
+        },
+        {"uid": [f"u{i}" for i in range(n)]},
+    )
+
+
+def row_sums_reference(tokens):
+    out = []
+    for row in np.asarray(tokens):
+        total = 0
+        for v in row:
+            total += int(v)
+        out.append(total)
+    return out
+
+
+@pytest.mark.parametrize(
+    "n, spec, dp, pad",
+    [
+        (6, "data=2,fsdp=2,tensor=2", 4, 2),
+        (8, "fsdp=-1", 8, 0),
+        (5, "tensor=8", 1, 0),
+        (3, "data=4,tensor=2", 4, 1),
+    ],
+)
+def test_dp_compute_round_trip_with_padding(n, spec, dp, pad):
+    mesh = pool_mesh(0, 8, spec)
+    batch = make_batch(n)
+    placed, got = DP_COMPUTE.dispatch(batch, mesh)
+    assert got == pad and len(placed) == n + pad and DP_COMPUTE.pad_multiple(mesh) == dp
+    expected = DP_COMPUTE.in_sharding(mesh)
+    for key in ("tokens", "mask"):
+        assert placed[key].sharding == expected
+        assert placed[key].sharding.shard_shape(placed[key].shape)[0] == (n + pad) // dp
+    assert len(placed.meta["uid"]) == n + pad  # meta is padded alongside, on the host
+
+    @jax.jit
+    def score(tokens, mask):
+        return {"sums": jnp.sum(tokens * mask, axis=1)}
+
+    out = jax.jit(score, out_shardings=DP_COMPUTE.out_sharding(mesh))(
+        placed["tokens"], placed["mask"]
+    )
+    assert out["sums"].sharding == expected
+    collected = DP_COMPUTE.collect(out, got)
+    assert collected["sums"].shape == (n,)
+    assert np.asarray(collected["sums"]).tolist() == row_sums_reference(batch["tokens"])
+
+    back = DP_COMPUTE.collect(placed, got)
+    assert isinstance(back, Batch) and len(back) == n
+    assert list(back["uid"]) == list(batch["uid"])
+
+
+def test_dp_compute_across_disjoint_pools_stays_on_device():
+    """Dispatch a device-resident batch from pool 0-3 to pool 4-7 with every host copy banned.
+
+    "disallow_explicit" forbids even deliberate host transfers; on CPU the host-to-device guard is
+    the one that catches a round trip (reading a CPU buffer on the host is zero-copy).
+    """
+    src = pool_mesh(0, 4, "fsdp=4")
+    dst = pool_mesh(4, 8, "data=2,tensor=2")
+    batch = make_batch(8).to(src)
+    batch = batch.take(np.arange(7))  # 7 rows: dispatch must pad to 8 on the way
+    with (
+        jax.transfer_guard_device_to_host("disallow_explicit"),
+        jax.transfer_guard_host_to_device("disallow_explicit"),
+    ):
+        placed, pad = DP_COMPUTE.dispatch(batch, dst)
+        jax.block_until_ready(placed.arrays)
+    assert pad == 1
+    assert placed["tokens"].sharding == NamedSharding(dst, P("data"))
+    assert {d.id for d in placed["tokens"].devices()} == {4, 5, 6, 7}
+    got = np.asarray(DP_COMPUTE.collect(placed, pad)["tokens"])
+    np.testing.assert_array_equal(got, np.arange(21).reshape(7, 3))
+
+
+def test_one_to_all_replicates_and_passes_outputs_through():
+    mesh = pool_mesh(4, 8, "fsdp=2,tensor=2")
+    batch = make_batch(3)
+    placed, pad = ONE_TO_ALL.dispatch(batch, mesh)
+    assert pad == 0
+    for key in ("tokens", "mask"):
+        assert placed[key].sharding == NamedSharding(mesh, P())
+        assert {d.id for d in placed[key].devices()} == {4, 5, 6, 7}
+    out = {"x": placed["tokens"]}
+    assert ONE_TO_ALL.collect(out, pad) is out
+
+
+def test_all_to_all_passes_everything_through():
+    mesh = pool_mesh(0, 8, "data=8")
+    batch = make_batch(3)
+    placed, pad = ALL_TO_ALL.dispatch(batch, mesh)
+    assert placed is batch and pad == 0
+    assert ALL_TO_ALL.in_sharding(mesh) is None
+    assert ALL_TO_ALL.collect("anything", 0) == "anything"
+
+
+def test_dispatch_accepts_pytrees_of_arrays():
+    mesh = pool_mesh(0, 8, "data=4,tensor=2")
+    tree = {"a": jnp.ones((5, 2)), "b": np.arange(5)}
+    placed, pad = DP_COMPUTE.dispatch(tree, mesh)
+    assert isinstance(placed, dict) and set(placed) == {"a", "b"} and pad == 3
+    assert placed["b"].sharding == NamedSharding(mesh, P("data"))
+    assert np.asarray(DP_COMPUTE.collect(placed, pad)["b"]).tolist() == [0, 1, 2, 3, 4]
+
+    single, pad = DP_COMPUTE.dispatch(jnp.arange(6), mesh)
+    assert single.shape == (8,) and pad == 2
+    assert np.asarray(DP_COMPUTE.collect(single, pad)).tolist() == list(range(6))
+
+    pair, pad = DP_COMPUTE.dispatch((jnp.zeros((2, 1)), jnp.ones((2,))), mesh)
+    assert isinstance(pair, tuple) and pair[0].shape == (4, 1) and pad == 2
+
+
+def test_register_tags_methods_for_lookup():
+    class Critic:
+        @register(DP_COMPUTE)
+        def compute_values(self, batch):
+            return batch
+
+        @register("one_to_all")
+        def load(self, path):
+            return path
+
+        def helper(self):
+            return None
+
+    critic = Critic()
+    assert protocol_of(critic.compute_values) is DP_COMPUTE
+    assert protocol_of(Critic.load) is ONE_TO_ALL
+    assert protocol_of(critic.helper) is None
+    assert get_protocol("all_to_all") is ALL_TO_ALL
+    assert get_protocol(DP_COMPUTE) is DP_COMPUTE
+    with pytest.raises(ValueError, match=r"unknown transfer protocol 'DP_PROTO'; use one of"):
+        get_protocol("DP_PROTO")
+    with pytest.raises(TypeError, match=r"write @register\(DP_COMPUTE\)"):
+
+        @register
+        def bare(self):
+            return None
