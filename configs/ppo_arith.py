@@ -38,12 +38,19 @@ def get_config() -> config_dict.ConfigDict:
             n_train=20000,
             n_test=256,
             train_batch_size=128,  # prompts per step
+            max_b=9,  # second operand 1..max_b
             max_prompt_length=8,
-            max_response_length=8,
         )
     )
     c.sft = config_dict.ConfigDict(
-        dict(steps=600, batch_size=128, micro_batch_size=128, lr=3e-3, corrupt_frac=0.65)
+        dict(
+            steps=1000,
+            batch_size=128,
+            micro_batch_size=128,
+            lr=3e-3,
+            corruption="format",  # format | carry | none: how the demonstrations are imperfect
+            corrupt_frac=0.7,
+        )
     )
     c.actor = config_dict.ConfigDict(
         dict(
@@ -75,7 +82,7 @@ def get_config() -> config_dict.ConfigDict:
             top_k=0,
             top_p=1.0,
             min_p=0.0,
-            response_length=8,
+            response_length=10,
         )
     )
     c.ref = config_dict.ConfigDict(dict(mesh="fsdp=-1"))

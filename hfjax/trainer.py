@@ -100,8 +100,8 @@ class Trainer:
         d = cfg.data
         if d.task != "arith":
             raise ValueError(f"unknown data.task {d.task!r}; the built-in task is 'arith'")
-        self.train_rows = arith.problems(d.n_train, seed=cfg.seed)
-        self.test_rows = arith.problems(d.n_test, seed=cfg.seed + 10_000)
+        self.train_rows = arith.problems(d.n_train, seed=cfg.seed, max_b=d.max_b)
+        self.test_rows = arith.problems(d.n_test, seed=cfg.seed + 10_000, max_b=d.max_b)
         self.model_cfg = self._model_config()
         self.pad = self.tok.pad_id
         self.eos = self.tok.eos_id
@@ -205,7 +205,8 @@ class Trainer:
         s = self.cfg.sft
         if s.steps <= 0:
             return {}
-        pairs = arith.sft_texts(self.train_rows, s.corrupt_frac, seed=self.cfg.seed + 1)
+        pairs = arith.sft_texts(self.train_rows, s.corrupt_frac, seed=self.cfg.seed + 1,
+                                corruption=s.corruption)
         p = [self.tok.encode(q, add_special_tokens=False) for q, _ in pairs]
         r = [self.tok.encode(a, add_special_tokens=False) + [self.eos] for _, a in pairs]
         P, R = self.cfg.data.max_prompt_length, self.cfg.rollout.response_length

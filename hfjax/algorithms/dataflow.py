@@ -76,9 +76,13 @@ def compute_advantage(batch: Batch, algo_cfg, n: int, kl_coef: float) -> tuple[B
     opts = (("gamma", float(algo_cfg.gamma)), ("lam", float(algo_cfg.lam)))
     if algo_cfg.adv_estimator == "grpo":
         opts += (("norm_adv_by_std_in_grpo", bool(algo_cfg.norm_adv_by_std_in_grpo)),)
+    # The KL coefficient is host-side controller state (the adaptive controller updates it from
+    # the fetched metrics): one deliberate scalar upload per step.
+    with jax.transfer_guard("allow"):
+        coef = jnp.float32(kl_coef if use_kl else 0.0)
     out, metrics = _advantage(
         {k: batch[k] for k in keys},
-        jnp.float32(kl_coef if use_kl else 0.0),
+        coef,
         estimator=algo_cfg.adv_estimator,
         kl_penalty=algo_cfg.kl_penalty,
         use_kl=use_kl,

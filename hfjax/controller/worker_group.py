@@ -50,6 +50,12 @@ def method(protocol: Any) -> Callable:
     return deco
 
 
+@functools.partial(jax.jit, static_argnums=1)
+def _divide(sums: dict[str, jax.Array], count: int) -> dict[str, jax.Array]:
+    # Jitted with a static count: eager `v / count` would upload the Python int every step.
+    return {k: v / count for k, v in sums.items()}
+
+
 class WorkerGroup:
     """A model on a pool: mesh, layout, graphdef, params and optional optimizer state."""
 
@@ -120,7 +126,7 @@ class WorkerGroup:
             sums = m if not sums else jax.tree.map(jnp.add, sums, m)
             count += 1
         self._train_calls += 1
-        return {k: v / count for k, v in sums.items()}
+        return _divide(sums, count)
 
     @property
     def dp_size(self) -> int:

@@ -4,10 +4,13 @@ It needs no download: prompts, ground truths and a character-level tokenizer are
 here. Rows follow the verl prompt schema (data_source, prompt messages, ability,
 reward_model{style, ground_truth}, extra_info), so the same trainer path serves parquet data.
 
-The SFT warm-start data is deliberately imperfect: in a fraction `corrupt_frac` of the examples
-whose answer needs a carry or a borrow, the written answer drops it. A model fit to that data
-learns the wrong habit on those problems, so greedy accuracy starts low, while the right answer
-keeps real probability mass that an RL reward for exact answers can find and reinforce.
+The SFT warm-start data is deliberately imperfect, in one of two ways (`corruption`):
+- "format": a fraction `corrupt_frac` of the demonstrations give the bare answer without the
+  `####` marker, so the warm-started model mostly answers in a form the reward rejects;
+- "carry": in a fraction `corrupt_frac` of the examples whose answer needs a carry or a borrow,
+  the written answer drops it.
+Either way greedy accuracy starts low while the right behaviour keeps real probability mass,
+which an RL reward for exact answers can find and reinforce.
 """
 
 from __future__ import annotations
@@ -44,12 +47,13 @@ def _no_carry(a: int, b: int, op: str) -> int:
     return tens * 10 + ones
 
 
-def problems(n: int, seed: int) -> list[dict]:
-    """n problems as verl-schema rows: prompt "a+b=" / "a-b=" with a >= b for subtraction."""
+def problems(n: int, seed: int, max_b: int = 99) -> list[dict]:
+    """n problems as verl-schema rows: "a+b=" or "a-b=" with a two-digit a and 1 <= b <= max_b,
+    a >= b for subtraction."""
     rng = np.random.default_rng(seed)
     rows = []
     for i in range(n):
-        a, b = (int(x) for x in rng.integers(10, 100, 2))
+        a, b = int(rng.integers(10, 100)), int(rng.integers(1, max_b + 1))
         op = "+" if rng.random() < 0.5 else "-"
         if op == "-" and a < b:
             a, b = b, a
@@ -66,15 +70,26 @@ def problems(n: int, seed: int) -> list[dict]:
     return rows
 
 
-def sft_texts(rows: list[dict], corrupt_frac: float, seed: int) -> list[tuple[str, str]]:
-    """(prompt, response) pairs for the warm start, with carries dropped in `corrupt_frac`."""
+CORRUPTIONS = ("format", "carry", "none")
+
+
+def sft_texts(
+    rows: list[dict], corrupt_frac: float, seed: int, corruption: str = "format"
+) -> list[tuple[str, str]]:
+    """(prompt, response) pairs for the warm start, a fraction of them corrupted (see above)."""
+    if corruption not in CORRUPTIONS:
+        raise ValueError(f"unknown sft corruption {corruption!r}; choose one of {CORRUPTIONS}")
     rng = np.random.default_rng(seed)
     out = []
     for row in rows:
         x = row["extra_info"]
         answer = int(row["reward_model"]["ground_truth"])
-        wrong = _no_carry(x["a"], x["b"], x["op"])
-        if wrong != answer and rng.random() < corrupt_frac:
-            answer = wrong
-        out.append((row["prompt"][-1]["content"], f"#### {answer}"))
+        text = f"#### {answer}"
+        if corruption == "carry":
+            wrong = _no_carry(x["a"], x["b"], x["op"])
+            if wrong != answer and rng.random() < corrupt_frac:
+                text = f"#### {wrong}"
+        elif corruption == "format" and rng.random() < corrupt_frac:
+            text = str(answer)
+        out.append((row["prompt"][-1]["content"], text))
     return out

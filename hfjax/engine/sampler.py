@@ -587,14 +587,21 @@ class Sampler:
         state = self.place(state)
         if self.mesh is not None:
             rows = mesh_lib.batch_sharding(self.mesh)
-            ids, mask, seeds, salts = jax.device_put((ids, mask, seeds, salts), rows)
-            knobs, stops = jax.device_put((knobs, stops), mesh_lib.replicated(self.mesh))
+            # The request's one deliberate upload (prompts come from the host data pipeline);
+            # allowed even where a caller bans host transfers to catch accidental ones.
+            with jax.transfer_guard("allow"):
+                ids, mask, seeds, salts = jax.device_put((ids, mask, seeds, salts), rows)
+                knobs, stops = jax.device_put((knobs, stops), mesh_lib.replicated(self.mesh))
         carry = prefill(state, ids, mask, seeds, salts, knobs, stops)
         carry = decode(state, carry, knobs, stops)
         rows_out, cols = batch * params.n, params.max_new_tokens
         out = GenerateOutput(carry.tokens, carry.mask, carry.logprobs)
         if out.tokens.shape != (rows_out, cols):
-            out = GenerateOutput(*(x[:rows_out, :cols] for x in out))
+            # A static slice with explicit strides: `x[:rows, :cols]`, and even `lax.slice`
+            # without strides, run eagerly as a dynamic_slice that uploads its start indices.
+            out = GenerateOutput(
+                *(jax.lax.slice(x, (0, 0), (rows_out, cols), (1, 1)) for x in out)
+            )
         return out
 
 

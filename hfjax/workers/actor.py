@@ -95,7 +95,11 @@ class ActorRollout(Reference):
             self.rollout_params(), batch["prompts"], batch["prompt_mask"], params,
             seed=batch["seeds"],
         )
-        rep = batch.select(["prompts", "prompt_mask"]).repeat(n, interleave=True).to(self.mesh)
+        rep = batch.select(["prompts", "prompt_mask"]).repeat(n, interleave=True)
+        # The prompts' deliberate upload from the host data pipeline (the sampler's own upload
+        # is bucketed and padded, so it can't be reused here).
+        with jax.transfer_guard("allow"):
+            rep = rep.to(self.mesh)
         prompts, pmask = rep["prompts"], rep["prompt_mask"]
         resp, rmask = out.tokens, out.mask.astype(pmask.dtype)
         arrays = _join(prompts, pmask, resp, rmask)

@@ -216,11 +216,14 @@ def test_smollm2_greedy_matches_hf(smollm2):
     model, ref, tok = smollm2
     texts = [
         "The history of the printing press begins in the fifteenth century, when a goldsmith "
-        "in Mainz combined movable metal type with an oil-based ink and a screw press.",
+        "in Mainz combined movable metal type with an oil-based ink and a screw press adapted "
+        "from the ones used to make wine. Within fifty years, presses had spread to",
         "def fibonacci(n):\n    # Return the n-th Fibonacci number using an iterative loop "
-        "so that large n does not overflow the stack.\n",
+        "so that large n does not overflow the stack.\n    a, b = 0, 1\n    for _ in range(n):"
+        "\n        a, b = b, a + b\n    return a\n\n\ndef factorial(n):\n",
         "Question: A train leaves the station at 3 pm travelling at 60 km per hour. A second "
-        "train leaves an hour later at 90 km per hour. When does it catch up?",
+        "train leaves the same station an hour later at 90 km per hour on a parallel track. At "
+        "what time does the second train catch up with the first one? Answer:",
     ]
     rows = [tok.encode(t, add_special_tokens=False)[:32] for t in texts]
     assert all(len(r) == 32 for r in rows)
@@ -259,7 +262,7 @@ def test_logprobs_match_teacher_forcing(llama, temperature):
 
 
 def test_sampled_frequencies_follow_softmax():
-    model = tiny_lm(vocab=8, head_scale=3.0)
+    model = tiny_lm(vocab=8, head_scale=0.5)
     ids = np.asarray([[5, 1, 7, 2, 3]], np.int32)
     mask = np.ones_like(ids)
     T, N = 0.7, 6000
@@ -273,7 +276,7 @@ def test_sampled_frequencies_follow_softmax():
     assert stat < chi2_quantile(df, Z_1E4), (stat, counts, p * N)
     # The test has power: the untempered softmax is rejected by a wide margin.
     wrong, _ = chi2_stat(counts, softmax64(last_logits(model, ids, mask)[0]))
-    assert wrong > 10 * chi2_quantile(df, Z_1E4)
+    assert df == 7 and wrong > 5 * chi2_quantile(df, Z_1E4)
 
     # Second token, given the most frequent first token: drawn in the decode loop.
     first = int(np.argmax(counts))
@@ -296,7 +299,7 @@ def test_sampled_frequencies_follow_softmax():
 )
 def test_truncation_is_exact(trunc):
     vocab, T, N = 32, 0.8, 3000
-    model = tiny_lm(vocab=vocab, head_scale=4.0, seed=2)
+    model = tiny_lm(vocab=vocab, head_scale=1.0, seed=2)
     ids = np.asarray([[3, 14, 15, 9, 26, 5]], np.int32)
     mask = np.ones_like(ids)
     q = truncated_probs(last_logits(model, ids, mask)[0], T, **trunc)

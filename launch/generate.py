@@ -1,0 +1,106 @@
+"""Generate completions from the command line with hfjax's rollout sampler.
+
+    python -m launch.generate --prompt="What is 7 + 5?" --chat --max_new_tokens=64 --temperature=0
+
+The default model is SmolLM2-135M-Instruct from its GGUF file; `--model` takes any HF directory
+or `.gguf` file hfjax can load. `--chat` wraps each prompt as a user message and applies the
+tokenizer's chat template with the generation prompt. Generation stops at the tokenizer's and the
+model config's EOS ids.
+"""
+
+from __future__ import annotations
+
+import time
+
+from absl import app, flags
+
+flags.DEFINE_string("model", None, "HF directory or .gguf file (default: SmolLM2-135M GGUF)")
+flags.DEFINE_multi_string("prompt", ["What is 7 + 5?"], "prompt text; repeat for a batch")
+flags.DEFINE_bool("chat", False, "apply the chat template (user turn + generation prompt)")
+flags.DEFINE_integer("max_new_tokens", 64, "tokens to generate at most")
+flags.DEFINE_float("temperature", 1.0, "sampling temperature; 0 is greedy")
+flags.DEFINE_integer("top_k", 0, "keep the k most likely tokens (0: off)")
+flags.DEFINE_float("top_p", 1.0, "nucleus sampling mass (1: off)")
+flags.DEFINE_float("min_p", 0.0, "drop tokens below min_p x the top probability (0: off)")
+flags.DEFINE_integer("n", 1, "samples per prompt")
+flags.DEFINE_integer("seed", 0, "sampling seed")
+flags.DEFINE_string("mesh", None, "decode mesh over all devices, e.g. 'data=2' (default: none)")
+flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "parameter and compute dtype")
+
+
+def _eos_ids(tokenizer, config) -> tuple[int, ...]:
+    ids = set()
+    if tokenizer.eos_id is not None:
+        ids.add(int(tokenizer.eos_id))
+    eos = config.eos_token_id
+    if eos is not None:
+        ids.update(int(i) for i in (eos if isinstance(eos, (list, tuple)) else [eos]))
+    return tuple(sorted(ids))
+
+
+def main(argv: list[str]) -> None:
+    del argv
+    import jax
+    import numpy as np
+
+    import hfjax.models as M
+    from hfjax.engine import generate
+    from hfjax.models.smollm2 import smollm2_gguf_path
+    from hfjax.parallel.mesh import MeshSpec
+
+    f = flags.FLAGS
+    path = str(f.model or smollm2_gguf_path())
+    mesh = MeshSpec.parse(f.mesh).build(jax.devices()) if f.mesh else None
+    model = M.load(path, dtype=f.dtype)
+    tokenizer = M.load_tokenizer(path)
+
+    if f.chat:
+        rows = [
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True
+            )
+            for p in f.prompt
+        ]
+    else:
+        rows = tokenizer.batch_encode(f.prompt)
+    width = max(len(r) for r in rows)
+    pad = tokenizer.pad_id if tokenizer.pad_id is not None else 0
+    ids = np.full((len(rows), width), pad, np.int32)
+    mask = np.zeros((len(rows), width), np.int32)
+    for i, r in enumerate(rows):  # left padding, as the sampler expects
+        ids[i, width - len(r) :] = r
+        mask[i, width - len(r) :] = 1
+
+    start = time.perf_counter()
+    out = generate(
+        model,
+        ids,
+        mask,
+        max_new_tokens=f.max_new_tokens,
+        temperature=f.temperature,
+        top_k=f.top_k,
+        top_p=f.top_p,
+        min_p=f.min_p,
+        n=f.n,
+        eos_ids=_eos_ids(tokenizer, model.config),
+        seed=f.seed,
+        mesh=mesh,
+        pad_id=pad,
+    )
+    tokens, resp_mask = np.asarray(out.tokens), np.asarray(out.mask)
+    seconds = time.perf_counter() - start
+
+    for r in range(tokens.shape[0]):
+        prompt_idx, sample = divmod(r, f.n)
+        text = tokenizer.decode(tokens[r][resp_mask[r] == 1], skip_special_tokens=True)
+        if len(f.prompt) > 1 or f.n > 1:
+            print(f"--- prompt {prompt_idx} sample {sample}: {f.prompt[prompt_idx]!r}")
+        print(text)
+    print(
+        f"[{int(resp_mask.sum())} tokens in {seconds:.1f}s, compile included]",
+        flush=True,
+    )
+
+
+if __name__ == "__main__":
+    app.run(main)
