@@ -41,7 +41,8 @@ def main(_):
         res["scan" if scan else "unrolled"] = s = compile_seconds(
             scan, layers, _BATCH.value, _SEQ.value
         )
-        print(f"{'scan' if scan else 'unrolled':>9}: {s:6.1f} s to compile fwd+bwd, {layers} layers")
+        name = "scan" if scan else "unrolled"
+        print(f"{name:>9}: {s:6.1f} s to compile fwd+bwd, {layers} layers")
     res["unrolled_over_scan"] = res["unrolled"] / res["scan"]
     print(json.dumps({k: round(v, 2) for k, v in res.items()}))
 

@@ -6,8 +6,8 @@ import pytest
 from hf_fixtures import hf_logits, left_padded_batch, make_hf_model
 
 import hfjax.models as M
-from hfjax.parallel.sharding import Layout
 from hfjax.parallel.mesh import MeshSpec
+from hfjax.parallel.sharding import Layout
 
 FAMILIES = ["llama", "qwen2", "qwen3", "mistral"]
 
