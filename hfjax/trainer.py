@@ -74,6 +74,9 @@ def validate_config(cfg) -> Any:
     dp = dp_size(MeshSpec.parse(cfg.actor.mesh).build(pools["actor"].devices, "actor"))
     check_mini_batching(n_seq, cfg.actor.ppo_mini_batch_size * cfg.rollout.n,
                         cfg.actor.ppo_micro_batch_size, dp, "actor")
+    if "ref" in algo.roles and (cfg.actor.use_kl_loss or cfg.algo.use_kl_in_reward):
+        # Built only after the warm start, so a bad mesh must be caught here, not there.
+        MeshSpec.parse(cfg.ref.mesh).build(pools["ref"].devices, "ref")
     if "critic" in algo.roles:
         dpc = dp_size(MeshSpec.parse(cfg.critic.mesh).build(pools["critic"].devices, "critic"))
         check_mini_batching(n_seq, cfg.critic.ppo_mini_batch_size * cfg.rollout.n,

@@ -21,7 +21,10 @@ _CONFIG = config_flags.DEFINE_config_file(
     "configuration file (configs/*.py)",
 )
 _DEVICES = flags.DEFINE_integer(
-    "cpu_devices", 8, "simulated CPU devices when running on CPU (0: leave XLA_FLAGS alone)"
+    "cpu_devices",
+    1,
+    "simulated CPU devices when running on CPU, e.g. 8 to try placements and meshes on a laptop "
+    "(0: leave XLA_FLAGS alone)",
 )
 
 _STAGES = ("gen", "old_log_prob", "ref", "values", "reward", "adv", "update_critic",

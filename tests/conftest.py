@@ -10,4 +10,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 
 jax.config.update("jax_enable_x64", False)
+# The 8 simulated devices share the machine's cores: with async dispatch, programs with
+# collectives that overlap in flight (worker groups on disjoint pools) can starve each other's
+# participants and hang in an XLA CPU all-gather. launch/train.py does the same on CPU.
+jax.config.update("jax_cpu_enable_async_dispatch", False)
 assert jax.device_count() == 8, jax.devices()

@@ -1,0 +1,326 @@
+"""The RL loop end to end on 8 CPU devices: placements agree, edges between worker groups stay
+on device, bad configs fail before compiling, GRPO runs, and micro-batching is exact.
+
+Models are tiny (one layer, hidden 32) and batches small, so every step is dominated by
+compilation; the three-placement run is shared by the tests that need a warm trainer.
+"""
+
+import contextlib
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+from configs import ppo_arith
+from hfjax.controller.batch import Batch
+from hfjax.rewards.registry import register_reward
+from hfjax.trainer import Trainer, validate_config
+
+# A dense test reward, so that one step from a randomly initialised model already has non-zero
+# advantages, returns and gradients (the exact-answer rule scores such a model 0 everywhere).
+SOURCE = "tests/rl_loop/digit_fraction"
+
+
+@register_reward(SOURCE)
+def digit_fraction(data_source, solution_str, ground_truth, extra_info):
+    """The fraction of the response's characters that are digits."""
+    return sum(ch.isdigit() for ch in solution_str) / max(len(solution_str), 1)
+
+
+def tiny_config(placement="colocate", algorithm="ppo"):
+    c = ppo_arith.get_config()
+    c.algorithm = algorithm
+    c.placement = placement
+    m = c.model
+    m.hidden_size, m.intermediate_size, m.head_dim = 32, 64, 16
+    m.num_layers, m.num_heads, m.num_kv_heads = 1, 2, 1
+    c.data.n_train, c.data.n_test, c.data.train_batch_size = 64, 16, 16
+    c.sft.steps = 0
+    c.rollout.n = 1
+    c.rollout.response_length = 8
+    for role in (c.actor, c.critic):
+        role.ppo_mini_batch_size = 8  # prompts (times rollout.n sequences)
+        role.ppo_micro_batch_size = 8  # sequences: a multiple of the largest dp size, 8
+    c.trainer.sync_stage_timing = True
+    return c
+
+
+def with_placement(cfg, mapping):
+    # A ConfigDict field keeps its first type; a mapping replaces the mode string.
+    del cfg.placement
+    cfg.placement = mapping
+    return cfg
+
+
+def make_trainer(cfg):
+    trainer = Trainer(cfg)
+    for row in trainer.train_rows:
+        row["data_source"] = SOURCE
+    return trainer
+
+
+def host(tree):
+    """Named host copies of a pytree's leaves (copies: the device buffers get donated)."""
+    with jax.transfer_guard("allow"):
+        return {
+            jax.tree_util.keystr(path): np.array(leaf, copy=True)
+            for path, leaf in jax.tree_util.tree_leaves_with_path(tree)
+        }
+
+
+def numeric(metrics):
+    return {k: v for k, v in metrics.items() if not k.startswith(("timing_s/", "perf/"))}
+
+
+@contextlib.contextmanager
+def no_host_transfers():
+    """Bans every host<->device copy, explicit or implicit, except inside named `allow` blocks."""
+    with (
+        jax.transfer_guard_host_to_device("disallow_explicit"),
+        jax.transfer_guard_device_to_host("disallow_explicit"),
+    ):
+        yield
+
+
+# ----------------------------------------------------------------------------------- placements
+
+PLACEMENTS = {"colocate": [8, 8, 8, 8], "split": [4, 4, 4, 4], "standalone": [2, 2, 2, 2]}
+ROLES = ("actor", "ref", "critic", "reward")
+
+
+@pytest.fixture(scope="module")
+def placement_runs():
+    """One PPO step from the same seeds under each placement: trainer, metrics, params."""
+    runs = {}
+    before = None
+    for placement in PLACEMENTS:
+        trainer = make_trainer(tiny_config(placement))
+        if before is None:
+            before = host(trainer.actor.params)
+        metrics = trainer.train_step()
+        runs[placement] = dict(
+            trainer=trainer,
+            metrics=metrics,
+            actor=host(trainer.actor.params),
+            critic=host(trainer.workers.critic.params),
+        )
+    runs["actor_before"] = before
+    return runs
+
+
+@pytest.mark.slow
+def test_placements_give_the_same_step(placement_runs):
+    for placement, sizes in PLACEMENTS.items():
+        pools = placement_runs[placement]["trainer"].pools
+        assert [pools[r].size for r in ROLES] == sizes, placement
+    standalone = placement_runs["standalone"]["trainer"].pools
+    ids = [set(standalone[r].device_ids) for r in ROLES]
+    assert set().union(*ids) == set(range(8))  # four disjoint pools of two
+
+    base = placement_runs["colocate"]
+    m = numeric(base["metrics"])
+    # The step must have done something, or agreement would be vacuous.
+    assert m["actor/grad_norm"] > 1e-2 and m["critic/grad_norm"] > 1e-2
+    assert abs(m["actor/pg_loss"]) > 1e-5 and m["critic/vf_loss"] > 1e-3
+    before = placement_runs["actor_before"]
+    moved = max(np.abs(base["actor"][k] - v).max() for k, v in before.items())
+    assert moved > 5e-5
+
+    for placement in ("split", "standalone"):
+        run = placement_runs[placement]
+        other = numeric(run["metrics"])
+        assert other.keys() == m.keys()
+        for k in m:
+            assert other[k] == pytest.approx(m[k], abs=1e-5), (placement, k)
+        for role in ("actor", "critic"):
+            assert run[role].keys() == base[role].keys()
+            for k, v in base[role].items():
+                np.testing.assert_allclose(run[role][k], v, rtol=0, atol=1e-5,
+                                           err_msg=f"{placement} {role} {k}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("placement", ["split", "standalone"])
+def test_step_moves_nothing_through_the_host(placement_runs, placement):
+    """A whole warm PPO step with host copies banned: the prompt upload, the rule reward's
+    response fetch, the mini-batch index vectors, the KL-coefficient scalar and the metrics fetch
+    are the named exceptions; the edges between worker groups (actor -> ref and critic dispatch,
+    ref log-probs and critic values back to the actor's mesh, mini-batches to the critic's
+    mesh) must all go device to device."""
+    trainer = placement_runs[placement]["trainer"]
+    sharding = jax.sharding.NamedSharding(trainer.actor.mesh, jax.sharding.PartitionSpec())
+    with no_host_transfers():
+        with pytest.raises(jax.errors.JaxRuntimeError, match="Disallowed host-to-device"):
+            jax.device_put(np.ones(2, np.float32), sharding)  # the guard is live
+        metrics = trainer.train_step()
+    assert trainer.step == 2
+    assert np.isfinite(list(numeric(metrics).values())).all()
+
+
+# ------------------------------------------------------------------------------------ bad input
+
+
+def _ppo_mapping(**changes):
+    pools = {
+        "gen": {"size": 4, "roles": ["actor", "rollout", "ref"]},
+        "score": {"size": 4, "roles": ["critic", "reward"]},
+    }
+    pools.update(changes)
+    return {k: v for k, v in pools.items() if v is not None}
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda c: setattr(c.actor, "mesh", "fsdp=16"),
+         r"mesh 'fsdp=16' needs 16 devices, pool 'actor' has 8"),
+        (lambda c: (setattr(c, "placement", "split"), setattr(c.critic, "mesh", "fsdp=8")),
+         r"mesh 'fsdp=8' needs 8 devices, pool 'critic' has 4"),
+        (lambda c: setattr(c.ref, "mesh", "data=3,fsdp=-1"),
+         r"mesh 'data=3,fsdp=-1': the fixed axes need a multiple of 3 devices, pool 'ref' has 8"),
+        (lambda c: with_placement(c, _ppo_mapping(
+            gen={"devices": [0, 1, 2, 3], "roles": ["actor", "rollout", "ref"]},
+            score={"devices": [3, 4, 5, 6], "roles": ["critic", "reward"]})),
+         r"pools 'gen' and 'score' overlap on device 3; pools must be disjoint"),
+        (lambda c: with_placement(c, _ppo_mapping(
+            score={"size": 4, "roles": ["critic", "reward", "actor"]})),
+         r"role 'actor' is on two pools, 'gen' and 'score'"),
+        (lambda c: with_placement(c, _ppo_mapping(
+            score={"size": 4, "roles": ["reward"]})),
+         r"role 'critic' has no pool in placement .*; add it to a pool"),
+        (lambda c: with_placement(c, _ppo_mapping(
+            score={"size": 6, "roles": ["critic", "reward"]})),
+         r"needs 10 devices, only 8 are available"),
+        (lambda c: setattr(c.actor, "ppo_mini_batch_size", 6),
+         r"actor: mini-batch of 6 sequences does not divide the batch of 16"),
+        (lambda c: setattr(c.critic, "ppo_micro_batch_size", 4),
+         r"critic: micro-batch of 4 sequences does not split over 8 data-parallel devices"),
+        (lambda c: setattr(c, "algorithm", "ppo2"), r"unknown algorithm 'ppo2'; known: .*ppo"),
+        (lambda c: setattr(c.algo, "adv_estimator", "gea"),
+         r"unknown adv_estimator 'gea'; known: .*gae"),
+    ],
+    ids=["mesh-too-big", "mesh-too-big-split", "mesh-indivisible-ref", "device-overlap",
+         "role-twice", "role-without-pool", "pools-too-big", "mini-batch", "micro-batch",
+         "algorithm", "estimator"],
+)
+def test_bad_config_fails_before_building(change, message):
+    cfg = tiny_config()
+    change(cfg)
+    with pytest.raises(ValueError, match=message):
+        validate_config(cfg)
+    with pytest.raises(ValueError, match=message):
+        Trainer(cfg)  # raised before any model is built or program compiled
+
+
+# ----------------------------------------------------------------------------------------- GRPO
+
+
+def test_grpo_step_centres_advantages_per_group(monkeypatch):
+    cfg = tiny_config(algorithm="grpo")
+    cfg.data.train_batch_size = 4
+    cfg.rollout.n = 4
+    cfg.actor.ppo_mini_batch_size = 4  # prompts: 16 sequences, all in one update
+    cfg.actor.ppo_micro_batch_size = 8
+    cfg.actor.use_kl_loss = True
+    cfg.algo.adv_estimator = "grpo"
+    cfg.algo.use_kl_in_reward = False
+    trainer = make_trainer(cfg)
+    seen = []
+    update = trainer.actor.update_actor
+    monkeypatch.setattr(trainer.actor, "update_actor", lambda b: seen.append(b) or update(b))
+    metrics = trainer.train_step()
+
+    assert trainer.workers.critic is None and trainer.workers.ref is not None
+    assert "actor/kl_loss" in metrics and not any(k.startswith("critic/vf") for k in metrics)
+    assert np.isfinite(list(numeric(metrics).values())).all()
+    got = seen[0].fetch(["prompts", "advantages", "response_mask", "token_level_scores"])
+    n, groups = 4, 4
+    assert got["advantages"].shape[0] == n * groups
+    mask = got["response_mask"] > 0
+    scores = got["token_level_scores"].sum(axis=1)
+    assert np.ptp(scores) > 0  # some group has something to normalise
+    for g in range(groups):
+        rows = range(g * n, (g + 1) * n)
+        for i in rows:  # the n samples of a group answer the same prompt
+            np.testing.assert_array_equal(got["prompts"][i], got["prompts"][g * n])
+        group = [float(scores[i]) for i in rows]
+        mean = sum(group) / n
+        std = (sum((s - mean) ** 2 for s in group) / (n - 1)) ** 0.5
+        per_row = []
+        for i in rows:
+            adv = got["advantages"][i]
+            assert np.all(adv[~mask[i]] == 0)
+            expected = (float(scores[i]) - mean) / (std + 1e-6)
+            np.testing.assert_allclose(adv[mask[i]], expected, rtol=1e-4, atol=1e-5)
+            per_row.append(adv[mask[i]][0] if mask[i].any() else expected)
+        assert abs(sum(per_row) / n) < 1e-5
+
+
+# ------------------------------------------------------------------------------ micro-batching
+
+
+def _update_batch(trainer, n, rng):
+    """A host batch of n sequences with ragged prompts and responses, scored by the actor."""
+    cfg = trainer.cfg
+    p, r = cfg.data.max_prompt_length, cfg.rollout.response_length
+    vocab = trainer.model_cfg.vocab_size
+    prompt_len = rng.integers(2, p + 1, n)
+    resp_len = rng.integers(1, r + 1, n)
+    prompts = np.full((n, p), trainer.pad, np.int32)
+    pmask = np.zeros((n, p), np.int32)
+    resp = np.full((n, r), trainer.pad, np.int32)
+    rmask = np.zeros((n, r), np.int32)
+    for i in range(n):
+        prompts[i, p - prompt_len[i]:] = rng.integers(3, vocab, prompt_len[i])
+        pmask[i, p - prompt_len[i]:] = 1
+        resp[i, : resp_len[i]] = rng.integers(3, vocab, resp_len[i])
+        rmask[i, : resp_len[i]] = 1
+    batch = Batch({
+        "input_ids": np.concatenate([prompts, resp], 1),
+        "attention_mask": np.concatenate([pmask, rmask], 1),
+        "responses": resp,
+        "response_mask": rmask,
+    })
+    with jax.transfer_guard("allow"):
+        lp = np.asarray(trainer.actor.compute_log_prob(batch)["old_log_probs"])
+    # Near the policy, so the ratios straddle the clip range rather than all being clipped.
+    old = (lp + 0.3 * rng.standard_normal(lp.shape)).astype(np.float32)
+    ref = (lp + 0.3 * rng.standard_normal(lp.shape)).astype(np.float32)
+    adv = rng.standard_normal((n, r)).astype(np.float32) * rmask
+    return batch.union(Batch({"old_log_probs": old, "ref_log_prob": ref, "advantages": adv}))
+
+
+def test_micro_batching_does_not_change_the_update():
+    """Token-mean over the mini-batch is exact whatever the micro-batch size: two mini-batches
+    of 32 sequences, taken whole or as 4 micro-batches of 8, give the same update."""
+    results = {}
+    batch = None
+    for micro in (32, 8):
+        cfg = tiny_config()
+        cfg.data.train_batch_size = 64
+        cfg.actor.ppo_mini_batch_size = 32
+        cfg.actor.ppo_micro_batch_size = micro
+        cfg.actor.entropy_coeff = 0.01
+        cfg.actor.use_kl_loss = True
+        trainer = Trainer(cfg)
+        if batch is None:
+            batch = _update_batch(trainer, 64, np.random.default_rng(0))
+            before = host(trainer.actor.params)
+        # Plain SGD: the parameter change is the gradient itself, so any error in how micro-batch
+        # losses are weighted shows up in full (Adam's first step is about lr * sign(grad)).
+        trainer.actor.set_optimizer(optax.sgd(1.0))
+        metrics = trainer.actor.update_actor(batch)
+        with jax.transfer_guard("allow"):
+            metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        results[micro] = metrics, host(trainer.actor.params)
+
+    (m_whole, p_whole), (m_micro, p_micro) = results[32], results[8]
+    assert m_whole.keys() == m_micro.keys()
+    for k in m_whole:
+        assert m_micro[k] == pytest.approx(m_whole[k], rel=1e-5, abs=1e-6), k
+    assert m_whole["actor/pg_clipfrac"] > 0  # clipping is exercised
+    moved = max(np.abs(p_whole[k] - v).max() for k, v in before.items())
+    assert moved > 1e-3
+    for k, v in p_whole.items():
+        np.testing.assert_allclose(p_micro[k], v, rtol=0, atol=1e-5, err_msg=k)
