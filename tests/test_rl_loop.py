@@ -74,13 +74,37 @@ def numeric(metrics):
 
 
 @contextlib.contextmanager
-def no_host_transfers():
+def no_host_transfers(monkeypatch):
     """Bans every host<->device copy, explicit or implicit, except inside named `allow` blocks."""
+    if jax.default_backend() == "cpu":
+        _emulate_fetch_guard_on_cpu(monkeypatch)
     with (
         jax.transfer_guard_host_to_device("disallow_explicit"),
         jax.transfer_guard_device_to_host("disallow_explicit"),
     ):
         yield
+
+
+def _emulate_fetch_guard_on_cpu(monkeypatch):
+    # On CPU a device buffer is read on the host as a zero-copy view, so jax's device-to-host
+    # guard never fires there. Every fetch (np.asarray, float(), .item(), jax.device_get) reads
+    # the array's `_value`, so guard that instead. It is private API: skip if it moves.
+    from jax._src import array as jax_array
+    from jax._src import config as jax_config
+
+    fetch = getattr(jax_array.ArrayImpl, "_value", None)
+    guard = getattr(jax_config, "transfer_guard_device_to_host", None)
+    if not isinstance(fetch, property) or guard is None:
+        pytest.skip("jax internals changed: cannot emulate the device-to-host guard on CPU")
+
+    def guarded(self):
+        if guard.value == "disallow_explicit":
+            raise AssertionError(
+                f"device-to-host fetch of {self.aval} outside a named transfer_guard('allow')"
+            )
+        return fetch.fget(self)
+
+    monkeypatch.setattr(jax_array.ArrayImpl, "_value", property(guarded))
 
 
 # ----------------------------------------------------------------------------------- placements
@@ -142,7 +166,7 @@ def test_placements_give_the_same_step(placement_runs):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("placement", ["split", "standalone"])
-def test_step_moves_nothing_through_the_host(placement_runs, placement):
+def test_step_moves_nothing_through_the_host(placement_runs, placement, monkeypatch):
     """A whole warm PPO step with host copies banned: the prompt upload, the rule reward's
     response fetch, the mini-batch index vectors, the KL-coefficient scalar and the metrics fetch
     are the named exceptions; the edges between worker groups (actor -> ref and critic dispatch,
@@ -150,9 +174,13 @@ def test_step_moves_nothing_through_the_host(placement_runs, placement):
     mesh) must all go device to device."""
     trainer = placement_runs[placement]["trainer"]
     sharding = jax.sharding.NamedSharding(trainer.actor.mesh, jax.sharding.PartitionSpec())
-    with no_host_transfers():
+    probe = jax.device_put(np.ones(2, np.float32), sharding)
+    with no_host_transfers(monkeypatch):
+        # Both guards are live: an upload and a fetch outside an `allow` block fail.
         with pytest.raises(jax.errors.JaxRuntimeError, match="Disallowed host-to-device"):
-            jax.device_put(np.ones(2, np.float32), sharding)  # the guard is live
+            jax.device_put(np.ones(2, np.float32), sharding)
+        with pytest.raises((AssertionError, jax.errors.JaxRuntimeError), match="device-to-host"):
+            np.asarray(probe)
         metrics = trainer.train_step()
     assert trainer.step == 2
     assert np.isfinite(list(numeric(metrics).values())).all()
@@ -216,6 +244,7 @@ def test_bad_config_fails_before_building(change, message):
 # ----------------------------------------------------------------------------------------- GRPO
 
 
+@pytest.mark.slow
 def test_grpo_step_centres_advantages_per_group(monkeypatch):
     cfg = tiny_config(algorithm="grpo")
     cfg.data.train_batch_size = 4
@@ -291,6 +320,7 @@ def _update_batch(trainer, n, rng):
     return batch.union(Batch({"old_log_probs": old, "ref_log_prob": ref, "advantages": adv}))
 
 
+@pytest.mark.slow
 def test_micro_batching_does_not_change_the_update():
     """Token-mean over the mini-batch is exact whatever the micro-batch size: two mini-batches
     of 32 sequences, taken whole or as 4 micro-batches of 8, give the same update."""

@@ -15,6 +15,7 @@ from absl import logging
 from hfjax.controller.batch import Batch
 from hfjax.controller.protocol import DP_COMPUTE
 from hfjax.controller.worker_group import WorkerGroup, method
+from hfjax.rewards.pool import ERROR, OK, TIMEOUT, RewardPool, shared_pool
 from hfjax.rewards.registry import get_reward_fn
 
 
@@ -28,40 +29,125 @@ def scores_at_last_token(scores: jax.Array, response_mask: jax.Array) -> jax.Arr
 
 
 class RuleReward:
-    """Scores decoded responses with the rule function registered for each row's data_source."""
+    """Scores decoded responses with the rule reward for each row, in a host worker pool.
 
-    def __init__(self, tokenizer):
+    Each row's function comes from its `data_source` (or `reward_style`, or `custom_fn`; see
+    `hfjax.rewards.registry`). Calls run in `num_workers` processes with a `timeout_s` limit per
+    call (`hfjax.rewards.pool`): a function that raises or hangs scores 0 and is counted in
+    `failures` / `timeouts`, never ending the run. A data_source with no reward is a
+    configuration error and raises.
+
+    Batch meta read: `data_source`, `ground_truth`, and optionally `reward_style` and
+    `extra_info` (per-row dicts; reasoning-gym rows need theirs).
+    """
+
+    def __init__(
+        self,
+        tokenizer,
+        *,
+        custom_fn: str | None = None,
+        num_workers: int = 2,
+        timeout_s: float = 10.0,
+        pool: RewardPool | None = None,
+    ):
         self.tokenizer = tokenizer
+        self.custom_fn = custom_fn or None
+        if self.custom_fn:
+            get_reward_fn("", custom_fn=self.custom_fn)  # a bad spec fails here, not mid-run
+        self.pool = pool if pool is not None else shared_pool(num_workers, timeout_s)
         self.failures = 0
+        self.timeouts = 0
+        self._since_pop = {"reward/failures": 0, "reward/timeouts": 0}
 
     def fetch_responses(self, batch: Batch) -> tuple[np.ndarray, np.ndarray]:
         """The step's deliberate host fetch: response tokens and mask."""
         with jax.transfer_guard("allow"):
             return np.asarray(batch["responses"]), np.asarray(batch["response_mask"])
 
+    def score_texts(
+        self,
+        texts: list[str],
+        sources: list[str],
+        truths: list[str],
+        extra_infos: list[dict | None] | None = None,
+        styles: list[str | None] | None = None,
+    ) -> tuple[np.ndarray, dict[str, int]]:
+        """[B] float32 scores for decoded responses, and this call's failure/timeout counts."""
+        n = len(texts)
+        extra_infos = list(extra_infos) if extra_infos is not None else [None] * n
+        styles = list(styles) if styles is not None else [None] * n
+        fns = [
+            get_reward_fn(str(sources[i]), _opt_str(styles[i]), self.custom_fn) for i in range(n)
+        ]
+        args = [
+            (str(sources[i]), texts[i], str(truths[i]), _plain(extra_infos[i])) for i in range(n)
+        ]
+        outcomes = self.pool.map(fns, args)
+        scores = np.array([o.score for o in outcomes], np.float32)
+        bad = [(i, o) for i, o in enumerate(outcomes) if o.status != OK]
+        counts = {
+            "reward/failures": sum(o.status == ERROR for _, o in bad),
+            "reward/timeouts": sum(o.status == TIMEOUT for _, o in bad),
+        }
+        for i, o in bad[:_LOGGED_PER_BATCH]:
+            logging.warning("reward for row %d (data_source %s) %s: %s; scoring it 0",
+                            i, sources[i], "timed out" if o.status == TIMEOUT else "failed",
+                            o.error)
+        if len(bad) > _LOGGED_PER_BATCH:
+            logging.warning("%d more reward calls in this batch failed or timed out; scored 0",
+                            len(bad) - _LOGGED_PER_BATCH)
+        self.failures += counts["reward/failures"]
+        self.timeouts += counts["reward/timeouts"]
+        for k, v in counts.items():
+            self._since_pop[k] += v
+        return scores, counts
+
     def compute_reward(self, batch: Batch) -> Batch:
-        """Batch with `token_level_scores` [B, R] on the responses' devices and host `acc`."""
+        """Batch with `token_level_scores` [B, R] on the responses' devices, the decoded
+        `response_text` in meta, and this batch's `reward/failures` and `reward/timeouts`
+        counts in info."""
         tokens, mask = self.fetch_responses(batch)
-        sources = batch.meta["data_source"]
-        truths = batch.meta["ground_truth"]
-        scores = np.zeros(len(tokens), np.float32)
-        texts = []
-        for i in range(len(tokens)):
-            text = self.tokenizer.decode(tokens[i][mask[i] > 0].tolist())
-            texts.append(text)
-            try:
-                fn = get_reward_fn(str(sources[i]))
-                out = fn(str(sources[i]), text, str(truths[i]), None)
-                scores[i] = float(out["score"] if isinstance(out, dict) else out)
-            except ValueError:
-                raise
-            except Exception as err:  # a broken rule must not kill the run
-                self.failures += 1
-                logging.warning("reward for row %d raised %r; scoring it 0", i, err)
+        texts = [
+            self.tokenizer.decode(tokens[i][mask[i] > 0].tolist()) for i in range(len(tokens))
+        ]
+        meta = batch.meta
+        scores, counts = self.score_texts(
+            texts,
+            list(meta["data_source"]),
+            list(meta["ground_truth"]),
+            list(meta["extra_info"]) if "extra_info" in meta else None,
+            list(meta["reward_style"]) if "reward_style" in meta else None,
+        )
         with jax.transfer_guard("allow"):
             placed = jax.device_put(scores, _row_sharding(batch["response_mask"]))
         tls = _jit_scores(placed, batch["response_mask"])
-        return Batch({"token_level_scores": tls}, meta={"response_text": texts})
+        return Batch({"token_level_scores": tls}, meta={"response_text": texts}, info=counts)
+
+    def pop_metrics(self) -> dict[str, float]:
+        """`reward/failures` and `reward/timeouts` since the previous call, for step metrics."""
+        out = {k: float(v) for k, v in self._since_pop.items()}
+        self._since_pop = dict.fromkeys(self._since_pop, 0)
+        return out
+
+
+_LOGGED_PER_BATCH = 5
+
+
+def _opt_str(x) -> str | None:
+    return None if x is None else str(x)
+
+
+def _plain(info):
+    """extra_info as plain JSON-able Python values (parquet and Batch meta may hold numpy)."""
+    if info is None:
+        return None
+    if isinstance(info, dict):
+        return {str(k): _plain(v) for k, v in info.items()}
+    if isinstance(info, (list, tuple, np.ndarray)):
+        return [_plain(v) for v in info]
+    if isinstance(info, np.generic):
+        return info.item()
+    return info
 
 
 _jit_scores = jax.jit(scores_at_last_token)

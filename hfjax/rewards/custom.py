@@ -1,0 +1,97 @@
+"""A user's reward function, loaded from a `path/to/file.py:fn` spec.
+
+The function has verl's signature `fn(data_source, solution_str, ground_truth, extra_info)` and
+returns a float or a dict with a "score" key. As in verl, a custom function replaces the
+built-in rewards for every data source.
+
+The loaded function carries its spec (`__hfjax_spec__`), so a reward worker process can load
+the same file again instead of receiving the function itself.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import inspect
+import os
+import sys
+from pathlib import Path
+
+from hfjax.rewards.registry import RewardFn
+
+SPEC_ATTR = "__hfjax_spec__"
+
+
+def parse_spec(spec: str) -> tuple[Path, str]:
+    """(absolute file path, function name) from `path/to/file.py:fn`; ValueError if malformed."""
+    path, sep, name = spec.rpartition(":")
+    if not sep or not path or not name.isidentifier():
+        raise ValueError(
+            f"reward.custom_fn {spec!r} must look like path/to/file.py:function_name"
+        )
+    return Path(os.path.expanduser(path)).resolve(), name
+
+
+@functools.cache
+def _load_module(path: Path):
+    # The module gets a name derived from its path, so two files with the same base name load
+    # as two modules, and loading the same file twice returns the first module.
+    name = "hfjax_custom_reward_" + "".join(c if c.isalnum() else "_" for c in str(path))
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ValueError(f"reward.custom_fn: cannot import {path} as a Python module")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
+
+
+def load_custom_reward(spec: str) -> RewardFn:
+    """The function named by `spec`; ValueError naming the missing file or function."""
+    path, name = parse_spec(spec)
+    if not path.is_file():
+        raise ValueError(f"reward.custom_fn {spec!r}: file {path} does not exist")
+    try:
+        module = _load_module(path)
+    except ValueError:
+        raise
+    except Exception as err:
+        raise ValueError(
+            f"reward.custom_fn {spec!r}: importing {path} raised {type(err).__name__}: {err}"
+        ) from err
+    fn = getattr(module, name, None)
+    if fn is None:
+        public = sorted(
+            n for n, v in vars(module).items() if callable(v) and not n.startswith("_")
+        )
+        raise ValueError(
+            f"reward.custom_fn {spec!r}: {path} has no function {name!r}; "
+            f"it defines: {', '.join(public) or 'nothing callable'}"
+        )
+    if not callable(fn):
+        raise ValueError(f"reward.custom_fn {spec!r}: {name} is a {type(fn).__name__}, "
+                         "not a function")
+    _check_signature(spec, fn)
+    try:
+        setattr(fn, SPEC_ATTR, f"{path}:{name}")
+    except (AttributeError, TypeError):
+        pass  # a builtin or a callable object that refuses attributes: workers load by spec
+    return fn
+
+
+def _check_signature(spec: str, fn) -> None:
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return
+    try:
+        sig.bind("data_source", "solution", "ground_truth", {})
+    except TypeError as err:
+        raise ValueError(
+            f"reward.custom_fn {spec!r}: {fn.__name__}{sig} cannot be called as "
+            "fn(data_source, solution_str, ground_truth, extra_info)"
+        ) from err
