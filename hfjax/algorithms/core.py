@@ -603,11 +603,20 @@ def _kl_k3(logprob: Array, ref_logprob: Array) -> Array:
     return jnp.clip(jnp.exp(log_ratio) - log_ratio - 1, -10.0, 10.0)
 
 
-def _kl_estimate(logprob: Array, ref_logprob: Array, name: str) -> Array:
+def check_kl_name(name: str) -> tuple[str, bool]:
+    """(registered base name, straight-through flag) for a KL name such as "k3" or "k3+".
+
+    Raises ValueError listing the known names for an unknown one.
+    """
     straight_through = len(name) > 1 and name.endswith("+")
     base = name[:-1] if straight_through else name
     if base not in KL_PENALTIES:
         KL_PENALTIES.get(name)  # raises, listing the known names
+    return base, straight_through
+
+
+def _kl_estimate(logprob: Array, ref_logprob: Array, name: str) -> Array:
+    base, straight_through = check_kl_name(name)
     forward = KL_PENALTIES.get(base)(logprob, ref_logprob)
     if not straight_through or base in ("mse", "k2"):
         return forward

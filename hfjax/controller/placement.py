@@ -8,6 +8,10 @@ from config::
      "score": {"size": 4, "roles": ["critic", "reward"]}}
 
 A pool entry may give ``"devices": [ids...]`` instead of ``"size"`` to pin exact devices.
+
+On the command line the same mapping is a string of ``pool=size:role+role`` items::
+
+    --config.placement="gen=4:actor+rollout+ref;score=4:critic+reward"
 """
 
 from __future__ import annotations
@@ -229,7 +233,9 @@ def build_placement(
     mode_or_mapping: str | Mapping[str, Any], active_roles: Iterable[str], n_devices: int
 ) -> Placement:
     """Returns the Placement for a mode name or an explicit mapping, checked against n_devices."""
-    if isinstance(mode_or_mapping, str):
+    if isinstance(mode_or_mapping, str) and "=" in mode_or_mapping:
+        placement = Placement.from_mapping(parse_mapping(mode_or_mapping), active_roles)
+    elif isinstance(mode_or_mapping, str):
         placement = Placement.from_mode(mode_or_mapping, active_roles, n_devices)
     elif hasattr(mode_or_mapping, "items"):
         placement = Placement.from_mapping(mode_or_mapping, active_roles)
@@ -240,6 +246,29 @@ def build_placement(
         )
     placement.check(n_devices)
     return placement
+
+
+def parse_mapping(text: str) -> dict[str, dict[str, Any]]:
+    """{pool: {"size": n, "roles": [...]}} from ``"gen=4:actor+ref;score=4:critic+reward"``."""
+    out: dict[str, dict[str, Any]] = {}
+    for item in filter(None, (x.strip() for x in text.split(";"))):
+        try:
+            name, rest = item.split("=", 1)
+            size, roles = rest.split(":", 1)
+            if name.strip() in out:
+                raise KeyError(name.strip())
+            out[name.strip()] = {
+                "size": int(size),
+                "roles": [r.strip() for r in roles.split("+") if r.strip()],
+            }
+        except ValueError:
+            raise ValueError(
+                f"placement item {item!r}: write pool=size:role+role, e.g. "
+                "'gen=4:actor+rollout+ref;score=4:critic+reward'"
+            ) from None
+        except KeyError as err:
+            raise ValueError(f"placement {text!r}: pool {err.args[0]!r} is given twice") from None
+    return out
 
 
 def _check_roles(roles: Iterable[str], where: str = "active roles") -> tuple[str, ...]:

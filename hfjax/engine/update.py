@@ -63,7 +63,7 @@ def make_update_step(
         m0 = {"loss": jnp.zeros((), jnp.float32)}
         m0.update({k: jnp.zeros(v.shape, v.dtype) for k, v in first[1].items()})
         (grads, metrics), _ = jax.lax.scan(body, (zeros, m0), micro)
-        metrics["grad_norm"] = optax.global_norm(grads)
+        metrics["grad_norm"] = optax.tree_utils.tree_norm(grads)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
         return params, opt_state, metrics

@@ -180,3 +180,18 @@ def test_placement_object_exposes_role_pool_and_description():
         "critic": "critic_pool",
     }
     assert placement.describe() == "split{actor_pool=4:[actor,rollout,ref], critic_pool=4:[critic]}"
+
+
+def test_placement_mapping_from_a_flag_string():
+    from hfjax.controller.placement import parse_mapping, resolve_placement
+
+    text = "gen=6:actor+rollout+ref;score=2:critic+reward"
+    assert parse_mapping(text) == {
+        "gen": {"size": 6, "roles": ["actor", "rollout", "ref"]},
+        "score": {"size": 2, "roles": ["critic", "reward"]},
+    }
+    pools = resolve_placement(text, ["actor", "ref", "critic", "reward"])
+    assert pools["actor"].size == 6 and pools["critic"].size == 2
+    assert pools["actor"] is pools["ref"]
+    with pytest.raises(ValueError, match="write pool=size:role"):
+        parse_mapping("gen=four:actor")
