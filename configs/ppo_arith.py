@@ -34,7 +34,9 @@ def get_config() -> config_dict.ConfigDict:
     )
     c.data = config_dict.ConfigDict(
         dict(
-            task="arith",
+            task="arith",  # arith (built in) | parquet (verl schema, see docs/data.md)
+            train_files="",  # parquet: comma-separated paths
+            val_files="",
             n_train=20000,
             n_test=256,
             train_batch_size=128,  # prompts per step
@@ -55,6 +57,10 @@ def get_config() -> config_dict.ConfigDict:
     c.actor = config_dict.ConfigDict(
         dict(
             mesh="fsdp=-1",
+            # Logical-axis rules of the training layout: train | nested_train | decode
+            # (Megatron-style). With the hybrid engine, training shards must nest inside decode
+            # shards: nested_train and decode do; train does not on fsdp alone (it says why).
+            rules="train",
             lr=1e-4,
             weight_decay=0.0,
             grad_clip=1.0,
@@ -76,7 +82,11 @@ def get_config() -> config_dict.ConfigDict:
     )
     c.rollout = config_dict.ConfigDict(
         dict(
-            mesh="",  # empty: decode on the actor's mesh and layout
+            # Decode mesh of the 3D-HybridEngine, e.g. "data=4,tensor=2" over the actor's devices;
+            # empty: decode on the actor's mesh and layout.
+            mesh="",
+            hybrid_engine=True,  # False: ignore `mesh` and decode in the training layout
+            offload_optimizer=False,  # actor optimizer state in pinned host memory while decoding
             n=1,
             temperature=1.0,
             top_k=0,
@@ -113,14 +123,34 @@ def get_config() -> config_dict.ConfigDict:
             ),
         )
     )
+    c.reward = config_dict.ConfigDict(
+        dict(
+            custom_fn="",  # path/to/file.py:fn with (data_source, solution_str, ground_truth,
+            # extra_info); replaces the built-in rewards
+            num_workers=2,  # reward worker processes (0: score in the controller thread)
+            timeout_s=10.0,  # per-call limit; a reward that hangs or raises scores 0
+        )
+    )
     c.trainer = config_dict.ConfigDict(
         dict(
             total_steps=60,
-            test_freq=20,
+            test_freq=20,  # validate every N steps (and at the last one); 0: never
             val_before_train=True,
             sync_stage_timing=True,
-            log_every=1,
-            out_dir="runs/ppo_arith",
+            log_every=10,  # console summary line every N steps (0: validation lines only)
+            # Metric sinks, comma-separated: console, jsonl, tensorboard, wandb (optional).
+            logger="console,jsonl,tensorboard",
+            project_name="hfjax",  # W&B project
+            experiment_name="",  # W&B run name; empty: the out_dir's name
+            plot=True,  # <out_dir>/metrics.png: reward and validation accuracy vs step
+            jax_smi=False,  # device-memory tracking with jax-smi (GPU/TPU; no-op on CPU)
+            out_dir="runs/ppo_arith",  # metrics, tokenizer and checkpoints/ go here
+            save_freq=20,  # checkpoint every N steps, after the warm start and at the end
+            max_to_keep=2,
+            async_save=True,
+            # auto: continue from the newest readable checkpoint in out_dir, if any;
+            # disable: start fresh; or a path: a run's out_dir, a checkpoint root or step dir.
+            resume="auto",
         )
     )
     return c

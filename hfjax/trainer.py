@@ -1,9 +1,12 @@
-"""The training loop: builds worker groups from a config, then runs warm start, RL steps and
-validation. It talks to the user only through the `on_step` / `on_log` callbacks that the
-launcher passes in."""
+"""The training loop: builds worker groups from a config, then runs warm start, RL steps,
+validation, checkpoints and metrics (`Trainer.fit`). It talks to the user only through the
+metric sinks and the `on_log` callback that the launcher passes in."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -11,17 +14,22 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import logging
 from flax import nnx
 
+from hfjax import checkpoint as ckpt_lib
 from hfjax.algorithms import core
 from hfjax.algorithms.dataflow import Workers
 from hfjax.algorithms.registry import get_algorithm
 from hfjax.controller.batch import Batch
 from hfjax.controller.placement import resolve_placement
 from hfjax.data import arith
+from hfjax.data.dataset import Dataset, reward_meta
 from hfjax.engine.sampler import Sampler
 from hfjax.engine.update import check_mini_batching, make_optimizer
-from hfjax.models import transformer
+from hfjax.metrics import MetricsLogger, parse_sink_names
+from hfjax.models import load as load_model
+from hfjax.models import load_tokenizer, transformer
 from hfjax.models.config import ModelConfig
 from hfjax.parallel.mesh import MeshSpec, dp_size
 from hfjax.workers.actor import ActorRollout, Reference
@@ -53,22 +61,16 @@ def right_pad(seqs: list[list[int]], width: int, pad_id: int) -> tuple[np.ndarra
     return ids, mask
 
 
-def render_prompt(tok, messages: list[dict]) -> list[int]:
-    """Prompt ids: the chat template when the tokenizer has one, else the last message text."""
-    if getattr(tok, "chat_template", None):
-        return tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    return tok.encode(messages[-1]["content"], add_special_tokens=False)
-
-
 def validate_config(cfg) -> Any:
     """Checks names and batch arithmetic before anything is built; returns the Algorithm."""
     algo = get_algorithm(cfg.algorithm)
     core.ADV_ESTIMATORS.get(cfg.algo.adv_estimator)
     core.POLICY_LOSSES.get(cfg.actor.policy_loss)
     core.LOSS_AGG_MODES.get(cfg.actor.loss_agg_mode)
-    core.kl_penalty(jnp.zeros(()), jnp.zeros(()), cfg.algo.kl_penalty)
+    core.check_kl_name(cfg.algo.kl_penalty)
     if cfg.actor.use_kl_loss:
-        core.kl_penalty(jnp.zeros(()), jnp.zeros(()), cfg.actor.kl_loss_type)
+        core.check_kl_name(cfg.actor.kl_loss_type)
+    _check_run_keys(cfg.trainer)
     n_seq = cfg.data.train_batch_size * cfg.rollout.n
     pools = resolve_placement(_placement(cfg), _active_roles(algo), jax.devices())
     dp = dp_size(MeshSpec.parse(cfg.actor.mesh).build(pools["actor"].devices, "actor"))
@@ -82,6 +84,14 @@ def validate_config(cfg) -> Any:
         check_mini_batching(n_seq, cfg.critic.ppo_mini_batch_size * cfg.rollout.n,
                             cfg.critic.ppo_micro_batch_size, dpc, "critic")
     return algo, pools
+
+
+def _check_run_keys(t) -> None:
+    parse_sink_names(t.get("logger", ""))
+    resume = str(t.get("resume", "auto"))
+    if resume not in ("auto", "disable") and not os.path.isdir(resume):
+        raise ValueError(f"trainer.resume={resume!r}: not auto, disable or an existing "
+                         "checkpoint directory (a run's out_dir, checkpoint root or step dir)")
 
 
 def _placement(cfg):
@@ -99,26 +109,54 @@ class Trainer:
     def __init__(self, cfg):
         self.cfg = cfg
         self.algo, self.pools = validate_config(cfg)
-        self.tok = arith.tokenizer()
         d = cfg.data
-        if d.task != "arith":
-            raise ValueError(f"unknown data.task {d.task!r}; the built-in task is 'arith'")
-        self.train_rows = arith.problems(d.n_train, seed=cfg.seed, max_b=d.max_b)
-        self.test_rows = arith.problems(d.n_test, seed=cfg.seed + 10_000, max_b=d.max_b)
-        self.model_cfg = self._model_config()
+        self.tok = self._tokenizer()
+        self.train_data, self.test_data = self._datasets()
+        logging.info("train data: %s", self.train_data.report.summary())
+        logging.info("validation data: %s", self.test_data.report.summary())
+        self.train_iter = self.train_data.iterator(d.train_batch_size, seed=cfg.seed)
         self.pad = self.tok.pad_id
         self.eos = self.tok.eos_id
-        self._rng = np.random.default_rng(cfg.seed)
-        self._order = self._rng.permutation(len(self.train_rows))
-        self._cursor = 0
+        self.reward = RuleReward(self.tok, custom_fn=cfg.reward.custom_fn or None,
+                                 num_workers=cfg.reward.num_workers,
+                                 timeout_s=cfg.reward.timeout_s)
         self.step = 0
-        actor_model = transformer.build(self.model_cfg, "causal_lm", seed=cfg.seed)
-        self.actor = self._make_actor(actor_model)
+        initial = self._initial_model()
+        self.model_cfg = initial.config
+        self.actor = self._make_actor(initial)
         self.workers: Workers | None = None
 
     # -- construction ------------------------------------------------------------------------
 
-    def _model_config(self) -> ModelConfig:
+    def _tokenizer(self):
+        path = self.cfg.model.path
+        return load_tokenizer(path) if path else arith.tokenizer()
+
+    def _datasets(self):
+        """(train, validation) Datasets; bad rows fail or are counted here, before compiling."""
+        c, d = self.cfg, self.cfg.data
+        if d.task == "arith":
+            make = lambda n, seed: Dataset.arith(  # noqa: E731
+                n, seed, d.max_prompt_length, tokenizer=self.tok, max_b=d.max_b)
+            return make(d.n_train, c.seed), make(d.n_test, c.seed + 10_000)
+        if d.task == "parquet":
+            kw = dict(custom_reward_fn=c.reward.custom_fn or None)
+            return (Dataset.from_parquet(d.train_files.split(","), self.tok,
+                                         d.max_prompt_length, **kw),
+                    Dataset.from_parquet(d.val_files.split(","), self.tok,
+                                         d.max_prompt_length, **kw))
+        raise ValueError(f"unknown data.task {d.task!r}; use 'arith' (built in) or 'parquet' "
+                         "(with data.train_files and data.val_files)")
+
+    def _initial_model(self):
+        """The actor before training: a checkpoint from model.path, else a fresh tiny model."""
+        c = self.cfg
+        if c.model.path:
+            return load_model(c.model.path, dtype=c.model.dtype, scan_layers=c.model.scan_layers,
+                              remat_policy=c.model.remat_policy)
+        return transformer.build(self._scratch_config(), "causal_lm", seed=c.seed)
+
+    def _scratch_config(self) -> ModelConfig:
         m = self.cfg.model
         return ModelConfig(
             vocab_size=m.vocab_size or self.tok.vocab_size,
@@ -142,13 +180,20 @@ class Trainer:
         c = self.cfg
         pool = self.pools["actor"]
         mesh = pool.mesh(c.actor.mesh)
-        sampler = Sampler(model, mesh=mesh, max_prompt_len=c.data.max_prompt_length,
-                          pad_id=self.pad, rules=None)
+        # The 3D-HybridEngine (rollout.mesh + rollout.hybrid_engine): built first so that a
+        # decode layout that cannot hold the model fails before anything compiles.
+        from hfjax.engine.hybrid import engine_for
+        from hfjax.parallel.sharding import layout
+
+        rules = c.actor.get("rules", "train")
+        engine = engine_for(layout(mesh, rules), c.rollout, nnx.state(model))
+        sampler = Sampler(model, mesh=engine.decode_mesh if engine else mesh,
+                          max_prompt_len=c.data.max_prompt_length, pad_id=self.pad, rules=None)
         return ActorRollout(
-            "actor", pool, c.actor.mesh, model,
+            "actor", pool, c.actor.mesh, model, rules=rules,
             sampler=sampler, actor_cfg=c.actor, rollout_cfg=c.rollout,
             optimizer=make_optimizer(c.sft.lr, grad_clip=c.actor.grad_clip),
-            eos_ids=(self.eos,),
+            eos_ids=(self.eos,), hybrid=engine,
         )
 
     def _make_rl_workers(self) -> Workers:
@@ -176,39 +221,31 @@ class Trainer:
         a = c.algo
         kl = core.get_kl_controller(a.kl_ctrl.type, a.kl_ctrl.kl_coef, a.kl_ctrl.target_kl,
                                     a.kl_ctrl.horizon)
-        return Workers(actor=self.actor, ref=ref, critic=critic, reward=RuleReward(self.tok),
+        return Workers(actor=self.actor, ref=ref, critic=critic, reward=self.reward,
                        kl_ctrl=kl, sync_timing=c.trainer.sync_stage_timing)
 
     # -- data ----------------------------------------------------------------------------------
 
     def prompt_batch(self, rows: list[dict], seeds: np.ndarray) -> Batch:
         """Host batch of left-padded prompts with per-row seeds and reward metadata."""
-        ids, mask = left_pad([render_prompt(self.tok, r["prompt"]) for r in rows],
-                             self.cfg.data.max_prompt_length, self.pad)
-        return Batch(
-            {"prompts": ids, "prompt_mask": mask, "seeds": seeds.astype(np.int32)},
-            meta={
-                "data_source": [r["data_source"] for r in rows],
-                "ground_truth": [r["reward_model"]["ground_truth"] for r in rows],
-            },
-        )
-
-    def next_rows(self, n: int) -> list[dict]:
-        if self._cursor + n > len(self._order):
-            self._order = self._rng.permutation(len(self.train_rows))
-            self._cursor = 0
-        idx = self._order[self._cursor : self._cursor + n]
-        self._cursor += n
-        return [self.train_rows[i] for i in idx]
+        ids, mask = left_pad([r["prompt_ids"] for r in rows], self.cfg.data.max_prompt_length,
+                             self.pad)
+        return Batch({"prompts": ids, "prompt_mask": mask, "seeds": seeds.astype(np.int32)},
+                     meta=reward_meta(rows))
 
     # -- stages --------------------------------------------------------------------------------
 
-    def warm_start(self, on_log: Callable | None = None) -> dict:
-        """Supervised steps on the task's imperfect demonstrations; returns the last metrics."""
+    def warm_start(self, on_log: Callable | None = None,
+                   should_stop: Callable[[], bool] | None = None) -> dict:
+        """Supervised steps on the task's imperfect demonstrations; returns the last metrics
+        (empty when `should_stop` ended it early)."""
         s = self.cfg.sft
         if s.steps <= 0:
             return {}
-        pairs = arith.sft_texts(self.train_rows, s.corrupt_frac, seed=self.cfg.seed + 1,
+        if self.cfg.data.task != "arith":
+            raise ValueError("sft.steps > 0 needs data.task='arith' (the warm start uses its "
+                             "demonstrations); set --config.sft.steps=0 for other data")
+        pairs = arith.sft_texts(self.train_data.rows, s.corrupt_frac, seed=self.cfg.seed + 1,
                                 corruption=s.corruption)
         p = [self.tok.encode(q, add_special_tokens=False) for q, _ in pairs]
         r = [self.tok.encode(a, add_special_tokens=False) + [self.eos] for _, a in pairs]
@@ -218,6 +255,8 @@ class Trainer:
         rng = np.random.default_rng(self.cfg.seed + 2)
         m = {}
         for i in range(s.steps):
+            if should_stop is not None and should_stop():
+                return {}
             idx = rng.choice(len(pairs), s.batch_size, replace=False)
             b = Batch({
                 "input_ids": np.concatenate([pid[idx], rid[idx]], 1),
@@ -231,14 +270,16 @@ class Trainer:
         return {k: float(v) for k, v in jax.device_get(m).items()}
 
     def validate(self) -> dict[str, float]:
-        """Greedy exact-match accuracy on the held-out problems."""
-        rows = self.test_rows
+        """Greedy mean score per data_source on the validation set (accuracy for 0/1 rewards)."""
+        rows = self.test_data.rows
         batch = self.prompt_batch(rows, np.zeros(len(rows), np.int32))
         out = self.actor.generate(batch, greedy=True, n=1)
-        scored = RuleReward(self.tok).compute_reward(out)
+        scored = self.reward.compute_reward(out)
         with jax.transfer_guard("allow"):
-            acc = float(jnp.mean(jnp.sum(scored["token_level_scores"], axis=1)))
-        return {f"val-core/{arith.DATA_SOURCE}/acc/mean@1": acc}
+            scores = np.asarray(jnp.sum(scored["token_level_scores"], axis=1))
+        sources = np.asarray(out.meta["data_source"])
+        return {f"val-core/{ds}/acc/mean@1": float(scores[sources == ds].mean())
+                for ds in sorted(set(sources.tolist()))}
 
     def train_step(self) -> dict[str, float]:
         """One RL iteration; returns host metrics (the step's one metrics fetch)."""
@@ -247,7 +288,7 @@ class Trainer:
             self.workers = self._make_rl_workers()
         w = self.workers
         w.timing.clear()
-        rows = self.next_rows(c.data.train_batch_size)
+        rows = next(self.train_iter)
         seeds = (c.seed * 1_000_003 + self.step * 65_537 + np.arange(len(rows))) % (2**31)
         batch = self.prompt_batch(rows, seeds)
         t0 = time.perf_counter()
@@ -264,8 +305,215 @@ class Trainer:
         host["perf/total_num_tokens"] = tokens
         host["perf/throughput"] = tokens / wall
         host["actor/kl_coef"] = float(w.kl_ctrl.value)
+        host |= w.reward.pop_metrics()
         self.step += 1
         return host
+
+    # -- checkpoints ---------------------------------------------------------------------------
+
+    def ensure_rl_workers(self) -> Workers:
+        """The RL worker groups, built on first use (after the warm start)."""
+        if self.workers is None:
+            self.workers = self._make_rl_workers()
+        return self.workers
+
+    def checkpoint_items(self) -> dict[str, Any]:
+        """The arrays a checkpoint holds: params and optimizer state of each trained group, and
+        the reference's params (saved rather than rebuilt: they are the warm-started actor's)."""
+        w = self.ensure_rl_workers()
+        items = {"actor_params": w.actor.params, "actor_opt_state": w.actor.opt_state}
+        if w.ref is not None:
+            items["ref_params"] = w.ref.params
+        if w.critic is not None:
+            items["critic_params"] = w.critic.params
+            items["critic_opt_state"] = w.critic.opt_state
+        return items
+
+    def state_dict(self) -> dict:
+        """The host state that, with `checkpoint_items()`, fixes every later step (JSON-able).
+        Sampling seeds are a function of (seed, step), so the step carries them."""
+        w = self.ensure_rl_workers()
+        return {
+            "step": self.step,
+            "seed": self.cfg.seed,
+            "data": self._data_state(),
+            "kl_ctrl": {"type": type(w.kl_ctrl).__name__, **dataclasses.asdict(w.kl_ctrl)},
+            # Update programs shuffle mini-batches with a seed that counts their calls.
+            "train_calls": {name: g._train_calls for name, g in
+                            (("actor", w.actor), ("critic", w.critic)) if g is not None},
+            "model_config": dataclasses.asdict(self.model_cfg),
+        }
+
+    def load_state(self, restored: ckpt_lib.Restored) -> None:
+        """Installs a restored checkpoint: arrays into the worker groups, host state here."""
+        w = self.ensure_rl_workers()
+        it, st = restored.items, restored.state
+        w.actor.params, w.actor.opt_state = it["actor_params"], it["actor_opt_state"]
+        if w.ref is not None:
+            w.ref.params = it["ref_params"]
+        if w.critic is not None:
+            w.critic.params, w.critic.opt_state = it["critic_params"], it["critic_opt_state"]
+        self._load_data_state(st["data"])
+        kl = dict(st["kl_ctrl"])
+        kinds = {"FixedKLController": core.FixedKLController,
+                 "AdaptiveKLController": core.AdaptiveKLController}
+        w.kl_ctrl = kinds[kl.pop("type")](**kl)
+        for name, n in st["train_calls"].items():
+            getattr(w, name)._train_calls = int(n)
+        self.step = int(st["step"])
+
+    def _data_state(self) -> dict:
+        return self.train_iter.state()
+
+    def _load_data_state(self, d: dict) -> None:
+        try:
+            self.train_iter.restore(d)
+        except ValueError as err:
+            raise ckpt_lib.CheckpointMismatch(str(err)) from None
+
+    def resume(self, ckpt: ckpt_lib.RunCheckpointer | None,
+               mode: str = "auto") -> ckpt_lib.Restored | None:
+        """Applies `trainer.resume`:
+        - "auto": the newest readable checkpoint in `ckpt`, if it has any;
+        - "disable": a fresh start (refused when `ckpt` already holds checkpoints);
+        - a path (a run's out_dir, a checkpoint root or one step directory): that checkpoint.
+        Returns what was restored, or None for a fresh start."""
+        mode = str(mode or "auto")
+        own = ckpt.steps() if ckpt is not None else []
+        if mode == "disable":
+            if own:
+                raise ValueError(
+                    f"trainer.resume=disable, but {ckpt.directory} already holds checkpoints "
+                    f"(steps {own}); use trainer.resume=auto to continue that run, or choose "
+                    "another trainer.out_dir")
+            return None
+        step = None
+        if mode == "auto":
+            if not own:
+                return None
+            source = ckpt
+        else:
+            root, step = ckpt_lib.locate(mode)
+            if ckpt is not None and root == ckpt.directory:
+                source = ckpt
+            elif own:
+                raise ValueError(
+                    f"trainer.resume={mode}, but this run's {ckpt.directory} already holds "
+                    f"checkpoints (steps {own}); choose another trainer.out_dir")
+            else:
+                source = ckpt_lib.RunCheckpointer(root, read_only=True)
+        restored = source.restore_latest(self.checkpoint_items(), step=step)
+        self.load_state(restored)
+        if source is ckpt:
+            # Later steps are corrupt, or were passed over by an explicit step: new saves will
+            # reuse their numbers, so move them out of the way.
+            later = [s for s in ckpt.steps() if s > restored.step]
+            reason = "corrupt" if restored.skipped else "superseded"
+            for where in ckpt.set_aside(later, reason=reason):
+                logging.warning("moved checkpoint directory aside to %s", where)
+        diff = [k for k in ckpt_lib.config_diff(restored.config, config_json(self.cfg))
+                if k != "trainer.resume"]
+        if diff:
+            logging.warning("resuming from a checkpoint saved with a different config: %s",
+                            ", ".join(diff))
+        return restored
+
+    def save(self, ckpt: ckpt_lib.RunCheckpointer | None) -> None:
+        """Starts an async checkpoint of the current step."""
+        if ckpt is not None:
+            ckpt.save(self.step, self.checkpoint_items(), self.state_dict(),
+                      config_json(self.cfg))
+
+    # -- the run -------------------------------------------------------------------------------
+
+    def fit(
+        self,
+        ckpt: ckpt_lib.RunCheckpointer | None = None,
+        logger: MetricsLogger | None = None,
+        *,
+        resume: str = "auto",
+        on_log: Callable | None = None,
+        should_stop: Callable[[], bool] | None = None,
+    ) -> FitResult:
+        """Runs the job from wherever its checkpoints left it: warm start (logged and saved as
+        step 0), validation before training, RL steps with validation every `test_freq` steps
+        and at the last step, checkpoints every `save_freq` steps and at the last step.
+
+        When `should_stop()` turns true (SIGTERM), the run stops between steps, saves the
+        current step and returns with `preempted` set; during the warm start it stops without
+        a checkpoint, and the warm start reruns on the next start.
+        """
+        t = self.cfg.trainer
+        stop = should_stop or (lambda: False)
+        logger = logger if logger is not None else MetricsLogger()
+        restored = self.resume(ckpt, resume)
+        result = FitResult(resumed_from=None if restored is None else restored.step,
+                           skipped=[] if restored is None else restored.skipped)
+        logger.start(result.resumed_from)
+        if ckpt is not None:
+            self._save_tokenizer(os.path.dirname(ckpt.directory))
+        try:
+            if restored is None:
+                first = self.warm_start(on_log=on_log, should_stop=stop)
+                if stop():
+                    result.preempted = True
+                    return result
+                self.ensure_rl_workers()
+                if t.val_before_train:
+                    first |= self._timed_validate()
+                if first:
+                    logger.log(self.step, first)
+                if t.save_freq > 0:
+                    self.save(ckpt)
+            total = t.total_steps
+            while self.step < total and not stop():
+                m = self.train_step()
+                if t.test_freq > 0 and (self.step % t.test_freq == 0 or self.step == total):
+                    m |= self._timed_validate()
+                logger.log(self.step, m)
+                if t.save_freq > 0 and (self.step % t.save_freq == 0 or self.step == total):
+                    self.save(ckpt)
+            if self.step < total:
+                result.preempted = True
+                saved = ckpt is None or ckpt.last_saved == self.step or self.step in ckpt.steps()
+                if not saved:
+                    self.save(ckpt)
+        finally:
+            if ckpt is not None:
+                ckpt.wait()
+        result.step = self.step
+        return result
+
+    def _timed_validate(self) -> dict[str, float]:
+        t0 = time.perf_counter()
+        out = self.validate()
+        out["timing_s/testing"] = time.perf_counter() - t0
+        return out
+
+    def _save_tokenizer(self, out_dir: str) -> None:
+        # Export needs the run's tokenizer; it sits next to the checkpoints, written once.
+        path = os.path.join(out_dir, "tokenizer")
+        if os.path.isdir(path):
+            return
+        tmp = path + f".tmp-{os.getpid()}"
+        self.tok.save(tmp)
+        os.replace(tmp, path)
+
+
+@dataclasses.dataclass
+class FitResult:
+    """How `Trainer.fit` ended: the step reached, the step it resumed from (None: a fresh
+    start), corrupt checkpoints passed over, and whether a stop request cut it short."""
+
+    resumed_from: int | None = None
+    skipped: list[str] = dataclasses.field(default_factory=list)
+    preempted: bool = False
+    step: int = 0
+
+
+def config_json(cfg) -> dict:
+    """The resolved config as plain JSON data."""
+    return json.loads(cfg.to_json_best_effort(sort_keys=True))
 
 
 @jax.jit

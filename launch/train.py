@@ -5,11 +5,20 @@
     python -m launch.train --config.placement=split --config.actor.mesh=fsdp=2,tensor=2
 
 Prints a progress bar, per-stage timings and tokens/s; the last stdout line is JSON with the
-held-out accuracy before and after RL, the throughput and the wall time.
+held-out accuracy before and after RL, the throughput, the wall time, the step reached, the step
+the run resumed from (null: a fresh start) and whether SIGTERM cut it short.
+
+Everything the run writes goes under `--config.trainer.out_dir`: `metrics.jsonl` (one line per
+step), `tensorboard/`, `metrics.png`, `tokenizer/` and `checkpoints/<step>/`. Rerunning the same
+command continues from the newest readable checkpoint (`--config.trainer.resume=auto`, the
+default; `disable` starts fresh; a path resumes from that checkpoint). On SIGTERM the run
+finishes its current step, saves a checkpoint and exits with status 0; a second SIGTERM ends it
+at once.
 """
 
 import json
 import os
+import signal
 import sys
 import time
 
@@ -39,57 +48,143 @@ def _setup_devices():
         )
 
 
+class _Progress:
+    """A metrics sink for the console: the tqdm bar (step, reward, tokens/s) and the run's
+    throughput, counted over this process's RL steps after its first (which compiles)."""
+
+    def __init__(self, total: int, desc: str, ckpt_dir: str):
+        self.total, self.desc, self.ckpt_dir = total, desc, ckpt_dir
+        self.bar = None
+        self.tokens = self.seconds = 0.0
+        self.steps = 0
+        self.last: dict = {}
+
+    def start(self, resumed_from):
+        if resumed_from is not None:
+            print(f"resuming from {os.path.join(self.ckpt_dir, str(resumed_from))}", flush=True)
+
+    def write(self, step, m):
+        if "perf/total_num_tokens" not in m:  # step 0: warm start and validation only
+            return
+        if self.bar is None:  # opened at the first RL step, after the warm start's lines
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=self.total, initial=step - 1, desc=self.desc,
+                            file=sys.stdout, dynamic_ncols=True)
+        if self.steps:
+            self.tokens += m["perf/total_num_tokens"]
+            self.seconds += m["timing_s/step"]
+        self.steps += 1
+        self.last = dict(m)
+        self.bar.set_postfix(reward=f"{m['critic/score/mean']:.2f}",
+                             tok_s=f"{m['perf/throughput']:.0f}")
+        self.bar.update(1)
+
+    def print(self, line: str):
+        if self.bar is not None:
+            self.bar.write(line)
+        else:
+            print(line, flush=True)
+
+    def close(self):
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
 def main(argv):
     del argv
     _setup_devices()
     import jax
-    from tqdm import tqdm
 
     if jax.default_backend() == "cpu":
         # Simulated CPU devices share two cores: programs with collectives that overlap in
         # flight can starve each other's participants, so CPU runs dispatch synchronously.
         jax.config.update("jax_cpu_enable_async_dispatch", False)
 
-    from hfjax.trainer import Trainer
+    from hfjax import metrics
+    from hfjax.checkpoint import RunCheckpointer
+    from hfjax.trainer import Trainer, config_json
 
     cfg = _CONFIG.value
+    t = cfg.trainer
     logging.set_verbosity(logging.WARNING)
     t_start = time.perf_counter()
+    stop = _StopRequest()
+    signal.signal(signal.SIGTERM, stop.on_signal)
+    metrics.start_memory_tracking(t.jax_smi)
     trainer = Trainer(cfg)
     print(f"hfjax: {cfg.algorithm} on {jax.device_count()} {jax.devices()[0].platform} devices, "
-          f"placement={cfg.placement}, actor mesh={cfg.actor.mesh}", flush=True)
-    trainer.warm_start(on_log=lambda i, m: print(
-        f"  warm start step {i}: loss {m['sft/loss']:.3f}", flush=True))
-    acc_key = "val-core/hfjax/arith/acc/mean@1"
-    before = trainer.validate()[acc_key]
-    print(f"held-out accuracy before RL: {before:.3f}", flush=True)
-    tokens, rl_time = 0.0, 0.0
-    total = cfg.trainer.total_steps
-    bar = tqdm(range(total), desc=cfg.algorithm, file=sys.stdout, dynamic_ncols=True)
-    last = {}
-    for step in bar:
-        m = trainer.train_step()
-        last = m
-        if step > 0:  # the first step compiles; leave it out of the throughput
-            tokens += m["perf/total_num_tokens"]
-            rl_time += m["timing_s/step"]
-        bar.set_postfix(reward=f"{m['critic/score/mean']:.2f}",
-                        tok_s=f"{m['perf/throughput']:.0f}")
-        if cfg.trainer.test_freq and (step + 1) % cfg.trainer.test_freq == 0 and step + 1 < total:
-            acc = trainer.validate()[acc_key]
-            bar.write(f"step {step + 1}: held-out accuracy {acc:.3f}")
-    after = trainer.validate()[acc_key]
-    stages = "  ".join(f"{s} {last[f'timing_s/{s}']:.3f}s" for s in _STAGES
-                       if f"timing_s/{s}" in last)
-    print(f"last step timings: {stages}")
-    print(f"held-out accuracy after RL: {after:.3f} (before {before:.3f})")
-    tok_s = tokens / rl_time if rl_time else 0.0
+          f"placement={cfg.placement}, actor mesh={cfg.actor.mesh}, out_dir={t.out_dir}",
+          flush=True)
+    ckpt_dir = os.path.join(t.out_dir, "checkpoints")
+    ckpt = RunCheckpointer(ckpt_dir, max_to_keep=t.max_to_keep or None, async_save=t.async_save)
+    progress = _Progress(t.total_steps, cfg.algorithm, ckpt_dir)
+    logger = metrics.make_logger(
+        t.logger, t.out_dir, console=progress.print, console_every=t.log_every,
+        wandb_project=t.project_name, wandb_name=t.experiment_name, config=config_json(cfg),
+        extra=[progress],
+    )
+    try:
+        result = trainer.fit(
+            ckpt, logger, resume=t.resume, should_stop=stop.requested,
+            on_log=lambda i, m: print(f"  warm start step {i}: loss {m['sft/loss']:.3f}",
+                                      flush=True),
+        )
+    finally:
+        logger.close()
+        ckpt.close()
+    history = logger.history
+    if result.preempted:
+        where = (f"checkpoint {os.path.join(ckpt_dir, str(result.step))}"
+                 if os.path.isdir(os.path.join(ckpt_dir, str(result.step)))
+                 else "no checkpoint (stopped in the warm start)")
+        print(f"SIGTERM: stopped at step {result.step}, {where}; rerun the same command to "
+              "resume", flush=True)
+    last = progress.last
+    if last:
+        stages = "  ".join(f"{s} {last[f'timing_s/{s}']:.3f}s" for s in _STAGES
+                           if f"timing_s/{s}" in last)
+        print(f"last step timings: {stages}")
+    accs = [(r["step"], a) for r in history if (a := metrics.val_accuracy(r)) is not None]
+    before = next((a for s, a in accs if s == 0), None)
+    after = accs[-1][1] if accs and accs[-1][0] > 0 else None
+    if t.plot and history:
+        png = metrics.plot_run(history, os.path.join(t.out_dir, metrics.PLOT_NAME),
+                               title=f"{cfg.algorithm}: {t.out_dir}")
+        if png:
+            print(f"wrote {png}")
+    if after is not None:
+        print(f"held-out accuracy after RL: {after:.3f} (before {_fmt(before)})")
     print(json.dumps({
-        "heldout_accuracy_before": round(before, 4),
-        "heldout_accuracy_after": round(after, 4),
-        "tokens_per_s": round(tok_s, 1),
+        "heldout_accuracy_before": None if before is None else round(before, 4),
+        "heldout_accuracy_after": None if after is None else round(after, 4),
+        "tokens_per_s": round(progress.tokens / progress.seconds, 1) if progress.seconds else 0.0,
         "wall_s": round(time.perf_counter() - t_start, 1),
-    }))
+        "step": result.step,
+        "resumed_from": result.resumed_from,
+        "preempted": result.preempted,
+    }), flush=True)
+
+
+class _StopRequest:
+    """SIGTERM sets the request; the trainer checks it between steps, saves and returns. A
+    second SIGTERM is not caught, so it ends the process at once."""
+
+    def __init__(self):
+        self._set = False
+
+    def on_signal(self, signum, frame):
+        del frame
+        self._set = True
+        signal.signal(signum, signal.SIG_DFL)
+
+    def requested(self) -> bool:
+        return self._set
+
+
+def _fmt(x):
+    return "n/a" if x is None else f"{x:.3f}"
 
 
 if __name__ == "__main__":

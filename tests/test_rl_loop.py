@@ -43,6 +43,7 @@ def tiny_config(placement="colocate", algorithm="ppo"):
         role.ppo_mini_batch_size = 8  # prompts (times rollout.n sequences)
         role.ppo_micro_batch_size = 8  # sequences: a multiple of the largest dp size, 8
     c.trainer.sync_stage_timing = True
+    c.reward.num_workers = 0  # score in this process, where the test reward is registered
     return c
 
 
@@ -55,7 +56,7 @@ def with_placement(cfg, mapping):
 
 def make_trainer(cfg):
     trainer = Trainer(cfg)
-    for row in trainer.train_rows:
+    for row in trainer.train_data.rows:
         row["data_source"] = SOURCE
     return trainer
 

@@ -25,7 +25,6 @@ uninterrupted run would have drawn.
 
 from __future__ import annotations
 
-import collections
 import json
 import os
 import zlib
@@ -401,7 +400,3 @@ class PromptIterator:
         self.cursor = int(state["cursor"])
         self._order_epoch = -1
 
-
-def count_by_source(rows: Sequence[dict]) -> dict[str, int]:
-    """Rows per data_source."""
-    return dict(collections.Counter(r["data_source"] for r in rows))

@@ -1,4 +1,5 @@
-"""Byte accounting for resharding: what each device must receive, and what it holds.
+"""Resharding: byte accounting (what each device must receive, and what it holds) and the
+device-to-device transfer programs the hybrid engine builds on.
 
 A sharding maps every device to a *box* of the global array (one half-open interval per
 dimension, from `devices_indices_map`). Moving an array from a source sharding to a destination
@@ -7,22 +8,29 @@ sharding, a device must receive whatever part of its destination box it does not
     bytes received = |destination box| - |destination box ∩ local source box|
 
 This is a lower bound for any transfer scheme that never moves data a device already has, and
-it is exactly what the hybrid engine's transitions move. All functions here are pure: they look at
+it is exactly what the hybrid engine's transitions move. The accounting functions look at
 shardings and shapes (or at the shards of live arrays), never at values, so they work on abstract
-shapes (`jax.ShapeDtypeStruct`) as well as on real arrays.
+shapes (`jax.ShapeDtypeStruct`) as well as on real arrays. Per-device results are dicts keyed by
+device id.
 
-Per-device results are dicts keyed by device id.
+The transfer helpers move one array between shardings whose boxes nest (each source box inside
+its destination box) without a host round trip: an explicit `shard_map` all-gather, a jitted
+reshard, device-to-device copies of peer shards, and the local slice back. `relabel` gives the
+same buffers another sharding with equal boxes (no copy), and `offload`/`reload` park arrays in
+host memory on purpose.
 """
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Sharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
 
 Box = tuple[tuple[int, int], ...]
 
@@ -188,3 +196,149 @@ def live_bytes() -> dict[int, int]:
 def max_bytes(per_device: dict[int, int]) -> int:
     """Returns the largest per-device figure of a {device id: bytes} dict (0 when empty)."""
     return max(per_device.values(), default=0)
+
+
+# -- transfers ----------------------------------------------------------------------------------
+
+Gathered = Sequence[tuple[int, tuple[str, ...]]]
+
+
+def relabel(x: jax.Array, sharding: NamedSharding) -> jax.Array:
+    """Returns `x`'s device buffers as an array with `sharding`, which must give every device
+    the box it already holds (for example the same layout on a mesh with other axis names or
+    device order). Nothing is copied; the result shares `x`'s buffers."""
+    by_device = {s.device: s.data for s in x.addressable_shards}
+    order = sharding.addressable_devices_indices_map(x.shape)
+    return jax.make_array_from_single_device_arrays(
+        x.shape, sharding, [by_device[d] for d in order]
+    )
+
+
+def shares_buffers(x: jax.Array, y: jax.Array) -> bool:
+    """Returns True when `y` holds any of `x`'s device buffers (freeing `x` would break `y`)."""
+    mine = {(s.device.id, s.data.unsafe_buffer_pointer()) for s in x.addressable_shards}
+    return any((s.device.id, s.data.unsafe_buffer_pointer()) in mine for s in y.addressable_shards)
+
+
+def reshard_program(out_sharding: Sharding) -> Callable[[jax.Array], jax.Array]:
+    """Returns a jitted identity with a fixed output sharding: XLA inserts the collectives."""
+    return jax.jit(lambda x: x, out_shardings=out_sharding)
+
+
+def gather_program(
+    mesh: Mesh, in_spec: PartitionSpec, out_spec: PartitionSpec, gathered: Gathered,
+    out_sharding: Sharding,
+) -> Callable[[jax.Array], jax.Array]:
+    """Returns a jitted `shard_map` that all-gathers dimension `dim` over mesh axes `axes` for
+    each (dim, axes) in `gathered`, from `in_spec` to `out_spec` on `mesh`."""
+
+    def gather(x):
+        for dim, axes in gathered:
+            x = jax.lax.all_gather(x, axes if len(axes) > 1 else axes[0], axis=dim, tiled=True)
+        return x
+
+    # check_vma off: a tiled all-gather's result is the same on every member of the group, as
+    # out_spec states, but the checker cannot infer that.
+    body = jax.shard_map(gather, mesh=mesh, in_specs=in_spec, out_specs=out_spec,
+                         check_vma=False)
+    return jax.jit(body, out_shardings=out_sharding)
+
+
+def slice_program(
+    mesh: Mesh, in_spec: PartitionSpec, out_spec: PartitionSpec, gathered: Gathered,
+    out_sharding: Sharding,
+) -> Callable[[jax.Array], jax.Array]:
+    """Returns the inverse of `gather_program`: each device keeps its own piece of every
+    gathered dimension (indexed by its position along the axes). No communication."""
+
+    def local_slice(x):
+        for dim, axes in gathered:
+            ways = math.prod(mesh.shape[a] for a in axes)
+            index = 0
+            for a in axes:
+                index = index * mesh.shape[a] + jax.lax.axis_index(a)
+            size = x.shape[dim] // ways
+            x = jax.lax.dynamic_slice_in_dim(x, index * size, size, axis=dim)
+        return x
+
+    body = jax.shard_map(local_slice, mesh=mesh, in_specs=in_spec, out_specs=out_spec,
+                         check_vma=False)
+    return jax.jit(body, out_shardings=out_sharding)
+
+
+@functools.lru_cache(maxsize=256)
+def _concat(axis: int) -> Callable:
+    return jax.jit(lambda *xs: jnp.concatenate(xs, axis=axis))
+
+
+def gather_by_copies(
+    x: jax.Array, dst: NamedSharding, dims: Sequence[int]
+) -> tuple[jax.Array, dict[int, int]]:
+    """All-gathers `x` onto `dst` by device-to-device copies of peer shards and a local concat
+    along `dims` (outer first); every source box must lie inside its destination box.
+
+    Returns (the array on `dst`, {device id: bytes of peer pieces staged on it}).
+    """
+    have = boxes(x.sharding, x.shape)
+    want = boxes(dst, x.shape)
+    shards = {s.device.id: s.data for s in x.addressable_shards}
+    holders: dict[Box, int] = {}
+    for dev, box in have.items():
+        holders.setdefault(box, dev)
+    staged: dict[int, int] = {}
+    outs = []
+    for dev in dst.addressable_devices_indices_map(x.shape):
+        pieces = {}
+        for box in sorted(b for b in holders if contains(want[dev.id], b)):
+            src = dev.id if have[dev.id] == box else holders[box]
+            piece = shards[src]
+            if src != dev.id:
+                piece = jax.device_put(piece, dev)
+                staged[dev.id] = staged.get(dev.id, 0) + piece.nbytes
+            pieces[box] = piece
+        outs.append(_assemble(pieces, list(dims)))
+    return jax.make_array_from_single_device_arrays(x.shape, dst, outs), staged
+
+
+def _assemble(pieces: Mapping[Box, jax.Array], dims: Sequence[int]) -> jax.Array:
+    """Concatenates boxes that tile a larger box along `dims` (outer dims first)."""
+    if not dims:
+        (only,) = pieces.values()
+        return only
+    dim, rest = dims[0], dims[1:]
+    groups: dict[int, dict[Box, jax.Array]] = {}
+    for box, piece in pieces.items():
+        groups.setdefault(box[dim][0], {})[box] = piece
+    parts = [_assemble(groups[start], rest) for start in sorted(groups)]
+    return parts[0] if len(parts) == 1 else _concat(dim)(*parts)
+
+
+def offload(tree: Any) -> Any:
+    """Returns `tree` with every array moved to host memory (memory kind "pinned_host"), same
+    sharding; the device copies are freed. Meant for optimizer state during generation on an
+    accelerator, where it frees device memory for the KV cache."""
+
+    def one(x):
+        if not isinstance(x, jax.Array):
+            return x
+        y = jax.device_put(x, x.sharding.with_memory_kind("pinned_host"))
+        if not shares_buffers(x, y):
+            x.delete()
+        return y
+
+    return jax.tree.map(one, tree)
+
+
+def reload(tree: Any, shardings: Any) -> Any:
+    """Returns an `offload`ed tree back in device memory with `shardings` (a matching tree);
+    the host copies are freed."""
+
+    def one(x, sharding):
+        if not isinstance(x, jax.Array):
+            return x
+        y = jax.device_put(x, sharding)
+        if not shares_buffers(x, y):
+            x.delete()
+        return y
+
+    return jax.tree.map(one, tree, shardings)

@@ -117,8 +117,11 @@ def math_verify_score(solution_str: str, ground_truth: str) -> float:
 
 def check_latex_ground_truth(ground_truth: str, extra_info: dict | None = None) -> str | None:
     """Why math-verify cannot use `ground_truth` as a gold answer, or None."""
-    if not _parse_gold(ground_truth):
-        return f"math-verify cannot parse ground truth {ground_truth!r}"
+    gold = _parse_gold(ground_truth)
+    # math-verify keeps an unparseable answer as raw text, which only a character-identical
+    # response would match: treat it as unparseable.
+    if all(isinstance(g, str) for g in gold):
+        return f"math-verify cannot parse ground truth {ground_truth!r} as math"
     if math_verify_score(f"\\boxed{{{ground_truth}}}", ground_truth) != 1.0:
         return f"math-verify does not find ground truth {ground_truth!r} equal to itself"
     return None

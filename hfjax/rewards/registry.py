@@ -100,7 +100,7 @@ def resolve_reward(
             return resolver(data_source)
     raise ValueError(
         f"no reward function for data_source {data_source!r}"
-        + (f" (reward_model.style {style!r})" if style else "")
+        + (f" (reward_model.style {style!r})" if style and style not in _GENERIC_STYLES else "")
         + f"; known: {', '.join(known_sources())}. Register one with @register_reward, or set "
         "reward.custom_fn=path/to/file.py:fn"
     )

@@ -13,11 +13,13 @@ import jax
 import jax.numpy as jnp
 
 from hfjax.algorithms import core
-from hfjax.controller.batch import Batch
+from hfjax.controller.batch import Batch, transfer
 from hfjax.controller.protocol import DP_COMPUTE
 from hfjax.controller.worker_group import WorkerGroup, method
-from hfjax.engine.sampler import SamplingParams
+from hfjax.engine.sampler import GenerateOutput, SamplingParams
 from hfjax.engine.update import share_of_normaliser
+from hfjax.parallel import reshard
+from hfjax.parallel.mesh import batch_sharding
 
 
 def response_logprobs(model, input_ids, attention_mask, response_len: int, temperature: float):
@@ -56,21 +58,34 @@ class ActorRollout(Reference):
     """The policy: generates, scores its own samples, and takes PPO-style updates.
 
     `rollout_params()` is where the hybrid engine plugs in: it returns the parameters in the
-    layout used for decoding. Without the engine that is the training layout itself.
+    layout used for decoding. Without the engine that is the training layout itself; with one
+    (`hybrid`, a `hfjax.engine.hybrid.HybridEngine` over this group's layout), the params move
+    to the decode layout for each generate call and back after it, and the sampler must run on
+    the engine's decode mesh.
     """
 
     def __init__(self, *args, sampler: Any, actor_cfg: Any, rollout_cfg: Any,
-                 eos_ids: tuple[int, ...] = (), **kw):
+                 eos_ids: tuple[int, ...] = (), hybrid: Any = None, **kw):
         super().__init__(*args, temperature=rollout_cfg.temperature, **kw)
         self.sampler = sampler
         self.eos_ids = tuple(eos_ids)
         self.acfg = actor_cfg
         self.rcfg = rollout_cfg
+        self.hybrid = hybrid
 
     # -- generation -------------------------------------------------------------------------
 
     def rollout_params(self):
-        return self.params
+        """Returns the params in the decode layout. With the hybrid engine this consumes
+        `self.params` until `release_rollout_params` hands them back."""
+        if self.hybrid is None:
+            return self.params
+        return self.hybrid.to_decode(self.params)
+
+    def release_rollout_params(self, params) -> None:
+        """Restores the training params after generation (a local slice with the engine)."""
+        if self.hybrid is not None:
+            self.params = self.hybrid.to_train(params)
 
     def generate(self, batch: Batch, *, greedy: bool = False, n: int | None = None) -> Batch:
         """Samples n responses per prompt of a host batch (prompts, prompt_mask, seeds).
@@ -91,10 +106,24 @@ class ActorRollout(Reference):
             n=n,
             eos_ids=self.eos_ids,
         )
-        out = self.sampler.generate(
-            self.rollout_params(), batch["prompts"], batch["prompt_mask"], params,
-            seed=batch["seeds"],
-        )
+        # Optionally park the optimizer state in host memory while the KV cache needs room.
+        offload = self.rcfg.get("offload_optimizer", False) and self.opt_state is not None
+        if offload:
+            self.opt_state = reshard.offload(self.opt_state)
+        state = self.rollout_params()
+        try:
+            out = self.sampler.generate(
+                state, batch["prompts"], batch["prompt_mask"], params, seed=batch["seeds"],
+            )
+        finally:
+            self.release_rollout_params(state)
+            if offload:
+                self.opt_state = reshard.reload(self.opt_state, self.opt_shardings)
+        if self.hybrid is not None:
+            # The decode mesh orders the same devices differently; programs below mix these
+            # rows with the actor mesh's prompts, so the rows move over (device to device).
+            rows = batch_sharding(self.mesh)
+            out = GenerateOutput(*(transfer(x, rows) for x in out))
         rep = batch.select(["prompts", "prompt_mask"]).repeat(n, interleave=True)
         # The prompts' deliberate upload from the host data pipeline (the sampler's own upload
         # is bucketed and padded, so it can't be reused here).

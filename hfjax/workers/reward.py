@@ -76,9 +76,13 @@ class RuleReward:
         n = len(texts)
         extra_infos = list(extra_infos) if extra_infos is not None else [None] * n
         styles = list(styles) if styles is not None else [None] * n
-        fns = [
-            get_reward_fn(str(sources[i]), _opt_str(styles[i]), self.custom_fn) for i in range(n)
-        ]
+        resolved: dict[tuple, object] = {}
+        fns = []
+        for i in range(n):
+            key = (str(sources[i]), _opt_str(styles[i]))
+            if key not in resolved:
+                resolved[key] = get_reward_fn(*key, self.custom_fn)
+            fns.append(resolved[key])
         args = [
             (str(sources[i]), texts[i], str(truths[i]), _plain(extra_infos[i])) for i in range(n)
         ]

@@ -1,0 +1,331 @@
+"""Run checkpoints on an Orbax `CheckpointManager`.
+
+A checkpoint is one step directory `<root>/<step>/` holding
+- one array item per model state, e.g. `actor_params`, `actor_opt_state`, `ref_params`,
+  `critic_params`, `critic_opt_state`: each a flat `{leaf name: jax.Array}` dict, where the leaf
+  name is the leaf's pytree path (`model.layers.q_proj.value`, `1.0.mu.model.embed_tokens.value`),
+  so any pytree (an `nnx.State`, an optax state) saves without Orbax knowing its node types;
+- `trainer`: JSON host state (step, data order and RNG, KL controller, …) plus the shape, dtype
+  and a fingerprint of every saved array;
+- `config`: the run's resolved config as JSON.
+
+Saves are asynchronous: `save` returns once the arrays are copied off the devices, and Orbax
+writes under `<step>.orbax-checkpoint-tmp*` and renames the directory into place when every item
+is complete. A save killed half way never becomes a step, and the next manager removes its
+temporary directory.
+
+Restores read onto the shardings of the *current* run's arrays (Orbax reshards), so a checkpoint
+saved on one mesh or placement restores on another. A checkpoint that fails to read, or whose
+arrays do not match their saved fingerprints (a truncated, deleted or overwritten file), is
+corrupt: `restore_latest` warns, naming it, and falls back to the step before. A checkpoint whose
+structure does not match the run (another model size) is not corrupt but a mistake, and raises.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+from absl import logging
+
+TRAINER_ITEM = "trainer"
+CONFIG_ITEM = "config"
+RESERVED = (TRAINER_ITEM, CONFIG_ITEM)
+ARRAYS = "arrays"
+
+
+class CheckpointCorrupt(RuntimeError):
+    """A checkpoint that cannot be read back as it was written."""
+
+
+class CheckpointMismatch(ValueError):
+    """A readable checkpoint whose arrays do not fit the current run's structure."""
+
+
+# -- pytrees as flat named dicts -------------------------------------------------------------
+
+
+def _key_str(k) -> str:
+    for attr in ("key", "idx", "name"):
+        if hasattr(k, attr):
+            return str(getattr(k, attr))
+    return str(k)
+
+
+def named_leaves(tree: Any) -> dict[str, Any]:
+    """{dotted pytree path: leaf} in flatten order."""
+    out: dict[str, Any] = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        name = ".".join(_key_str(k) for k in path) or "value"
+        if name in out:
+            raise ValueError(f"two leaves share the checkpoint name {name!r}")
+        out[name] = leaf
+    return out
+
+
+def _abstract(x) -> jax.ShapeDtypeStruct:
+    sharding = getattr(x, "sharding", None)
+    if sharding is None:
+        raise ValueError(f"restore target leaf {x!r} has no sharding")
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+
+# -- fingerprints ----------------------------------------------------------------------------
+
+
+def _fingerprint(x: jax.Array) -> jax.Array:
+    # A position-weighted sum of the raw bits modulo 2**32: integer addition is associative,
+    # so the value is the same whatever the sharding or reduction order, and a changed, zeroed or
+    # moved element changes it.
+    if x.dtype == jnp.bool_:
+        x = x.astype(jnp.uint8)
+    size = x.dtype.itemsize
+    if size == 8:
+        bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    else:
+        uint = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[size]
+        bits = jax.lax.bitcast_convert_type(x, uint).astype(jnp.uint32)
+    bits = bits.reshape(-1)
+    weights = jnp.arange(bits.size, dtype=jnp.uint32) * jnp.uint32(2654435761) + jnp.uint32(1)
+    return jnp.sum(bits * weights, dtype=jnp.uint32)
+
+
+@jax.jit
+def _fingerprints(arrays: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    return {k: _fingerprint(v) for k, v in arrays.items()}
+
+
+def _describe(arrays: Mapping[str, jax.Array]) -> dict[str, dict]:
+    fps = fingerprints(arrays)
+    return {k: {"shape": list(v.shape), "dtype": np.dtype(v.dtype).name, "fingerprint": fps[k]}
+            for k, v in arrays.items()}
+
+
+def fingerprints(arrays: Mapping[str, jax.Array]) -> dict[str, int]:
+    """{name: 32-bit fingerprint} of a named array dict (one small deliberate host fetch)."""
+    with jax.transfer_guard("allow"):
+        return {k: int(v) for k, v in jax.device_get(_fingerprints(dict(arrays))).items()}
+
+
+# -- locating checkpoints --------------------------------------------------------------------
+
+
+def locate(path: str) -> tuple[str, int | None]:
+    """(checkpoint root, step or None for the latest) for a run's out_dir, a checkpoint root or
+    one step directory."""
+    path = os.path.abspath(path)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"no checkpoint directory at {path}")
+    if os.path.isdir(os.path.join(path, "checkpoints")):
+        return os.path.join(path, "checkpoints"), None
+    base = os.path.basename(path)
+    if base.isdigit() and os.path.isdir(os.path.join(path, TRAINER_ITEM)):
+        return os.path.dirname(path), int(base)
+    return path, None
+
+
+Targets = Mapping[str, Any] | Callable[[dict], Mapping[str, Any]]
+
+
+@dataclasses.dataclass
+class Restored:
+    """One checkpoint read back: its step, array items (in the targets' pytree structures), the
+    trainer state and the saved config."""
+
+    step: int
+    items: dict[str, Any]
+    state: dict
+    config: dict
+    skipped: list[str] = dataclasses.field(default_factory=list)
+
+
+class RunCheckpointer:
+    """Saves and restores a run's checkpoints under `directory` (see the module docstring)."""
+
+    def __init__(self, directory: str, *, max_to_keep: int | None = 2, async_save: bool = True,
+                 read_only: bool = False):
+        self.directory = os.path.abspath(directory)
+        if read_only and not os.path.isdir(self.directory):
+            raise FileNotFoundError(f"no checkpoint directory at {self.directory}")
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=max_to_keep,
+            enable_async_checkpointing=async_save,
+            create=not read_only,
+            read_only=read_only,
+            cleanup_tmp_directories=not read_only,
+        )
+        self._mgr = ocp.CheckpointManager(self.directory, options=options)
+        self.last_saved: int | None = None
+
+    # -- saving --------------------------------------------------------------------------------
+
+    def save(self, step: int, items: Mapping[str, Any], state: Mapping[str, Any],
+             config: Mapping[str, Any]) -> None:
+        """Starts an async save of array items (pytrees), JSON trainer state and config."""
+        bad = [k for k in items if k in RESERVED]
+        if bad:
+            raise ValueError(f"array item names {bad} are reserved for the checkpoint's JSON")
+        arrays = {name: named_leaves(tree) for name, tree in items.items()}
+        state = dict(state)
+        state[ARRAYS] = {name: _describe(a) for name, a in arrays.items()}
+        args = {name: ocp.args.StandardSave(a) for name, a in arrays.items()}
+        args[TRAINER_ITEM] = ocp.args.JsonSave(state)
+        args[CONFIG_ITEM] = ocp.args.JsonSave(dict(config))
+        t0 = time.perf_counter()
+        self._mgr.save(step, args=ocp.args.Composite(**args), force=True)
+        self.last_saved = step
+        logging.info("checkpoint %s/%d: save started (%.2fs blocking)", self.directory, step,
+                     time.perf_counter() - t0)
+
+    def wait(self) -> None:
+        """Blocks until the pending save is on disk."""
+        self._mgr.wait_until_finished()
+
+    def close(self) -> None:
+        self._mgr.close()
+
+    # -- reading -------------------------------------------------------------------------------
+
+    def steps(self) -> list[int]:
+        """Finished checkpoint steps, oldest first."""
+        self._mgr.reload()
+        return sorted(self._mgr.all_steps())
+
+    def step_dir(self, step: int) -> str:
+        return os.path.join(self.directory, str(step))
+
+    def read_json(self, step: int) -> tuple[dict, dict]:
+        """(trainer state, config) of a step."""
+        try:
+            r = self._mgr.restore(step, args=ocp.args.Composite(
+                **{TRAINER_ITEM: ocp.args.JsonRestore(), CONFIG_ITEM: ocp.args.JsonRestore()}))
+            state, config = r[TRAINER_ITEM], r[CONFIG_ITEM]
+        except Exception as e:  # noqa: BLE001 - any read failure means the step is unreadable
+            raise CheckpointCorrupt(f"{self.step_dir(step)}: trainer state or config unreadable "
+                                    f"({type(e).__name__}: {_short(e)})") from e
+        if not isinstance(state, dict) or ARRAYS not in state:
+            raise CheckpointCorrupt(f"{self.step_dir(step)}: trainer state lists no arrays")
+        return state, config
+
+    def _check_structure(self, step: int, state: dict, targets: Mapping[str, dict]) -> None:
+        saved = state[ARRAYS]
+        where = self.step_dir(step)
+        for item, leaves in targets.items():
+            if item not in saved:
+                raise CheckpointMismatch(
+                    f"{where} has no {item!r} (it holds {sorted(saved)}); was it saved by a run "
+                    "with other roles? Resume with the same algorithm, or start a new run "
+                    "(trainer.resume=disable, or another trainer.out_dir)")
+            missing = sorted(set(leaves) - set(saved[item]))
+            extra = sorted(set(saved[item]) - set(leaves))
+            if missing or extra:
+                raise CheckpointMismatch(
+                    f"{where}/{item} does not fit this run: missing {missing[:4]}, unexpected "
+                    f"{extra[:4]}; was it saved with another model or optimizer?")
+            for name, x in leaves.items():
+                rec = saved[item][name]
+                if list(rec["shape"]) != list(x.shape) or rec["dtype"] != np.dtype(x.dtype).name:
+                    raise CheckpointMismatch(
+                        f"{where}/{item}/{name} is {rec['dtype']}{list(rec['shape'])}, this run "
+                        f"needs {np.dtype(x.dtype).name}{list(x.shape)}; was it saved with "
+                        "another model config?")
+
+    def restore(self, step: int, targets: Targets) -> Restored:
+        """Reads one step onto the shardings of `targets` ({item: pytree of arrays or
+        ShapeDtypeStructs with shardings}, or a function of the step's trainer state that
+        returns them); raises CheckpointCorrupt or CheckpointMismatch."""
+        state, config = self.read_json(step)
+        if callable(targets):
+            targets = targets(state)
+        named = {item: named_leaves(tree) for item, tree in targets.items()}
+        self._check_structure(step, state, named)
+        abstract = {item: {k: _abstract(v) for k, v in leaves.items()}
+                    for item, leaves in named.items()}
+        try:
+            r = self._mgr.restore(step, args=ocp.args.Composite(
+                **{item: ocp.args.StandardRestore(a) for item, a in abstract.items()}))
+        except Exception as e:  # noqa: BLE001
+            raise CheckpointCorrupt(f"{self.step_dir(step)}: arrays unreadable "
+                                    f"({type(e).__name__}: {_short(e)})") from e
+        items = {}
+        for item, tree in targets.items():
+            arrays = r[item]
+            got = fingerprints(arrays)
+            want = state[ARRAYS][item]
+            bad = [k for k in named[item] if got[k] != want[k]["fingerprint"]]
+            if bad:
+                raise CheckpointCorrupt(f"{self.step_dir(step)}/{item}: {len(bad)} array(s) "
+                                        f"differ from what was saved, e.g. {bad[0]}")
+            treedef = jax.tree_util.tree_structure(tree)
+            items[item] = jax.tree_util.tree_unflatten(treedef, [arrays[k] for k in named[item]])
+        state = {k: v for k, v in state.items() if k != ARRAYS}
+        return Restored(step=step, items=items, state=state, config=config)
+
+    def restore_latest(self, targets: Targets, step: int | None = None) -> Restored:
+        """Restores `step`, or else the newest readable step, passing over corrupt ones with a
+        warning that names each; raises CheckpointCorrupt when none is readable."""
+        steps = self.steps()
+        if step is not None:
+            if step not in steps:
+                raise FileNotFoundError(f"no checkpoint step {step} in {self.directory} "
+                                        f"(steps: {steps})")
+            return self.restore(step, targets)
+        if not steps:
+            raise FileNotFoundError(f"no checkpoints in {self.directory}")
+        skipped = []
+        for s in reversed(steps):
+            try:
+                out = self.restore(s, targets)
+            except CheckpointCorrupt as e:
+                logging.warning("checkpoint %s is corrupt or partial, falling back to an earlier "
+                                "one: %s", self.step_dir(s), e)
+                skipped.append(self.step_dir(s))
+                continue
+            out.skipped = skipped
+            return out
+        raise CheckpointCorrupt(f"no readable checkpoint in {self.directory}; corrupt: {skipped}")
+
+    def set_aside(self, steps: list[int], reason: str = "corrupt") -> list[str]:
+        """Moves the given step directories to `<root>.<reason>/` (so new saves may reuse their
+        step numbers) and returns where they went."""
+        moved = []
+        for s in steps:
+            src = self.step_dir(s)
+            if not os.path.isdir(src):
+                continue
+            dst_root = f"{self.directory}.{reason}"
+            os.makedirs(dst_root, exist_ok=True)
+            dst = os.path.join(dst_root, f"{s}-{time.strftime('%Y%m%d-%H%M%S')}")
+            shutil.move(src, dst)
+            moved.append(dst)
+        self._mgr.reload()
+        return moved
+
+
+def _short(e: BaseException, n: int = 200) -> str:
+    s = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return s[:n]
+
+
+def config_diff(saved: Mapping[str, Any], current: Mapping[str, Any],
+                prefix: str = "") -> list[str]:
+    """Dotted keys whose values differ between two nested config dicts."""
+    out = []
+    for k in sorted(set(saved) | set(current)):
+        a, b = saved.get(k), current.get(k)
+        key = f"{prefix}{k}"
+        if isinstance(a, Mapping) and isinstance(b, Mapping):
+            out += config_diff(a, b, key + ".")
+        elif json.dumps(a, sort_keys=True, default=str) != json.dumps(b, sort_keys=True,
+                                                                       default=str):
+            out.append(key)
+    return out

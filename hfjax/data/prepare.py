@@ -1,0 +1,140 @@
+"""Writes task sets as train/test parquet files in verl's schema (see docs/data.md).
+
+Tasks: reasoning-gym's gsm_symbolic, basic_arithmetic, countdown and chain_sum, and the
+embedded arithmetic task `arith`.
+
+- A reasoning-gym row has data_source `reasoning_gym/<task>`. Its prompt is the generated
+  question followed by verl's GSM8K instruction (`GSM_SUFFIX`), because the reward reads the
+  answer after `####`. Its ground truth is the entry's answer, and `extra_info["entry"]` holds
+  the whole entry as JSON (values JSON cannot hold, such as fractions, written as text) for
+  reasoning-gym's scorer.
+- An `arith` row is `hfjax.data.arith`'s row: data_source `hfjax/arith`, prompt "a+b=".
+
+Train and test come from one seeded stream of problems, deduplicated by prompt, so the two
+splits never share a question and the same seed always writes the same files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from hfjax.data import arith
+
+GSM_SUFFIX = 'Let\'s think step by step and output the final answer after "####".'
+RG_PREFIX = "reasoning_gym/"
+RG_TASKS = {
+    "gsm_symbolic": "math",
+    "basic_arithmetic": "arithmetic",
+    "countdown": "arithmetic",
+    "chain_sum": "arithmetic",
+}
+TASKS = (*RG_TASKS, "arith")
+
+_MESSAGES = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
+_REWARD_MODEL = pa.struct([("style", pa.string()), ("ground_truth", pa.string())])
+
+
+def write_rows(rows: list[dict], path: str | os.PathLike) -> None:
+    """Write verl-schema rows to one parquet file (extra_info's struct type is inferred)."""
+    if not rows:
+        raise ValueError(f"no rows to write to {path}")
+    columns = {
+        "data_source": pa.array([r["data_source"] for r in rows], pa.string()),
+        "prompt": pa.array([r["prompt"] for r in rows], _MESSAGES),
+        "ability": pa.array([r.get("ability") for r in rows], pa.string()),
+        "reward_model": pa.array([r["reward_model"] for r in rows], _REWARD_MODEL),
+        "extra_info": pa.array([r.get("extra_info") for r in rows]),
+    }
+    pq.write_table(pa.table(columns), os.fspath(path))
+
+
+def _rg_stream(task: str, seed: int, config: dict, size: int) -> Iterator[dict]:
+    import reasoning_gym
+
+    start = 0
+    while True:
+        # Some generators precompute per-entry choices for the whole size, so the dataset is
+        # made as large as needed and regrown (same seed) only if duplicates run it short.
+        ds = reasoning_gym.create_dataset(task, seed=seed, size=size, **config)
+        for index in range(start, size):
+            entry = ds[index]
+            question = entry["question"].rstrip()
+            yield {
+                "data_source": RG_PREFIX + task,
+                "prompt": [{"role": "user", "content": f"{question} {GSM_SUFFIX}"}],
+                "ability": RG_TASKS[task],
+                "reward_model": {"style": "rule", "ground_truth": str(entry["answer"])},
+                "extra_info": {
+                    "question": entry["question"],
+                    "entry": json.dumps(entry, default=str, sort_keys=True),
+                },
+            }
+        start, size = size, size * 2
+
+
+def _arith_stream(seed: int, config: dict) -> Iterator[dict]:
+    size, start = 1024, 0
+    while True:
+        # problems() draws from one generator, so a longer list extends a shorter one.
+        rows = arith.problems(size, seed=seed, **config)
+        yield from rows[start:]
+        start, size = size, size * 2
+
+
+def make_splits(
+    task: str, n_train: int, n_test: int, seed: int = 0, config: dict | None = None
+) -> tuple[list[dict], list[dict]]:
+    """(train rows, test rows): distinct prompts drawn from one seeded stream."""
+    if task not in TASKS:
+        raise ValueError(f"unknown task {task!r}; choose one of {', '.join(TASKS)}")
+    if n_train < 0 or n_test < 0 or n_train + n_test == 0:
+        raise ValueError(f"need n_train, n_test >= 0 and not both 0, got {n_train}, {n_test}")
+    config = dict(config or {})
+    splits: dict[str, list[dict]] = {"train": [], "test": []}
+    wanted = {"train": n_train, "test": n_test}
+    split = "train" if n_train else "test"
+    if task == "arith":
+        stream = _arith_stream(seed, config)
+    else:
+        stream = _rg_stream(task, seed, config, size=(n_train + n_test) * 5 // 4 + 16)
+    seen: set[str] = set()
+    drawn, limit = 0, 20 * (n_train + n_test) + 1000
+    for row in stream:
+        drawn += 1
+        if drawn > limit:
+            raise ValueError(
+                f"task {task}: only {len(seen)} distinct prompts in {limit} draws, fewer than "
+                f"n_train + n_test = {n_train + n_test}; ask for fewer or widen the task config"
+            )
+        text = row["prompt"][-1]["content"]
+        if text in seen:
+            continue
+        seen.add(text)
+        row["extra_info"] = dict(row["extra_info"], split=split, index=len(splits[split]))
+        splits[split].append(row)
+        if len(splits[split]) == wanted[split]:
+            if split == "test" or n_test == 0:
+                break
+            split = "test"
+    return splits["train"], splits["test"]
+
+
+def prepare(
+    task: str, n_train: int, n_test: int, out_dir: str | os.PathLike, seed: int = 0,
+    config: dict | None = None,
+) -> dict[str, str]:
+    """Write `train.parquet` and `test.parquet` for `task` into `out_dir`; returns the paths
+    of the files written (a split with 0 rows is not written)."""
+    train, test = make_splits(task, n_train, n_test, seed, config)
+    os.makedirs(out_dir, exist_ok=True)
+    paths = {}
+    for split, rows in (("train", train), ("test", test)):
+        if rows:
+            paths[split] = os.path.join(os.fspath(out_dir), f"{split}.parquet")
+            write_rows(rows, paths[split])
+    return paths

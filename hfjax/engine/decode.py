@@ -1,0 +1,141 @@
+"""The decode step: one new token per row against a per-layer KV cache.
+
+The model's own forward pass (`Backbone` with a `KVCache`) serves prefill. For the one-token
+decode step on CPU it leaves a lot of time on the table, for two reasons measured on
+SmolLM2-135M (batch 16, 192 cache slots; see docs/benchmarks.md):
+
+- scanning over stacked layers makes every step dynamic-slice (copy) each layer's weights before
+  its matmuls, so the weights cross memory three times per step instead of once;
+- a [layers, batch, slots, kv_heads, head_dim] cache makes attention transpose each layer's
+  keys and values to a matmul-friendly layout on every step.
+
+This module runs the same layer math (`hfjax.models.transformer`'s RMSNorm and RoPE, the same
+projections, biases, q/k norms and grouped-query attention) with layers unrolled over weights
+sliced once per program call, and keeps the cache as one [batch, kv_heads, slots, head_dim]
+pair per layer, so attention reads it in place and each step writes one slot.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from hfjax.models.config import ModelConfig
+from hfjax.models.transformer import KVCache, apply_rope, rms_norm, rope_inv_freq
+
+
+class LayerCache(NamedTuple):
+    """One layer's keys and values: [rows, kv_heads, slots, head_dim] each."""
+
+    k: jax.Array
+    v: jax.Array
+
+
+def split_layers(model) -> list[dict[str, jax.Array]]:
+    """Each layer's parameter arrays (static slices of the stacked ones); returns one dict per
+    layer. Call it inside a program but outside its decode loop: the slices are then made once
+    per call, not once per step."""
+    stacked = model.model.layers.arrays()
+    return [{k: v[i] for k, v in stacked.items()} for i in range(model.config.num_layers)]
+
+
+def cache_from_prefill(cache: KVCache, n: int, new_slots: int) -> tuple[LayerCache, ...]:
+    """Per-layer decode cache from a prefill `KVCache` [layers, B, P, kv_heads, head_dim].
+
+    Rows are repeated n times (row b * n + j is sample j of prompt b) and `new_slots` empty
+    slots are appended after the P prompt slots. Returns one LayerCache per layer with arrays
+    [B * n, kv_heads, P + new_slots, head_dim].
+    """
+
+    def convert(x: jax.Array) -> jax.Array:  # [B, P, K, H] -> [B * n, K, P + new, H]
+        x = jnp.repeat(x, n, axis=0) if n > 1 else x
+        x = jnp.swapaxes(x, 1, 2)
+        return jnp.pad(x, ((0, 0), (0, 0), (0, new_slots), (0, 0)))
+
+    return tuple(
+        LayerCache(convert(cache.k[i]), convert(cache.v[i])) for i in range(cache.k.shape[0])
+    )
+
+
+def _layer(
+    cfg: ModelConfig,
+    inv_freq: jax.Array,
+    p: dict[str, jax.Array],
+    h: jax.Array,
+    positions: jax.Array,
+    valid: jax.Array,
+    kv: LayerCache,
+    slot: jax.Array,
+) -> tuple[jax.Array, LayerCache]:
+    """One decoder layer for h [R, 1, D]; returns (new h, the cache with `slot` written)."""
+    dt = cfg.jnp_dtype
+    w = lambda name: p[name].astype(dt)
+    rows, kv_heads, head_dim = h.shape[0], cfg.num_kv_heads, cfg.head_dim
+    group = cfg.num_heads // kv_heads
+
+    x = rms_norm(h, p["input_norm"], cfg.rms_norm_eps)
+    q = jnp.einsum("btd,dnh->btnh", x, w("q_proj"))
+    k = jnp.einsum("btd,dkh->btkh", x, w("k_proj"))
+    v = jnp.einsum("btd,dkh->btkh", x, w("v_proj"))
+    if cfg.attention_bias:
+        q, k, v = q + w("q_bias"), k + w("k_bias"), v + w("v_bias")
+    if cfg.qk_norm:
+        q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
+        k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
+    q = apply_rope(q, positions, inv_freq)
+    k = apply_rope(k, positions, inv_freq)
+
+    start = (jnp.int32(0), jnp.int32(0), slot, jnp.int32(0))
+    ck = jax.lax.dynamic_update_slice(kv.k, jnp.swapaxes(k, 1, 2).astype(kv.k.dtype), start)
+    cv = jax.lax.dynamic_update_slice(kv.v, jnp.swapaxes(v, 1, 2).astype(kv.v.dtype), start)
+
+    # Grouped-query attention of the single new query over all slots, scores in float32.
+    qg = q[:, 0].reshape(rows, kv_heads, group, head_dim)
+    scores = jnp.einsum(
+        "bkgh,bksh->bkgs", qg, ck.astype(dt), preferred_element_type=jnp.float32
+    ) / math.sqrt(head_dim)
+    scores = jnp.where(valid[:, None, None, :], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(dt)
+    attn = jnp.einsum("bkgs,bksh->bkgh", probs, cv.astype(dt))
+    # Heads flattened in (kv_head, group) order, which is the query-head order: as a plain 2-D
+    # matmul XLA keeps o_proj's layout instead of transposing it on every step.
+    width = cfg.num_heads * head_dim
+    out = attn.reshape(rows, width) @ w("o_proj").reshape(width, -1)
+    h = h + out[:, None, :]
+    x = rms_norm(h, p["post_attn_norm"], cfg.rms_norm_eps)
+    gate = jnp.einsum("btd,df->btf", x, w("gate_proj"))
+    up = jnp.einsum("btd,df->btf", x, w("up_proj"))
+    h = h + jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, w("down_proj"))
+    return h, LayerCache(ck, cv)
+
+
+def decode_step(
+    model,
+    layers: list[dict[str, jax.Array]],
+    tokens: jax.Array,
+    positions: jax.Array,
+    attn_mask: jax.Array,
+    cache: tuple[LayerCache, ...],
+    slot: jax.Array,
+) -> tuple[jax.Array, tuple[LayerCache, ...]]:
+    """Feeds tokens [R] at RoPE positions [R] into cache `slot` and attends over slots <= slot
+    that `attn_mask` [R, slots] marks real.
+
+    `layers` comes from `split_layers(model)`. Returns (float32 logits [R, vocab], the cache
+    with `slot` written in every layer).
+    """
+    cfg: ModelConfig = model.config
+    slots = attn_mask.shape[1]
+    valid = attn_mask.astype(bool) & (jnp.arange(slots)[None, :] <= slot)
+    h = jnp.take(model.model.embed_tokens[...], tokens[:, None], axis=0).astype(cfg.jnp_dtype)
+    inv_freq = rope_inv_freq(cfg)
+    pos = positions[:, None]
+    new_cache = []
+    for p, kv in zip(layers, cache):
+        h, kv = _layer(cfg, inv_freq, p, h, pos, valid, kv, slot)
+        new_cache.append(kv)
+    h = rms_norm(h, model.model.norm[...], cfg.rms_norm_eps)
+    return model.logits(h[:, 0]), tuple(new_cache)

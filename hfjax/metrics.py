@@ -1,0 +1,318 @@
+"""Metric sinks for a run: JSONL, TensorBoard, optional W&B, and a console summary, plus the PNG
+plot of reward and validation accuracy.
+
+Every sink gets the same records: `(step, {name: float})`, one per RL step, with verl's metric
+names (`critic/score/mean`, `actor/pg_loss`, `timing_s/gen`, `val-core/<source>/acc/mean@1`, …).
+Step 0 holds what happens before the first RL step: the warm start's last loss and the
+validation before training.
+
+Resuming at step s keeps what the sinks already hold up to s and drops what came after (that work
+is redone): the JSONL file is rewritten without the later lines and TensorBoard purges the later
+events, so a resumed run's files read like an uninterrupted run's.
+
+Library code prints nothing: the console sink writes through a callable that the launcher gives.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import numbers
+import os
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, Protocol
+
+from absl import logging
+
+JSONL_NAME = "metrics.jsonl"
+PLOT_NAME = "metrics.png"
+TENSORBOARD_DIR = "tensorboard"
+SINK_NAMES = ("console", "jsonl", "tensorboard", "wandb")
+# Keys that measure wall-clock time: they differ between two runs of the same job, so
+# comparisons of runs (the exact-resume test) leave them out.
+TIMING_PREFIXES = ("timing_s/", "perf/throughput", "perf/time_per_step")
+REWARD_KEY = "critic/score/mean"
+VAL_ACC_SUFFIX = "/acc/mean@1"
+
+
+def is_timing_key(name: str) -> bool:
+    """True for wall-clock metrics (see TIMING_PREFIXES)."""
+    return name.startswith(TIMING_PREFIXES)
+
+
+def val_accuracy(record: Mapping[str, Any]) -> float | None:
+    """The mean of a record's `val-core/*/acc/mean@1` entries, or None when it has none."""
+    accs = [v for k, v in record.items()
+            if k.startswith("val-core/") and k.endswith(VAL_ACC_SUFFIX)]
+    return sum(accs) / len(accs) if accs else None
+
+
+class Sink(Protocol):
+    """Receives the run's records. `start` comes first, with the step the run resumed from."""
+
+    def start(self, resumed_from: int | None) -> None: ...
+
+    def write(self, step: int, metrics: Mapping[str, float]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def _scalars(metrics: Mapping[str, Any]) -> dict[str, float]:
+    out = {}
+    for k, v in metrics.items():
+        if isinstance(v, bool) or not isinstance(v, numbers.Real):
+            raise TypeError(f"metric {k!r} is {type(v).__name__}; sinks take Python floats")
+        out[k] = float(v)
+    return out
+
+
+def read_jsonl(path: str) -> list[dict]:
+    """The records of a metrics JSONL file in file order; a torn last line (a killed write) is
+    skipped with a warning."""
+    if not os.path.exists(path):
+        return []
+    records = []
+    with open(path) as f:
+        lines = f.read().split("\n")
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            if i >= len(lines) - 2:
+                logging.warning("%s: ignoring a torn last line (%d chars)", path, len(line))
+                continue
+            raise ValueError(f"{path}: line {i + 1} is not JSON: {line[:80]!r}") from None
+    return records
+
+
+def format_record(step: int, metrics: Mapping[str, float]) -> str:
+    """One JSONL line: keys sorted, floats written with repr so they read back bit for bit."""
+    return json.dumps({"step": int(step), **_scalars(metrics)}, sort_keys=True)
+
+
+class JsonlSink:
+    """One line per step in `<out_dir>/metrics.jsonl`, flushed as it is written."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self._f = None
+        self.history: list[dict] = []
+
+    def start(self, resumed_from: int | None) -> None:
+        os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+        kept = []
+        if resumed_from is not None:
+            kept = [r for r in read_jsonl(self.path) if r["step"] <= resumed_from]
+        # Rewritten under a temporary name and renamed: a crash here leaves the old file whole.
+        tmp = self.path + ".tmp"
+        with open(tmp, "w") as f:
+            for r in kept:
+                f.write(json.dumps(r, sort_keys=True) + "\n")
+        os.replace(tmp, self.path)
+        self.history = kept
+        self._f = open(self.path, "a")
+
+    def write(self, step: int, metrics: Mapping[str, float]) -> None:
+        line = format_record(step, metrics)
+        self._f.write(line + "\n")
+        self._f.flush()
+        self.history.append(json.loads(line))
+
+    def close(self) -> None:
+        if self._f is not None:
+            self._f.close()
+            self._f = None
+
+
+class TensorBoardSink:
+    """Scalars in `<out_dir>/tensorboard` (tensorboardX)."""
+
+    def __init__(self, logdir: str):
+        self.logdir = logdir
+        self._w = None
+
+    def start(self, resumed_from: int | None) -> None:
+        from tensorboardX import SummaryWriter
+
+        # purge_step drops events a killed run wrote after the step it resumes from.
+        purge = None if resumed_from is None else resumed_from + 1
+        # A unique suffix: a writer started within the same second must not reuse a file name.
+        self._w = SummaryWriter(logdir=self.logdir, purge_step=purge,
+                                filename_suffix=f".{os.getpid()}.{time.time_ns()}")
+
+    def write(self, step: int, metrics: Mapping[str, float]) -> None:
+        for k, v in _scalars(metrics).items():
+            self._w.add_scalar(k, v, global_step=step)
+        self._w.flush()
+
+    def close(self) -> None:
+        if self._w is not None:
+            self._w.close()
+            self._w = None
+
+
+class WandbSink:
+    """Weights & Biases, imported only when this sink is asked for."""
+
+    def __init__(self, project: str, name: str, config: Mapping[str, Any] | None, out_dir: str):
+        self._kw = dict(project=project, name=name, config=dict(config or {}), dir=out_dir)
+        self._run = None
+
+    def start(self, resumed_from: int | None) -> None:
+        try:
+            import wandb
+        except ImportError as e:
+            raise ImportError("trainer.logger includes 'wandb' but the wandb package is not "
+                              "installed: pip install wandb, or drop it from the list") from e
+        self._run = wandb.init(**self._kw, resume="allow" if resumed_from is not None else None)
+
+    def write(self, step: int, metrics: Mapping[str, float]) -> None:
+        self._run.log(_scalars(metrics), step=step)
+
+    def close(self) -> None:
+        if self._run is not None:
+            self._run.finish()
+            self._run = None
+
+
+class ConsoleSink:
+    """A one-line summary of chosen keys every `every` steps (0: only at validation steps),
+    written through `write` (the launcher's print)."""
+
+    KEYS = (REWARD_KEY, "actor/pg_loss", "actor/entropy", "response_length/mean",
+            "perf/throughput")
+
+    def __init__(self, write: Callable[[str], None], every: int = 0):
+        self._write = write
+        self.every = every
+
+    def start(self, resumed_from: int | None) -> None:
+        pass
+
+    def write(self, step: int, metrics: Mapping[str, float]) -> None:
+        acc = val_accuracy(metrics)
+        due = self.every and step % self.every == 0
+        if not due and acc is None:
+            return
+        parts = [f"step {step}:"]
+        if due:
+            parts += [f"{k}={metrics[k]:.4g}" for k in self.KEYS if k in metrics]
+        parts += [f"{k}={v:.4f}" for k, v in sorted(metrics.items()) if k.startswith("val-core/")]
+        self._write(" ".join(parts))
+
+    def close(self) -> None:
+        pass
+
+
+class MetricsLogger:
+    """Fans records out to sinks. `history` holds every record of the run: those kept from
+    before a resume (from the JSONL sink) and those logged since."""
+
+    def __init__(self, sinks: Sequence[Sink] = ()):
+        self.sinks = list(sinks)
+        self.history: list[dict] = []
+
+    def start(self, resumed_from: int | None) -> None:
+        for s in self.sinks:
+            s.start(resumed_from)
+        for s in self.sinks:
+            if isinstance(s, JsonlSink):
+                self.history = list(s.history)
+                break
+
+    def log(self, step: int, metrics: Mapping[str, float]) -> None:
+        for s in self.sinks:
+            s.write(step, metrics)
+        self.history.append({"step": int(step), **_scalars(metrics)})
+
+    def close(self) -> None:
+        for s in self.sinks:
+            s.close()
+
+
+def parse_sink_names(names: str | Iterable[str]) -> list[str]:
+    """`"console,jsonl"` or a list -> validated names (see SINK_NAMES)."""
+    if isinstance(names, str):
+        names = [n.strip() for n in names.split(",")]
+    names = [n for n in names if n]
+    bad = [n for n in names if n not in SINK_NAMES]
+    if bad:
+        raise ValueError(f"trainer.logger: unknown sink(s) {bad}; choose from {SINK_NAMES}")
+    return names
+
+
+def make_logger(
+    names: str | Iterable[str],
+    out_dir: str,
+    *,
+    console: Callable[[str], None] | None = None,
+    console_every: int = 0,
+    wandb_project: str = "hfjax",
+    wandb_name: str = "",
+    config: Mapping[str, Any] | None = None,
+    extra: Sequence[Sink] = (),
+) -> MetricsLogger:
+    """A logger with the named sinks under out_dir, plus `extra` sinks (e.g. a progress bar).
+    The console sink needs `console`, the callable that prints."""
+    sinks: list[Sink] = []
+    for n in parse_sink_names(names):
+        if n == "jsonl":
+            sinks.append(JsonlSink(os.path.join(out_dir, JSONL_NAME)))
+        elif n == "tensorboard":
+            sinks.append(TensorBoardSink(os.path.join(out_dir, TENSORBOARD_DIR)))
+        elif n == "wandb":
+            sinks.append(WandbSink(wandb_project, wandb_name or os.path.basename(out_dir),
+                                   config, out_dir))
+        elif n == "console" and console is not None:
+            sinks.append(ConsoleSink(console, console_every))
+    return MetricsLogger([*sinks, *extra])
+
+
+def plot_run(records: Sequence[Mapping[str, Any]], path: str, title: str = "") -> str | None:
+    """Writes a PNG of training reward and validation accuracy against step; returns the path,
+    or None when the records hold neither."""
+    reward = [(r["step"], r[REWARD_KEY]) for r in records if REWARD_KEY in r]
+    val = [(r["step"], a) for r in records if (a := val_accuracy(r)) is not None]
+    if not reward and not val:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
+    if reward:
+        ax.plot(*zip(*reward), label=f"train reward ({REWARD_KEY})", lw=1.2)
+    if val:
+        ax.plot(*zip(*val), "o-", label="validation accuracy (greedy)", lw=1.5)
+    ax.set_xlabel("RL step")
+    if all(0 <= v <= 1 for _, v in reward + val if not math.isnan(v)):
+        ax.set_ylim(-0.02, 1.02)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right")
+    if title:
+        ax.set_title(title)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def start_memory_tracking(enabled: bool) -> bool:
+    """Starts jax-smi's device-memory tracking when enabled on a GPU/TPU backend (a no-op on
+    CPU, where devices report no memory stats); returns whether tracking runs."""
+    if not enabled:
+        return False
+    import jax
+
+    if jax.default_backend() == "cpu":
+        logging.info("trainer.jax_smi: no device memory to track on CPU")
+        return False
+    from jax_smi import initialise_tracking
+
+    initialise_tracking()
+    return True

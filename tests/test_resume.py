@@ -1,0 +1,181 @@
+"""Exact resume, end to end: `python -m launch.train` runs as a subprocess, is killed (SIGKILL at
+a random moment after step 3) or stopped (SIGTERM), and the same command is run again. The
+resumed run's metrics JSONL must equal an uninterrupted run's bit for bit, leaving out only the
+wall-clock keys (`timing_s/*`, `perf/throughput`, see `hfjax.metrics.is_timing_key`): every
+loss, reward, KL, entropy and validation accuracy after the resume is recomputed and compared.
+
+The job is tiny (one layer, hidden 64, 12 PPO steps with an adaptive KL controller so that its
+state matters) and the runs share a persistent XLA compilation cache, so after the first run
+each takes seconds. The exported actor is checked here as well: `python -m launch.export` on
+the uninterrupted run, loaded by transformers, gives hfjax's logits.
+"""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from hfjax.metrics import is_timing_key, read_jsonl
+
+pytestmark = pytest.mark.slow
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOTAL = 12
+OVERRIDES = {
+    "sft.steps": 150, "sft.batch_size": 16, "sft.micro_batch_size": 16, "sft.corruption": "none",
+    "model.hidden_size": 64, "model.intermediate_size": 128, "model.head_dim": 16,
+    "model.num_layers": 1, "model.num_heads": 2, "model.num_kv_heads": 1,
+    "data.n_train": 256, "data.n_test": 32, "data.train_batch_size": 16,
+    "actor.ppo_mini_batch_size": 8, "actor.ppo_micro_batch_size": 8,
+    "critic.ppo_mini_batch_size": 8, "critic.ppo_micro_batch_size": 8,
+    "algo.kl_ctrl.type": "adaptive", "trainer.total_steps": TOTAL, "trainer.test_freq": 3,
+    "trainer.save_freq": 2, "trainer.max_to_keep": 3, "trainer.logger": "jsonl,tensorboard",
+}
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    e = dict(os.environ)
+    # The launcher sets its own device count (--cpu_devices); drop the test suite's 8.
+    e.pop("XLA_FLAGS", None)
+    e["JAX_PLATFORMS"] = "cpu"
+    e["JAX_COMPILATION_CACHE_DIR"] = str(tmp_path_factory.mktemp("xla_cache"))
+    e["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    e["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
+    return e
+
+
+def _cmd(out_dir):
+    return [sys.executable, "-m", "launch.train", "--cpu_devices=1",
+            f"--config.trainer.out_dir={out_dir}",
+            *(f"--config.{k}={v}" for k, v in OVERRIDES.items())]
+
+
+def _run(out_dir, env) -> dict:
+    p = subprocess.run(_cmd(out_dir), cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def _comparable(path) -> list[dict]:
+    return [{k: v for k, v in r.items() if not is_timing_key(k)} for r in read_jsonl(path)]
+
+
+def _start_and_wait(out_dir, env, step: int, extra_delay: float = 0.0) -> subprocess.Popen:
+    """Starts the job and returns once its JSONL holds `step`, plus `extra_delay` seconds."""
+    log = open(os.path.join(os.path.dirname(out_dir), os.path.basename(out_dir) + ".log"), "w")
+    p = subprocess.Popen(_cmd(out_dir), cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                         text=True)
+    log.close()  # the child holds its own copy
+    path = os.path.join(out_dir, "metrics.jsonl")
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        if p.poll() is not None:
+            break
+        if os.path.exists(path) and any(r["step"] >= step for r in read_jsonl(path)):
+            time.sleep(extra_delay)
+            return p
+        time.sleep(0.005)
+    p.kill()
+    raise AssertionError(f"the job ended or stalled before step {step}: {open(log.name).read()}")
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, env):
+    out = tmp_path_factory.mktemp("reference") / "run"
+    summary = _run(out, env)
+    assert summary["step"] == TOTAL and summary["resumed_from"] is None
+    records = _comparable(out / "metrics.jsonl")
+    assert [r["step"] for r in records] == list(range(TOTAL + 1))
+    # The job must train, or equality after a resume would prove little.
+    assert any(r.get("actor/grad_norm", 0) > 0 for r in records)
+    assert len({r["actor/kl_coef"] for r in records if "actor/kl_coef" in r}) > 1
+    return out, records
+
+
+def test_sigkill_then_rerun_resumes_exactly(tmp_path, env, reference):
+    rng = random.Random()
+    seed = rng.randrange(1 << 30)
+    rng.seed(seed)
+    kill_after, delay = rng.randint(3, 6), rng.uniform(0.0, 0.1)
+    out = tmp_path / "run"
+    p = _start_and_wait(out, env, kill_after, delay)
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    assert p.returncode == -signal.SIGKILL, f"job finished before the kill (seed {seed})"
+    summary = _run(out, env)
+    start = summary["resumed_from"]
+    # save_freq=2, and the kill came before the last step's checkpoint.
+    assert start is not None and start % 2 == 0 and start < TOTAL, (seed, summary)
+    resumed = _comparable(out / "metrics.jsonl")
+    ref = reference[1]
+    after = [r for r in resumed if r["step"] > start]
+    assert after == [r for r in ref if r["step"] > start], f"seed {seed}, resumed at {start}"
+    assert resumed == ref
+    assert summary["step"] == TOTAL
+
+
+def test_sigterm_saves_exits_cleanly_and_resumes_exactly(tmp_path, env, reference):
+    out = tmp_path / "run"
+    p = _start_and_wait(out, env, 3)
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(timeout=300) == 0
+    lines = open(str(out) + ".log").read().strip().splitlines()
+    summary = json.loads(lines[-1])
+    stopped = summary["step"]
+    assert summary["preempted"] and 3 <= stopped < TOTAL, summary
+    assert any(f"SIGTERM: stopped at step {stopped}" in line for line in lines)
+    assert (out / "checkpoints" / str(stopped)).is_dir()
+    assert max(r["step"] for r in read_jsonl(out / "metrics.jsonl")) == stopped
+    resumed_summary = _run(out, env)
+    assert resumed_summary["resumed_from"] == stopped
+    assert _comparable(out / "metrics.jsonl") == reference[1]
+
+
+def test_rerun_of_a_finished_job_does_nothing(reference, env):
+    summary = _run(reference[0], env)
+    assert summary["resumed_from"] == TOTAL and summary["step"] == TOTAL
+    assert _comparable(reference[0] / "metrics.jsonl") == reference[1]
+    assert (reference[0] / "metrics.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_export_cli_loads_in_transformers_with_matching_logits(tmp_path, reference, env):
+    import jax
+    import torch
+    import transformers
+
+    from launch.export import load_actor
+
+    run = reference[0]
+    hf_dir = tmp_path / "hf"
+    p = subprocess.run([sys.executable, "-m", "launch.export", f"--ckpt={run}", f"--out={hf_dir}"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    model, restored = load_actor(str(run))
+    assert restored.step == TOTAL
+    hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32)
+    hf.eval()
+    tok = transformers.AutoTokenizer.from_pretrained(hf_dir)
+    texts = ["12+34=#### 46", "99-9=", "57+8=#### 65"]
+    ids = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+    width = max(map(len, ids))
+    rows = np.array([[tok.pad_token_id] * (width - len(i)) + i for i in ids], np.int32)
+    mask = (np.arange(width)[None] >= width - np.array([len(i) for i in ids])[:, None])
+    mask = mask.astype(np.int32)
+    # hfjax counts positions from each row's first real token; transformers is told the same.
+    pos = np.maximum(np.cumsum(mask, -1) - 1, 0)
+    with torch.no_grad():
+        ref = hf(input_ids=torch.tensor(rows, dtype=torch.long),
+                 attention_mask=torch.tensor(mask, dtype=torch.long),
+                 position_ids=torch.tensor(pos, dtype=torch.long)).logits.numpy()
+    ours = np.asarray(jax.device_get(model(rows, mask)))
+    real = mask.astype(bool)
+    assert np.abs(ours[real]).max() > 1.0  # a trained model, not a zero head
+    np.testing.assert_allclose(ours[real], ref[real], atol=1e-5, rtol=0)
