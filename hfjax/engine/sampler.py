@@ -7,7 +7,10 @@ Two compiled programs per shape bucket:
   per prompt, appends `new_tokens_bucket` empty slots, and samples the first response token;
 - **decode** runs a `lax.while_loop` that feeds one token per step into the cache and samples
   the next, until every row has hit a stop token or `max_new_tokens` is reached. The loop state
-  (cache included) is donated, so the cache is updated in place.
+  (cache included) is donated, so the cache is updated in place. The step itself is
+  `hfjax.engine.decode.decode_step` (per-layer cache, layers unrolled over weights sliced once
+  per call; that module says why), which holds one extra copy of the layer weights while the
+  program runs.
 
 Both work on the functional form of the model (`nnx.split` -> graphdef + params state), so the
 caller passes fresh parameters on every call (the RL actor's weights change every step) and
@@ -58,6 +61,8 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from hfjax.engine.decode import LayerCache, cache_from_prefill, decode_step, split_layers
+from hfjax.models.config import ModelConfig
 from hfjax.models.transformer import KVCache, positions_from_mask
 from hfjax.parallel import mesh as mesh_lib
 from hfjax.parallel import sharding as sharding_lib
@@ -247,7 +252,7 @@ class _Carry(NamedTuple):
     """Decode-loop state; `t` is the index of the next response token to produce."""
 
     t: jax.Array  # int32 []
-    cache: KVCache  # [layers, rows, prompt_bucket + new_bucket, kv_heads, head_dim]
+    cache: tuple[LayerCache, ...]  # per layer [rows, kv_heads, prompt + new buckets, head_dim]
     last: jax.Array  # int32 [rows]: the token fed at the next step
     done: jax.Array  # bool [rows]: a stop token has been emitted
     lengths: jax.Array  # int32 [rows]: real prompt lengths (position of response token 0)
@@ -279,17 +284,17 @@ def _record(c: _Carry, tok: jax.Array, lp: jax.Array, stops: jax.Array, knobs: _
     )
 
 
-def _carry_shardings(mesh: Mesh, num_kv_heads: int) -> _Carry:
+def _carry_shardings(mesh: Mesh, cfg: ModelConfig) -> _Carry:
     """NamedShardings of the loop state: rows over (data, fsdp), kv-heads over tensor."""
     rows = mesh_lib.batch_spec(mesh)
     row_axis = rows[0] if len(rows) else None
     tp = mesh.shape.get("tensor", 1)
-    kv_axis = "tensor" if tp > 1 and num_kv_heads % tp == 0 else None
-    cache = NamedSharding(mesh, P(None, row_axis, None, kv_axis))
+    kv_axis = "tensor" if tp > 1 and cfg.num_kv_heads % tp == 0 else None
+    layer = NamedSharding(mesh, P(row_axis, kv_axis))
     row = NamedSharding(mesh, P(row_axis))
     return _Carry(
         t=NamedSharding(mesh, P()),
-        cache=KVCache(cache, cache),
+        cache=tuple(LayerCache(layer, layer) for _ in range(cfg.num_layers)),
         last=row,
         done=row,
         lengths=row,
@@ -332,11 +337,7 @@ def _prefill(
     logits = rep(model.logits(hidden[:, -1]))
 
     # Sample j of prompt b becomes row b * n + j; the cache is repeated, never recomputed.
-    pad_slots = ((0, 0), (0, 0), (0, new), (0, 0), (0, 0))
-    cache = KVCache(
-        jnp.pad(jnp.repeat(cache.k, n, axis=1), pad_slots),
-        jnp.pad(jnp.repeat(cache.v, n, axis=1), pad_slots),
-    )
+    layer_cache = cache_from_prefill(cache, n, new)
     prompt_keys = jax.vmap(lambda s, salt: jax.random.fold_in(jax.random.key(s), salt))(
         seeds, salts
     )
@@ -346,7 +347,7 @@ def _prefill(
     mask = mask.astype(jnp.int32)
     carry = _Carry(
         t=jnp.int32(0),
-        cache=cache,
+        cache=layer_cache,
         last=jnp.zeros((rows,), jnp.int32),
         done=jnp.zeros((rows,), bool),
         lengths=rep(jnp.sum(mask, axis=-1, dtype=jnp.int32)),
@@ -372,6 +373,7 @@ def _decode(
 ) -> _Carry:
     """One token per loop step until every row stopped or `knobs.max_new` tokens exist."""
     model = nnx.merge(graphdef, state)
+    layers = split_layers(model)  # outside the loop: sliced once per call, not per step
 
     def cond(c: _Carry) -> jax.Array:
         return (c.t < knobs.max_new) & ~jnp.all(c.done)
@@ -379,11 +381,8 @@ def _decode(
     def body(c: _Carry) -> _Carry:
         # Token t-1 sits at slot prompt_bucket + t - 1 and position length + t - 1.
         slot = static.prompt_bucket + c.t - 1
-        positions = (c.lengths + c.t - 1)[:, None]
-        hidden, cache = model.model(
-            c.last[:, None], c.attn, positions=positions, cache=c.cache, cache_index=slot
-        )
-        logits = model.logits(hidden[:, 0])
+        positions = c.lengths + c.t - 1
+        logits, cache = decode_step(model, layers, c.last, positions, c.attn, c.cache, slot)
         tok, lp = select_tokens(logits, _step_keys(c.keys, c.t), static, knobs)
         return _constrain(_record(c._replace(cache=cache), tok, lp, stops, knobs), shardings)
 
@@ -430,9 +429,7 @@ class Sampler:
             sharding_lib.layout(mesh, rules) if mesh is not None and rules is not None else None
         )
         self._dp = mesh_lib.dp_size(mesh) if mesh is not None else 1
-        self._shardings = (
-            _carry_shardings(mesh, self.config.num_kv_heads) if mesh is not None else None
-        )
+        self._shardings = _carry_shardings(mesh, self.config) if mesh is not None else None
         self._programs: dict[_Static, tuple[Any, Any]] = {}
         self.compile_log: list[_Static] = []  # one entry per compiled bucket, in order
 
@@ -599,9 +596,7 @@ class Sampler:
         if out.tokens.shape != (rows_out, cols):
             # A static slice with explicit strides: `x[:rows, :cols]`, and even `lax.slice`
             # without strides, run eagerly as a dynamic_slice that uploads its start indices.
-            out = GenerateOutput(
-                *(jax.lax.slice(x, (0, 0), (rows_out, cols), (1, 1)) for x in out)
-            )
+            out = GenerateOutput(*(jax.lax.slice(x, (0, 0), (rows_out, cols), (1, 1)) for x in out))
         return out
 
 

@@ -143,6 +143,7 @@ def assemble(
     mesh: Mesh | None = None,
     rules: str | dict = "train",
     optional: Iterable[str] = (),
+    replicate_indivisible: Iterable[str] = ("kv_heads",),
 ) -> nnx.Module:
     """Builds a model from a stream of (HF name, HF-layout array), one tensor at a time.
 
@@ -156,7 +157,7 @@ def assemble(
     params = _flat_params(abs_state)
     if mesh is None:
         mesh = Mesh(np.array(jax.devices()[:1]).reshape(1), ("data",))
-    lay = shd.layout(mesh, rules)
+    lay = shd.layout(mesh, rules, replicate_indivisible=tuple(replicate_indivisible))
     dt = cfg.jnp_param_dtype
     pieces: dict[str, dict[int | None, jax.Array]] = {k: {} for k in params}
     for name, w in tensors:
@@ -294,6 +295,7 @@ def load(
     dtype: str = "float32",
     head: str = "causal_lm",
     rules: str | dict = "train",
+    replicate_indivisible: Iterable[str] = ("kv_heads",),
     **config_overrides,
 ) -> nnx.Module:
     """Loads an HF directory or a `.gguf` file as an hfjax model.
@@ -301,7 +303,10 @@ def load(
     With a mesh, parameters are placed in the training layout (`rules`) of that mesh; without
     one, on the first device. `dtype` sets both the parameter and the compute dtype. For the
     "value" and "score" heads, a causal-LM checkpoint provides the backbone and the head starts
-    fresh when the checkpoint has none.
+    fresh when the checkpoint has none. Logical axes in `replicate_indivisible` are replicated,
+    with a warning, where the mesh does not divide them (e.g. SmolLM2's 3 KV heads, or with
+    ("kv_heads", "heads") its 9 query heads, on tensor=2); any other indivisible dimension is
+    an error naming the tensor.
     """
     overrides = {"param_dtype": dtype, "dtype": dtype, **config_overrides}
     optional = ("score",) if head != "causal_lm" else ()
@@ -317,7 +322,8 @@ def load(
         files = _safetensor_files(path)
         _check_safetensor_headers(files, cfg, head, {"score.weight"} if optional else set())
         tensors = _iter_safetensors(files)
-    return assemble(cfg, tensors, head=head, mesh=mesh, rules=rules, optional=optional)
+    return assemble(cfg, tensors, head=head, mesh=mesh, rules=rules, optional=optional,
+                    replicate_indivisible=replicate_indivisible)
 
 
 def iter_hf_tensors(model: nnx.Module) -> Iterator[tuple[str, np.ndarray]]:

@@ -139,7 +139,7 @@ def last_logits(model, ids, mask):
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
 def hf_pair(request, tmp_path_factory):
     """(kind, transformers model, hfjax model) with the same tiny random weights."""
     d = str(tmp_path_factory.mktemp(request.param))

@@ -71,15 +71,18 @@ def test_gguf_logits_match_transformers(gguf, batch, reference_logits):
 
 
 def test_sharded_gguf_load(gguf, batch, reference_logits):
-    """fsdp=4,tensor=2: 3 KV heads do not split over tensor=2, so the KV projections are
-    replicated over `tensor` (deliberately, with a warning) while everything else is split."""
+    """fsdp=4,tensor=2: neither 9 query heads nor 3 KV heads split over tensor=2. By default
+    that is an error naming the tensor; asked to, the loader replicates the attention heads over
+    `tensor` (with a warning) while the MLP and vocabulary stay split."""
     mesh = MeshSpec.parse("fsdp=4,tensor=2").build(jax.devices())
-    model = M.load(gguf, mesh=mesh)
+    with pytest.raises(ValueError, match=r"o_proj.*do not divide dimension 'heads'=9"):
+        M.load(gguf, mesh=mesh)
+    model = M.load(gguf, mesh=mesh, replicate_indivisible=("kv_heads", "heads"))
     layers = model.model.layers
-    assert layers.q_proj.get_value().sharding.spec == jax.sharding.PartitionSpec(
-        None, "fsdp", "tensor"
-    )
-    assert layers.k_proj.get_value().sharding.spec == jax.sharding.PartitionSpec(None, "fsdp")
+    P = jax.sharding.PartitionSpec
+    assert layers.q_proj.get_value().sharding.spec == P(None, "fsdp")
+    assert layers.k_proj.get_value().sharding.spec == P(None, "fsdp")
+    assert layers.gate_proj.get_value().sharding.spec == P(None, "fsdp", "tensor")
     ids, mask = batch
     got = np.asarray(jax.jit(lambda i, m: model(i, m))(ids, mask))
     assert _max_valid_diff(got, reference_logits, mask) <= 1e-3
