@@ -66,6 +66,16 @@ def _advantage(arrays, kl_coef, *, estimator, kl_penalty, use_kl, n, opts):
     return {"token_level_rewards": rewards, "advantages": adv, "returns": ret}, metrics
 
 
+def needs_old_log_prob(w: Workers, batch: Batch, cfg) -> bool:
+    """Whether a step must score its samples under the pre-update policy (`old_log_probs`).
+
+    Not when the actor takes a single update on the batch and no KL penalty goes into the
+    reward: the samples' policy is then the current one, and the actor's loss uses its own
+    detached log-probs (as TRL and Tunix do), saving a forward pass over the batch.
+    """
+    return bool(cfg.algo.use_kl_in_reward) or not w.actor.single_update(len(batch))
+
+
 def compute_advantage(batch: Batch, algo_cfg, n: int, kl_coef: float) -> tuple[Batch, dict]:
     """Adds token_level_rewards, advantages and returns; rows come in groups of n samples."""
     use_kl = bool(algo_cfg.use_kl_in_reward)

@@ -17,9 +17,9 @@ axes that split nothing (`data` in a Megatron-style layout) index replicas.
 in flight and the peak is the decode shard plus one tensor's shard:
 - `to_decode` all-gathers each tensor inside its micro-DP groups and frees the training
   buffers, by one of three methods: an explicit `shard_map` all-gather, a jitted reshard, or
-  device-to-device copies of the peers' shards plus a local concat (`default_method()` picks by
-  measurement). None goes through the host, as a plain `jax.device_put` would for shards that
-  no source device holds whole.
+  device-to-device copies of the peers' shards plus a local concat (all three measured; the
+  all-gather is the default). None goes through the host, as a plain `jax.device_put` would
+  for shards that no source device holds whole.
 - `to_train` slices each device's training box out of its decode shard (no communication) and
   frees the decode buffers.
 The programs work on a *transition mesh* with axes (rep, gather, micro, tensor_g) over the same
@@ -58,14 +58,9 @@ from hfjax.parallel.mesh import MESH_AXES, MeshSpec
 METHODS = ("all_gather", "reshard", "copies")
 
 
-def default_method() -> str:
-    """Returns the transition method for the current backend.
-
-    On CPU, peer copies measured 10-30% faster than XLA's all-gather or a jitted reshard
-    (docs/benchmarks.md). Elsewhere the explicit all-gather, one collective per tensor within
-    each micro-DP group (not measured here: no accelerator).
-    """
-    return "copies" if jax.default_backend() == "cpu" else "all_gather"
+# On 8 simulated CPU devices the three methods tie within noise (docs/benchmarks.md); the
+# explicit all-gather is the paper's design, one collective per tensor in each micro-DP group.
+DEFAULT_METHOD = "all_gather"
 
 
 # Transition-mesh axes, slowest to fastest: replicas, axes gathered whole, the low part of the
@@ -152,7 +147,7 @@ class HybridEngine:
       decode_rules: logical rules of the decode layout (DECODE_RULES by default).
       method: "all_gather" (explicit shard_map), "reshard" (jitted identity with a new output
         sharding) or "copies" (device-to-device copies of peer shards, then a local concat);
-        None: `default_method()`.
+        None: DEFAULT_METHOD.
       allow_fallback: when the layouts cannot nest, log the extra bytes and reshard with plain
         on-device transfers instead of raising LayoutError.
     """
@@ -167,7 +162,7 @@ class HybridEngine:
         method: str | None = None,
         allow_fallback: bool = False,
     ):
-        method = default_method() if method is None else method
+        method = DEFAULT_METHOD if method is None else method
         if method not in METHODS:
             raise ValueError(f"unknown hybrid engine method {method!r}; choose one of {METHODS}")
         self.method = method

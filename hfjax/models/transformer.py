@@ -135,10 +135,21 @@ def _block(cfg: ModelConfig, inv_freq, p, h, positions, mask, cache_kv, cache_in
     """
     dt = cfg.jnp_dtype
     w = lambda name: p[name].astype(dt)
+    B, T, D = h.shape
+    N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+
+    # Every projection is a 2-D [B*T, in] x [in, out] matmul. As [B, T, D] einsums, XLA:CPU
+    # forms the weight gradients through strided transposes of [B, T, out] activations that
+    # cost more than the matmuls themselves (the backward pass ran 2x slower; see
+    # docs/benchmarks.md, "Peers: Tunix and TRL").
+    def proj(x, name, out_shape):
+        flat = x.reshape(B * T, -1) @ w(name).reshape(-1, math.prod(out_shape))
+        return flat.reshape(B, T, *out_shape)
+
     x = rms_norm(h, p["input_norm"], cfg.rms_norm_eps)
-    q = jnp.einsum("btd,dnh->btnh", x, w("q_proj"))
-    k = jnp.einsum("btd,dkh->btkh", x, w("k_proj"))
-    v = jnp.einsum("btd,dkh->btkh", x, w("v_proj"))
+    q = proj(x, "q_proj", (N, H))
+    k = proj(x, "k_proj", (K, H))
+    v = proj(x, "v_proj", (K, H))
     if cfg.attention_bias:
         q, k, v = q + w("q_bias"), k + w("k_bias"), v + w("v_bias")
     if cfg.qk_norm:
@@ -154,11 +165,11 @@ def _block(cfg: ModelConfig, inv_freq, p, h, positions, mask, cache_kv, cache_in
         new_kv = (ck, cv)
         k, v = ck.astype(dt), cv.astype(dt)
     attn = jax.nn.dot_product_attention(q, k, v, mask=mask, scale=1.0 / math.sqrt(cfg.head_dim))
-    h = h + jnp.einsum("btnh,nhd->btd", attn, w("o_proj"))
+    h = h + proj(attn, "o_proj", (D,))
     x = rms_norm(h, p["post_attn_norm"], cfg.rms_norm_eps)
-    gate = jnp.einsum("btd,df->btf", x, w("gate_proj"))
-    up = jnp.einsum("btd,df->btf", x, w("up_proj"))
-    h = h + jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, w("down_proj"))
+    gate = proj(x, "gate_proj", (cfg.intermediate_size,))
+    up = proj(x, "up_proj", (cfg.intermediate_size,))
+    h = h + proj(jax.nn.silu(gate) * up, "down_proj", (D,))
     return h, new_kv
 
 
@@ -251,12 +262,13 @@ class CausalLM(nnx.Module):
     def logits(self, hidden: jax.Array) -> jax.Array:
         """Float32 logits [..., V] from final hidden states."""
         dt = self.config.jnp_dtype
+        # 2-D matmuls, for the reason given in `_block`.
+        flat = hidden.reshape(-1, hidden.shape[-1])
         if self.config.tie_word_embeddings:
-            w = self.model.embed_tokens[...].astype(dt)
-            out = jnp.einsum("...d,vd->...v", hidden, w)
+            out = flat @ self.model.embed_tokens[...].astype(dt).T
         else:
-            out = jnp.einsum("...d,dv->...v", hidden, self.lm_head[...].astype(dt))
-        return out.astype(jnp.float32)
+            out = flat @ self.lm_head[...].astype(dt)
+        return out.reshape(*hidden.shape[:-1], -1).astype(jnp.float32)
 
     def __call__(self, input_ids, attention_mask=None, **kw):
         """Logits [B, T, V]; with `cache=` also returns the updated cache."""

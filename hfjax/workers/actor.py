@@ -24,8 +24,9 @@ from hfjax.parallel.mesh import batch_sharding
 
 def response_logprobs(model, input_ids, attention_mask, response_len: int, temperature: float):
     """(log-probs [B, R], entropy [B, R]) of the last R tokens, logits divided by temperature."""
-    logits = model(input_ids, attention_mask)[:, -response_len - 1 : -1]
-    logits = logits / temperature
+    # Only the positions that predict response tokens go through the LM head.
+    hidden, _ = model.model(input_ids, attention_mask)
+    logits = model.logits(hidden[:, -response_len - 1 : -1]) / temperature
     labels = input_ids[:, -response_len:]
     return core.logprobs_from_logits(logits, labels), core.entropy_from_logits(logits)
 
@@ -150,8 +151,13 @@ class ActorRollout(Reference):
         )
         mask = mb["response_mask"]
         weight = share_of_normaliser(mask, totals, a.loss_agg_mode)
+        # A batch without old log-probs is updated on-policy (see `single_update`): the policy
+        # that sampled it is the one being updated, so the ratio's denominator is the detached
+        # current log-prob and no separate scoring pass is needed.
+        old = mb.get("old_log_probs")
+        old = jax.lax.stop_gradient(lp) if old is None else old
         pg_loss, clipfrac, ppo_kl, clipfrac_lower = core.POLICY_LOSSES.get(a.policy_loss)(
-            old_log_prob=mb["old_log_probs"],
+            old_log_prob=old,
             log_prob=lp,
             advantages=mb["advantages"],
             response_mask=mask,
@@ -162,7 +168,12 @@ class ActorRollout(Reference):
             loss_agg_mode=a.loss_agg_mode,
         )
         entropy = core.agg_loss(ent, mask, a.loss_agg_mode)
-        loss = pg_loss - a.entropy_coeff * entropy
+        # Without an entropy bonus the entropy is a metric only: keep it out of the backward pass
+        # (a zero coefficient would still differentiate it).
+        if a.entropy_coeff:
+            loss = pg_loss - a.entropy_coeff * entropy
+        else:
+            loss, entropy = pg_loss, jax.lax.stop_gradient(entropy)
         metrics = {
             "actor/pg_loss": pg_loss * weight,
             "actor/entropy": entropy * weight,
@@ -185,11 +196,19 @@ class ActorRollout(Reference):
         loss = -core.masked_sum(lp, mask) / totals["tokens"]
         return loss, {}
 
+    def single_update(self, rows: int) -> bool:
+        """True when `update_actor` on `rows` sequences is one optimizer step (one epoch of one
+        mini-batch). The samples then come from the very policy being updated, and the step
+        may leave out `old_log_probs` (the old-policy scoring pass)."""
+        a = self.acfg
+        return a.ppo_epochs == 1 and a.ppo_mini_batch_size * self.rcfg.n == rows
+
     def update_actor(self, batch: Batch) -> dict[str, jax.Array]:
         """PPO epochs over shuffled mini-batches; returns mean metrics (device scalars)."""
         a = self.acfg
-        keys = ["input_ids", "attention_mask", "responses", "response_mask", "old_log_probs",
-                "advantages"]
+        keys = ["input_ids", "attention_mask", "responses", "response_mask", "advantages"]
+        if "old_log_probs" in batch:
+            keys.append("old_log_probs")
         if a.use_kl_loss:
             keys.append("ref_log_prob")
         mini = a.ppo_mini_batch_size * self.rcfg.n
