@@ -1,0 +1,170 @@
+"""The GRPO workload on hfjax (1 CPU device), timed per step; also measures the f32 roofline.
+
+    python bench/peers/run_hfjax.py tiny
+
+The step is hfjax's registered GRPO driver (`hfjax.algorithms.grpo`) over the same worker
+classes the trainer builds (an `ActorRollout` with its KV-cache `Sampler`, no reference), with
+one change of parts: the reward, "fraction of even token ids", is a jitted function of the
+response tokens on the device instead of the text-decoding `RuleReward`.
+
+Step time is the wall time of one driver call plus the step's one host fetch of metrics;
+stages are the driver's own `timing_s/*` (synchronised, so each is that stage's time).
+The machine's f32 matmul peak is measured in this process with a large `jnp.dot`.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import workload  # noqa: E402
+
+
+def matmul_peak(n: int = 2048, reps: int = 10) -> float:
+    """Best-of-`reps` f32 FLOP/s of an n x n x n `jnp.dot` on the default device."""
+    import jax
+    import jax.numpy as jnp
+
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
+    b = jax.random.normal(jax.random.key(1), (n, n), jnp.float32)
+    dot = jax.jit(jnp.dot)
+    dot(a, b).block_until_ready()
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        dot(a, b).block_until_ready()
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 / best
+
+
+class EvenReward:
+    """Scores each response by its fraction of even token ids, on the device (no decode)."""
+
+    def __init__(self):
+        import jax
+        import jax.numpy as jnp
+
+        from hfjax.workers.reward import scores_at_last_token
+
+        def score(responses, mask):
+            m = mask.astype(jnp.float32)
+            even = jnp.sum(jnp.where(responses % 2 == 0, m, 0.0), axis=1)
+            frac = even / jnp.maximum(jnp.sum(m, axis=1), 1.0)
+            return scores_at_last_token(frac, mask)
+
+        self._score = jax.jit(score)
+
+    def compute_reward(self, batch):
+        from hfjax.controller.batch import Batch
+
+        return Batch({"token_level_scores": self._score(batch["responses"],
+                                                        batch["response_mask"])})
+
+
+def build(w: workload.Workload):
+    """(actor, workers, cfg, host prompt batch) for the workload."""
+    import jax
+    import numpy as np
+    from ml_collections import config_dict
+
+    import hfjax.models as M
+    from hfjax.algorithms import core
+    from hfjax.algorithms.dataflow import Workers
+    from hfjax.controller.batch import Batch
+    from hfjax.engine.sampler import Sampler
+    from hfjax.engine.update import make_optimizer
+    from hfjax.parallel.mesh import ResourcePool
+    from hfjax.workers.actor import ActorRollout
+
+    texts, expected = w.load_prompts()
+    tok = M.load_tokenizer(w.model_dir)
+    ids = [tok.encode(t, add_special_tokens=False) for t in texts]
+    if ids != expected:
+        raise AssertionError("hfjax's tokenizer encodes a prompt differently from prompts.json")
+    pad = tok.pad_id if tok.pad_id is not None else tok.eos_id
+
+    cfg = config_dict.ConfigDict()
+    cfg.actor = config_dict.ConfigDict(dict(
+        ppo_mini_batch_size=w.prompts, ppo_micro_batch_size=w.micro_batch, ppo_epochs=1,
+        shuffle=False, policy_loss="vanilla", clip_ratio=w.clip, clip_ratio_low=w.clip,
+        clip_ratio_high=w.clip, clip_ratio_c=3.0, loss_agg_mode="seq-mean-token-mean",
+        entropy_coeff=0.0, use_kl_loss=False, kl_loss_coef=0.0, kl_loss_type="low_var_kl",
+    ))
+    cfg.rollout = config_dict.ConfigDict(dict(
+        n=w.samples, temperature=w.temperature, top_k=0, top_p=1.0, min_p=0.0,
+        response_length=w.new_tokens,
+    ))
+    cfg.algo = config_dict.ConfigDict(dict(
+        adv_estimator="grpo", gamma=1.0, lam=1.0, norm_adv_by_std_in_grpo=True,
+        use_kl_in_reward=False, kl_penalty="kl",
+    ))
+
+    pool = ResourcePool("all", tuple(jax.devices()))
+    spec = "fsdp=-1"
+    # Layers unrolled rather than scanned: on CPU the scan's stacked residual buffers (zeroed,
+    # then filled slice by slice) cost about 8% of the update. Compile time grows with depth.
+    model = M.load(w.model_dir, scan_layers=False)
+    sampler = Sampler(model, mesh=pool.mesh(spec), max_prompt_len=w.prompt_len, pad_id=pad,
+                      rules=None)
+    actor = ActorRollout(
+        "actor", pool, spec, model, sampler=sampler, actor_cfg=cfg.actor,
+        rollout_cfg=cfg.rollout, optimizer=make_optimizer(w.lr, grad_clip=0.0), eos_ids=(),
+    )
+    workers = Workers(actor=actor, reward=EvenReward(),
+                      kl_ctrl=core.FixedKLController(0.0), sync_timing=True)
+    prompts = np.asarray(ids, np.int32)
+    batch = Batch({"prompts": prompts, "prompt_mask": np.ones_like(prompts),
+                   "seeds": np.arange(w.prompts, dtype=np.int32)})
+    return actor, workers, cfg, batch
+
+
+def main() -> None:
+    w = workload.get(sys.argv[1])
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+
+    from hfjax.algorithms.registry import get_algorithm
+
+    if jax.device_count() != 1:
+        raise SystemExit(f"the workload runs on 1 CPU device; found {jax.device_count()}")
+    peak = matmul_peak()
+    actor, workers, cfg, batch = build(w)
+    grpo = get_algorithm("grpo")
+
+    times, cpu, stages, tokens, lengths = [], [], {}, [], []
+    for step in range(w.steps):
+        b = batch.__class__(dict(batch.arrays))
+        b.arrays["seeds"] = batch["seeds"] + np.int32(1000 * step)
+        workers.timing.clear()
+        t0, c0 = time.perf_counter(), time.process_time()
+        out, metrics = grpo.step(workers, b, cfg)
+        counts = {"tokens": jnp.sum(out["attention_mask"]),
+                  "lengths": jnp.sum(out["response_mask"], axis=1)}
+        with jax.transfer_guard("allow"):
+            host = jax.device_get((metrics, counts))
+        times.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
+        for k, v in workers.timing.items():
+            stages.setdefault(k.removeprefix("timing_s/"), []).append(v)
+        tokens.append(int(host[1]["tokens"]))
+        lengths.extend(int(x) for x in host[1]["lengths"])
+    with jax.transfer_guard("allow"):
+        updates = int(optax.tree_utils.tree_get(actor.opt_state, "count"))
+
+    import importlib.metadata as md
+
+    record = workload.summarize(
+        "hfjax", w, times, cpu, stages, tokens, updates, lengths,
+        {"versions": {"jax": jax.__version__, "flax": md.version("flax"),
+                      "optax": md.version("optax")},
+         "matmul_peak_flops": peak},
+    )
+    workload.write_result(w, "hfjax", record)
+
+
+if __name__ == "__main__":
+    main()

