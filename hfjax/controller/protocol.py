@@ -15,6 +15,7 @@ device, never through the host.
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
@@ -29,14 +30,14 @@ PROTOCOL_ATTR = "__hfjax_protocol__"
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-class TransferProtocol:
+class TransferProtocol(abc.ABC):
     """Base protocol: subclasses define the input sharding and the padding rule."""
 
     name: str = "protocol"
 
+    @abc.abstractmethod
     def in_sharding(self, mesh: Mesh, batch: Batch | None = None) -> Sharding | None:
         """Returns the sharding every input array gets on `mesh`, or None to leave them as is."""
-        raise NotImplementedError
 
     def out_sharding(self, mesh: Mesh) -> Sharding | None:
         """Returns the sharding outputs are expected in (for jit out_shardings), or None."""
