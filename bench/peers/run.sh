@@ -92,7 +92,7 @@ for wl in $WORKLOADS; do
   echo "== load average: $(cut -d' ' -f1-3 /proc/loadavg)"
   "$PY" bench/peers/report.py "$wl" | tee "bench/out/peers/$wl/report.txt"
 done
-# The headline: the tiny workload's summary line, last.
-if [[ " $WORKLOADS " == *" tiny "* ]]; then
+# The headline, last: the tiny workload's summary line (already last when tiny ran last).
+if [[ " $WORKLOADS " == *" tiny "* && "$wl" != tiny ]]; then
   tail -n 1 bench/out/peers/tiny/report.txt
 fi

@@ -15,6 +15,7 @@ advantage, forward/backward, Adam); "gen" is `GRPOTrainer._generate` (tokenize +
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -126,7 +127,10 @@ def main() -> None:
 
     trainer = Trainer(model=model, reward_funcs=even_fraction, args=args, train_dataset=data,
                       processing_class=tok, callbacks=[Clock()])
-    trainer.train()
+    try:
+        trainer.train()
+    finally:
+        shutil.rmtree(out_dir, ignore_errors=True)
     if trainer.model.is_gradient_checkpointing or args.bf16:
         raise AssertionError("TRL ran with gradient checkpointing or bf16; the workload is f32")
     steps = [b - a for a, b in zip(ends, ends[1:])]

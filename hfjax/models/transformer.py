@@ -139,9 +139,9 @@ def _block(cfg: ModelConfig, inv_freq, p, h, positions, mask, cache_kv, cache_in
     N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
 
     # Every projection is a 2-D [B*T, in] x [in, out] matmul. As [B, T, D] einsums, XLA:CPU
-    # forms the weight gradients through strided transposes of [B, T, out] activations that
-    # cost more than the matmuls themselves (the backward pass ran 2x slower; see
-    # docs/benchmarks.md, "Peers: Tunix and TRL").
+    # forms the weight gradients through strided transposes of [B, T, out] activations fused
+    # with their producers; with other jobs on the cores those made the backward pass ~2x
+    # slower (on an idle machine the two forms time the same; docs/benchmarks.md, "Peers").
     def proj(x, name, out_shape):
         flat = x.reshape(B * T, -1) @ w(name).reshape(-1, math.prod(out_shape))
         return flat.reshape(B, T, *out_shape)
