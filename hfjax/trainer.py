@@ -523,10 +523,15 @@ def _batch_metrics(a: dict) -> dict:
     length = jnp.sum(mask, axis=1)
     out = {
         "critic/score/mean": jnp.mean(score),
+        "critic/score/max": jnp.max(score),
+        "critic/score/min": jnp.min(score),
         "critic/rewards/mean": jnp.mean(jnp.sum(a["token_level_rewards"], axis=1)),
         "critic/advantages/mean": core.masked_mean(a["advantages"], mask),
         "critic/returns/mean": core.masked_mean(a["returns"], mask),
         "response_length/mean": jnp.mean(length),
+        "response_length/max": jnp.max(length),
+        # Responses that used every allowed token (cut off, not finished).
+        "response_length/clip_ratio": jnp.mean(length >= mask.shape[1]),
         "_tokens": jnp.sum(a["attention_mask"]).astype(jnp.float32),
     }
     if "values" in a:

@@ -9,10 +9,10 @@ SmolLM2-135M (batch 16, 192 cache slots; see docs/benchmarks.md):
 - a [layers, batch, slots, kv_heads, head_dim] cache makes attention transpose each layer's
   keys and values to a matmul-friendly layout on every step.
 
-This module runs the same layer math (`hfjax.models.transformer`'s RMSNorm and RoPE, the same
-projections, biases, q/k norms and grouped-query attention) with layers unrolled over weights
-sliced once per program call, and keeps the cache as one [batch, kv_heads, slots, head_dim]
-pair per layer, so attention reads it in place and each step writes one slot.
+This module runs the model's own layer halves (`attention_inputs` and `layer_output` of
+`hfjax.models.transformer`) around its own grouped-query attention, with layers unrolled over
+weights sliced once per program call, and keeps the cache as one [batch, kv_heads, slots,
+head_dim] pair per layer, so attention reads it in place and each step writes one slot.
 """
 
 from __future__ import annotations
@@ -24,7 +24,13 @@ import jax
 import jax.numpy as jnp
 
 from hfjax.models.config import ModelConfig
-from hfjax.models.transformer import KVCache, apply_rope, rms_norm, rope_inv_freq
+from hfjax.models.transformer import (
+    KVCache,
+    attention_inputs,
+    layer_output,
+    rms_norm,
+    rope_inv_freq,
+)
 
 
 class LayerCache(NamedTuple):
@@ -70,23 +76,15 @@ def _layer(
     kv: LayerCache,
     slot: jax.Array,
 ) -> tuple[jax.Array, LayerCache]:
-    """One decoder layer for h [R, 1, D]; returns (new h, the cache with `slot` written)."""
+    """One decoder layer for h [R, 1, D]; returns (new h, the cache with `slot` written).
+
+    Only the attention differs from the model's own layer; the projections, norms, RoPE and MLP
+    are `hfjax.models.transformer`'s.
+    """
     dt = cfg.jnp_dtype
-    w = lambda name: p[name].astype(dt)
     rows, kv_heads, head_dim = h.shape[0], cfg.num_kv_heads, cfg.head_dim
     group = cfg.num_heads // kv_heads
-
-    x = rms_norm(h, p["input_norm"], cfg.rms_norm_eps)
-    q = jnp.einsum("btd,dnh->btnh", x, w("q_proj"))
-    k = jnp.einsum("btd,dkh->btkh", x, w("k_proj"))
-    v = jnp.einsum("btd,dkh->btkh", x, w("v_proj"))
-    if cfg.attention_bias:
-        q, k, v = q + w("q_bias"), k + w("k_bias"), v + w("v_bias")
-    if cfg.qk_norm:
-        q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
-        k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
-    q = apply_rope(q, positions, inv_freq)
-    k = apply_rope(k, positions, inv_freq)
+    q, k, v = attention_inputs(cfg, inv_freq, p, h, positions)
 
     start = (jnp.int32(0), jnp.int32(0), slot, jnp.int32(0))
     ck = jax.lax.dynamic_update_slice(kv.k, jnp.swapaxes(k, 1, 2).astype(kv.k.dtype), start)
@@ -100,16 +98,9 @@ def _layer(
     scores = jnp.where(valid[:, None, None, :], scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(dt)
     attn = jnp.einsum("bkgs,bksh->bkgh", probs, cv.astype(dt))
-    # Heads flattened in (kv_head, group) order, which is the query-head order: as a plain 2-D
-    # matmul XLA keeps o_proj's layout instead of transposing it on every step.
-    width = cfg.num_heads * head_dim
-    out = attn.reshape(rows, width) @ w("o_proj").reshape(width, -1)
-    h = h + out[:, None, :]
-    x = rms_norm(h, p["post_attn_norm"], cfg.rms_norm_eps)
-    gate = jnp.einsum("btd,df->btf", x, w("gate_proj"))
-    up = jnp.einsum("btd,df->btf", x, w("up_proj"))
-    h = h + jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, w("down_proj"))
-    return h, LayerCache(ck, cv)
+    # Heads flattened in (kv_head, group) order, which is the query-head order.
+    attn = attn.reshape(rows, 1, cfg.num_heads, head_dim)
+    return layer_output(cfg, p, h, attn), LayerCache(ck, cv)
 
 
 def decode_step(

@@ -128,49 +128,66 @@ class Layers(nnx.Module):
         return {k: v[...] for k, v in vars(self).items() if isinstance(v, nnx.Param)}
 
 
+def _proj(cfg: ModelConfig, p, x: jax.Array, name: str, out_shape: tuple[int, ...]) -> jax.Array:
+    """x [B, T, in] times parameter `name` as one 2-D [B*T, in] x [in, out] matmul.
+
+    As [B, T, D] einsums, XLA:CPU forms the weight gradients through strided transposes of
+    [B, T, out] activations fused with their producers; with other jobs on the cores those made
+    the backward pass ~2x slower (on an idle machine the two forms time the same;
+    docs/benchmarks.md, "Peers").
+    """
+    B, T = x.shape[:2]
+    w = p[name].astype(cfg.jnp_dtype)
+    flat = x.reshape(B * T, -1) @ w.reshape(-1, math.prod(out_shape))
+    return flat.reshape(B, T, *out_shape)
+
+
+def attention_inputs(cfg: ModelConfig, inv_freq, p, h, positions):
+    """The first half of a decoder layer: input norm, q/k/v projections (with biases and q/k
+    norms where the family has them) and RoPE. Returns q [B, T, N, H] and k, v [B, T, K, H]."""
+    N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    x = rms_norm(h, p["input_norm"], cfg.rms_norm_eps)
+    q = _proj(cfg, p, x, "q_proj", (N, H))
+    k = _proj(cfg, p, x, "k_proj", (K, H))
+    v = _proj(cfg, p, x, "v_proj", (K, H))
+    if cfg.attention_bias:
+        dt = cfg.jnp_dtype
+        q = q + p["q_bias"].astype(dt)
+        k = k + p["k_bias"].astype(dt)
+        v = v + p["v_bias"].astype(dt)
+    if cfg.qk_norm:
+        q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
+        k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
+    return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
+
+
+def layer_output(cfg: ModelConfig, p, h, attn):
+    """The second half of a decoder layer: the attention output attn [B, T, N, H] through
+    o_proj into the residual, then the gated MLP. Returns the new hidden states [B, T, D]."""
+    D, F = cfg.hidden_size, cfg.intermediate_size
+    h = h + _proj(cfg, p, attn, "o_proj", (D,))
+    x = rms_norm(h, p["post_attn_norm"], cfg.rms_norm_eps)
+    gate = _proj(cfg, p, x, "gate_proj", (F,))
+    up = _proj(cfg, p, x, "up_proj", (F,))
+    return h + _proj(cfg, p, jax.nn.silu(gate) * up, "down_proj", (D,))
+
+
 def _block(cfg: ModelConfig, inv_freq, p, h, positions, mask, cache_kv, cache_index):
     """One decoder layer. p holds this layer's arrays; cache_kv is (k, v) slots or None.
 
     Returns (new hidden, new (k, v) slots or None).
     """
-    dt = cfg.jnp_dtype
-    w = lambda name: p[name].astype(dt)
-    B, T, D = h.shape
-    N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-
-    # Every projection is a 2-D [B*T, in] x [in, out] matmul. As [B, T, D] einsums, XLA:CPU
-    # forms the weight gradients through strided transposes of [B, T, out] activations fused
-    # with their producers; with other jobs on the cores those made the backward pass ~2x
-    # slower (on an idle machine the two forms time the same; docs/benchmarks.md, "Peers").
-    def proj(x, name, out_shape):
-        flat = x.reshape(B * T, -1) @ w(name).reshape(-1, math.prod(out_shape))
-        return flat.reshape(B, T, *out_shape)
-
-    x = rms_norm(h, p["input_norm"], cfg.rms_norm_eps)
-    q = proj(x, "q_proj", (N, H))
-    k = proj(x, "k_proj", (K, H))
-    v = proj(x, "v_proj", (K, H))
-    if cfg.attention_bias:
-        q, k, v = q + w("q_bias"), k + w("k_bias"), v + w("v_bias")
-    if cfg.qk_norm:
-        q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
-        k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
-    q = apply_rope(q, positions, inv_freq)
-    k = apply_rope(k, positions, inv_freq)
+    q, k, v = attention_inputs(cfg, inv_freq, p, h, positions)
     new_kv = None
     if cache_kv is not None:
+        dt = cfg.jnp_dtype
         ck, cv = cache_kv
         ck = jax.lax.dynamic_update_slice_in_dim(ck, k.astype(ck.dtype), cache_index, axis=1)
         cv = jax.lax.dynamic_update_slice_in_dim(cv, v.astype(cv.dtype), cache_index, axis=1)
         new_kv = (ck, cv)
         k, v = ck.astype(dt), cv.astype(dt)
     attn = jax.nn.dot_product_attention(q, k, v, mask=mask, scale=1.0 / math.sqrt(cfg.head_dim))
-    h = h + proj(attn, "o_proj", (D,))
-    x = rms_norm(h, p["post_attn_norm"], cfg.rms_norm_eps)
-    gate = proj(x, "gate_proj", (cfg.intermediate_size,))
-    up = proj(x, "up_proj", (cfg.intermediate_size,))
-    h = h + proj(jax.nn.silu(gate) * up, "down_proj", (D,))
-    return h, new_kv
+    return layer_output(cfg, p, h, attn), new_kv
 
 
 class Backbone(nnx.Module):
@@ -262,7 +279,7 @@ class CausalLM(nnx.Module):
     def logits(self, hidden: jax.Array) -> jax.Array:
         """Float32 logits [..., V] from final hidden states."""
         dt = self.config.jnp_dtype
-        # 2-D matmuls, for the reason given in `_block`.
+        # A 2-D matmul, for the reason given in `_proj`.
         flat = hidden.reshape(-1, hidden.shape[-1])
         if self.config.tie_word_embeddings:
             out = flat @ self.model.embed_tokens[...].astype(dt).T
