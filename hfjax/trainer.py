@@ -18,7 +18,7 @@ from absl import logging
 from flax import nnx
 
 from hfjax import checkpoint as ckpt_lib
-from hfjax.algorithms import core
+from hfjax.algorithms import core, losses
 from hfjax.algorithms.dataflow import Workers
 from hfjax.algorithms.registry import get_algorithm
 from hfjax.controller.batch import Batch
@@ -67,9 +67,9 @@ def validate_config(cfg) -> Any:
     core.ADV_ESTIMATORS.get(cfg.algo.adv_estimator)
     core.POLICY_LOSSES.get(cfg.actor.policy_loss)
     core.LOSS_AGG_MODES.get(cfg.actor.loss_agg_mode)
-    core.check_kl_name(cfg.algo.kl_penalty)
+    losses.check_kl_name(cfg.algo.kl_penalty)
     if cfg.actor.use_kl_loss:
-        core.check_kl_name(cfg.actor.kl_loss_type)
+        losses.check_kl_name(cfg.actor.kl_loss_type)
     _check_run_keys(cfg.trainer)
     n_seq = cfg.data.train_batch_size * cfg.rollout.n
     pools = resolve_placement(_placement(cfg), _active_roles(algo), jax.devices())
@@ -219,7 +219,7 @@ class Trainer:
                                          grad_clip=c.critic.grad_clip),
             )
         a = c.algo
-        kl = core.get_kl_controller(a.kl_ctrl.type, a.kl_ctrl.kl_coef, a.kl_ctrl.target_kl,
+        kl = losses.get_kl_controller(a.kl_ctrl.type, a.kl_ctrl.kl_coef, a.kl_ctrl.target_kl,
                                     a.kl_ctrl.horizon)
         return Workers(actor=self.actor, ref=ref, critic=critic, reward=self.reward,
                        kl_ctrl=kl, sync_timing=c.trainer.sync_stage_timing)
@@ -355,8 +355,8 @@ class Trainer:
             w.critic.params, w.critic.opt_state = it["critic_params"], it["critic_opt_state"]
         self._load_data_state(st["data"])
         kl = dict(st["kl_ctrl"])
-        kinds = {"FixedKLController": core.FixedKLController,
-                 "AdaptiveKLController": core.AdaptiveKLController}
+        kinds = {"FixedKLController": losses.FixedKLController,
+                 "AdaptiveKLController": losses.AdaptiveKLController}
         w.kl_ctrl = kinds[kl.pop("type")](**kl)
         for name, n in st["train_calls"].items():
             getattr(w, name)._train_calls = int(n)

@@ -70,7 +70,7 @@ def build(w: workload.Workload):
     from ml_collections import config_dict
 
     import hfjax.models as M
-    from hfjax.algorithms import core
+    from hfjax.algorithms import losses
     from hfjax.algorithms.dataflow import Workers
     from hfjax.controller.batch import Batch
     from hfjax.engine.sampler import Sampler
@@ -113,7 +113,7 @@ def build(w: workload.Workload):
         rollout_cfg=cfg.rollout, optimizer=make_optimizer(w.lr, grad_clip=0.0), eos_ids=(),
     )
     workers = Workers(actor=actor, reward=EvenReward(),
-                      kl_ctrl=core.FixedKLController(0.0), sync_timing=True)
+                      kl_ctrl=losses.FixedKLController(0.0), sync_timing=True)
     prompts = np.asarray(ids, np.int32)
     batch = Batch({"prompts": prompts, "prompt_mask": np.ones_like(prompts),
                    "seeds": np.arange(w.prompts, dtype=np.int32)})

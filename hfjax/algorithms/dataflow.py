@@ -12,7 +12,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from hfjax.algorithms import core
+from hfjax.algorithms import core, losses
 from hfjax.controller.batch import Batch
 
 
@@ -48,7 +48,7 @@ def _advantage(arrays, kl_coef, *, estimator, kl_penalty, use_kl, n, opts):
     scores = arrays["token_level_scores"]
     metrics = {}
     if use_kl:
-        rewards, kl = core.apply_kl_penalty(
+        rewards, kl = losses.apply_kl_penalty(
             scores, arrays["old_log_probs"], arrays["ref_log_prob"], mask, kl_coef, kl_penalty
         )
         metrics["actor/reward_kl_penalty"] = kl

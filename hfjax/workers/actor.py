@@ -12,7 +12,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from hfjax.algorithms import core
+from hfjax.algorithms import core, losses
 from hfjax.controller.batch import Batch, transfer
 from hfjax.controller.protocol import DP_COMPUTE
 from hfjax.controller.worker_group import WorkerGroup, method
@@ -182,7 +182,7 @@ class ActorRollout(Reference):
             "actor/pg_clipfrac_lower": clipfrac_lower * weight,
         }
         if a.use_kl_loss:
-            kld = core.kl_penalty(lp, mb["ref_log_prob"], a.kl_loss_type)
+            kld = losses.kl_penalty(lp, mb["ref_log_prob"], a.kl_loss_type)
             kl_loss = core.agg_loss(kld, mask, a.loss_agg_mode)
             loss = loss + a.kl_loss_coef * kl_loss
             metrics["actor/kl_loss"] = kl_loss * weight

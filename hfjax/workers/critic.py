@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import jax
 
-from hfjax.algorithms import core
+from hfjax.algorithms import core, losses
 from hfjax.controller.batch import Batch
 from hfjax.controller.protocol import DP_COMPUTE
 from hfjax.controller.worker_group import WorkerGroup, method
@@ -37,7 +37,7 @@ class Critic(WorkerGroup):
         vpreds = self._values_fn(params, mb["input_ids"], mb["attention_mask"], r)
         mask = mb["response_mask"]
         weight = share_of_normaliser(mask, totals, c.loss_agg_mode)
-        vf_loss, clipfrac = core.compute_value_loss(
+        vf_loss, clipfrac = losses.compute_value_loss(
             vpreds, mb["returns"], mb["values"], mask, c.cliprange_value, c.loss_agg_mode
         )
         metrics = {

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from hfjax.algorithms import core
+from hfjax.algorithms import advantages, core, losses
 
 ATOL = 1e-6
 RTOL = 1e-6
@@ -277,7 +277,7 @@ def test_gae_with_padding_and_interior_masked_tokens():
     ref_adv, ref_ret = ref_gae(rewards, values, mask, 0.95, 0.9)
     close(ret, ref_ret)
     close(adv, ref_adv)
-    assert core.compute_gae_advantage_return is core.ADV_ESTIMATORS.get("gae")
+    assert advantages.compute_gae_advantage_return is core.ADV_ESTIMATORS.get("gae")
 
 
 def test_gae_requires_values():
@@ -318,7 +318,7 @@ def test_grpo_with_explicit_num_groups_and_unordered_ids():
     index = np.array([2, 0, 2, 1, 0, 2])
     mask = make_mask(rng, 6, 4)
     rewards = rng.normal(size=(6, 4)) * mask
-    adv, _ = core.compute_grpo_outcome_advantage(
+    adv, _ = advantages.compute_grpo_outcome_advantage(
         token_level_rewards=f32(rewards), response_mask=f32(mask), index=index, num_groups=3
     )
     close(adv, ref_grpo(rewards, mask, index, True, 1e-6))
@@ -450,12 +450,12 @@ def test_ppo_clip_and_dual_clip(mode):
 
 def test_ppo_cliprange_defaults_to_symmetric():
     old_lp, lp, adv, mask = ppo_case()
-    out = core.compute_policy_loss(f32(old_lp), f32(lp), f32(adv), f32(mask), cliprange=0.1)
+    out = losses.compute_policy_loss(f32(old_lp), f32(lp), f32(adv), f32(mask), cliprange=0.1)
     expected = ref_ppo(old_lp, lp, adv, mask, 0.1, 0.1, 3.0, "token-mean")
     for got, want in zip(out, expected):
         close(got, want)
     with pytest.raises(ValueError, match="clip_ratio_c must be > 1.0"):
-        core.compute_policy_loss(f32(old_lp), f32(lp), f32(adv), f32(mask), clip_ratio_c=1.0)
+        losses.compute_policy_loss(f32(old_lp), f32(lp), f32(adv), f32(mask), clip_ratio_c=1.0)
 
 
 def test_gspo_sequence_ratio_and_gradient():
@@ -482,7 +482,7 @@ def test_gspo_sequence_ratio_and_gradient():
 
     # Straight-through: d loss / d log_prob[i, j] = -A_i * s_i / (n_i * B) on unclipped tokens.
     grad = jax.grad(
-        lambda x: core.compute_policy_loss_gspo(f32(old_lp), x, f32(adv), f32(mask), 10.0)[0]
+        lambda x: losses.compute_policy_loss_gspo(f32(old_lp), x, f32(adv), f32(mask), 10.0)[0]
     )(f32(lp))
     want = np.zeros((b, t))
     for i in range(b):
@@ -501,20 +501,20 @@ def test_value_loss_clipped():
     vpreds = values + rng.normal(scale=0.5, size=(b, t))
     returns = rng.normal(size=(b, t))
     c = 0.2
-    losses = np.zeros((b, t))
+    want_loss = np.zeros((b, t))
     clipped = np.zeros((b, t))
     for i in range(b):
         for j in range(t):
             vc = min(max(vpreds[i, j], values[i, j] - c), values[i, j] + c)
             e1 = (vpreds[i, j] - returns[i, j]) ** 2
             e2 = (vc - returns[i, j]) ** 2
-            losses[i, j] = max(e1, e2)
+            want_loss[i, j] = max(e1, e2)
             clipped[i, j] = e2 > e1
     for mode in ["token-mean", "seq-mean-token-sum"]:
-        vf_loss, vf_clipfrac = core.compute_value_loss(
+        vf_loss, vf_clipfrac = losses.compute_value_loss(
             f32(vpreds), f32(returns), f32(values), f32(mask), c, mode
         )
-        close(vf_loss, 0.5 * ref_agg(losses, mask, mode), atol=4e-6)
+        close(vf_loss, 0.5 * ref_agg(want_loss, mask, mode), atol=4e-6)
         close(vf_clipfrac, ref_masked_mean(clipped, mask))
     assert 0 < float(vf_clipfrac) < 1
 
@@ -530,7 +530,7 @@ def test_kl_penalties(name):
     lp = -rng.uniform(0.05, 3.0, size=(3, 7))
     ref = -rng.uniform(0.05, 3.0, size=(3, 7))
     ref[0, 0] = lp[0, 0] + 15.0  # k3 would be ~3.3e6 here: must be clamped to 10
-    got = core.kl_penalty(f32(lp), f32(ref), name)
+    got = losses.kl_penalty(f32(lp), f32(ref), name)
     expected = ref_kl(lp, ref, name)
     close(np.asarray(got)[:, 1:], expected[:, 1:], atol=2e-6)
     close(np.asarray(got)[1:], expected[1:], atol=2e-6)
@@ -541,9 +541,9 @@ def test_kl_penalties(name):
 def test_kl_straight_through_gradient():
     lp = jnp.asarray([-1.0, -2.0, -0.5])
     ref = jnp.asarray([-1.5, -1.0, -0.5])
-    val = core.kl_penalty(lp, ref, "k3+")
+    val = losses.kl_penalty(lp, ref, "k3+")
     close(val, ref_kl(np.asarray(lp, np.float64), np.asarray(ref, np.float64), "k3"))
-    grad = jax.grad(lambda x: jnp.sum(core.kl_penalty(x, ref, "k3+")))(lp)
+    grad = jax.grad(lambda x: jnp.sum(losses.kl_penalty(x, ref, "k3+")))(lp)
     close(grad, np.asarray(lp - ref, np.float64))  # gradient of 0.5 * (lp - ref)^2
 
 
@@ -554,7 +554,7 @@ def test_apply_kl_penalty():
     scores = outcome_rewards(rng, mask)
     old_lp = -rng.uniform(0.1, 2.0, size=(b, t))
     ref_lp = -rng.uniform(0.1, 2.0, size=(b, t))
-    rewards, kl = core.apply_kl_penalty(
+    rewards, kl = losses.apply_kl_penalty(
         f32(scores), f32(old_lp), f32(ref_lp), f32(mask), kl_coef=0.05, kl_penalty="k3"
     )
     kld = ref_kl(old_lp, ref_lp, "k3") * mask
@@ -563,7 +563,7 @@ def test_apply_kl_penalty():
 
 
 def test_adaptive_kl_controller_sequence():
-    ctrl = core.get_kl_controller("adaptive", kl_coef=0.2, target_kl=0.1, horizon=1000)
+    ctrl = losses.get_kl_controller("adaptive", kl_coef=0.2, target_kl=0.1, horizon=1000)
     value = 0.2
     for kl in [0.5, 0.12, 0.1, 0.05, 0.0, 0.2]:
         error = kl / 0.1 - 1
@@ -571,11 +571,11 @@ def test_adaptive_kl_controller_sequence():
         value = value * (1 + error * 64 / 1000)
         ctrl = ctrl.update(jnp.float32(kl), n_steps=64)
         assert math.isclose(ctrl.value, value, rel_tol=1e-6)
-    assert isinstance(ctrl, core.AdaptiveKLController)
-    fixed = core.get_kl_controller("fixed", kl_coef=0.3)
+    assert isinstance(ctrl, losses.AdaptiveKLController)
+    fixed = losses.get_kl_controller("fixed", kl_coef=0.3)
     assert fixed.update(5.0, 64).value == 0.3
     with pytest.raises(ValueError, match="unknown kl_ctrl type 'pid'; known: adaptive, fixed"):
-        core.get_kl_controller("pid")
+        losses.get_kl_controller("pid")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -589,7 +589,7 @@ def test_registry_unknown_names_list_known():
     with pytest.raises(ValueError, match=r"unknown policy_loss 'x'; known: gspo, vanilla"):
         core.POLICY_LOSSES.get("x")
     with pytest.raises(ValueError, match=r"unknown kl_penalty 'k9\+'; known: abs, k1"):
-        core.kl_penalty(jnp.zeros(2), jnp.zeros(2), "k9+")
+        losses.kl_penalty(jnp.zeros(2), jnp.zeros(2), "k9+")
     with pytest.raises(ValueError, match=r"unknown loss_agg_mode 'sum'; known: seq-mean"):
         core.agg_loss(jnp.zeros((2, 2)), jnp.ones((2, 2)), "sum")
     reg = core.Registry("thing")
@@ -609,7 +609,7 @@ def test_everything_runs_under_jit():
     baselines = rng.normal(size=b)
 
     @jax.jit
-    def advantages(rewards, values, mask, index, baselines):
+    def all_advantages(rewards, values, mask, index, baselines):
         kw = dict(token_level_rewards=rewards, response_mask=mask, gamma=1.0, lam=0.95)
         return {
             "gae": core.ADV_ESTIMATORS.get("gae")(values=values, **kw),
@@ -619,7 +619,7 @@ def test_everything_runs_under_jit():
             "remax": core.ADV_ESTIMATORS.get("remax")(reward_baselines=baselines, **kw),
         }
 
-    out = advantages(f32(rewards), f32(values), jnp.asarray(mask > 0), index, f32(baselines))
+    out = all_advantages(f32(rewards), f32(values), jnp.asarray(mask > 0), index, f32(baselines))
     close(out["gae"][0], ref_gae(rewards, values, mask, 1.0, 0.95)[0])
     close(out["grpo"][0], ref_grpo(rewards, mask, index, True, 1e-6))
     close(out["rloo"][0], ref_rloo(rewards, mask, index))
@@ -629,14 +629,14 @@ def test_everything_runs_under_jit():
     old_lp, lp, adv, pmask = ppo_case()
 
     @jax.jit
-    def losses(old_lp, lp, adv, mask):
-        pg = core.compute_policy_loss(old_lp, lp, adv, mask, 0.2, 0.2, 0.28, 3.0, "token-mean")
-        vf = core.compute_value_loss(lp, adv, old_lp, mask, 0.2, "seq-mean-token-mean")
-        kl = core.apply_kl_penalty(adv, lp, old_lp, mask, 0.1, "low_var_kl")
+    def all_losses(old_lp, lp, adv, mask):
+        pg = losses.compute_policy_loss(old_lp, lp, adv, mask, 0.2, 0.2, 0.28, 3.0, "token-mean")
+        vf = losses.compute_value_loss(lp, adv, old_lp, mask, 0.2, "seq-mean-token-mean")
+        kl = losses.apply_kl_penalty(adv, lp, old_lp, mask, 0.1, "low_var_kl")
         ent = core.entropy_from_logits(jnp.stack([lp, adv], -1))
         return pg, vf, kl, ent
 
-    pg, _, kl, ent = losses(f32(old_lp), f32(lp), f32(adv), f32(pmask))
+    pg, _, kl, ent = all_losses(f32(old_lp), f32(lp), f32(adv), f32(pmask))
     for got, want in zip(pg, ref_ppo(old_lp, lp, adv, pmask, 0.2, 0.28, 3.0, "token-mean")):
         close(got, want)
     close(kl[0], adv - 0.1 * ref_kl(lp, old_lp, "k3") * pmask)

@@ -1,0 +1,255 @@
+"""Advantage estimators: GAE, GRPO, RLOO, REINFORCE++ (with and without a baseline), ReMax.
+
+hfjax convention: every estimator returns zeros outside ``response_mask`` (for both advantages
+and returns), so padding never leaks into a loss even if a caller forgets the mask.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from hfjax.algorithms.core import (
+    ADV_ESTIMATORS,
+    Array,
+    mask_like,
+    masked_whiten,
+    safe_div,
+)
+
+# --------------------------------------------------------------------------------------------
+# Advantage estimators
+#
+# All share one keyword-only signature so a driver can call any of them with the same config;
+# an estimator raises ValueError when an input it needs (values, index, reward_baselines) is
+# missing. They return (advantages, returns), both [B, T] and zero outside response_mask.
+# --------------------------------------------------------------------------------------------
+
+
+def _require(value: Array | None, what: str, estimator: str) -> Array:
+    if value is None:
+        raise ValueError(f"adv_estimator '{estimator}' needs {what}; pass it as a keyword")
+    return value
+
+
+def _group_stats(scores: Array, index: Array, num_groups: int | None) -> tuple[Array, Array, Array]:
+    """Returns per-sample (group size, group mean, unbiased group std), each ``[B]``.
+
+    Groups are int ids in [0, num_groups); segment sums keep this a fixed-shape program with no
+    per-group Python loop. ``num_groups`` defaults to B, enough for dense ids 0..G-1 with G <= B.
+    Ids outside the range are dropped by the segment ops, so they must be dense.
+    """
+    index = jnp.asarray(index).astype(jnp.int32)
+    g = scores.shape[0] if num_groups is None else int(num_groups)
+    count = jax.ops.segment_sum(jnp.ones_like(scores), index, num_segments=g)
+    mean = safe_div(jax.ops.segment_sum(scores, index, num_segments=g), count)
+    sq_dev = jnp.square(scores - mean[index])
+    var = safe_div(jax.ops.segment_sum(sq_dev, index, num_segments=g), count - 1)
+    return count[index], mean[index], jnp.sqrt(var)[index]
+
+
+@ADV_ESTIMATORS.register("gae")
+def compute_gae_advantage_return(
+    *,
+    token_level_rewards: Array,
+    response_mask: Array,
+    values: Array | None = None,
+    index: Array | None = None,
+    num_groups: int | None = None,
+    reward_baselines: Array | None = None,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+    norm_adv_by_std_in_grpo: bool = True,
+    epsilon: float = 1e-6,
+) -> tuple[Array, Array]:
+    """Generalised advantage estimation (needs ``values``).
+
+    Tokens outside the mask are skipped by the recursion: the value bootstrap and the running
+    advantage pass through them unchanged, so masked tokens in the middle of a response (e.g.
+    tool observations) neither bootstrap nor accumulate TD-error. Returns are advantages + values
+    taken before the advantages are whitened over the mask.
+
+    Returns (whitened advantages, returns), each ``[B, T]``.
+    """
+    values = _require(values, "values [B, T] from the critic", "gae")
+    m = mask_like(response_mask, token_level_rewards)
+    rewards = token_level_rewards * m
+    values = values.astype(rewards.dtype) * m
+
+    def step(carry, x):
+        next_value, last_adv = carry
+        r_t, v_t, m_t = x
+        delta = r_t + gamma * next_value - v_t
+        adv_t = delta + gamma * lam * last_adv
+        next_value = m_t * v_t + (1 - m_t) * next_value
+        last_adv = m_t * adv_t + (1 - m_t) * last_adv
+        return (next_value, last_adv), last_adv
+
+    zeros = jnp.zeros(rewards.shape[:1], rewards.dtype)
+    _, adv_t_major = jax.lax.scan(step, (zeros, zeros), (rewards.T, values.T, m.T), reverse=True)
+    advantages = adv_t_major.T
+    returns = (advantages + values) * m
+    advantages = masked_whiten(advantages, m) * m
+    return advantages, returns
+
+
+@ADV_ESTIMATORS.register("grpo")
+def compute_grpo_outcome_advantage(
+    *,
+    token_level_rewards: Array,
+    response_mask: Array,
+    values: Array | None = None,
+    index: Array | None = None,
+    num_groups: int | None = None,
+    reward_baselines: Array | None = None,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+    norm_adv_by_std_in_grpo: bool = True,
+    epsilon: float = 1e-6,
+) -> tuple[Array, Array]:
+    """GRPO outcome advantage (needs ``index``, the prompt-group id of each sample).
+
+    The score of a sample is the sum of its token rewards. It is normalised within its group:
+    (score - mean) / (std + epsilon) with the unbiased std, or only mean-centred when
+    ``norm_adv_by_std_in_grpo`` is False (Dr.GRPO). A group of one uses mean 0 and std 1, so its
+    advantage is its score / (1 + epsilon) (just its score under Dr.GRPO).
+
+    Returns (advantages, returns), identical, the per-sample value broadcast over the mask.
+    """
+    index = _require(index, "index (int group ids [B])", "grpo")
+    m = mask_like(response_mask, token_level_rewards)
+    scores = jnp.sum(token_level_rewards, axis=-1)
+    count, mean, std = _group_stats(scores, index, num_groups)
+    single = count <= 1
+    mean = jnp.where(single, 0.0, mean)
+    std = jnp.where(single, 1.0, std)
+    adv = scores - mean
+    if norm_adv_by_std_in_grpo:
+        adv = adv / (std + epsilon)
+    adv = adv[:, None] * m
+    return adv, adv
+
+
+@ADV_ESTIMATORS.register("rloo")
+def compute_rloo_outcome_advantage(
+    *,
+    token_level_rewards: Array,
+    response_mask: Array,
+    values: Array | None = None,
+    index: Array | None = None,
+    num_groups: int | None = None,
+    reward_baselines: Array | None = None,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+    norm_adv_by_std_in_grpo: bool = True,
+    epsilon: float = 1e-6,
+) -> tuple[Array, Array]:
+    """REINFORCE leave-one-out advantage (needs ``index``).
+
+    Each sample's baseline is the mean score of the *other* samples of its group, which equals
+    n/(n-1) * (score - group mean). A group of one has no baseline and keeps its raw score.
+
+    Returns (advantages, returns), identical, broadcast over the mask.
+    """
+    index = _require(index, "index (int group ids [B])", "rloo")
+    m = mask_like(response_mask, token_level_rewards)
+    scores = jnp.sum(token_level_rewards, axis=-1)
+    count, mean, _ = _group_stats(scores, index, num_groups)
+    loo = (scores - mean) * safe_div(count, count - 1)
+    adv = jnp.where(count > 1, loo, scores)[:, None] * m
+    return adv, adv
+
+
+@ADV_ESTIMATORS.register("reinforce_plus_plus")
+def compute_reinforce_plus_plus_outcome_advantage(
+    *,
+    token_level_rewards: Array,
+    response_mask: Array,
+    values: Array | None = None,
+    index: Array | None = None,
+    num_groups: int | None = None,
+    reward_baselines: Array | None = None,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+    norm_adv_by_std_in_grpo: bool = True,
+    epsilon: float = 1e-6,
+) -> tuple[Array, Array]:
+    """REINFORCE++: discounted return-to-go, whitened over the whole batch's mask.
+
+    The running return restarts after every masked-out token, so rewards beyond the end of a
+    response (or beyond a masked span) never flow back into it.
+
+    Returns (whitened returns as advantages, returns), each ``[B, T]``.
+    """
+    m = mask_like(response_mask, token_level_rewards)
+
+    def step(running, x):
+        r_t, m_t = x
+        ret_t = r_t + gamma * running
+        return ret_t * m_t, ret_t
+
+    zeros = jnp.zeros(token_level_rewards.shape[:1], m.dtype)
+    _, ret_t_major = jax.lax.scan(step, zeros, (token_level_rewards.T, m.T), reverse=True)
+    returns = ret_t_major.T
+    advantages = masked_whiten(returns, m) * m
+    return advantages, returns * m
+
+
+@ADV_ESTIMATORS.register("reinforce_plus_plus_baseline")
+def compute_reinforce_plus_plus_baseline_outcome_advantage(
+    *,
+    token_level_rewards: Array,
+    response_mask: Array,
+    values: Array | None = None,
+    index: Array | None = None,
+    num_groups: int | None = None,
+    reward_baselines: Array | None = None,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+    norm_adv_by_std_in_grpo: bool = True,
+    epsilon: float = 1e-6,
+) -> tuple[Array, Array]:
+    """REINFORCE++ with a group-mean baseline (needs ``index``).
+
+    The score minus its group mean (0 for a group of one) is broadcast over the mask, then
+    whitened over the whole batch's mask.
+
+    Returns (advantages, returns), identical, each ``[B, T]``.
+    """
+    index = _require(index, "index (int group ids [B])", "reinforce_plus_plus_baseline")
+    m = mask_like(response_mask, token_level_rewards)
+    scores = jnp.sum(token_level_rewards, axis=-1)
+    count, mean, _ = _group_stats(scores, index, num_groups)
+    centred = (scores - jnp.where(count <= 1, 0.0, mean))[:, None] * m
+    adv = masked_whiten(centred, m) * m
+    return adv, adv
+
+
+@ADV_ESTIMATORS.register("remax")
+def compute_remax_outcome_advantage(
+    *,
+    token_level_rewards: Array,
+    response_mask: Array,
+    values: Array | None = None,
+    index: Array | None = None,
+    num_groups: int | None = None,
+    reward_baselines: Array | None = None,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+    norm_adv_by_std_in_grpo: bool = True,
+    epsilon: float = 1e-6,
+) -> tuple[Array, Array]:
+    """ReMax (needs ``reward_baselines`` [B], the score of the greedy response to each prompt).
+
+    Returns are the undiscounted return-to-go of the masked rewards; advantages subtract the
+    baseline score from every response token. With an outcome reward on the last token this is
+    score - baseline on every token.
+
+    Returns (advantages, returns), each ``[B, T]``.
+    """
+    baselines = _require(reward_baselines, "reward_baselines [B] (greedy scores)", "remax")
+    m = mask_like(response_mask, token_level_rewards)
+    masked = token_level_rewards * m
+    returns = jnp.flip(jnp.cumsum(jnp.flip(masked, axis=-1), axis=-1), axis=-1)
+    advantages = returns - baselines[:, None].astype(returns.dtype) * m
+    return advantages, returns

@@ -1,0 +1,275 @@
+"""Policy and value losses, KL penalties and the KL coefficient controllers."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from hfjax.algorithms.core import (
+    KL_PENALTIES,
+    LOG_RATIO_CLAMP,
+    POLICY_LOSSES,
+    Array,
+    agg_loss,
+    mask_like,
+    masked_mean,
+    masked_sum,
+)
+
+# --------------------------------------------------------------------------------------------
+# Policy and value losses
+# --------------------------------------------------------------------------------------------
+
+
+def _check_clip_ratio_c(clip_ratio_c: float) -> None:
+    if isinstance(clip_ratio_c, int | float) and not clip_ratio_c > 1.0:
+        raise ValueError(f"clip_ratio_c must be > 1.0 for dual-clip PPO, got {clip_ratio_c}")
+
+
+@POLICY_LOSSES.register("vanilla")
+def compute_policy_loss(
+    old_log_prob: Array,
+    log_prob: Array,
+    advantages: Array,
+    response_mask: Array,
+    cliprange: float = 0.2,
+    cliprange_low: float | None = None,
+    cliprange_high: float | None = None,
+    clip_ratio_c: float = 3.0,
+    loss_agg_mode: str = "token-mean",
+) -> tuple[Array, Array, Array, Array]:
+    """PPO clipped surrogate with dual-clip (token-level ratio).
+
+    Per token: max(-A r, -A clip(r, 1 - cliprange_low, 1 + cliprange_high)); for A < 0 that is
+    further capped at -A * clip_ratio_c, which bounds the loss when r explodes on a negative
+    advantage. ``cliprange_low``/``cliprange_high`` default to ``cliprange`` (asymmetric clipping
+    as in DAPO's clip-higher).
+
+    Returns (pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower): the aggregated loss; the masked
+    fraction of tokens where the clipped term is active; the masked mean of
+    old_log_prob - log_prob; and the masked fraction where the dual-clip cap is active.
+    """
+    _check_clip_ratio_c(clip_ratio_c)
+    low = cliprange if cliprange_low is None else cliprange_low
+    high = cliprange if cliprange_high is None else cliprange_high
+    m = mask_like(response_mask, log_prob)
+
+    log_ratio = jnp.clip(log_prob - old_log_prob, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    ratio = jnp.exp(log_ratio)
+    ppo_kl = masked_mean(-log_ratio, m)
+
+    loss_unclipped = -advantages * ratio
+    loss_clipped = -advantages * jnp.clip(ratio, 1 - low, 1 + high)
+    loss_ppo = jnp.maximum(loss_unclipped, loss_clipped)
+    pg_clipfrac = masked_mean((loss_clipped > loss_unclipped).astype(m.dtype), m)
+
+    loss_cap = -advantages * clip_ratio_c
+    negative = advantages < 0
+    pg_clipfrac_lower = masked_mean(((loss_ppo > loss_cap) & negative).astype(m.dtype), m)
+    pg_losses = jnp.where(negative, jnp.minimum(loss_ppo, loss_cap), loss_ppo)
+
+    pg_loss = agg_loss(pg_losses, m, loss_agg_mode)
+    return pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower
+
+
+@POLICY_LOSSES.register("gspo")
+def compute_policy_loss_gspo(
+    old_log_prob: Array,
+    log_prob: Array,
+    advantages: Array,
+    response_mask: Array,
+    cliprange: float = 0.2,
+    cliprange_low: float | None = None,
+    cliprange_high: float | None = None,
+    clip_ratio_c: float = 3.0,
+    loss_agg_mode: str = "seq-mean-token-mean",
+) -> tuple[Array, Array, Array, Array]:
+    """GSPO: PPO clipping on a sequence-level importance ratio.
+
+    The sequence ratio is exp(mean over the response of log_prob - old_log_prob), the geometric
+    mean of token ratios. Each token carries it with a straight-through form so its value is the
+    sequence ratio while the gradient still flows through that token's own log-prob. No dual
+    clip (``clip_ratio_c`` is accepted for a uniform signature). GSPO recipes use
+    ``loss_agg_mode="seq-mean-token-mean"``, the default here.
+
+    Returns (pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower) with pg_clipfrac_lower = 0.
+    """
+    low = cliprange if cliprange_low is None else cliprange_low
+    high = cliprange if cliprange_high is None else cliprange_high
+    m = mask_like(response_mask, log_prob)
+
+    log_ratio = log_prob - old_log_prob
+    seq_log_ratio = masked_sum(log_ratio, m, axis=-1) / jnp.maximum(jnp.sum(m, axis=-1), 1.0)
+    token_seq_log_ratio = (
+        log_prob - jax.lax.stop_gradient(log_prob) + jax.lax.stop_gradient(seq_log_ratio)[:, None]
+    )
+    ratio = jnp.exp(jnp.minimum(token_seq_log_ratio, 10.0))
+
+    loss_unclipped = -advantages * ratio
+    loss_clipped = -advantages * jnp.clip(ratio, 1 - low, 1 + high)
+    pg_losses = jnp.maximum(loss_unclipped, loss_clipped)
+    pg_loss = agg_loss(pg_losses, m, loss_agg_mode)
+    pg_clipfrac = masked_mean((loss_clipped > loss_unclipped).astype(m.dtype), m)
+    ppo_kl = masked_mean(-log_ratio, m)
+    return pg_loss, pg_clipfrac, ppo_kl, jnp.zeros((), pg_loss.dtype)
+
+
+def compute_value_loss(
+    vpreds: Array,
+    returns: Array,
+    values: Array,
+    response_mask: Array,
+    cliprange_value: float,
+    loss_agg_mode: str = "token-mean",
+) -> tuple[Array, Array]:
+    """Clipped value loss: 0.5 * agg(max((v - R)^2, (clip(v, v_old +- c) - R)^2)).
+
+    ``values`` are the critic's predictions at rollout time (v_old).
+
+    Returns (vf_loss, vf_clipfrac): the loss and the masked fraction of tokens where the clipped
+    error is the larger one.
+    """
+    m = mask_like(response_mask, vpreds)
+    vpred_clipped = jnp.clip(vpreds, values - cliprange_value, values + cliprange_value)
+    err_unclipped = jnp.square(vpreds - returns)
+    err_clipped = jnp.square(vpred_clipped - returns)
+    vf_loss = 0.5 * agg_loss(jnp.maximum(err_unclipped, err_clipped), m, loss_agg_mode)
+    vf_clipfrac = masked_mean((err_clipped > err_unclipped).astype(m.dtype), m)
+    return vf_loss, vf_clipfrac
+
+
+# --------------------------------------------------------------------------------------------
+# KL penalties
+# --------------------------------------------------------------------------------------------
+
+
+@KL_PENALTIES.register("kl", "k1")
+def _kl_k1(logprob: Array, ref_logprob: Array) -> Array:
+    return logprob - ref_logprob
+
+
+@KL_PENALTIES.register("abs")
+def _kl_abs(logprob: Array, ref_logprob: Array) -> Array:
+    return jnp.abs(logprob - ref_logprob)
+
+
+@KL_PENALTIES.register("mse", "k2")
+def _kl_k2(logprob: Array, ref_logprob: Array) -> Array:
+    return 0.5 * jnp.square(logprob - ref_logprob)
+
+
+@KL_PENALTIES.register("low_var_kl", "k3")
+def _kl_k3(logprob: Array, ref_logprob: Array) -> Array:
+    # Clamps keep exp() finite and stop one far-off token from dominating the penalty.
+    log_ratio = jnp.clip(ref_logprob - logprob, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    return jnp.clip(jnp.exp(log_ratio) - log_ratio - 1, -10.0, 10.0)
+
+
+def check_kl_name(name: str) -> tuple[str, bool]:
+    """(registered base name, straight-through flag) for a KL name such as "k3" or "k3+".
+
+    Raises ValueError listing the known names for an unknown one.
+    """
+    straight_through = len(name) > 1 and name.endswith("+")
+    base = name[:-1] if straight_through else name
+    if base not in KL_PENALTIES:
+        KL_PENALTIES.get(name)  # raises, listing the known names
+    return base, straight_through
+
+
+def _kl_estimate(logprob: Array, ref_logprob: Array, name: str) -> Array:
+    base, straight_through = check_kl_name(name)
+    forward = KL_PENALTIES.get(base)(logprob, ref_logprob)
+    if not straight_through or base in ("mse", "k2"):
+        return forward
+    backward = _kl_k2(logprob, ref_logprob)
+    return backward - jax.lax.stop_gradient(backward) + jax.lax.stop_gradient(forward)
+
+
+def kl_penalty(logprob: Array, ref_logprob: Array, kl_penalty: str = "kl") -> Array:
+    """Per-token KL estimate between the policy and the reference.
+
+    Names: "kl"/"k1" (log-ratio), "abs", "mse"/"k2" (half squared log-ratio),
+    "low_var_kl"/"k3" (exp(-x) + x - 1 on x = logprob - ref_logprob, clamped to [-10, 10]).
+    A trailing "+" (e.g. "k3+") keeps the forward value but takes the gradient of k2, an unbiased
+    low-variance gradient of the KL when used as a loss.
+
+    Returns the unmasked estimate, shaped like ``logprob``.
+    """
+    return _kl_estimate(logprob, ref_logprob, kl_penalty)
+
+
+def apply_kl_penalty(
+    token_level_scores: Array,
+    old_log_prob: Array,
+    ref_log_prob: Array,
+    response_mask: Array,
+    kl_coef: float | Array,
+    kl_penalty: str = "kl",
+) -> tuple[Array, Array]:
+    """Folds a KL penalty into the rewards: rewards = scores - kl_coef * kl * mask.
+
+    Returns (token_level_rewards [B, T], current_kl): current_kl is the batch mean of each
+    sequence's masked-mean KL, a device scalar; feed it (once, on the host) to the KL
+    controller's ``update`` with n_steps = B.
+    """
+    m = mask_like(response_mask, token_level_scores)
+    kld = _kl_estimate(old_log_prob, ref_log_prob, kl_penalty) * m
+    token_level_rewards = token_level_scores - kl_coef * kld
+    current_kl = jnp.mean(masked_mean(kld, m, axis=-1))
+    return token_level_rewards, current_kl
+
+
+# --------------------------------------------------------------------------------------------
+# KL coefficient controllers (host-side, immutable, checkpointable as plain dicts)
+# --------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class FixedKLController:
+    """A constant KL coefficient; ``update`` returns the same controller."""
+
+    value: float
+
+    def update(self, current_kl: float, n_steps: int) -> FixedKLController:
+        """Returns self: the coefficient never changes."""
+        return self
+
+
+@dataclasses.dataclass(frozen=True)
+class AdaptiveKLController:
+    """Adaptive KL coefficient (Ziegler et al., 2019) steering the measured KL to ``target_kl``."""
+
+    value: float
+    target_kl: float
+    horizon: float
+
+    def update(self, current_kl: float, n_steps: int) -> AdaptiveKLController:
+        """Returns a controller whose value is scaled by 1 + clip(kl/target - 1, +-0.2) * n/horizon.
+
+        ``current_kl`` may be a device scalar; converting it here is the step's one deliberate
+        host fetch for the controller.
+        """
+        error = min(max(float(current_kl) / self.target_kl - 1.0, -0.2), 0.2)
+        mult = 1.0 + error * n_steps / self.horizon
+        return dataclasses.replace(self, value=self.value * mult)
+
+
+def get_kl_controller(
+    kl_ctrl_type: str = "fixed",
+    kl_coef: float = 0.001,
+    target_kl: float = 0.1,
+    horizon: float = 10000,
+) -> FixedKLController | AdaptiveKLController:
+    """Returns the initial KL controller state for ``kl_ctrl_type`` "fixed" or "adaptive"."""
+    if kl_ctrl_type == "fixed":
+        return FixedKLController(value=kl_coef)
+    if kl_ctrl_type == "adaptive":
+        if not horizon > 0:
+            raise ValueError(f"adaptive kl_ctrl needs horizon > 0, got {horizon}")
+        if not target_kl > 0:
+            raise ValueError(f"adaptive kl_ctrl needs target_kl > 0, got {target_kl}")
+        return AdaptiveKLController(value=kl_coef, target_kl=target_kl, horizon=horizon)
+    raise ValueError(f"unknown kl_ctrl type '{kl_ctrl_type}'; known: adaptive, fixed")
