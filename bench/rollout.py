@@ -36,6 +36,12 @@ flags.DEFINE_integer("naive_steps", 3, "timed steps of the naive loop")
 flags.DEFINE_string("model", None, "GGUF file (default: the SmolLM2-135M-Instruct GGUF)")
 flags.DEFINE_bool("skip_hf", False, "skip the transformers side (for profiling hfjax alone)")
 flags.DEFINE_bool("skip_naive", False, "skip the naive JAX loop")
+flags.DEFINE_bool(
+    "floor",
+    True,
+    "also time the decode step's matmuls alone (every layer's projections and the LM head at "
+    "the decode batch) and report them against hfjax's measured step",
+)
 flags.DEFINE_list(
     "hf_threads",
     ["2", "1"],
@@ -142,6 +148,10 @@ def main(argv: list[str]) -> None:
         print(f"HF (fastest setting): {hf_tok_s:.1f} tok/s; tokens equal to hfjax's: {agree:.1%}")
         del hf, run_hf
 
+    # ---- where a decode step's time goes ----
+    if f.floor:
+        _decode_floor(model, batch, hfjax_s, new)
+
     # ---- naive JAX: full forward per token over a fixed padded window ----
     naive_tok_s = float("nan")
     if not f.skip_naive:
@@ -187,6 +197,56 @@ def main(argv: list[str]) -> None:
     }
     print(f"load average (1, 5, 15 min) at the end: {os.getloadavg()}")
     print(json.dumps(result))
+
+
+def _decode_floor(model, rows: int, hfjax_s: float, new_tokens: int) -> None:
+    """Times one decode step's weight matmuls alone and prints them next to the engine's step.
+
+    A [rows, D] activation goes through every layer's q, k, v, o, gate, up and down projections
+    and the LM head, each a 2-D matmul on the model's own weights (sliced per layer beforehand,
+    as the engine does), with no attention, norms or sampling. The median engine step is the
+    whole call's time over the new tokens (prefill included, so it is an upper bound).
+    """
+    import jax
+    import jax.numpy as jnp
+
+    cfg = model.config
+    stacked = model.model.layers.arrays()
+    names = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+    def as_2d(name: str, w):  # the engine's 2-D matmul form of each projection
+        return w.reshape(-1, cfg.hidden_size) if name == "o_proj" else w.reshape(w.shape[0], -1)
+
+    layers = [[as_2d(n, stacked[n][i]) for n in names] for i in range(cfg.num_layers)]
+    head = model.model.embed_tokens[...] if cfg.tie_word_embeddings else model.lm_head[...]
+
+    @jax.jit
+    def matmuls(x, layers, head):
+        for q, k, v, o, g, u, d in layers:
+            a = x @ q
+            x = x + a @ o + jnp.sum(x @ k) + jnp.sum(x @ v)
+            x = x + (jax.nn.silu(x @ g) * (x @ u)) @ d
+            x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6)
+        return x @ head.T if cfg.tie_word_embeddings else x @ head
+
+    x = jnp.ones((rows, cfg.hidden_size), cfg.jnp_dtype)
+    jax.block_until_ready(matmuls(x, layers, head))
+    times = []
+    for _ in range(20):
+        start = time.perf_counter()
+        jax.block_until_ready(matmuls(x, layers, head))
+        times.append(time.perf_counter() - start)
+    step = statistics.median(times)
+    params = sum(w.size for layer in layers for w in layer) + head.size
+    flops = 2 * rows * params
+    engine_step = hfjax_s / new_tokens
+    print(
+        f"decode step: matmuls alone {step * 1e3:.1f} ms ({flops / 1e9:.2f} GFLOP, "
+        f"{flops / step / 1e9:.0f} GFLOP/s, {params * x.dtype.itemsize / step / 1e9:.1f} GB/s of "
+        f"weights); hfjax's whole step {engine_step * 1e3:.1f} ms, so matmuls are "
+        f"{step / engine_step:.0%} of it",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

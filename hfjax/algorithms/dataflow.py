@@ -3,10 +3,10 @@ advantage stage (KL-in-reward plus a registered estimator), jitted once per shap
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -29,17 +29,34 @@ class Workers:
     sync_timing: bool = True
     timing: dict[str, float] = dataclasses.field(default_factory=dict)
 
-    @contextlib.contextmanager
-    def stage(self, name: str, outputs: list | None = None):
-        """Times a stage as `timing_s/<name>`. With sync_timing, waits for the stage's outputs
-        (appended to `outputs`) so the time is the stage's own; without it, times dispatch only
-        and lets worker groups on disjoint pools overlap."""
+    def run(self, name: str, fn: Callable[..., Any], *args: Any) -> Any:
+        """Runs one stage, `fn(*args)`, and returns its result, timed as `timing_s/<name>`.
+
+        With sync_timing the time waits for the result's arrays, so it is the stage's own;
+        without it, only dispatch is timed and worker groups on disjoint pools can overlap.
+        """
         t0 = time.perf_counter()
-        holder: list = [] if outputs is None else outputs
-        yield holder
-        if self.sync_timing and holder:
-            jax.block_until_ready([b.arrays if isinstance(b, Batch) else b for b in holder])
+        out = fn(*args)
+        if self.sync_timing:
+            jax.block_until_ready(
+                jax.tree.map(lambda x: x.arrays if isinstance(x, Batch) else x, out,
+                             is_leaf=lambda x: isinstance(x, Batch))
+            )
         self.timing[f"timing_s/{name}"] = time.perf_counter() - t0
+        return out
+
+
+def sample(w: Workers, batch: Batch, cfg) -> Batch:
+    """The stages every algorithm starts with: generate the responses, score them under the
+    pre-update policy when the update needs it, and under the reference policy when there is
+    one. Returns the batch with responses, old_log_probs and ref_log_prob as applicable."""
+    batch = w.run("gen", w.actor.generate, batch)
+    if needs_old_log_prob(w, batch, cfg):
+        batch = batch.union(w.run("old_log_prob", w.actor.compute_log_prob, batch))
+    if w.ref is not None:
+        ref = w.run("ref", lambda b: w.ref.compute_ref_log_prob(b).to(w.actor.mesh), batch)
+        batch = batch.union(ref)
+    return batch
 
 
 @functools.partial(jax.jit, static_argnames=("estimator", "kl_penalty", "use_kl", "n", "opts"))

@@ -1,35 +1,18 @@
 """PPO with a GAE critic, as one dataflow step over worker groups (the paper's Figure 6)."""
 
-from hfjax.algorithms.dataflow import Workers, compute_advantage, needs_old_log_prob
+from hfjax.algorithms.dataflow import Workers, compute_advantage, sample
 from hfjax.algorithms.registry import register_algorithm
 
 
 @register_algorithm("ppo", roles=("actor", "rollout", "ref", "critic", "reward"))
 def ppo_step(w: Workers, batch, cfg) -> dict:
-    with w.stage("gen") as out:
-        batch = w.actor.generate(batch)
-        out.append(batch)
-    if needs_old_log_prob(w, batch, cfg):
-        with w.stage("old_log_prob") as out:
-            batch = batch.union(w.actor.compute_log_prob(batch))
-            out.append(batch)
-    if w.ref is not None:
-        with w.stage("ref") as out:
-            batch = batch.union(w.ref.compute_ref_log_prob(batch).to(w.actor.mesh))
-            out.append(batch)
-    with w.stage("values") as out:
-        batch = batch.union(w.critic.compute_values(batch).to(w.actor.mesh))
-        out.append(batch)
-    with w.stage("reward") as out:
-        batch = batch.union(w.reward.compute_reward(batch))
-        out.append(batch)
-    with w.stage("adv") as out:
-        batch, metrics = compute_advantage(batch, cfg.algo, cfg.rollout.n, w.kl_ctrl.value)
-        out.append(batch)
-    with w.stage("update_critic") as out:
-        metrics |= w.critic.update_critic(batch)
-        out.append(metrics)
-    with w.stage("update_actor") as out:
-        metrics |= w.actor.update_actor(batch)
-        out.append(metrics)
+    batch = sample(w, batch, cfg)
+    values = w.run("values", lambda b: w.critic.compute_values(b).to(w.actor.mesh), batch)
+    batch = batch.union(values)
+    batch = batch.union(w.run("reward", w.reward.compute_reward, batch))
+    batch, metrics = w.run(
+        "adv", compute_advantage, batch, cfg.algo, cfg.rollout.n, w.kl_ctrl.value
+    )
+    metrics |= w.run("update_critic", w.critic.update_critic, batch)
+    metrics |= w.run("update_actor", w.actor.update_actor, batch)
     return batch, metrics
