@@ -289,10 +289,14 @@ def plot_run(records: Sequence[Mapping[str, Any]], path: str, title: str = "") -
     if val:
         ax.plot(*zip(*val), "o-", label="validation accuracy (greedy)", lw=1.5)
     ax.set_xlabel("RL step")
-    if all(0 <= v <= 1 for _, v in reward + val if not math.isnan(v)):
-        ax.set_ylim(-0.02, 1.02)
+    values = [v for _, v in reward + val if not math.isnan(v)]
+    if values and all(0 <= v <= 1 for v in values):
+        # The [0, 1] score range, unless every value is small (a format-credit reward such as
+        # 0.01 per answered problem): then zoom in so the trend shows.
+        top = 1.0 if max(values) > 0.25 else max(max(values) * 1.15, 1e-3)
+        ax.set_ylim(-0.02 * top, top * 1.02)
     ax.grid(alpha=0.3)
-    ax.legend(loc="lower right")
+    ax.legend(loc="best")
     if title:
         ax.set_title(title)
     fig.tight_layout()
