@@ -5,6 +5,7 @@ metric sinks and the `on_log` callback that the launcher passes in."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import time
@@ -25,7 +26,7 @@ from hfjax.controller.batch import Batch
 from hfjax.controller.placement import resolve_placement
 from hfjax.data import arith
 from hfjax.data.dataset import Dataset, reward_meta
-from hfjax.engine.sampler import Sampler
+from hfjax.engine.sampler import MIN_PROMPT_BUCKET, Sampler, bucket_size
 from hfjax.engine.update import check_mini_batching, make_optimizer
 from hfjax.metrics import MetricsLogger, parse_sink_names
 from hfjax.models import load as load_model
@@ -214,7 +215,7 @@ class Trainer:
             nnx.update(value_model.model, nnx.state(policy.model))
             critic = Critic(
                 "critic", self.pools["critic"], c.critic.mesh, value_model,
-                critic_cfg=c.critic, n_samples=c.rollout.n,
+                critic_cfg=c.critic, n_samples=c.rollout.n, horizon=c.rollout.response_length,
                 optimizer=make_optimizer(c.critic.lr, weight_decay=c.critic.weight_decay,
                                          grad_clip=c.critic.grad_clip),
             )
@@ -227,9 +228,16 @@ class Trainer:
     # -- data ----------------------------------------------------------------------------------
 
     def prompt_batch(self, rows: list[dict], seeds: np.ndarray) -> Batch:
-        """Host batch of left-padded prompts with per-row seeds and reward metadata."""
-        ids, mask = left_pad([r["prompt_ids"] for r in rows], self.cfg.data.max_prompt_length,
-                             self.pad)
+        """Host batch of left-padded prompts with per-row seeds and reward metadata.
+
+        The width is the longest prompt's length rounded up to a power of two (at least
+        MIN_PROMPT_BUCKET), capped at max_prompt_length: no stage computes on columns that are
+        padding in every row, and a run compiles a handful of widths.
+        """
+        ids_list = [r["prompt_ids"] for r in rows]
+        width = min(self.cfg.data.max_prompt_length,
+                    bucket_size(max(len(i) for i in ids_list), MIN_PROMPT_BUCKET))
+        ids, mask = left_pad(ids_list, width, self.pad)
         return Batch({"prompts": ids, "prompt_mask": mask, "seeds": seeds.astype(np.int32)},
                      meta=reward_meta(rows))
 
@@ -293,7 +301,7 @@ class Trainer:
         batch = self.prompt_batch(rows, seeds)
         t0 = time.perf_counter()
         batch, metrics = self.algo.step(w, batch, c)
-        metrics |= _batch_metrics(dict(batch.arrays))
+        metrics |= _batch_metrics(dict(batch.arrays), c.rollout.response_length)
         with jax.transfer_guard("allow"):
             host = {k: float(v) for k, v in jax.device_get(metrics).items()}
         wall = time.perf_counter() - t0
@@ -516,8 +524,8 @@ def config_json(cfg) -> dict:
     return json.loads(cfg.to_json_best_effort(sort_keys=True))
 
 
-@jax.jit
-def _batch_metrics(a: dict) -> dict:
+@functools.partial(jax.jit, static_argnames=("response_length",))
+def _batch_metrics(a: dict, response_length: int) -> dict:
     mask = a["response_mask"].astype(jnp.float32)
     score = jnp.sum(a["token_level_scores"], axis=1)
     length = jnp.sum(mask, axis=1)
@@ -531,7 +539,7 @@ def _batch_metrics(a: dict) -> dict:
         "response_length/mean": jnp.mean(length),
         "response_length/max": jnp.max(length),
         # Responses that used every allowed token (cut off, not finished).
-        "response_length/clip_ratio": jnp.mean(length >= mask.shape[1]),
+        "response_length/clip_ratio": jnp.mean(length >= response_length),
         "_tokens": jnp.sum(a["attention_mask"]).astype(jnp.float32),
     }
     if "values" in a:

@@ -355,3 +355,43 @@ def test_micro_batching_does_not_change_the_update():
     assert moved > 1e-3
     for k, v in p_whole.items():
         np.testing.assert_allclose(p_micro[k], v, rtol=0, atol=1e-5, err_msg=k)
+
+
+def test_trim_responses_keeps_a_power_of_two_width():
+    from hfjax.engine.sampler import GenerateOutput
+    from hfjax.workers.actor import trim_responses
+
+    def out(lengths, width):
+        mask = (np.arange(width)[None, :] < np.asarray(lengths)[:, None]).astype(np.int32)
+        tokens = np.where(mask > 0, 7, 0).astype(np.int32)
+        return GenerateOutput(jax.numpy.asarray(tokens), jax.numpy.asarray(mask),
+                              jax.numpy.asarray(mask * -0.5, dtype=np.float32))
+
+    for lengths, width, keep in [([3, 20, 0], 64, 32), ([5, 1], 64, 16), ([64, 2], 64, 64),
+                                 ([3], 10, 10), ([0, 0], 48, 16), ([17], 24, 24)]:
+        full = out(lengths, width)
+        cut = trim_responses(full)
+        assert cut.tokens.shape == (len(lengths), keep), (lengths, width)
+        for a, b in zip(cut, full):  # only all-padding columns were dropped
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b)[:, :keep])
+            assert not np.asarray(b)[:, keep:].any()
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
+                                  "seq-mean-token-sum-norm"])
+def test_trimmed_padding_leaves_the_losses_unchanged(mode):
+    from hfjax.algorithms import losses
+
+    rng = np.random.default_rng(3)
+    b, full, keep = 6, 64, 16
+    mask = (np.arange(full)[None, :] < rng.integers(1, keep + 1, b)[:, None]).astype(np.float32)
+    old, new, adv, vals, ret = (rng.normal(size=(b, full)).astype(np.float32) for _ in range(5))
+    for policy_loss in (losses.compute_policy_loss, losses.compute_policy_loss_gspo):
+        a = policy_loss(old, new, adv, mask, loss_agg_mode=mode, loss_scale_factor=full)
+        c = policy_loss(old[:, :keep], new[:, :keep], adv[:, :keep], mask[:, :keep],
+                        loss_agg_mode=mode, loss_scale_factor=full)
+        np.testing.assert_allclose(np.asarray(a), np.asarray(c), rtol=1e-6, atol=1e-7)
+    a = losses.compute_value_loss(new, ret, vals, mask, 0.2, mode, full)
+    c = losses.compute_value_loss(new[:, :keep], ret[:, :keep], vals[:, :keep], mask[:, :keep],
+                                  0.2, mode, full)
+    np.testing.assert_allclose(np.asarray(a), np.asarray(c), rtol=1e-6, atol=1e-7)

@@ -207,7 +207,9 @@ def agg_loss(
     Modes: "token-mean" (mean over all masked tokens), "seq-mean-token-sum" (per-sequence sum,
     then mean over sequences), "seq-mean-token-mean" (per-sequence mean, then mean over
     sequences), "seq-mean-token-sum-norm" (total masked sum / ``loss_scale_factor``, default T).
-    Sequence means skip rows with no masked tokens.
+    Sequence means skip rows with no masked tokens. A caller whose batches are trimmed to their
+    longest response passes the configured response length as ``loss_scale_factor``, so the
+    Dr.GRPO divisor stays the same from batch to batch.
 
     Returns the scalar loss.
     """

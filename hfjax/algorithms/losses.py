@@ -39,6 +39,7 @@ def compute_policy_loss(
     cliprange_high: float | None = None,
     clip_ratio_c: float = 3.0,
     loss_agg_mode: str = "token-mean",
+    loss_scale_factor: float | None = None,
 ) -> tuple[Array, Array, Array, Array]:
     """PPO clipped surrogate with dual-clip (token-level ratio).
 
@@ -70,7 +71,7 @@ def compute_policy_loss(
     pg_clipfrac_lower = masked_mean(((loss_ppo > loss_cap) & negative).astype(m.dtype), m)
     pg_losses = jnp.where(negative, jnp.minimum(loss_ppo, loss_cap), loss_ppo)
 
-    pg_loss = agg_loss(pg_losses, m, loss_agg_mode)
+    pg_loss = agg_loss(pg_losses, m, loss_agg_mode, loss_scale_factor)
     return pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower
 
 
@@ -85,6 +86,7 @@ def compute_policy_loss_gspo(
     cliprange_high: float | None = None,
     clip_ratio_c: float = 3.0,
     loss_agg_mode: str = "seq-mean-token-mean",
+    loss_scale_factor: float | None = None,
 ) -> tuple[Array, Array, Array, Array]:
     """GSPO: PPO clipping on a sequence-level importance ratio.
 
@@ -110,7 +112,7 @@ def compute_policy_loss_gspo(
     loss_unclipped = -advantages * ratio
     loss_clipped = -advantages * jnp.clip(ratio, 1 - low, 1 + high)
     pg_losses = jnp.maximum(loss_unclipped, loss_clipped)
-    pg_loss = agg_loss(pg_losses, m, loss_agg_mode)
+    pg_loss = agg_loss(pg_losses, m, loss_agg_mode, loss_scale_factor)
     pg_clipfrac = masked_mean((loss_clipped > loss_unclipped).astype(m.dtype), m)
     ppo_kl = masked_mean(-log_ratio, m)
     return pg_loss, pg_clipfrac, ppo_kl, jnp.zeros((), pg_loss.dtype)
@@ -123,10 +125,12 @@ def compute_value_loss(
     response_mask: Array,
     cliprange_value: float,
     loss_agg_mode: str = "token-mean",
+    loss_scale_factor: float | None = None,
 ) -> tuple[Array, Array]:
     """Clipped value loss: 0.5 * agg(max((v - R)^2, (clip(v, v_old +- c) - R)^2)).
 
-    ``values`` are the critic's predictions at rollout time (v_old).
+    ``values`` are the critic's predictions at rollout time (v_old). ``loss_scale_factor`` is
+    the divisor of "seq-mean-token-sum-norm" (see `agg_loss`).
 
     Returns (vf_loss, vf_clipfrac): the loss and the masked fraction of tokens where the clipped
     error is the larger one.
@@ -135,7 +139,8 @@ def compute_value_loss(
     vpred_clipped = jnp.clip(vpreds, values - cliprange_value, values + cliprange_value)
     err_unclipped = jnp.square(vpreds - returns)
     err_clipped = jnp.square(vpred_clipped - returns)
-    vf_loss = 0.5 * agg_loss(jnp.maximum(err_unclipped, err_clipped), m, loss_agg_mode)
+    err = jnp.maximum(err_unclipped, err_clipped)
+    vf_loss = 0.5 * agg_loss(err, m, loss_agg_mode, loss_scale_factor)
     vf_clipfrac = masked_mean((err_clipped > err_unclipped).astype(m.dtype), m)
     return vf_loss, vf_clipfrac
 

@@ -3,6 +3,11 @@
 Sequences in a batch are `prompts` [B, P] (left-padded) followed by `responses` [B, R]
 (right-padded); `input_ids` / `attention_mask` are their concatenation. The log-prob of response
 token t comes from the logits at position P + t - 1.
+
+R is not always `rollout.response_length`: after generation the responses are cut to the
+batch's longest one, rounded up to a power of two (at least 16), so that scoring and training
+do not spend their matmuls on columns that are padding in every row. Losses therefore take the
+configured length as the fixed horizon of "seq-mean-token-sum-norm".
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from hfjax.algorithms import core, losses
 from hfjax.controller.batch import Batch, transfer
 from hfjax.controller.protocol import DP_COMPUTE
 from hfjax.controller.worker_group import WorkerGroup, method
-from hfjax.engine.sampler import GenerateOutput, SamplingParams
+from hfjax.engine.sampler import MIN_NEW_TOKENS_BUCKET, GenerateOutput, SamplingParams, bucket_size
 from hfjax.engine.update import share_of_normaliser
 from hfjax.parallel import reshard
 from hfjax.parallel.mesh import batch_sharding
@@ -120,6 +125,7 @@ class ActorRollout(Reference):
             self.release_rollout_params(state)
             if offload:
                 self.opt_state = reshard.reload(self.opt_state, self.opt_shardings)
+        out = trim_responses(out)
         if self.hybrid is not None:
             # The decode mesh orders the same devices differently; programs below mix these
             # rows with the actor mesh's prompts, so the rows move over (device to device).
@@ -151,6 +157,7 @@ class ActorRollout(Reference):
         )
         mask = mb["response_mask"]
         weight = share_of_normaliser(mask, totals, a.loss_agg_mode)
+        horizon = float(self.rcfg.response_length)  # batches may be trimmed (module docstring)
         # A batch without old log-probs is updated on-policy (see `single_update`): the policy
         # that sampled it is the one being updated, so the ratio's denominator is the detached
         # current log-prob and no separate scoring pass is needed.
@@ -166,8 +173,9 @@ class ActorRollout(Reference):
             cliprange_high=a.clip_ratio_high,
             clip_ratio_c=a.clip_ratio_c,
             loss_agg_mode=a.loss_agg_mode,
+            loss_scale_factor=horizon,
         )
-        entropy = core.agg_loss(ent, mask, a.loss_agg_mode)
+        entropy = core.agg_loss(ent, mask, a.loss_agg_mode, horizon)
         # Without an entropy bonus the entropy is a metric only: keep it out of the backward pass
         # (a zero coefficient would still differentiate it).
         if a.entropy_coeff:
@@ -183,7 +191,7 @@ class ActorRollout(Reference):
         }
         if a.use_kl_loss:
             kld = losses.kl_penalty(lp, mb["ref_log_prob"], a.kl_loss_type)
-            kl_loss = core.agg_loss(kld, mask, a.loss_agg_mode)
+            kl_loss = core.agg_loss(kld, mask, a.loss_agg_mode, horizon)
             loss = loss + a.kl_loss_coef * kl_loss
             metrics["actor/kl_loss"] = kl_loss * weight
         return loss * weight, metrics
@@ -224,6 +232,23 @@ class ActorRollout(Reference):
         m = self.train(self._sft_loss, batch, keys, mini=len(batch), micro=micro, epochs=1,
                        shuffle=False)
         return {"sft/loss": m["loss"], "sft/grad_norm": m["grad_norm"]}
+
+
+def trim_responses(out: GenerateOutput) -> GenerateOutput:
+    """Cuts the response columns that are padding in every row, keeping a power-of-two width
+    (at least MIN_NEW_TOKENS_BUCKET) so that a run compiles a handful of shapes.
+
+    Reads the longest response length from the devices: one scalar, after generation has
+    finished anyway.
+    """
+    width = out.tokens.shape[1]
+    with jax.transfer_guard("allow"):
+        longest = int(jnp.max(jnp.sum(out.mask, axis=1)))
+    keep = min(width, bucket_size(max(longest, 1), MIN_NEW_TOKENS_BUCKET))
+    if keep == width:
+        return out
+    rows = out.tokens.shape[0]
+    return GenerateOutput(*(jax.lax.slice(x, (0, 0), (rows, keep)) for x in out))
 
 
 @jax.jit

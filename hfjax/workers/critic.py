@@ -14,10 +14,13 @@ from hfjax.engine.update import share_of_normaliser
 class Critic(WorkerGroup):
     """A ValueModel on its pool. Values of response token t are read at position P + t - 1."""
 
-    def __init__(self, *args, critic_cfg, n_samples: int = 1, **kw):
+    def __init__(self, *args, critic_cfg, n_samples: int = 1, horizon: int | None = None, **kw):
         super().__init__(*args, **kw)
         self.ccfg = critic_cfg
         self.n_samples = n_samples
+        # The configured response length: the fixed divisor of "seq-mean-token-sum-norm" when
+        # batches are trimmed to their longest response (hfjax.workers.actor).
+        self.horizon = None if horizon is None else float(horizon)
         self._values = jax.jit(self._values_fn, static_argnums=(3,))
 
     def _values_fn(self, params, input_ids, attention_mask, response_len):
@@ -38,7 +41,8 @@ class Critic(WorkerGroup):
         mask = mb["response_mask"]
         weight = share_of_normaliser(mask, totals, c.loss_agg_mode)
         vf_loss, clipfrac = losses.compute_value_loss(
-            vpreds, mb["returns"], mb["values"], mask, c.cliprange_value, c.loss_agg_mode
+            vpreds, mb["returns"], mb["values"], mask, c.cliprange_value, c.loss_agg_mode,
+            self.horizon,
         )
         metrics = {
             "critic/vf_loss": vf_loss * weight,
