@@ -93,6 +93,9 @@ def get_config() -> config_dict.ConfigDict:
             top_p=1.0,
             min_p=0.0,
             response_length=10,
+            # Validation sampling (verl's val_kwargs): n samples per held-out prompt at this
+            # temperature (0: greedy), reported as val-core/<source>/acc/mean@n (and best@n).
+            val_kwargs=config_dict.ConfigDict(dict(n=1, temperature=0.0)),
         )
     )
     c.ref = config_dict.ConfigDict(dict(mesh="fsdp=-1"))

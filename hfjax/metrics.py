@@ -19,6 +19,7 @@ import json
 import math
 import numbers
 import os
+import re
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol
@@ -33,7 +34,8 @@ SINK_NAMES = ("console", "jsonl", "tensorboard", "wandb")
 # comparisons of runs (the exact-resume test) leave them out.
 TIMING_PREFIXES = ("timing_s/", "perf/throughput", "perf/time_per_step")
 REWARD_KEY = "critic/score/mean"
-VAL_ACC_SUFFIX = "/acc/mean@1"
+# `val-core/<data_source>/acc/mean@<n>`: the mean score over n samples per held-out prompt.
+_VAL_ACC = re.compile(r"^val-core/.+/acc/mean@\d+$")
 
 
 def is_timing_key(name: str) -> bool:
@@ -42,9 +44,8 @@ def is_timing_key(name: str) -> bool:
 
 
 def val_accuracy(record: Mapping[str, Any]) -> float | None:
-    """The mean of a record's `val-core/*/acc/mean@1` entries, or None when it has none."""
-    accs = [v for k, v in record.items()
-            if k.startswith("val-core/") and k.endswith(VAL_ACC_SUFFIX)]
+    """The mean of a record's `val-core/*/acc/mean@<n>` entries, or None when it has none."""
+    accs = [v for k, v in record.items() if _VAL_ACC.match(k)]
     return sum(accs) / len(accs) if accs else None
 
 
@@ -287,7 +288,7 @@ def plot_run(records: Sequence[Mapping[str, Any]], path: str, title: str = "") -
     if reward:
         ax.plot(*zip(*reward), label=f"train reward ({REWARD_KEY})", lw=1.2)
     if val:
-        ax.plot(*zip(*val), "o-", label="validation accuracy (greedy)", lw=1.5)
+        ax.plot(*zip(*val), "o-", label="validation accuracy (val-core mean)", lw=1.5)
     ax.set_xlabel("RL step")
     values = [v for _, v in reward + val if not math.isnan(v)]
     if values and all(0 <= v <= 1 for v in values):

@@ -26,7 +26,7 @@ from hfjax.controller.batch import Batch
 from hfjax.controller.placement import resolve_placement
 from hfjax.data import arith
 from hfjax.data.dataset import Dataset, reward_meta
-from hfjax.engine.sampler import MIN_PROMPT_BUCKET, Sampler, bucket_size
+from hfjax.engine.sampler import MIN_PROMPT_BUCKET, Sampler, SamplingParams, bucket_size
 from hfjax.engine.update import check_mini_batching, make_optimizer
 from hfjax.metrics import MetricsLogger, parse_sink_names
 from hfjax.models import load as load_model
@@ -72,6 +72,11 @@ def validate_config(cfg) -> Any:
     if cfg.actor.use_kl_loss:
         losses.check_kl_name(cfg.actor.kl_loss_type)
     _check_run_keys(cfg.trainer)
+    try:  # the validation sampling settings, checked like any request's
+        SamplingParams(cfg.rollout.response_length, temperature=cfg.rollout.val_kwargs.temperature,
+                       n=cfg.rollout.val_kwargs.n)
+    except ValueError as err:
+        raise ValueError(f"rollout.val_kwargs: {err}") from err
     n_seq = cfg.data.train_batch_size * cfg.rollout.n
     pools = resolve_placement(_placement(cfg), _active_roles(algo), jax.devices())
     dp = dp_size(MeshSpec.parse(cfg.actor.mesh).build(pools["actor"].devices, "actor"))
@@ -278,16 +283,29 @@ class Trainer:
         return {k: float(v) for k, v in jax.device_get(m).items()}
 
     def validate(self) -> dict[str, float]:
-        """Greedy mean score per data_source on the validation set (accuracy for 0/1 rewards)."""
+        """Mean score per data_source on the validation set (accuracy for 0/1 rewards).
+
+        `rollout.val_kwargs` sets the samples per prompt n and their temperature (0: greedy,
+        the default); `val-core/<source>/acc/mean@n` averages all samples and, for n > 1,
+        `val-aux/<source>/acc/best@n` averages each prompt's best sample.
+        """
+        v = self.cfg.rollout.val_kwargs
+        n, temperature = int(v.n), float(v.temperature)
         rows = self.test_data.rows
-        batch = self.prompt_batch(rows, np.zeros(len(rows), np.int32))
-        out = self.actor.generate(batch, greedy=True, n=1)
+        # Fixed per-prompt seeds: sampled validation is reproducible and the same at every step.
+        batch = self.prompt_batch(rows, np.arange(len(rows), dtype=np.int32))
+        out = self.actor.generate(batch, greedy=temperature == 0.0, n=n, temperature=temperature)
         scored = self.reward.compute_reward(out)
         with jax.transfer_guard("allow"):
-            scores = np.asarray(jnp.sum(scored["token_level_scores"], axis=1))
-        sources = np.asarray(out.meta["data_source"])
-        return {f"val-core/{ds}/acc/mean@1": float(scores[sources == ds].mean())
-                for ds in sorted(set(sources.tolist()))}
+            scores = np.asarray(jnp.sum(scored["token_level_scores"], axis=1)).reshape(-1, n)
+        sources = np.asarray(out.meta["data_source"]).reshape(-1, n)[:, 0]
+        metrics = {}
+        for ds in sorted(set(sources.tolist())):
+            mine = scores[sources == ds]
+            metrics[f"val-core/{ds}/acc/mean@{n}"] = float(mine.mean())
+            if n > 1:
+                metrics[f"val-aux/{ds}/acc/best@{n}"] = float(mine.max(axis=1).mean())
+        return metrics
 
     def train_step(self) -> dict[str, float]:
         """One RL iteration; returns host metrics (the step's one metrics fetch)."""

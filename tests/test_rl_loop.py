@@ -13,6 +13,7 @@ import optax
 import pytest
 
 from configs import ppo_arith
+from hfjax import metrics as metrics_lib
 from hfjax.controller.batch import Batch
 from hfjax.rewards.registry import register_reward
 from hfjax.trainer import Trainer, validate_config
@@ -228,10 +229,12 @@ def _ppo_mapping(**changes):
         (lambda c: setattr(c, "algorithm", "ppo2"), r"unknown algorithm 'ppo2'; known: .*ppo"),
         (lambda c: setattr(c.algo, "adv_estimator", "gea"),
          r"unknown adv_estimator 'gea'; known: .*gae"),
+        (lambda c: setattr(c.rollout.val_kwargs, "n", 0),
+         r"rollout.val_kwargs: n=0; the number of samples per prompt must be >= 1"),
     ],
     ids=["mesh-too-big", "mesh-too-big-split", "mesh-indivisible-ref", "device-overlap",
          "role-twice", "role-without-pool", "pools-too-big", "mini-batch", "micro-batch",
-         "algorithm", "estimator"],
+         "algorithm", "estimator", "val-samples"],
 )
 def test_bad_config_fails_before_building(change, message):
     cfg = tiny_config()
@@ -395,3 +398,19 @@ def test_trimmed_padding_leaves_the_losses_unchanged(mode):
     c = losses.compute_value_loss(new[:, :keep], ret[:, :keep], vals[:, :keep], mask[:, :keep],
                                   0.2, mode, full)
     np.testing.assert_allclose(np.asarray(a), np.asarray(c), rtol=1e-6, atol=1e-7)
+
+
+def test_sampled_validation_reports_mean_and_best_at_n():
+    cfg = tiny_config()
+    cfg.rollout.response_length = 4
+    cfg.rollout.val_kwargs.n, cfg.rollout.val_kwargs.temperature = 4, 1.0
+    trainer = Trainer(cfg)
+    first, again = trainer.validate(), trainer.validate()
+    assert first == again  # fixed per-prompt seeds
+    sources = {k[len("val-core/"):-len("/acc/mean@4")] for k in first
+               if k.startswith("val-core/")}
+    assert sources and all(
+        0.0 <= first[f"val-core/{s}/acc/mean@4"] <= first[f"val-aux/{s}/acc/best@4"] <= 1.0
+        for s in sources)
+    assert metrics_lib.val_accuracy(first) == np.mean(
+        [first[f"val-core/{s}/acc/mean@4"] for s in sources])

@@ -93,7 +93,8 @@ class ActorRollout(Reference):
         if self.hybrid is not None:
             self.params = self.hybrid.to_train(params)
 
-    def generate(self, batch: Batch, *, greedy: bool = False, n: int | None = None) -> Batch:
+    def generate(self, batch: Batch, *, greedy: bool = False, n: int | None = None,
+                 temperature: float | None = None) -> Batch:
         """Samples n responses per prompt of a host batch (prompts, prompt_mask, seeds).
 
         Returns the batch repeated n times (interleaved: rows b*n .. b*n+n-1 share prompt b),
@@ -105,7 +106,7 @@ class ActorRollout(Reference):
         r = self.rcfg
         params = SamplingParams(
             max_new_tokens=r.response_length,
-            temperature=0.0 if greedy else r.temperature,
+            temperature=0.0 if greedy else r.temperature if temperature is None else temperature,
             top_k=r.top_k,
             top_p=r.top_p,
             min_p=r.min_p,
