@@ -113,7 +113,10 @@ def main(argv):
     stop = _StopRequest()
     signal.signal(signal.SIGTERM, stop.on_signal)
     metrics.start_memory_tracking(t.jax_smi)
-    trainer = Trainer(cfg)
+    try:
+        trainer = Trainer(cfg)
+    except ValueError as err:  # a config or data problem, found before anything was built
+        raise SystemExit(f"hfjax: cannot start the run: {err}") from None
     print(f"hfjax: {cfg.algorithm} on {jax.device_count()} {jax.devices()[0].platform} devices, "
           f"placement={cfg.placement}, actor mesh={cfg.actor.mesh}, out_dir={t.out_dir}",
           flush=True)

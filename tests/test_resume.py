@@ -179,3 +179,12 @@ def test_export_cli_loads_in_transformers_with_matching_logits(tmp_path, referen
     real = mask.astype(bool)
     assert np.abs(ours[real]).max() > 1.0  # a trained model, not a zero head
     np.testing.assert_allclose(ours[real], ref[real], atol=1e-5, rtol=0)
+
+
+def test_bad_config_stops_the_launcher_with_a_message(tmp_path, env):
+    cmd = _cmd(tmp_path / "run") + ["--config.actor.ppo_mini_batch_size=7"]
+    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 1
+    assert "hfjax: cannot start the run: actor: mini-batch of 7 sequences" in p.stderr
+    assert "Traceback" not in p.stderr
+    assert not (tmp_path / "run").exists()  # nothing was written
