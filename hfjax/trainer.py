@@ -240,8 +240,8 @@ class Trainer:
         padding in every row, and a run compiles a handful of widths.
         """
         ids_list = [r["prompt_ids"] for r in rows]
-        width = min(self.cfg.data.max_prompt_length,
-                    bucket_size(max(len(i) for i in ids_list), MIN_PROMPT_BUCKET))
+        width = bucket_size(max(len(i) for i in ids_list), MIN_PROMPT_BUCKET,
+                            cap=self.cfg.data.max_prompt_length)
         ids, mask = left_pad(ids_list, width, self.pad)
         return Batch({"prompts": ids, "prompt_mask": mask, "seeds": seeds.astype(np.int32)},
                      meta=reward_meta(rows))

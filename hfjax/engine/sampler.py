@@ -74,9 +74,11 @@ DEFAULT_MAX_PROMPT_LEN = 4096
 # --------------------------------------------------------------------------------------------
 
 
-def bucket_size(length: int, minimum: int) -> int:
-    """The power of two >= max(length, minimum): the shape a length is padded to."""
-    return 1 << (max(int(length), int(minimum)) - 1).bit_length()
+def bucket_size(length: int, minimum: int, cap: int | None = None) -> int:
+    """The power of two >= max(length, minimum), at most `cap` when given: the shape a length
+    is padded to."""
+    size = 1 << (max(int(length), int(minimum)) - 1).bit_length()
+    return size if cap is None else min(size, int(cap))
 
 
 # --------------------------------------------------------------------------------------------
@@ -430,9 +432,7 @@ class Sampler:
         rows_out, cols = batch * params.n, params.max_new_tokens
         out = GenerateOutput(carry.tokens, carry.mask, carry.logprobs)
         if out.tokens.shape != (rows_out, cols):
-            # A static slice with explicit strides: `x[:rows, :cols]`, and even `lax.slice`
-            # without strides, run eagerly as a dynamic_slice that uploads its start indices.
-            out = GenerateOutput(*(jax.lax.slice(x, (0, 0), (rows_out, cols), (1, 1)) for x in out))
+            out = out.head(rows_out, cols)
         return out
 
 

@@ -90,6 +90,12 @@ class GenerateOutput(NamedTuple):
     mask: jax.Array
     logprobs: jax.Array
 
+    def head(self, rows: int, cols: int) -> GenerateOutput:
+        """The first `rows` rows and `cols` columns of every array, sliced on device."""
+        # A static slice with explicit strides: `x[:rows, :cols]`, and even `lax.slice`
+        # without strides, run eagerly as a dynamic_slice that uploads its start indices.
+        return GenerateOutput(*(jax.lax.slice(x, (0, 0), (rows, cols), (1, 1)) for x in self))
+
 
 # --------------------------------------------------------------------------------------------
 # Token selection (pure functions of arrays)

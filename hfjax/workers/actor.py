@@ -239,17 +239,16 @@ def trim_responses(out: GenerateOutput) -> GenerateOutput:
     """Cuts the response columns that are padding in every row, keeping a power-of-two width
     (at least MIN_NEW_TOKENS_BUCKET) so that a run compiles a handful of shapes.
 
-    Reads the longest response length from the devices: one scalar, after generation has
-    finished anyway.
+    Reads the longest response length from the devices (one scalar, after generation has
+    finished anyway) unless the width is already the smallest bucket.
     """
-    width = out.tokens.shape[1]
+    rows, width = out.tokens.shape
+    if width <= MIN_NEW_TOKENS_BUCKET:  # nothing to cut: skip the fetch
+        return out
     with jax.transfer_guard("allow"):
         longest = int(jnp.max(jnp.sum(out.mask, axis=1)))
-    keep = min(width, bucket_size(max(longest, 1), MIN_NEW_TOKENS_BUCKET))
-    if keep == width:
-        return out
-    rows = out.tokens.shape[0]
-    return GenerateOutput(*(jax.lax.slice(x, (0, 0), (rows, keep)) for x in out))
+    keep = bucket_size(longest, MIN_NEW_TOKENS_BUCKET, cap=width)
+    return out if keep == width else out.head(rows, keep)
 
 
 @jax.jit
