@@ -7,12 +7,16 @@ SmolLM2-135M (batch 16, 192 cache slots; see docs/benchmarks.md):
 - scanning over stacked layers makes every step dynamic-slice (copy) each layer's weights before
   its matmuls, so the weights cross memory three times per step instead of once;
 - a [layers, batch, slots, kv_heads, head_dim] cache makes attention transpose each layer's
-  keys and values to a matmul-friendly layout on every step.
+  keys and values to a matmul-friendly layout on every step;
+- even in [batch, kv_heads, slots, head_dim], the scores q.k contract the keys' last axis, a
+  batched matmul against a transposed operand that XLA:CPU runs at about half the speed of the
+  plain one (keys stored [batch, kv_heads, head_dim, slots]).
 
 This module runs the model's own layer halves (`attention_inputs` and `layer_output` of
 `hfjax.models.transformer`) around its own grouped-query attention, with layers unrolled over
-weights sliced once per program call, and keeps the cache as one [batch, kv_heads, slots,
-head_dim] pair per layer, so attention reads it in place and each step writes one slot.
+weights sliced once per program call, and keeps the cache per layer as keys [batch, kv_heads,
+head_dim, slots] and values [batch, kv_heads, slots, head_dim]: both attention products are
+plain batched matmuls over the cache in place, and each step writes one slot.
 """
 
 from __future__ import annotations
@@ -30,11 +34,13 @@ from hfjax.models.transformer import (
     layer_output,
     rms_norm,
     rope_inv_freq,
+    rope_tables,
 )
 
 
 class LayerCache(NamedTuple):
-    """One layer's keys and values: [rows, kv_heads, slots, head_dim] each."""
+    """One layer's keys [rows, kv_heads, head_dim, slots] and values [rows, kv_heads, slots,
+    head_dim]."""
 
     k: jax.Array
     v: jax.Array
@@ -52,26 +58,28 @@ def cache_from_prefill(cache: KVCache, n: int, new_slots: int) -> tuple[LayerCac
     """Per-layer decode cache from a prefill `KVCache` [layers, B, P, kv_heads, head_dim].
 
     Rows are repeated n times (row b * n + j is sample j of prompt b) and `new_slots` empty
-    slots are appended after the P prompt slots. Returns one LayerCache per layer with arrays
-    [B * n, kv_heads, P + new_slots, head_dim].
+    slots are appended after the P prompt slots. Returns one LayerCache per layer, keys
+    [B * n, kv_heads, head_dim, P + new_slots] and values [B * n, kv_heads, P + new_slots,
+    head_dim].
     """
 
-    def convert(x: jax.Array) -> jax.Array:  # [B, P, K, H] -> [B * n, K, P + new, H]
+    def convert(x: jax.Array, order: tuple[int, ...]) -> jax.Array:  # from [B, P, K, H]
         x = jnp.repeat(x, n, axis=0) if n > 1 else x
-        x = jnp.swapaxes(x, 1, 2)
-        return jnp.pad(x, ((0, 0), (0, 0), (0, new_slots), (0, 0)))
+        x = jnp.transpose(x, order)
+        slot_axis = order.index(1)
+        return jnp.pad(x, [(0, new_slots if a == slot_axis else 0) for a in range(4)])
 
     return tuple(
-        LayerCache(convert(cache.k[i]), convert(cache.v[i])) for i in range(cache.k.shape[0])
+        LayerCache(convert(cache.k[i], (0, 2, 3, 1)), convert(cache.v[i], (0, 2, 1, 3)))
+        for i in range(cache.k.shape[0])
     )
 
 
 def _layer(
     cfg: ModelConfig,
-    inv_freq: jax.Array,
+    rope: tuple[jax.Array, jax.Array],
     p: dict[str, jax.Array],
     h: jax.Array,
-    positions: jax.Array,
     valid: jax.Array,
     kv: LayerCache,
     slot: jax.Array,
@@ -84,16 +92,21 @@ def _layer(
     dt = cfg.jnp_dtype
     rows, kv_heads, head_dim = h.shape[0], cfg.num_kv_heads, cfg.head_dim
     group = cfg.num_heads // kv_heads
-    q, k, v = attention_inputs(cfg, inv_freq, p, h, positions)
+    q, k, v = attention_inputs(cfg, rope, p, h)
 
-    start = (jnp.int32(0), jnp.int32(0), slot, jnp.int32(0))
-    ck = jax.lax.dynamic_update_slice(kv.k, jnp.swapaxes(k, 1, 2).astype(kv.k.dtype), start)
-    cv = jax.lax.dynamic_update_slice(kv.v, jnp.swapaxes(v, 1, 2).astype(kv.v.dtype), start)
+    zero = jnp.int32(0)
+    # k, v are [R, 1, kv_heads, head_dim]: keys go in as [R, kv_heads, head_dim, 1].
+    ck = jax.lax.dynamic_update_slice(
+        kv.k, jnp.transpose(k, (0, 2, 3, 1)).astype(kv.k.dtype), (zero, zero, zero, slot)
+    )
+    cv = jax.lax.dynamic_update_slice(
+        kv.v, jnp.swapaxes(v, 1, 2).astype(kv.v.dtype), (zero, zero, slot, zero)
+    )
 
     # Grouped-query attention of the single new query over all slots, scores in float32.
     qg = q[:, 0].reshape(rows, kv_heads, group, head_dim)
     scores = jnp.einsum(
-        "bkgh,bksh->bkgs", qg, ck.astype(dt), preferred_element_type=jnp.float32
+        "bkgh,bkhs->bkgs", qg, ck.astype(dt), preferred_element_type=jnp.float32
     ) / math.sqrt(head_dim)
     scores = jnp.where(valid[:, None, None, :], scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(dt)
@@ -122,11 +135,10 @@ def decode_step(
     slots = attn_mask.shape[1]
     valid = attn_mask.astype(bool) & (jnp.arange(slots)[None, :] <= slot)
     h = jnp.take(model.model.embed_tokens[...], tokens[:, None], axis=0).astype(cfg.jnp_dtype)
-    inv_freq = rope_inv_freq(cfg)
-    pos = positions[:, None]
+    rope = rope_tables(positions[:, None], rope_inv_freq(cfg), cfg.jnp_dtype)
     new_cache = []
     for p, kv in zip(layers, cache):
-        h, kv = _layer(cfg, inv_freq, p, h, pos, valid, kv, slot)
+        h, kv = _layer(cfg, rope, p, h, valid, kv, slot)
         new_cache.append(kv)
     h = rms_norm(h, model.model.norm[...], cfg.rms_norm_eps)
     return model.logits(h[:, 0]), tuple(new_cache)

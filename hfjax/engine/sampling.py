@@ -175,9 +175,15 @@ def select_tokens(
     Returns (tokens int32 [R], log-probs float32 [R]) under the distribution actually used.
     """
     if static.greedy:
-        tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-        logp = jax.nn.log_softmax(logits, axis=-1)
-        return tok, jnp.take_along_axis(logp, tok[:, None], axis=-1)[:, 0]
+        # argmax as two plain reductions (the first index holding the row's maximum) and the
+        # chosen token's log-prob as -log(sum(exp(logits - max))). XLA:CPU runs jnp.argmax as
+        # one variadic (value, index) reduction at a fraction of the speed of these.
+        top = jnp.max(logits, axis=-1, keepdims=True)
+        vocab = jnp.arange(logits.shape[-1], dtype=jnp.int32)
+        # (NaN logits match nothing; the clamp keeps the id in range.)
+        tok = jnp.min(jnp.where(logits == top, vocab, logits.shape[-1] - 1), axis=-1)
+        lp = -jnp.log(jnp.sum(jnp.exp(logits - top), axis=-1))
+        return tok, lp
     vals = logits / knobs.temperature
     idx = None
     if static.top_k:

@@ -59,11 +59,21 @@ def rope_inv_freq(cfg: ModelConfig) -> jax.Array:
     return jnp.where(medium, blended, scaled)
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
-    """Rotates x [B, T, heads, head_dim] by positions [B, T] (rotate-half convention)."""
+def rope_tables(
+    positions: jax.Array, inv_freq: jax.Array, dtype
+) -> tuple[jax.Array, jax.Array]:
+    """(cos, sin) [B, T, 1, head_dim] for positions [B, T], rotate-half convention.
+
+    Traced once per forward pass and shared by every layer's q and k.
+    """
     freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, D/2]
     emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]
-    cos, sin = jnp.cos(emb).astype(x.dtype), jnp.sin(emb).astype(x.dtype)
+    return jnp.cos(emb).astype(dtype), jnp.sin(emb).astype(dtype)
+
+
+def apply_rope(x: jax.Array, rope: tuple[jax.Array, jax.Array]) -> jax.Array:
+    """Rotates x [B, T, heads, head_dim] by the `rope_tables` (cos, sin) of its positions."""
+    cos, sin = rope
     half = x.shape[-1] // 2
     rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
     return x * cos + rotated * sin
@@ -142,9 +152,10 @@ def _proj(cfg: ModelConfig, p, x: jax.Array, name: str, out_shape: tuple[int, ..
     return flat.reshape(B, T, *out_shape)
 
 
-def attention_inputs(cfg: ModelConfig, inv_freq, p, h, positions):
+def attention_inputs(cfg: ModelConfig, rope, p, h):
     """The first half of a decoder layer: input norm, q/k/v projections (with biases and q/k
-    norms where the family has them) and RoPE. Returns q [B, T, N, H] and k, v [B, T, K, H]."""
+    norms where the family has them) and RoPE by the `rope_tables` of h's positions. Returns
+    q [B, T, N, H] and k, v [B, T, K, H]."""
     N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     x = rms_norm(h, p["input_norm"], cfg.rms_norm_eps)
     q = _proj(cfg, p, x, "q_proj", (N, H))
@@ -158,7 +169,7 @@ def attention_inputs(cfg: ModelConfig, inv_freq, p, h, positions):
     if cfg.qk_norm:
         q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
         k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
-    return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
+    return apply_rope(q, rope), apply_rope(k, rope), v
 
 
 def layer_output(cfg: ModelConfig, p, h, attn):
@@ -172,12 +183,12 @@ def layer_output(cfg: ModelConfig, p, h, attn):
     return h + _proj(cfg, p, jax.nn.silu(gate) * up, "down_proj", (D,))
 
 
-def _block(cfg: ModelConfig, inv_freq, p, h, positions, mask, cache_kv, cache_index):
+def _block(cfg: ModelConfig, rope, p, h, mask, cache_kv, cache_index):
     """One decoder layer. p holds this layer's arrays; cache_kv is (k, v) slots or None.
 
     Returns (new hidden, new (k, v) slots or None).
     """
-    q, k, v = attention_inputs(cfg, inv_freq, p, h, positions)
+    q, k, v = attention_inputs(cfg, rope, p, h)
     new_kv = None
     if cache_kv is not None:
         dt = cfg.jnp_dtype
@@ -229,11 +240,11 @@ class Backbone(nnx.Module):
         mask = (causal[None] & key_valid[:, None, :])[:, None]  # [B, 1, T, S]
 
         h = jnp.take(self.embed_tokens[...], input_ids, axis=0).astype(cfg.jnp_dtype)
-        inv_freq = rope_inv_freq(cfg)
+        rope = rope_tables(positions, rope_inv_freq(cfg), cfg.jnp_dtype)
         params = self.layers.arrays()
 
         def layer(h, p, kv):
-            return _block(cfg, inv_freq, p, h, positions, mask, kv, cache_index)
+            return _block(cfg, rope, p, h, mask, kv, cache_index)
 
         if cfg.remat_policy != "none":
             layer = jax.checkpoint(layer, policy=_REMAT[cfg.remat_policy])
