@@ -135,7 +135,7 @@ def decode_step(
     slots = attn_mask.shape[1]
     valid = attn_mask.astype(bool) & (jnp.arange(slots)[None, :] <= slot)
     h = jnp.take(model.model.embed_tokens[...], tokens[:, None], axis=0).astype(cfg.jnp_dtype)
-    rope = rope_tables(positions[:, None], rope_inv_freq(cfg), cfg.jnp_dtype)
+    rope = rope_tables(positions[:, None], rope_inv_freq(cfg), cfg.jnp_dtype, slots)
     new_cache = []
     for p, kv in zip(layers, cache):
         h, kv = _layer(cfg, rope, p, h, valid, kv, slot)

@@ -60,15 +60,20 @@ def rope_inv_freq(cfg: ModelConfig) -> jax.Array:
 
 
 def rope_tables(
-    positions: jax.Array, inv_freq: jax.Array, dtype
+    positions: jax.Array, inv_freq: jax.Array, dtype, n_positions: int
 ) -> tuple[jax.Array, jax.Array]:
-    """(cos, sin) [B, T, 1, head_dim] for positions [B, T], rotate-half convention.
+    """(cos, sin) [B, T, 1, head_dim] for positions [B, T] in [0, n_positions), rotate-half
+    convention.
 
-    Traced once per forward pass and shared by every layer's q and k.
+    The angles are tabulated for positions 0..n_positions-1 and looked up: the table depends
+    only on constants, so XLA folds it at compile time, whereas cos/sin of the positions
+    themselves would be fused into every layer's RoPE and re-evaluated per head.
     """
-    freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, D/2]
-    emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]
-    return jnp.cos(emb).astype(dtype), jnp.sin(emb).astype(dtype)
+    angles = jnp.arange(n_positions, dtype=jnp.float32)[:, None] * inv_freq  # [P, D/2]
+    angles = jnp.concatenate([angles, angles], axis=-1)
+    table = jnp.stack([jnp.cos(angles), jnp.sin(angles)]).astype(dtype)  # [2, P, D]
+    cos_sin = jnp.take(table, positions, axis=1)[:, :, :, None, :]  # [2, B, T, 1, D]
+    return cos_sin[0], cos_sin[1]
 
 
 def apply_rope(x: jax.Array, rope: tuple[jax.Array, jax.Array]) -> jax.Array:
@@ -224,7 +229,8 @@ class Backbone(nnx.Module):
         Without a cache, `attention_mask` [B, T] marks real tokens of a left-padded batch and
         positions default to `positions_from_mask`. With a cache, the T new tokens are written at
         slots [cache_index, cache_index + T); `attention_mask` [B, slots] then marks which slots
-        hold real tokens (the new ones included) and `positions` must be given.
+        hold real tokens (the new ones included) and `positions` must be given. Positions are
+        below the number of key slots (a token's position never exceeds its slot index).
         """
         cfg = self.config
         B, T = input_ids.shape
@@ -240,7 +246,7 @@ class Backbone(nnx.Module):
         mask = (causal[None] & key_valid[:, None, :])[:, None]  # [B, 1, T, S]
 
         h = jnp.take(self.embed_tokens[...], input_ids, axis=0).astype(cfg.jnp_dtype)
-        rope = rope_tables(positions, rope_inv_freq(cfg), cfg.jnp_dtype)
+        rope = rope_tables(positions, rope_inv_freq(cfg), cfg.jnp_dtype, key_valid.shape[1])
         params = self.layers.arrays()
 
         def layer(h, p, kv):
