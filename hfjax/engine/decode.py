@@ -1,7 +1,7 @@
 """The decode step: one new token per row against a per-layer KV cache.
 
 The model's own forward pass (`Backbone` with a `KVCache`) serves prefill. For the one-token
-decode step on CPU it leaves a lot of time on the table, for two reasons measured on
+decode step on CPU it leaves a lot of time on the table, for three reasons measured on
 SmolLM2-135M (batch 16, 192 cache slots; see docs/benchmarks.md):
 
 - scanning over stacked layers makes every step dynamic-slice (copy) each layer's weights before
@@ -12,16 +12,15 @@ SmolLM2-135M (batch 16, 192 cache slots; see docs/benchmarks.md):
   batched matmul against a transposed operand that XLA:CPU runs at about half the speed of the
   plain one (keys stored [batch, kv_heads, head_dim, slots]).
 
-This module runs the model's own layer halves (`attention_inputs` and `layer_output` of
-`hfjax.models.transformer`) around its own grouped-query attention, with layers unrolled over
-weights sliced once per program call, and keeps the cache per layer as keys [batch, kv_heads,
-head_dim, slots] and values [batch, kv_heads, slots, head_dim]: both attention products are
-plain batched matmuls over the cache in place, and each step writes one slot.
+This module runs the model's own layer pieces (`attention_inputs`, `attend` and `layer_output`
+of `hfjax.models.transformer`) with layers unrolled over weights sliced once per program call,
+and keeps the cache per layer as keys [batch, kv_heads, head_dim, slots] and values [batch,
+kv_heads, slots, head_dim]: both attention products are plain batched matmuls over the cache in
+place, and each step writes one slot.
 """
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import jax
@@ -30,6 +29,7 @@ import jax.numpy as jnp
 from hfjax.models.config import ModelConfig
 from hfjax.models.transformer import (
     KVCache,
+    attend,
     attention_inputs,
     layer_output,
     rms_norm,
@@ -86,8 +86,8 @@ def _layer(
 ) -> tuple[jax.Array, LayerCache]:
     """One decoder layer for h [R, 1, D]; returns (new h, the cache with `slot` written).
 
-    Only the attention differs from the model's own layer; the projections, norms, RoPE and MLP
-    are `hfjax.models.transformer`'s.
+    Only the cache handling differs from the model's own layer; the projections, norms, RoPE,
+    attention and MLP are `hfjax.models.transformer`'s.
     """
     dt = cfg.jnp_dtype
     rows, kv_heads, head_dim = h.shape[0], cfg.num_kv_heads, cfg.head_dim
@@ -103,16 +103,10 @@ def _layer(
         kv.v, jnp.swapaxes(v, 1, 2).astype(kv.v.dtype), (zero, zero, slot, zero)
     )
 
-    # Grouped-query attention of the single new query over all slots, scores in float32.
-    qg = q[:, 0].reshape(rows, kv_heads, group, head_dim)
-    scores = jnp.einsum(
-        "bkgh,bkhs->bkgs", qg, ck.astype(dt), preferred_element_type=jnp.float32
-    ) / math.sqrt(head_dim)
-    scores = jnp.where(valid[:, None, None, :], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(dt)
-    attn = jnp.einsum("bkgs,bksh->bkgh", probs, cv.astype(dt))
+    qg = q[:, 0].reshape(rows, kv_heads, group, 1, head_dim)
+    out = attend(qg, ck.astype(dt), cv.astype(dt), valid[:, None, None, None, :])
     # Heads flattened in (kv_head, group) order, which is the query-head order.
-    attn = attn.reshape(rows, 1, cfg.num_heads, head_dim)
+    attn = out.reshape(rows, 1, cfg.num_heads, head_dim)
     return layer_output(cfg, p, h, attn), LayerCache(ck, cv)
 
 

