@@ -29,7 +29,7 @@ import jax  # noqa: E402
 from absl import app, flags, logging  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from hfjax.engine import hybrid  # noqa: E402
+from hfjax.engine import hybrid, hybrid_baselines  # noqa: E402
 from hfjax.models import transformer  # noqa: E402
 from hfjax.models.presets import get_preset  # noqa: E402
 from hfjax.parallel import reshard  # noqa: E402
@@ -117,7 +117,7 @@ def run_pair(name: str, cfg, reps: int, methods: list[str]) -> dict:
                 times[m].append(t_dec)
                 if m == hybrid.DEFAULT_METHOD:
                     back.append(e.last.seconds)
-        d, st = hybrid.naive_to_decode(eng, params)
+        d, st = hybrid_baselines.naive_to_decode(eng, params)
         jax.tree.map(lambda x: x.delete(), jax.tree.leaves(d))
         naive_peak = st.peak_bytes
         d, secs = time_device_put(eng, params)
@@ -133,7 +133,9 @@ def run_pair(name: str, cfg, reps: int, methods: list[str]) -> dict:
         "hfjax_bytes": reshard.max_bytes(eng.bytes_to_decode()),
         "min_bytes": min(eng.bytes_to_decode().values()),
         "lower_bound": reshard.max_bytes(eng.lower_bound()),
-        "table2": hybrid.table2_bytes(t_train, t_dec, eng.split_bytes()) if megatron else None,
+        "table2": (
+            hybrid_baselines.table2_bytes(t_train, t_dec, eng.split_bytes()) if megatron else None
+        ),
         "v_bytes": reshard.max_bytes(eng.hybridflow_v_bytes()),
         "naive_bytes": reshard.max_bytes(eng.naive_bytes()),
         "back_bytes": reshard.max_bytes(eng.bytes_to_train()),

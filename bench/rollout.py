@@ -21,6 +21,7 @@ prefill included. The last line printed is JSON.
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import statistics
@@ -150,7 +151,16 @@ def main(argv: list[str]) -> None:
 
     # ---- where a decode step's time goes ----
     if f.floor:
-        _decode_floor(model, batch, hfjax_s, new)
+        floor_s = _decode_floor(model, batch, hfjax_s, new)
+        if not math.isnan(hf_tok_s):  # HF was measured
+            # The most any engine built on these matmuls could reach: every step costs its
+            # matmuls and nothing else, prefill free. An upper bound on speedup_vs_hf.
+            ceiling = batch / floor_s
+            print(
+                f"ceiling: matmuls alone at every step, prefill free -> {ceiling:.0f} tok/s, "
+                f"{ceiling / hf_tok_s:.2f}x HF",
+                flush=True,
+            )
 
     # ---- naive JAX: full forward per token over a fixed padded window ----
     naive_tok_s = float("nan")
@@ -199,13 +209,14 @@ def main(argv: list[str]) -> None:
     print(json.dumps(result))
 
 
-def _decode_floor(model, rows: int, hfjax_s: float, new_tokens: int) -> None:
+def _decode_floor(model, rows: int, hfjax_s: float, new_tokens: int) -> float:
     """Times one decode step's weight matmuls alone and prints them next to the engine's step.
 
     A [rows, D] activation goes through every layer's q, k, v, o, gate, up and down projections
     and the LM head, each a 2-D matmul on the model's own weights (sliced per layer beforehand,
     as the engine does), with no attention, norms or sampling. The median engine step is the
     whole call's time over the new tokens (prefill included, so it is an upper bound).
+    Returns the matmuls' median time.
     """
     import jax
     import jax.numpy as jnp
@@ -247,6 +258,7 @@ def _decode_floor(model, rows: int, hfjax_s: float, new_tokens: int) -> None:
         f"{step / engine_step:.0%} of it",
         flush=True,
     )
+    return step
 
 
 if __name__ == "__main__":

@@ -28,7 +28,8 @@ devices in decode order; training and decode shards are re-labelled onto it with
 **Accounting.** `bytes_to_decode()` counts what each device receives (hfjax.parallel.reshard),
 which equals the lower bound (decode shard minus local training shard); `bytes_to_train()` is 0.
 Baselines for comparison: `naive_bytes()` (gather everything, then slice) and
-`hybridflow_v_bytes()` (decode groups of consecutive ranks, no reordering).
+`hybridflow_v_bytes()` (decode groups of consecutive ranks, no reordering); the naive
+transition itself and the paper's Table 2 volume are in `hfjax.engine.hybrid_baselines`.
 
 A decode layout that cannot nest (e.g. `tensor_g` above a Megatron-style training `tensor`) is
 an error naming the constraint; with `allow_fallback=True` the engine instead reshards both ways
@@ -38,7 +39,6 @@ with plain on-device transfers and logs the extra bytes.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -119,23 +119,6 @@ def _to_spec(entries: Sequence[tuple[str, ...]]) -> P:
     return P(*out)
 
 
-def _flatten(state: Any) -> tuple[list[Any], Any]:
-    return jax.tree.flatten(state, is_leaf=shd.is_variable)
-
-
-def _value(leaf: Any) -> Any:
-    return leaf.get_value() if shd.is_variable(leaf) else leaf
-
-
-def _replace(leaf: Any, value: Any) -> Any:
-    return leaf.replace(value) if shd.is_variable(leaf) else value
-
-
-def table2_bytes(t: int, t_g: int, model_bytes: float) -> float:
-    """Returns the paper's Table 2 HybridFlow volume (t - t_g)/(t_g * t) * M (p = p_g = 1)."""
-    return (t - t_g) / (t_g * t) * model_bytes
-
-
 class HybridEngine:
     """Moves an actor's params between its training layout and a decode layout, same devices.
 
@@ -170,7 +153,7 @@ class HybridEngine:
         self.train_mesh = train_layout.mesh
         self.decode_spec = MeshSpec.parse(decode_spec)
         self._decode_rules = decode_rules
-        leaves, self._treedef = _flatten(state)
+        leaves, self._treedef = shd.flatten_state(state)
         self._names = [
             shd._path_name(p)
             for p, _ in jax.tree_util.tree_flatten_with_path(state, is_leaf=shd.is_variable)[0]
@@ -179,7 +162,8 @@ class HybridEngine:
             leaf.get_metadata().get("logical_axes") if shd.is_variable(leaf) else None
             for leaf in leaves
         ]
-        self._avals = [jax.ShapeDtypeStruct(_value(v).shape, _value(v).dtype) for v in leaves]
+        values = [shd.leaf_value(v) for v in leaves]
+        self._avals = [jax.ShapeDtypeStruct(v.shape, v.dtype) for v in values]
         self._decode_sizes = self._check_decode_spec()
         self.v_mesh = self.decode_spec.build(list(self.train_mesh.devices.flat), "decode")
         # Decode specs depend on axis sizes only; computing them first reports a decode layout
@@ -515,11 +499,11 @@ class HybridEngine:
         return self._run(params, "to_train")
 
     def _run(self, params: Any, direction: str) -> Any:
-        leaves, treedef = _flatten(params)
+        leaves, treedef = shd.flatten_state(params)
         if treedef != self._treedef:
             raise ValueError("params do not have the structure the hybrid engine was built for")
         to_decode = direction == "to_decode"
-        values = [_value(v) for v in leaves]
+        values = [shd.leaf_value(v) for v in leaves]
         for x, leaf in zip(values, self.leaves):
             want = leaf.train if to_decode else leaf.decode
             if not isinstance(x, jax.Array) or x.sharding != want:
@@ -556,7 +540,7 @@ class HybridEngine:
             counted,
             peak,
         )
-        return jax.tree.unflatten(treedef, [_replace(v, y) for v, y in zip(leaves, out)])
+        return jax.tree.unflatten(treedef, [shd.with_value(v, y) for v, y in zip(leaves, out)])
 
     def _move(
         self, x: jax.Array, leaf: LeafPlan, i: int, to_decode: bool
@@ -584,41 +568,6 @@ def _mixed_radix(digits: Sequence[int], sizes: Sequence[int]) -> int:
     for d, n in zip(digits, sizes):
         out = out * n + int(d)
     return out
-
-
-def naive_to_decode(engine: HybridEngine, params: Any) -> tuple[Any, TransitionStats]:
-    """The DS-Chat baseline: gathers every parameter whole on every device, then slices the
-    decode shards out; the training params are kept.
-
-    Returns (the decode-layout params, stats with counted bytes and measured peak).
-    """
-    leaves, treedef = _flatten(params)
-    values = [_value(v) for v in leaves]
-    full_train = NamedSharding(engine.train_mesh, P())
-    full_decode = NamedSharding(engine.decode_mesh, P())
-    t0 = time.perf_counter()
-    gathered = _naive_gather(full_train)(values)
-    sliced = _naive_slice(tuple(engine.decode_shardings()))(
-        [reshard.relabel(g, full_decode) for g in gathered]
-    )
-    jax.block_until_ready(sliced)
-    seconds = time.perf_counter() - t0
-    # Training params, the whole gathered model and the decode shards are all alive here.
-    peak = reshard.array_bytes([*values, *gathered, *sliced])
-    for g in gathered:
-        g.delete()
-    stats = TransitionStats("to_decode", "naive", seconds, engine.naive_bytes(), peak)
-    return jax.tree.unflatten(treedef, [_replace(v, y) for v, y in zip(leaves, sliced)]), stats
-
-
-@functools.lru_cache(maxsize=32)
-def _naive_gather(full: NamedSharding) -> Callable:
-    return jax.jit(lambda xs: xs, out_shardings=full)
-
-
-@functools.lru_cache(maxsize=32)
-def _naive_slice(shardings: tuple[NamedSharding, ...]) -> Callable:
-    return jax.jit(lambda xs: xs, out_shardings=list(shardings))
 
 
 def engine_for(train_layout: shd.Layout, rollout_cfg: Any, state: Any) -> HybridEngine | None:

@@ -52,6 +52,21 @@ def is_variable(x: Any) -> bool:
     return isinstance(x, nnx.Variable)
 
 
+def flatten_state(state: Any) -> tuple[list[Any], Any]:
+    """(leaves, treedef) of a state whose leaves are nnx Variables or plain arrays."""
+    return jax.tree.flatten(state, is_leaf=is_variable)
+
+
+def leaf_value(leaf: Any) -> Any:
+    """The array a `flatten_state` leaf holds."""
+    return leaf.get_value() if is_variable(leaf) else leaf
+
+
+def with_value(leaf: Any, value: Any) -> Any:
+    """A `flatten_state` leaf holding `value` instead (a new Variable, or the value itself)."""
+    return leaf.replace(value) if is_variable(leaf) else value
+
+
 @dataclasses.dataclass(frozen=True)
 class Layout:
     """A mesh plus logical-axis rules.

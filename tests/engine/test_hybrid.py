@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from hfjax.engine import hybrid
+from hfjax.engine import hybrid, hybrid_baselines
 from hfjax.engine.sampler import Sampler, SamplingParams
 from hfjax.models import transformer
 from hfjax.models.presets import get_preset
@@ -108,7 +108,7 @@ def test_round_trip_is_bit_identical_at_the_lower_bound(small_model, train, rule
     m = sum(tp_bytes(SMALL, 4))  # 8 KV heads split like the rest
     assert engine.split_bytes() == m
     if rules == "decode":
-        assert set(moved.values()) == {hybrid.table2_bytes(t, t_g, m)}
+        assert set(moved.values()) == {hybrid_baselines.table2_bytes(t, t_g, m)}
     assert set(moved.values()) == {m // t_g - m // n}
     # The baselines move more, except when decoding replicates everything (then naive = bound).
     naive, v = engine.naive_bytes(), engine.hybridflow_v_bytes()
@@ -153,7 +153,7 @@ def test_smollm2_sized_volumes_match_closed_forms(train, rules, decode):
     assert moved == engine.lower_bound()
     assert set(moved.values()) == {m // t_g - m // n}
     if rules == "decode":
-        assert set(moved.values()) == {hybrid.table2_bytes(t, t_g, m)}
+        assert set(moved.values()) == {hybrid_baselines.table2_bytes(t, t_g, m)}
     assert set(engine.bytes_to_train().values()) == {0}
     assert set(engine.naive_bytes().values()) == {m - m // n}
 
