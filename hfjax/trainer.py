@@ -397,13 +397,12 @@ class Trainer:
         except ValueError as err:
             raise ckpt_lib.CheckpointMismatch(str(err)) from None
 
-    def resume(self, ckpt: ckpt_lib.RunCheckpointer | None,
-               mode: str = "auto") -> ckpt_lib.Restored | None:
-        """Applies `trainer.resume`:
-        - "auto": the newest readable checkpoint in `ckpt`, if it has any;
-        - "disable": a fresh start (refused when `ckpt` already holds checkpoints);
-        - a path (a run's out_dir, a checkpoint root or one step directory): that checkpoint.
-        Returns what was restored, or None for a fresh start."""
+    @staticmethod
+    def resume_source(ckpt: ckpt_lib.RunCheckpointer | None, mode: str = "auto"
+                      ) -> tuple[ckpt_lib.RunCheckpointer, int | None] | None:
+        """Where `trainer.resume` says to restore from: (checkpointer, step or None for its
+        newest), or None for a fresh start. Raises ValueError, before anything is restored or
+        written, when the setting contradicts what `ckpt` already holds."""
         mode = str(mode or "auto")
         own = ckpt.steps() if ckpt is not None else []
         if mode == "disable":
@@ -413,21 +412,28 @@ class Trainer:
                     f"(steps {own}); use trainer.resume=auto to continue that run, or choose "
                     "another trainer.out_dir")
             return None
-        step = None
         if mode == "auto":
-            if not own:
-                return None
-            source = ckpt
-        else:
-            root, step = ckpt_lib.locate(mode)
-            if ckpt is not None and root == ckpt.directory:
-                source = ckpt
-            elif own:
-                raise ValueError(
-                    f"trainer.resume={mode}, but this run's {ckpt.directory} already holds "
-                    f"checkpoints (steps {own}); choose another trainer.out_dir")
-            else:
-                source = ckpt_lib.RunCheckpointer(root, read_only=True)
+            return (ckpt, None) if own else None
+        root, step = ckpt_lib.locate(mode)
+        if ckpt is not None and root == ckpt.directory:
+            return ckpt, step
+        if own:
+            raise ValueError(
+                f"trainer.resume={mode}, but this run's {ckpt.directory} already holds "
+                f"checkpoints (steps {own}); choose another trainer.out_dir")
+        return ckpt_lib.RunCheckpointer(root, read_only=True), step
+
+    def resume(self, ckpt: ckpt_lib.RunCheckpointer | None,
+               mode: str = "auto") -> ckpt_lib.Restored | None:
+        """Applies `trainer.resume`:
+        - "auto": the newest readable checkpoint in `ckpt`, if it has any;
+        - "disable": a fresh start (refused when `ckpt` already holds checkpoints);
+        - a path (a run's out_dir, a checkpoint root or one step directory): that checkpoint.
+        Returns what was restored, or None for a fresh start."""
+        plan = self.resume_source(ckpt, mode)
+        if plan is None:
+            return None
+        source, step = plan
         restored = source.restore_latest(self.checkpoint_items(), step=step)
         self.load_state(restored)
         if source is ckpt:

@@ -113,14 +113,18 @@ def main(argv):
     stop = _StopRequest()
     signal.signal(signal.SIGTERM, stop.on_signal)
     metrics.start_memory_tracking(t.jax_smi)
+    ckpt_dir = os.path.join(t.out_dir, "checkpoints")
     try:
         trainer = Trainer(cfg)
-    except ValueError as err:  # a config or data problem, found before anything was built
+        # A resume setting that contradicts the out_dir, or names no checkpoint, is refused
+        # here, before anything runs or is written.
+        existing = RunCheckpointer(ckpt_dir, read_only=True) if os.path.isdir(ckpt_dir) else None
+        Trainer.resume_source(existing, t.resume)
+    except (ValueError, FileNotFoundError) as err:  # config or data, found before building
         raise SystemExit(f"hfjax: cannot start the run: {err}") from None
     print(f"hfjax: {cfg.algorithm} on {jax.device_count()} {jax.devices()[0].platform} devices, "
           f"placement={cfg.placement}, actor mesh={cfg.actor.mesh}, out_dir={t.out_dir}",
           flush=True)
-    ckpt_dir = os.path.join(t.out_dir, "checkpoints")
     ckpt = RunCheckpointer(ckpt_dir, max_to_keep=t.max_to_keep or None, async_save=t.async_save)
     progress = _Progress(t.total_steps, cfg.algorithm, ckpt_dir)
     logger = metrics.make_logger(

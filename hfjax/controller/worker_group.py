@@ -88,6 +88,18 @@ class WorkerGroup:
         self._train_calls = 0
         self.set_optimizer(optimizer)
 
+    def jit(self, fn: Callable, **jit_kwargs) -> Callable:
+        """`jax.jit(fn)` traced under this group's layout, so that the model's logical
+        activation constraints (`hfjax.parallel.sharding.constrain`) apply to its mesh."""
+        layout = self.layout
+
+        @functools.wraps(fn)
+        def traced(*args, **kwargs):
+            with shd.activation_layout(layout):
+                return fn(*args, **kwargs)
+
+        return jax.jit(traced, **jit_kwargs)
+
     def set_optimizer(self, optimizer: optax.GradientTransformation | None) -> None:
         """Installs an optimizer with fresh state; compiled update programs are dropped."""
         self.optimizer = optimizer
@@ -114,7 +126,7 @@ class WorkerGroup:
             logging.info("%s: compiling %s with %d micro-batches", self.name, *key)
             self._programs[key] = update.make_update_step(
                 loss_fn, self.optimizer, mini // micro, self.param_shardings, self.opt_shardings,
-                normalisers=update.normalisers,
+                normalisers=update.normalisers, jit=self.jit,
             )
         step = self._programs[key]
         sums: dict[str, jax.Array] = {}

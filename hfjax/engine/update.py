@@ -38,8 +38,10 @@ def make_update_step(
     param_shardings: Any = None,
     opt_shardings: Any = None,
     normalisers: Callable[[dict[str, jax.Array]], dict[str, jax.Array]] | None = None,
+    jit: Callable = jax.jit,
 ) -> Callable:
-    """Returns step(params, opt_state, batch) -> (params, opt_state, metrics).
+    """Returns step(params, opt_state, batch) -> (params, opt_state, metrics), compiled with
+    `jit` (a worker group's `WorkerGroup.jit`, which traces under its layout).
 
     `loss_fn(params, micro_batch, totals)` returns (weighted loss, metrics dict of scalars);
     `normalisers(batch)` computes mini-batch totals (e.g. token counts) passed as `totals`.
@@ -74,7 +76,7 @@ def make_update_step(
             in_shardings=(param_shardings, opt_shardings, None),
             out_shardings=(param_shardings, opt_shardings, None),
         )
-    return jax.jit(step, donate_argnums=(0, 1), **kw)
+    return jit(step, donate_argnums=(0, 1), **kw)
 
 
 def make_optimizer(

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from hfjax.models.config import ModelConfig
+from hfjax.parallel import sharding as shd
 
 
 class KVCache(NamedTuple):
@@ -269,7 +270,12 @@ class Backbone(nnx.Module):
         causal = jnp.arange(key_valid.shape[1])[None, :] <= q_slot  # [T, S]
         mask = (causal[None] & key_valid[:, None, :])[:, None]  # [B, 1, T, S]
 
-        h = jnp.take(self.embed_tokens[...], input_ids, axis=0).astype(cfg.jnp_dtype)
+        # The table whole along `embed` (as FSDP gathers any weight before use), split along
+        # `vocab` only, and the looked-up rows split like the token ids: the lookup and its
+        # gradient then partition without moving the token ids between devices.
+        table = shd.constrain(self.embed_tokens[...], ("vocab", None))
+        h = jnp.take(table, input_ids, axis=0).astype(cfg.jnp_dtype)
+        h = shd.constrain(h, ("batch", None, None))
         rope = rope_tables(positions, rope_inv_freq(cfg), cfg.jnp_dtype, key_valid.shape[1])
         params = self.layers.arrays()
 

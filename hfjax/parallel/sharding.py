@@ -7,6 +7,8 @@ mesh or a rule never touches model code.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -16,6 +18,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+
+from hfjax.parallel import mesh as mesh_lib
 
 Rule = str | tuple[str, ...] | None
 
@@ -133,6 +137,37 @@ class Layout:
             return self.sharding(axes, shape, name=_path_name(path))
 
         return jax.tree.map_with_path(one, state, is_leaf=is_variable)
+
+
+# The layout that `constrain` applies while a program is traced (None: no constraints).
+_ACTIVE: contextvars.ContextVar[Layout | None] = contextvars.ContextVar(
+    "hfjax_activation_layout", default=None
+)
+
+
+@contextlib.contextmanager
+def activation_layout(layout: Layout | None):
+    """Within this context, `constrain` pins activations to `layout` while jax traces."""
+    token = _ACTIVE.set(layout)
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
+    """x with a sharding constraint from its logical axes under the active layout; x itself
+    when no layout is active (single device, or code traced outside a worker's programs).
+
+    Besides the parameter axes, activations may name "batch": the data-parallel mesh axes.
+    """
+    layout = _ACTIVE.get()
+    if layout is None:
+        return x
+    rules = {**layout.rules, "batch": mesh_lib.dp_axes(layout.mesh)}
+    return jax.lax.with_sharding_constraint(
+        x, Layout(layout.mesh, rules).sharding(axes, x.shape, "activation")
+    )
 
 
 _warned: set[tuple] = set()

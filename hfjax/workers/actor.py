@@ -42,7 +42,7 @@ class Reference(WorkerGroup):
     def __init__(self, *args, temperature: float = 1.0, **kw):
         super().__init__(*args, **kw)
         self.temperature = temperature
-        self._logprob = jax.jit(self._logprob_fn, static_argnums=(3,))
+        self._logprob = self.jit(self._logprob_fn, static_argnums=(3,))
 
     def _logprob_fn(self, params, input_ids, attention_mask, response_len):
         return response_logprobs(

@@ -21,7 +21,7 @@ class Critic(WorkerGroup):
         # The configured response length: the fixed divisor of "seq-mean-token-sum-norm" when
         # batches are trimmed to their longest response (hfjax.workers.actor).
         self.horizon = None if horizon is None else float(horizon)
-        self._values = jax.jit(self._values_fn, static_argnums=(3,))
+        self._values = self.jit(self._values_fn, static_argnums=(3,))
 
     def _values_fn(self, params, input_ids, attention_mask, response_len):
         values = self.model(params)(input_ids, attention_mask)

@@ -173,7 +173,7 @@ class ModelReward(WorkerGroup):
 
     def __init__(self, *args, **kw):
         super().__init__(*args, **kw)
-        self._score = jax.jit(lambda p, ids, m: self.model(p)(ids, m))
+        self._score = self.jit(lambda p, ids, m: self.model(p)(ids, m))
 
     @method(DP_COMPUTE)
     def compute_rm_score(self, batch: Batch) -> Batch:
