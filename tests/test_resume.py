@@ -188,3 +188,15 @@ def test_bad_config_stops_the_launcher_with_a_message(tmp_path, env):
     assert "hfjax: cannot start the run: actor: mini-batch of 7 sequences" in p.stderr
     assert "Traceback" not in p.stderr
     assert not (tmp_path / "run").exists()  # nothing was written
+
+
+def test_resume_disable_on_a_run_with_checkpoints_is_refused_before_anything_runs(reference,
+                                                                                   env):
+    out = reference[0]
+    before = {p: p.stat().st_mtime_ns for p in out.rglob("*")}
+    cmd = _cmd(out) + ["--config.trainer.resume=disable"]
+    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 1
+    assert "hfjax: cannot start the run: trainer.resume=disable, but" in p.stderr
+    assert "Traceback" not in p.stderr
+    assert {p: p.stat().st_mtime_ns for p in out.rglob("*")} == before  # nothing touched
