@@ -194,7 +194,8 @@ class Trainer:
         rules = c.actor.get("rules", "train")
         engine = engine_for(layout(mesh, rules), c.rollout, nnx.state(model))
         sampler = Sampler(model, mesh=engine.decode_mesh if engine else mesh,
-                          max_prompt_len=c.data.max_prompt_length, pad_id=self.pad, rules=None)
+                          max_prompt_len=c.data.max_prompt_length, pad_id=self.pad, rules=None,
+                          param_rules=engine.decode_rules if engine else rules)
         return ActorRollout(
             "actor", pool, c.actor.mesh, model, rules=rules,
             sampler=sampler, actor_cfg=c.actor, rollout_cfg=c.rollout,

@@ -91,14 +91,7 @@ class WorkerGroup:
     def jit(self, fn: Callable, **jit_kwargs) -> Callable:
         """`jax.jit(fn)` traced under this group's layout, so that the model's logical
         activation constraints (`hfjax.parallel.sharding.constrain`) apply to its mesh."""
-        layout = self.layout
-
-        @functools.wraps(fn)
-        def traced(*args, **kwargs):
-            with shd.activation_layout(layout):
-                return fn(*args, **kwargs)
-
-        return jax.jit(traced, **jit_kwargs)
+        return jax.jit(shd.under_layout(self.layout, fn), **jit_kwargs)
 
     def set_optimizer(self, optimizer: optax.GradientTransformation | None) -> None:
         """Installs an optimizer with fresh state; compiled update programs are dropped."""

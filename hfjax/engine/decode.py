@@ -128,7 +128,7 @@ def decode_step(
     cfg: ModelConfig = model.config
     slots = attn_mask.shape[1]
     valid = attn_mask.astype(bool) & (jnp.arange(slots)[None, :] <= slot)
-    h = jnp.take(model.model.embed_tokens[...], tokens[:, None], axis=0).astype(cfg.jnp_dtype)
+    h = model.model.embed(tokens[:, None])
     rope = rope_tables(positions[:, None], rope_inv_freq(cfg), cfg.jnp_dtype, slots)
     new_cache = []
     for p, kv in zip(layers, cache):

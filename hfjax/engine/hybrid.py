@@ -152,7 +152,7 @@ class HybridEngine:
         self.train_layout = train_layout
         self.train_mesh = train_layout.mesh
         self.decode_spec = MeshSpec.parse(decode_spec)
-        self._decode_rules = decode_rules
+        self.decode_rules = decode_rules
         leaves, self._treedef = shd.flatten_state(state)
         self._names = [
             shd._path_name(p)
@@ -221,7 +221,7 @@ class HybridEngine:
         return sizes
 
     def _decode_specs(self) -> list[list[tuple[str, ...]]]:
-        lay = shd.layout(self.v_mesh, self._decode_rules)
+        lay = shd.layout(self.v_mesh, self.decode_rules)
         out = []
         for name, axes, aval in zip(self._names, self._axes, self._avals):
             if axes is None:
@@ -249,9 +249,9 @@ class HybridEngine:
         # Logical axes the decode rules split: the training layout must split them all over the
         # same ordered axes A. Other split dimensions (kept whole for decoding) share axes B.
         rules = (
-            shd.RULE_SETS[self._decode_rules]
-            if isinstance(self._decode_rules, str)
-            else self._decode_rules
+            shd.RULE_SETS[self.decode_rules]
+            if isinstance(self.decode_rules, str)
+            else self.decode_rules
         )
         split_logical = {k for k, v in rules.items() if v}
         a_set: dict[tuple[str, ...], str] = {}

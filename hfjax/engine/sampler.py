@@ -250,9 +250,12 @@ class Sampler:
         min_new_tokens_bucket: int = MIN_NEW_TOKENS_BUCKET,
         pad_id: int | None = None,
         rules: str | dict | None = "decode",
+        param_rules: str | dict | None = None,
     ):
         # rules=None keeps parameters in whatever layout the caller passes (an actor decoding
         # in its training layout); otherwise they are moved to this layout of `mesh`.
+        # `param_rules` names that caller's layout (with rules=None) so the programs trace
+        # under it and the model's activation constraints (sharding.constrain) match it.
         if max_prompt_len < 1:
             raise ValueError(f"max_prompt_len={max_prompt_len}; it must be >= 1")
         self.graphdef, state = nnx.split(model)
@@ -265,6 +268,10 @@ class Sampler:
         self.pad_id = int(pad_id if pad_id is not None else cfg_pad if cfg_pad is not None else 0)
         self._layout = (
             sharding_lib.layout(mesh, rules) if mesh is not None and rules is not None else None
+        )
+        traced = rules if rules is not None else param_rules
+        self._trace_layout = (
+            sharding_lib.layout(mesh, traced) if mesh is not None and traced is not None else None
         )
         self._dp = mesh_lib.dp_size(mesh) if mesh is not None else 1
         self._shardings = _carry_shardings(mesh, self.config) if mesh is not None else None
@@ -377,8 +384,9 @@ class Sampler:
                 dict(self.mesh.shape) if self.mesh is not None else None,
             )
             args = (self.graphdef, static, self._shardings)
-            prefill = jax.jit(functools.partial(_prefill, *args))
-            decode = jax.jit(functools.partial(_decode, *args), donate_argnums=(1,))
+            under = functools.partial(sharding_lib.under_layout, self._trace_layout)
+            prefill = jax.jit(under(functools.partial(_prefill, *args)))
+            decode = jax.jit(under(functools.partial(_decode, *args)), donate_argnums=(1,))
             programs = self._programs[static] = (prefill, decode)
             self.compile_log.append(static)
         return programs

@@ -27,6 +27,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from hfjax.parallel import sharding as shd
+
 # --------------------------------------------------------------------------------------------
 # Requests and results
 # --------------------------------------------------------------------------------------------
@@ -174,6 +176,8 @@ def select_tokens(
 
     Returns (tokens int32 [R], log-probs float32 [R]) under the distribution actually used.
     """
+    # Whole rows: selection then runs locally, with no collectives over a vocab split.
+    logits = shd.constrain(logits, ("batch", None))
     if static.greedy:
         # argmax as two plain reductions (the first index holding the row's maximum) and the
         # chosen token's log-prob as -log(sum(exp(logits - max))). XLA:CPU runs jnp.argmax as

@@ -240,6 +240,19 @@ class Backbone(nnx.Module):
         self.layers = Layers(cfg, rngs)
         self.norm = _param(rngs, cfg, (cfg.hidden_size,), ("norm",), "ones")
 
+    def embed(self, input_ids: jax.Array) -> jax.Array:
+        """Token embeddings [B, T, D] of input_ids [B, T].
+
+        Under a worker's layout the table is whole along `embed` (as FSDP gathers any weight
+        before use) and split along `vocab` only, and the rows come out split like the token
+        ids: the lookup and its gradient then partition without moving token ids between
+        devices. (Left to itself, XLA reorders them with a collective-permute that nothing
+        orders against the parameter all-gathers; XLA:CPU can then deadlock.)
+        """
+        table = shd.constrain(self.embed_tokens[...], ("vocab", None))
+        h = jnp.take(table, input_ids, axis=0).astype(self.config.jnp_dtype)
+        return shd.constrain(h, ("batch", None, None))
+
     def __call__(
         self,
         input_ids: jax.Array,
@@ -270,12 +283,7 @@ class Backbone(nnx.Module):
         causal = jnp.arange(key_valid.shape[1])[None, :] <= q_slot  # [T, S]
         mask = (causal[None] & key_valid[:, None, :])[:, None]  # [B, 1, T, S]
 
-        # The table whole along `embed` (as FSDP gathers any weight before use), split along
-        # `vocab` only, and the looked-up rows split like the token ids: the lookup and its
-        # gradient then partition without moving the token ids between devices.
-        table = shd.constrain(self.embed_tokens[...], ("vocab", None))
-        h = jnp.take(table, input_ids, axis=0).astype(cfg.jnp_dtype)
-        h = shd.constrain(h, ("batch", None, None))
+        h = self.embed(input_ids)
         rope = rope_tables(positions, rope_inv_freq(cfg), cfg.jnp_dtype, key_valid.shape[1])
         params = self.layers.arrays()
 

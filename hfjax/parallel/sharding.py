@@ -10,7 +10,8 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-from collections.abc import Mapping, Sequence
+import functools
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -153,6 +154,20 @@ def activation_layout(layout: Layout | None):
         yield
     finally:
         _ACTIVE.reset(token)
+
+
+def under_layout(layout: Layout | None, fn: Callable) -> Callable:
+    """fn, run with `activation_layout(layout)` active: jit the result, and the model's
+    `constrain` calls apply `layout` while it traces."""
+
+    @functools.wraps(fn)
+    def traced(*args, **kwargs):
+        with activation_layout(layout):
+            return fn(*args, **kwargs)
+
+    if isinstance(fn, functools.partial):  # keep the program's name (jit__prefill, ...)
+        traced.__name__ = traced.__qualname__ = fn.func.__name__
+    return traced
 
 
 def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:

@@ -53,3 +53,30 @@ def test_embedding_lookup_and_gradient_move_no_token_ids_between_devices():
     constrained = _grad_hlo(group.jit, group, ids, mask)
     assert "collective-permute" in plain  # the failure this guards against is real
     assert "collective-permute" not in constrained
+
+
+def test_token_selection_runs_on_whole_rows_of_vocab_split_logits():
+    """Tensor-parallel logits arrive split over the vocabulary; sampling reverses and slices
+    them, which XLA otherwise does with collective-permutes between the tensor pairs."""
+    from hfjax.engine.sampling import Knobs, Static, select_tokens
+
+    mesh = ResourcePool("all", tuple(jax.devices())).mesh("data=4,tensor=2")
+    layout = shd.layout(mesh, "decode")
+    static = Static(batch=8, prompt_bucket=16, new_bucket=16, n=1, greedy=False, top_k=0,
+                    use_top_p=True, use_min_p=False, num_stops=0)
+    knobs = Knobs(*(jnp.float32(v) for v in (1.0, 0.9, 0.0)), jnp.int32(4), jnp.int32(0))
+
+    def select(logits, keys):
+        return select_tokens(logits, keys, static, knobs)
+
+    logits = jax.device_put(jax.random.normal(jax.random.key(0), (8, 64)),
+                            NamedSharding(mesh, P("data", "tensor")))
+    keys = jax.random.split(jax.random.key(1), 8)
+    plain = jax.jit(select).lower(logits, keys).compile().as_text()
+    under = jax.jit(shd.under_layout(layout, select))
+    assert "collective-permute" in plain
+    assert "collective-permute" not in under.lower(logits, keys).compile().as_text()
+    tok_plain, lp_plain = jax.jit(select)(logits, keys)
+    tok, lp = under(logits, keys)
+    np.testing.assert_array_equal(np.asarray(tok), np.asarray(tok_plain))
+    np.testing.assert_allclose(np.asarray(lp), np.asarray(lp_plain), rtol=1e-6)
