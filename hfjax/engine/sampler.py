@@ -266,13 +266,11 @@ class Sampler:
         self.min_new_tokens_bucket = int(min_new_tokens_bucket)
         cfg_pad = self.config.pad_token_id
         self.pad_id = int(pad_id if pad_id is not None else cfg_pad if cfg_pad is not None else 0)
-        self._layout = (
-            sharding_lib.layout(mesh, rules) if mesh is not None and rules is not None else None
-        )
         traced = rules if rules is not None else param_rules
         self._trace_layout = (
             sharding_lib.layout(mesh, traced) if mesh is not None and traced is not None else None
         )
+        self._layout = self._trace_layout if rules is not None else None
         self._dp = mesh_lib.dp_size(mesh) if mesh is not None else 1
         self._shardings = _carry_shardings(mesh, self.config) if mesh is not None else None
         self._programs: dict[Static, tuple[Any, Any]] = {}
