@@ -94,14 +94,25 @@ def _layer(
     group = cfg.num_heads // kv_heads
     q, k, v = attention_inputs(cfg, rope, p, h)
 
-    zero = jnp.int32(0)
-    # k, v are [R, 1, kv_heads, head_dim]: keys go in as [R, kv_heads, head_dim, 1].
-    ck = jax.lax.dynamic_update_slice(
-        kv.k, jnp.transpose(k, (0, 2, 3, 1)).astype(kv.k.dtype), (zero, zero, zero, slot)
-    )
-    cv = jax.lax.dynamic_update_slice(
-        kv.v, jnp.swapaxes(v, 1, 2).astype(kv.v.dtype), (zero, zero, slot, zero)
-    )
+    if slot.ndim == 0:
+        zero = jnp.int32(0)
+        # k, v are [R, 1, kv_heads, head_dim]: keys go in as [R, kv_heads, head_dim, 1].
+        ck = jax.lax.dynamic_update_slice(
+            kv.k, jnp.transpose(k, (0, 2, 3, 1)).astype(kv.k.dtype), (zero, zero, zero, slot)
+        )
+        cv = jax.lax.dynamic_update_slice(
+            kv.v, jnp.swapaxes(v, 1, 2).astype(kv.v.dtype), (zero, zero, slot, zero)
+        )
+    else:
+        # One slot per row (continuous batching: rows are at different token indices). The
+        # row-wise slice update becomes a scatter whose rows are a batching dimension, so on a
+        # data-parallel mesh each device writes its own rows with no communication.
+        def put(c, x, at):
+            return jax.lax.dynamic_update_slice(c, x.astype(c.dtype), at)
+
+        zero = jnp.zeros_like(slot)
+        ck = jax.vmap(put)(kv.k, jnp.transpose(k, (0, 2, 3, 1)), (zero, zero, slot))
+        cv = jax.vmap(put)(kv.v, jnp.swapaxes(v, 1, 2), (zero, slot, zero))
 
     qg = q[:, 0].reshape(rows, kv_heads, group, 1, head_dim)
     out = attend(qg, ck.astype(dt), cv.astype(dt), valid[:, None, None, None, :])
@@ -122,12 +133,14 @@ def decode_step(
     """Feeds tokens [R] at RoPE positions [R] into cache `slot` and attends over slots <= slot
     that `attn_mask` [R, slots] marks real.
 
-    `layers` comes from `split_layers(model)`. Returns (float32 logits [R, vocab], the cache
-    with `slot` written in every layer).
+    `slot` is one int32 index for every row, or one per row ([R]). `layers` comes from
+    `split_layers(model)`. Returns (float32 logits [R, vocab], the cache with `slot` written in
+    every layer).
     """
     cfg: ModelConfig = model.config
     slots = attn_mask.shape[1]
-    valid = attn_mask.astype(bool) & (jnp.arange(slots)[None, :] <= slot)
+    slot = jnp.asarray(slot, jnp.int32)
+    valid = attn_mask.astype(bool) & (jnp.arange(slots)[None, :] <= jnp.reshape(slot, (-1, 1)))
     h = model.model.embed(tokens[:, None])
     rope = rope_tables(positions[:, None], rope_inv_freq(cfg), cfg.jnp_dtype, slots)
     new_cache = []

@@ -1,0 +1,541 @@
+"""Continuous batching: the rollout engine with a fixed number of decode slots.
+
+The static engine (`hfjax.engine.sampler.Sampler`) decodes every row of a batch until its
+longest row stops, so in an RL batch with a wide spread of response lengths most of its work is
+on rows that have already finished. This engine decodes a fixed number of **slots** instead.
+When a slot's request stops, the slot takes the next waiting request: its prompt's KV, then
+decoding from there, until every request is done. It is a `Sampler` with the same `generate`
+and the same results: the same tokens, masks and log-probs row for row (see "Same results").
+
+**One program.** A whole `generate` call is one jitted program, a `lax.while_loop` whose body
+refills the slots and then runs up to `refill_every` (k) decode steps. Which slot is free, which
+request comes next and when to prefill are all decided on device, so nothing returns to the host
+until every request is done: no host round trip per token or per refill. k trades the refill's
+fixed cost against the steps a finished slot idles until the next refill (measured in
+docs/benchmarks.md).
+
+**Requests.** Request r = b * n + j is sample j of prompt b; it is also its output row. Requests
+are admitted in that order, so the n samples of a prompt enter one after another.
+
+**Prefill once per prompt.** Prompts are prefilled in windows of `prefill_batch` (G) prompts at
+a time, into a staging cache [G, ..., prompt_bucket] plus each prompt's last-position logits.
+Admitting request (b, j) copies prompt b's staged KV into the slot's first `prompt_bucket`
+columns and samples its first token from the staged logits, so the n samples of a prompt share
+one prefill. A window is prefilled when the next request's prompt lies past it; as admission is
+in order, the previous window is then no longer needed. Several requests are admitted per round
+(`ADMIT_ROWS`), each round a gather from the staging cache and a scatter into the slots.
+
+**Slot layout.** A slot's cache has prompt_bucket + new_bucket columns: the left-padded prompt,
+then response token t at column prompt_bucket + t. That is the static engine's layout for each
+row, so every row attends over the same columns in the same order. Decoding writes each slot's
+token at its own column (`decode_step` with one column per row). A slot keeps its request's
+tokens, mask and log-probs in its own rows while it decodes; when the request is done the next
+refill copies them to the request's output row ("retire") and frees the slot. Per step,
+everything stays within a slot's row, so on a data-parallel mesh the step's only cross-row
+communication is the loop's "any slot live?" test, as in the static engine.
+
+**Same results.** A request's randomness depends only on its own seed and token index: the
+prompt key is `fold_in(key(seed_b), salt_b)` (as in the static engine), sample j folds in j and
+token t folds in t. Its cache holds the same values at the same columns as in the static engine,
+so greedy tokens and seeded samples equal the static engine's token for token, whichever other
+requests share the slots (tests/engine/test_continuous.py checks this on 1 device and on
+`data=4,tensor=2`).
+
+**Limits.** `max_cache_len` bounds a slot's cache; a request whose prompt plus
+`max_new_tokens` does not fit is refused before anything compiles.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import logging
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from hfjax.engine.decode import LayerCache, cache_from_prefill, decode_step, split_layers
+from hfjax.engine.sampler import Sampler, bucket_size
+from hfjax.engine.sampling import GenerateOutput, Knobs, SamplingParams, select_tokens
+from hfjax.models.config import ModelConfig
+from hfjax.models.transformer import KVCache, positions_from_mask
+from hfjax.parallel import mesh as mesh_lib
+from hfjax.parallel import sharding as sharding_lib
+
+DEFAULT_SLOTS = 16
+DEFAULT_REFILL_EVERY = 8
+# Requests admitted per admission round: the round's gather and scatter cost scales with it,
+# and the first fill of all slots takes slots / ADMIT_ROWS rounds.
+ADMIT_ROWS = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Everything that changes the program's shapes or structure: its compile-cache key.
+
+    The token-selection fields (greedy, top_k, use_top_p, use_min_p) are those that
+    `select_tokens` reads.
+    """
+
+    prompts: int  # prompt rows uploaded (the batch padded to the data-parallel size)
+    prompt_bucket: int
+    new_bucket: int
+    n: int
+    slots: int
+    prefill_batch: int  # prompts per prefill window (G)
+    admit_rows: int  # requests per admission round
+    refill_every: int  # decode steps between refills (k)
+    greedy: bool
+    top_k: int
+    use_top_p: bool
+    use_min_p: bool
+    num_stops: int
+
+    @property
+    def columns(self) -> int:
+        """Cache columns of one slot."""
+        return self.prompt_bucket + self.new_bucket
+
+
+class _Slots(NamedTuple):
+    """The decode slots; `req` is -1 on a free slot."""
+
+    cache: tuple[LayerCache, ...]  # per layer [slots, kv_heads, ..., columns]
+    req: jax.Array  # int32 [slots]: the request decoding here, -1 when free
+    t: jax.Array  # int32 [slots]: response tokens emitted so far
+    last: jax.Array  # int32 [slots]: the token fed at the next step
+    done: jax.Array  # bool [slots]: stopped (stop token or max_new tokens), not yet retired
+    lengths: jax.Array  # int32 [slots]: real prompt length (position of response token 0)
+    keys: jax.Array  # PRNG keys [slots]: the request's key (its prompt key, sample folded in)
+    attn: jax.Array  # int32 [slots, columns]: prompt mask, then ones for the response columns
+    tokens: jax.Array  # int32 [slots, new_bucket]: the request's response so far
+    mask: jax.Array  # int32 [slots, new_bucket]
+    logprobs: jax.Array  # float32 [slots, new_bucket]
+
+
+class _Stage(NamedTuple):
+    """The prefill window: prompts lo .. lo + G - 1."""
+
+    lo: jax.Array  # int32 []
+    cache: tuple[LayerCache, ...]  # per layer [G, kv_heads, ..., prompt_bucket]
+    logits: jax.Array  # float32 [G, vocab]: each prompt's last-position logits
+
+
+class _State(NamedTuple):
+    slots: _Slots
+    stage: _Stage
+    next: jax.Array  # int32 []: the next request to admit
+    tokens: jax.Array  # int32 [prompts * n, new_bucket]: the output rows
+    mask: jax.Array
+    logprobs: jax.Array
+
+
+class _Inputs(NamedTuple):
+    """Per-call inputs, closed over by the loop."""
+
+    ids: jax.Array  # int32 [prompts, prompt_bucket], left-padded
+    mask: jax.Array  # int32 [prompts, prompt_bucket]
+    prompt_keys: jax.Array  # PRNG keys [prompts]
+    total: jax.Array  # int32 []: real requests (batch * n); later rows are padding
+    knobs: Knobs
+    stops: jax.Array  # int32 [num_stops]
+
+
+# --------------------------------------------------------------------------------------------
+# Shardings
+# --------------------------------------------------------------------------------------------
+
+
+class _Shardings(NamedTuple):
+    slots: _Slots
+    stage: _Stage
+    rows: NamedSharding  # output rows, as the static engine returns them
+
+
+def _shardings(mesh: Mesh, cfg: ModelConfig) -> _Shardings:
+    """Slots and staged prompts split over the data-parallel axes, kv-heads over `tensor` when
+    it divides them (as the static engine's cache); everything else replicated."""
+    rows = mesh_lib.batch_spec(mesh)
+    row_axis = rows[0] if len(rows) else None
+    tp = mesh.shape.get("tensor", 1)
+    kv_axis = "tensor" if tp > 1 and cfg.num_kv_heads % tp == 0 else None
+    layer = NamedSharding(mesh, P(row_axis, kv_axis))
+    row = NamedSharding(mesh, P(row_axis))
+    cache = tuple(LayerCache(layer, layer) for _ in range(cfg.num_layers))
+    slots = _Slots(cache, *([row] * (len(_Slots._fields) - 1)))
+    return _Shardings(slots, _Stage(NamedSharding(mesh, P()), cache, row), row)
+
+
+def _constrain(x: Any, shardings: Any) -> Any:
+    return x if shardings is None else jax.lax.with_sharding_constraint(x, shardings)
+
+
+# --------------------------------------------------------------------------------------------
+# The program's pieces
+# --------------------------------------------------------------------------------------------
+
+
+def _fold(keys: jax.Array, data: jax.Array) -> jax.Array:
+    return jax.vmap(jax.random.fold_in)(keys, data)
+
+
+def _prefill(model, plan: Plan, x: _Inputs, lo: jax.Array) -> tuple[tuple[LayerCache, ...], Any]:
+    """KV cache and last-position logits of prompts lo .. lo + G - 1."""
+    g, width = plan.prefill_batch, plan.prompt_bucket
+    ids = jax.lax.dynamic_slice(x.ids, (lo, 0), (g, width))
+    mask = jax.lax.dynamic_slice(x.mask, (lo, 0), (g, width))
+    cache = KVCache.zeros(model.config, g, width)
+    hidden, cache = model.model(
+        ids, mask, positions=positions_from_mask(mask), cache=cache, cache_index=0
+    )
+    # Left padding puts every prompt's last token in the last column.
+    return cache_from_prefill(cache, 1, 0), model.logits(hidden[:, -1])
+
+
+def _admit(plan: Plan, x: _Inputs, st: _State) -> _State:
+    """Admits up to `admit_rows` waiting requests whose prompts are in the staging window into
+    free slots (lowest slot first), each with its first response token sampled."""
+    s, stage, a = st.slots, st.stage, plan.admit_rows
+    n, width, new = plan.n, plan.prompt_bucket, plan.new_bucket
+    free = s.req < 0
+    window_end = jnp.minimum((stage.lo + plan.prefill_batch) * n, x.total)
+    count = jnp.minimum(jnp.minimum(jnp.sum(free, dtype=jnp.int32), window_end - st.next), a)
+    i = jnp.arange(a, dtype=jnp.int32)
+    # Slot indices past the last slot are dropped by every scatter below.
+    dst = jnp.where(i < count, jnp.nonzero(free, size=a, fill_value=plan.slots)[0], plan.slots)
+    req = st.next + i
+    prompt = jnp.minimum(req // n, plan.prompts - 1)
+    src = jnp.clip(prompt - stage.lo, 0, plan.prefill_batch - 1)
+
+    def put(arr, val):
+        return arr.at[dst].set(val, mode="drop")
+
+    cache = tuple(
+        LayerCache(
+            c.k.at[dst, :, :, :width].set(sc.k[src], mode="drop"),
+            c.v.at[dst, :, :width, :].set(sc.v[src], mode="drop"),
+        )
+        for c, sc in zip(s.cache, stage.cache)
+    )
+    pmask = x.mask[prompt]
+    keys = _fold(x.prompt_keys[prompt], req % n)
+    # Response token 0 comes from the prompt's staged logits, with the key the static engine
+    # uses for it (token index 0 folded in).
+    tok, lp = select_tokens(stage.logits[src], _fold(keys, jnp.zeros_like(req)), plan, x.knobs)
+    hit = jnp.any(tok[:, None] == x.stops[None, :], axis=-1)
+    first = jnp.arange(new)[None, :] == 0
+    slots = s._replace(
+        cache=cache,
+        req=put(s.req, req),
+        t=put(s.t, jnp.ones_like(req)),
+        last=put(s.last, tok),
+        done=put(s.done, hit | (x.knobs.max_new <= 1)),
+        lengths=put(s.lengths, jnp.sum(pmask, axis=-1, dtype=jnp.int32)),
+        keys=put(s.keys, keys),
+        attn=put(s.attn, jnp.concatenate([pmask, jnp.ones((a, new), jnp.int32)], axis=1)),
+        tokens=put(s.tokens, jnp.where(first, tok[:, None], x.knobs.pad_id)),
+        mask=put(s.mask, first.astype(jnp.int32) + jnp.zeros((a, 1), jnp.int32)),
+        logprobs=put(s.logprobs, jnp.where(first, lp[:, None], 0.0)),
+    )
+    return st._replace(slots=slots, next=st.next + count)
+
+
+def _retire(plan: Plan, st: _State) -> _State:
+    """Copies every finished slot's response to its request's output row and frees the slot."""
+    s = st.slots
+    fin = (s.req >= 0) & s.done
+    rows = jnp.where(fin, s.req, plan.prompts * plan.n)  # past the last row: dropped
+    return st._replace(
+        slots=s._replace(req=jnp.where(fin, -1, s.req), done=s.done & ~fin),
+        tokens=st.tokens.at[rows].set(s.tokens, mode="drop"),
+        mask=st.mask.at[rows].set(s.mask, mode="drop"),
+        logprobs=st.logprobs.at[rows].set(s.logprobs, mode="drop"),
+    )
+
+
+def _refill(model, plan: Plan, x: _Inputs, shardings, st: _State) -> _State:
+    """Retires finished slots, then admits waiting requests into free slots, prefilling the
+    next window of prompts whenever the next request's prompt lies past the current one."""
+    st = _retire(plan, st)
+
+    def more(st: _State) -> jax.Array:
+        return jnp.any(st.slots.req < 0) & (st.next < x.total)
+
+    def admit(st: _State) -> _State:
+        prompt = st.next // plan.n
+
+        def prefill() -> _Stage:
+            # The last window is shifted back so that it stays inside the prompt rows.
+            lo = jnp.minimum(prompt, plan.prompts - plan.prefill_batch)
+            cache, logits = _prefill(model, plan, x, lo)
+            return _constrain(_Stage(lo, cache, logits), shardings and shardings.stage)
+
+        stage = jax.lax.cond(prompt >= st.stage.lo + plan.prefill_batch, prefill, lambda: st.stage)
+        st = _admit(plan, x, st._replace(stage=stage))
+        return st._replace(slots=_constrain(st.slots, shardings and shardings.slots))
+
+    return jax.lax.while_loop(more, admit, st)
+
+
+def _step(model, layers, plan: Plan, x: _Inputs, shardings, s: _Slots) -> _Slots:
+    """One decode step of every slot; only live slots (admitted, not stopped) record it."""
+    live = (s.req >= 0) & ~s.done
+    # Token t - 1 is fed at column prompt_bucket + t - 1 and position length + t - 1. Free and
+    # finished slots compute too (fixed shapes); what they write stays in their own rows.
+    col = plan.prompt_bucket + s.t - 1
+    logits, cache = decode_step(model, layers, s.last, s.lengths + s.t - 1, s.attn, s.cache, col)
+    tok, lp = select_tokens(logits, _fold(s.keys, s.t), plan, x.knobs)
+    # A select over the small [slots, new_bucket] history rather than a scatter: elementwise,
+    # so it stays on each device's own rows.
+    at = live[:, None] & (jnp.arange(plan.new_bucket)[None, :] == s.t[:, None])
+    hit = jnp.any(tok[:, None] == x.stops[None, :], axis=-1)
+    t = s.t + live.astype(jnp.int32)
+    s = s._replace(
+        cache=cache,
+        t=t,
+        last=jnp.where(live, tok, s.last),
+        done=s.done | (live & (hit | (t >= x.knobs.max_new))),
+        tokens=jnp.where(at, tok[:, None], s.tokens),
+        mask=jnp.where(at, 1, s.mask),
+        logprobs=jnp.where(at, lp[:, None], s.logprobs),
+    )
+    return _constrain(s, shardings and shardings.slots)
+
+
+def _init(model, plan: Plan, x: _Inputs) -> _State:
+    cfg = model.config
+    slots, cols, new = plan.slots, plan.columns, plan.new_bucket
+    dt = cfg.jnp_dtype
+    kv, hd = cfg.num_kv_heads, cfg.head_dim
+
+    def layer(rows: int, width: int) -> LayerCache:
+        return LayerCache(
+            jnp.zeros((rows, kv, hd, width), dt), jnp.zeros((rows, kv, width, hd), dt)
+        )
+
+    rows_out = plan.prompts * plan.n
+    g = plan.prefill_batch
+    return _State(
+        # A free slot attends to its own (finite) columns: no row ever sees NaN, so a slot's
+        # stale columns, masked out after it is reused, stay harmless.
+        slots=_Slots(
+            cache=tuple(layer(slots, cols) for _ in range(cfg.num_layers)),
+            req=jnp.full((slots,), -1, jnp.int32),
+            t=jnp.zeros((slots,), jnp.int32),
+            last=jnp.zeros((slots,), jnp.int32),
+            done=jnp.zeros((slots,), bool),
+            lengths=jnp.ones((slots,), jnp.int32),
+            keys=jax.random.split(jax.random.key(0), slots),
+            attn=jnp.ones((slots, cols), jnp.int32),
+            tokens=jnp.zeros((slots, new), jnp.int32),
+            mask=jnp.zeros((slots, new), jnp.int32),
+            logprobs=jnp.zeros((slots, new), jnp.float32),
+        ),
+        # lo = -G: the first request's prompt lies past this empty window.
+        stage=_Stage(
+            lo=jnp.int32(-g),
+            cache=tuple(layer(g, plan.prompt_bucket) for _ in range(cfg.num_layers)),
+            logits=jnp.zeros((g, cfg.vocab_size), jnp.float32),
+        ),
+        next=jnp.int32(0),
+        tokens=jnp.full((rows_out, new), x.knobs.pad_id, jnp.int32),
+        mask=jnp.zeros((rows_out, new), jnp.int32),
+        logprobs=jnp.zeros((rows_out, new), jnp.float32),
+    )
+
+
+def _run(
+    graphdef: nnx.GraphDef,
+    plan: Plan,
+    shardings: _Shardings | None,
+    state: nnx.State,
+    ids: jax.Array,
+    mask: jax.Array,
+    seeds: jax.Array,
+    salts: jax.Array,
+    total: jax.Array,
+    knobs: Knobs,
+    stops: jax.Array,
+) -> GenerateOutput:
+    """The whole continuous-batching rollout: every request admitted, decoded and retired."""
+    model = nnx.merge(graphdef, state)
+    layers = split_layers(model)  # outside the loops: sliced once per call, not per step
+    prompt_keys = jax.vmap(lambda s, salt: jax.random.fold_in(jax.random.key(s), salt))(
+        seeds, salts
+    )
+    x = _Inputs(ids, mask.astype(jnp.int32), prompt_keys, total, knobs, stops)
+    st = _init(model, plan, x)
+    st = st._replace(slots=_constrain(st.slots, shardings and shardings.slots))
+
+    def busy(st: _State) -> jax.Array:
+        return jnp.any(st.slots.req >= 0) | (st.next < x.total)
+
+    def round_(st: _State) -> _State:
+        st = _refill(model, plan, x, shardings, st)
+
+        def live(c):
+            i, s = c
+            return (i < plan.refill_every) & jnp.any((s.req >= 0) & ~s.done)
+
+        def step(c):
+            i, s = c
+            return i + 1, _step(model, layers, plan, x, shardings, s)
+
+        _, slots = jax.lax.while_loop(live, step, (jnp.int32(0), st.slots))
+        return _retire(plan, st._replace(slots=slots))
+
+    st = jax.lax.while_loop(busy, round_, st)
+    out = GenerateOutput(st.tokens, st.mask, st.logprobs)
+    return out if shardings is None else _constrain(out, GenerateOutput(*[shardings.rows] * 3))
+
+
+# --------------------------------------------------------------------------------------------
+# The engine object
+# --------------------------------------------------------------------------------------------
+
+
+class ContinuousSampler(Sampler):
+    """A `Sampler` that decodes through a fixed number of slots (module docstring).
+
+    Args beyond `Sampler`'s:
+      slots: decode slots (rounded down to the requests of a call, which it never exceeds);
+        on a mesh, a multiple of the data-parallel size.
+      refill_every: decode steps between refills (k).
+      prefill_batch: prompts per prefill window; None: enough prompts to fill every slot
+        (ceil(slots / n)), rounded up to the data-parallel size.
+      max_cache_len: the most cache columns a slot may hold (prompt bucket + new-token
+        bucket); None: no limit. A request whose prompt plus max_new_tokens exceeds it is
+        refused before compiling.
+    """
+
+    def __init__(
+        self,
+        model: nnx.Module,
+        *,
+        slots: int = DEFAULT_SLOTS,
+        refill_every: int = DEFAULT_REFILL_EVERY,
+        prefill_batch: int | None = None,
+        max_cache_len: int | None = None,
+        **kw: Any,
+    ):
+        super().__init__(model, **kw)
+        for name, value in (("slots", slots), ("refill_every", refill_every)):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+                raise ValueError(f"{name}={value!r}; it must be a positive int")
+        if slots % self._dp:
+            raise ValueError(
+                f"slots={slots} does not divide over the decode mesh's {self._dp} data-parallel "
+                f"ways; use a multiple of {self._dp} (rollout.slots)"
+            )
+        if prefill_batch is not None and (
+            not isinstance(prefill_batch, (int, np.integer)) or prefill_batch < 1
+        ):
+            raise ValueError(f"prefill_batch={prefill_batch!r}; it must be a positive int or None")
+        if max_cache_len is not None and max_cache_len < 2:
+            raise ValueError(f"max_cache_len={max_cache_len!r}; it must be >= 2 or None")
+        self.slots = int(slots)
+        self.refill_every = int(refill_every)
+        self.prefill_batch = None if prefill_batch is None else int(prefill_batch)
+        self.max_cache_len = None if max_cache_len is None else int(max_cache_len)
+        self._cb_shardings = _shardings(self.mesh, self.config) if self.mesh is not None else None
+        self._runs: dict[Plan, Any] = {}
+
+    def _buckets(self, longest: int, max_new: int) -> tuple[int, int]:
+        """(prompt bucket, new-token bucket) of a call, within max_cache_len."""
+        width = bucket_size(longest, self.min_prompt_bucket)
+        new = bucket_size(max_new, self.min_new_tokens_bucket)
+        cap = self.max_cache_len
+        if cap is None or width + new <= cap:
+            return width, new
+        if longest + max_new > cap:
+            raise ValueError(
+                f"a request needs {longest} prompt + {max_new} new tokens = "
+                f"{longest + max_new} cache columns, more than a slot's max_cache_len={cap}; "
+                "raise max_cache_len (rollout.max_cache_len), or shorten the prompts or "
+                "max_new_tokens"
+            )
+        # Shrink the buckets to fit, keeping room for the longest prompt and every new token.
+        width = max(longest, min(width, cap - new))
+        return width, min(new, cap - width)
+
+    def _plan(self, prompts: int, width: int, new: int, params: SamplingParams) -> Plan:
+        requests = prompts * params.n
+        slots = min(self.slots, requests)  # both multiples of the data-parallel size
+        want = self.prefill_batch or math.ceil(slots / params.n)
+        g = min(prompts, -(-want // self._dp) * self._dp)
+        admit = min(slots, -(-ADMIT_ROWS // self._dp) * self._dp)
+        return Plan(
+            prompts=prompts,
+            prompt_bucket=width,
+            new_bucket=new,
+            n=params.n,
+            slots=slots,
+            prefill_batch=g,
+            admit_rows=admit,
+            refill_every=self.refill_every,
+            greedy=params.greedy,
+            top_k=params.top_k,
+            use_top_p=params.top_p < 1.0,
+            use_min_p=params.min_p > 0.0,
+            num_stops=len(params.eos_ids),
+        )
+
+    def _get_run(self, plan: Plan) -> Any:
+        run = self._runs.get(plan)
+        if run is None:
+            logging.info(
+                "hfjax.engine: compiling continuous rollout for %s mesh=%s",
+                plan,
+                dict(self.mesh.shape) if self.mesh is not None else None,
+            )
+            fn = functools.partial(_run, self.graphdef, plan, self._cb_shardings)
+            run = jax.jit(sharding_lib.under_layout(self._trace_layout, fn))
+            self._runs[plan] = run
+            self.compile_log.append(plan)
+        return run
+
+    def generate(
+        self,
+        state: nnx.State,
+        input_ids: Any,
+        attention_mask: Any,
+        params: SamplingParams,
+        seed: int | Sequence[int] | np.ndarray = 0,
+    ) -> GenerateOutput:
+        """As `Sampler.generate` (same rows, columns and values), decoded through the slots.
+
+        Raises ValueError on bad input before compiling.
+        """
+        ids, mask, seeds, salts, batch = self._prepare(input_ids, attention_mask, seed)
+        longest = int(mask.sum(axis=1).max())
+        width, new = self._buckets(longest, params.max_new_tokens)
+        # _prepare left-pads to the static engine's bucket; move to this call's bucket.
+        if width < ids.shape[1]:
+            ids, mask = ids[:, -width:], mask[:, -width:]
+        plan = self._plan(ids.shape[0], width, new, params)
+        knobs = Knobs(
+            temperature=np.float32(params.temperature if not params.greedy else 1.0),
+            top_p=np.float32(params.top_p),
+            min_p=np.float32(params.min_p),
+            max_new=np.int32(params.max_new_tokens),
+            pad_id=np.int32(self.pad_id),
+        )
+        stops = np.asarray(params.eos_ids, np.int32).reshape(-1)
+        total = np.int32(batch * params.n)
+        run = self._get_run(plan)
+        state = self.place(state)
+        args = (ids, mask, seeds, salts, total, knobs, stops)
+        if self.mesh is not None:
+            # The request's one deliberate upload; prompts are replicated because any slot
+            # may take any prompt.
+            with jax.transfer_guard("allow"):
+                args = jax.device_put(args, mesh_lib.replicated(self.mesh))
+        out = run(state, *args)
+        return out.head(batch * params.n, params.max_new_tokens)
