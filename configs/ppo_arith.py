@@ -87,6 +87,13 @@ def get_config() -> config_dict.ConfigDict:
             mesh="",
             hybrid_engine=True,  # False: ignore `mesh` and decode in the training layout
             offload_optimizer=False,  # actor optimizer state in pinned host memory while decoding
+            # The rollout engine (same tokens either way): "static" decodes every row until the
+            # batch's longest stops; "continuous" decodes `slots` rows at a time and refills a
+            # slot with the next waiting sample when its row stops (hfjax/engine/continuous.py).
+            mode="static",
+            slots=16,  # continuous: decode slots (a multiple of the decode mesh's data size)
+            refill_every=8,  # continuous: decode steps between refills
+            max_cache_len=0,  # continuous: cache columns per slot; 0 = prompt + response buckets
             n=1,
             temperature=1.0,
             top_k=0,

@@ -26,7 +26,8 @@ from hfjax.controller.batch import Batch
 from hfjax.controller.placement import resolve_placement
 from hfjax.data import arith
 from hfjax.data.dataset import Dataset, reward_meta
-from hfjax.engine.sampler import MIN_PROMPT_BUCKET, Sampler, SamplingParams, bucket_size
+from hfjax.engine.continuous import rollout_sampler
+from hfjax.engine.sampler import MIN_PROMPT_BUCKET, SamplingParams, bucket_size
 from hfjax.engine.update import check_mini_batching, make_optimizer
 from hfjax.metrics import MetricsLogger, parse_sink_names
 from hfjax.models import load as load_model
@@ -193,9 +194,10 @@ class Trainer:
 
         rules = c.actor.get("rules", "train")
         engine = engine_for(layout(mesh, rules), c.rollout, nnx.state(model))
-        sampler = Sampler(model, mesh=engine.decode_mesh if engine else mesh,
-                          max_prompt_len=c.data.max_prompt_length, pad_id=self.pad, rules=None,
-                          param_rules=engine.decode_rules if engine else rules)
+        sampler = rollout_sampler(
+            model, c.rollout, mesh=engine.decode_mesh if engine else mesh,
+            max_prompt_len=c.data.max_prompt_length, pad_id=self.pad, rules=None,
+            param_rules=engine.decode_rules if engine else rules)
         return ActorRollout(
             "actor", pool, c.actor.mesh, model, rules=rules,
             sampler=sampler, actor_cfg=c.actor, rollout_cfg=c.rollout,

@@ -132,6 +132,8 @@ class _State(NamedTuple):
     slots: _Slots
     stage: _Stage
     next: jax.Array  # int32 []: the next request to admit
+    steps: jax.Array  # int32 []: decode steps run
+    prefills: jax.Array  # int32 []: prefill windows run
     tokens: jax.Array  # int32 [prompts * n, new_bucket]: the output rows
     mask: jax.Array
     logprobs: jax.Array
@@ -277,8 +279,9 @@ def _refill(model, plan: Plan, x: _Inputs, shardings, st: _State) -> _State:
             cache, logits = _prefill(model, plan, x, lo)
             return _constrain(_Stage(lo, cache, logits), shardings and shardings.stage)
 
-        stage = jax.lax.cond(prompt >= st.stage.lo + plan.prefill_batch, prefill, lambda: st.stage)
-        st = _admit(plan, x, st._replace(stage=stage))
+        need = prompt >= st.stage.lo + plan.prefill_batch
+        stage = jax.lax.cond(need, prefill, lambda: st.stage)
+        st = _admit(plan, x, st._replace(stage=stage, prefills=st.prefills + need))
         return st._replace(slots=_constrain(st.slots, shardings and shardings.slots))
 
     return jax.lax.while_loop(more, admit, st)
@@ -345,6 +348,8 @@ def _init(model, plan: Plan, x: _Inputs) -> _State:
             logits=jnp.zeros((g, cfg.vocab_size), jnp.float32),
         ),
         next=jnp.int32(0),
+        steps=jnp.int32(0),
+        prefills=jnp.int32(0),
         tokens=jnp.full((rows_out, new), x.knobs.pad_id, jnp.int32),
         mask=jnp.zeros((rows_out, new), jnp.int32),
         logprobs=jnp.zeros((rows_out, new), jnp.float32),
@@ -363,8 +368,10 @@ def _run(
     total: jax.Array,
     knobs: Knobs,
     stops: jax.Array,
-) -> GenerateOutput:
-    """The whole continuous-batching rollout: every request admitted, decoded and retired."""
+) -> tuple[GenerateOutput, dict[str, jax.Array]]:
+    """The whole continuous-batching rollout: every request admitted, decoded and retired.
+
+    Returns the output rows and counters (decode steps run, prefill windows run)."""
     model = nnx.merge(graphdef, state)
     layers = split_layers(model)  # outside the loops: sliced once per call, not per step
     prompt_keys = jax.vmap(lambda s, salt: jax.random.fold_in(jax.random.key(s), salt))(
@@ -388,12 +395,14 @@ def _run(
             i, s = c
             return i + 1, _step(model, layers, plan, x, shardings, s)
 
-        _, slots = jax.lax.while_loop(live, step, (jnp.int32(0), st.slots))
-        return _retire(plan, st._replace(slots=slots))
+        steps, slots = jax.lax.while_loop(live, step, (jnp.int32(0), st.slots))
+        return _retire(plan, st._replace(slots=slots, steps=st.steps + steps))
 
     st = jax.lax.while_loop(busy, round_, st)
     out = GenerateOutput(st.tokens, st.mask, st.logprobs)
-    return out if shardings is None else _constrain(out, GenerateOutput(*[shardings.rows] * 3))
+    if shardings is not None:
+        out = _constrain(out, GenerateOutput(*[shardings.rows] * 3))
+    return out, {"decode_steps": st.steps, "prefill_windows": st.prefills}
 
 
 # --------------------------------------------------------------------------------------------
@@ -446,6 +455,9 @@ class ContinuousSampler(Sampler):
         self.max_cache_len = None if max_cache_len is None else int(max_cache_len)
         self._cb_shardings = _shardings(self.mesh, self.config) if self.mesh is not None else None
         self._runs: dict[Plan, Any] = {}
+        # Counters of the last call, on device (read them only when needed: reading waits for
+        # the rollout): decode_steps, prefill_windows.
+        self.last_stats: dict[str, jax.Array] = {}
 
     def _buckets(self, longest: int, max_new: int) -> tuple[int, int]:
         """(prompt bucket, new-token bucket) of a call, within max_cache_len."""
@@ -537,5 +549,37 @@ class ContinuousSampler(Sampler):
             # may take any prompt.
             with jax.transfer_guard("allow"):
                 args = jax.device_put(args, mesh_lib.replicated(self.mesh))
-        out = run(state, *args)
+        out, self.last_stats = run(state, *args)
         return out.head(batch * params.n, params.max_new_tokens)
+
+
+# --------------------------------------------------------------------------------------------
+# Choosing the engine from a config
+# --------------------------------------------------------------------------------------------
+
+MODES = ("static", "continuous")
+
+
+def rollout_sampler(model: nnx.Module, rollout: Any, **kw: Any) -> Sampler:
+    """The rollout engine a `rollout` config section asks for, built with `Sampler` keyword
+    arguments `kw` (mesh, max_prompt_len, pad_id, rules, ...).
+
+    `rollout.mode`: "static" (`Sampler`) or "continuous" (`ContinuousSampler` with
+    `rollout.slots`, `rollout.refill_every` and `rollout.max_cache_len`, 0 for no limit).
+    Raises ValueError naming the key on a bad setting, before anything compiles.
+    """
+    mode = rollout.get("mode", "static")
+    if mode == "static":
+        return Sampler(model, **kw)
+    if mode != "continuous":
+        raise ValueError(f"rollout.mode={mode!r}; choose one of {', '.join(MODES)}")
+    try:
+        return ContinuousSampler(
+            model,
+            slots=rollout.get("slots", DEFAULT_SLOTS),
+            refill_every=rollout.get("refill_every", DEFAULT_REFILL_EVERY),
+            max_cache_len=rollout.get("max_cache_len", 0) or None,
+            **kw,
+        )
+    except ValueError as err:
+        raise ValueError(f"rollout (mode=continuous): {err}") from err

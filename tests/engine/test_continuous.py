@@ -1,0 +1,262 @@
+"""Continuous batching against the static engine: same tokens, masks and log-probs row for row.
+
+The reference is the static `Sampler`, itself tested against HF transformers and teacher-forced
+log-probs (test_sampler.py). Every comparison here is set up so that it can fail: responses
+end at different steps (stop ids that the model does emit), there are more requests than slots
+so slots are refilled, and the sampled rows differ between seeds.
+"""
+
+import os
+import sys
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+from ml_collections import config_dict
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "models"))
+from hf_fixtures import left_padded_batch, make_hf_model  # noqa: E402
+
+import hfjax.models as M  # noqa: E402
+from hfjax.engine import Sampler, SamplingParams  # noqa: E402
+from hfjax.engine.continuous import ContinuousSampler, rollout_sampler  # noqa: E402
+from hfjax.parallel.mesh import MeshSpec  # noqa: E402
+
+LENGTHS = (9, 5, 12, 1, 7, 3)
+SEEDS = np.array([3, 14, 15, 92, 65, 35])
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    d = str(tmp_path_factory.mktemp("llama"))
+    make_hf_model("llama", d)
+    return M.load(d)
+
+
+@pytest.fixture(scope="module")
+def prompts(llama):
+    return left_padded_batch(llama.config.vocab_size, lengths=LENGTHS, seed=5)
+
+
+@pytest.fixture(scope="module")
+def static(llama):
+    """The reference engine, shared so that its programs compile once per module."""
+    return Sampler(llama)
+
+
+SAMPLING = {
+    "greedy": dict(temperature=0.0),
+    "seeded": dict(temperature=0.9, top_k=40, top_p=0.95),
+}
+MAX_NEW = 20
+
+
+@pytest.fixture(scope="module")
+def reference(llama, prompts, static):
+    """kind -> (SamplingParams, the static engine's output), computed once per module.
+
+    The stop ids are two ids the unconstrained run emits, chosen so that responses end at as
+    many different steps as possible while some still run to max_new_tokens.
+    """
+    cache = {}
+
+    def get(kind):
+        if kind not in cache:
+            free = SamplingParams(max_new_tokens=MAX_NEW, n=3, **SAMPLING[kind])
+            t = np.asarray(static.generate(nnx.state(llama), *prompts, free, SEEDS).tokens)
+
+            def lengths(stops):
+                hit = np.isin(t, stops)
+                return np.where(hit.any(axis=1), hit.argmax(axis=1) + 1, MAX_NEW)
+
+            candidates = sorted(set(t[:, : MAX_NEW // 2].ravel().tolist()))
+            stops = max(
+                [(a, b) for a in candidates for b in candidates if a < b],
+                key=lambda p: (lengths(p).max() == MAX_NEW, len(set(lengths(p).tolist()))),
+            )
+            params = SamplingParams(**{**vars(free), "eos_ids": stops})
+            cache[kind] = params, static.generate(nnx.state(llama), *prompts, params, SEEDS)
+        return cache[kind]
+
+    return get
+
+
+def mesh_of(spec):
+    return None if spec is None else MeshSpec.parse(spec).build(jax.devices())
+
+
+def assert_same(got, want):
+    np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
+    np.testing.assert_array_equal(np.asarray(got.mask), np.asarray(want.mask))
+    np.testing.assert_allclose(np.asarray(got.logprobs), np.asarray(want.logprobs), atol=1e-5)
+
+
+CASES = [
+    # (mesh, slots, refill_every, prefill_batch)
+    (None, 4, 1, None),
+    (None, 5, 3, 1),
+    ("data=4,tensor=2", 4, 2, None),
+    ("data=4,tensor=2", 8, 3, 4),
+]
+IDS = ["1dev-4slots-k1", "1dev-5slots-k3-g1", "dp4tp2-4slots-k2", "dp4tp2-8slots-k3-g4"]
+
+
+@pytest.mark.parametrize("mesh, slots, k, g", CASES, ids=IDS)
+@pytest.mark.parametrize("kind", list(SAMPLING))
+def test_outputs_equal_the_static_engine(llama, prompts, reference, mesh, slots, k, g, kind):
+    params, want = reference(kind)
+    lengths = np.asarray(want.mask).sum(axis=1)
+    # The comparison has power: rows stop at different steps, and 18 requests share the slots.
+    assert len(set(lengths.tolist())) >= 3 and lengths.max() == MAX_NEW
+
+    engine = ContinuousSampler(
+        llama, mesh=mesh_of(mesh), slots=slots, refill_every=k, prefill_batch=g
+    )
+    got = engine.generate(engine.place(nnx.state(llama)), *prompts, params, SEEDS)
+    assert got.tokens.shape == want.tokens.shape == (18, MAX_NEW)
+    assert_same(got, want)
+    # Slots were refilled: the 18 requests took far fewer steps than one slot per request...
+    steps = int(engine.last_stats["decode_steps"])
+    assert steps < lengths.sum() / slots + 2 * MAX_NEW + k
+    # ...and the samples of a prompt shared its prefill: one window per prefill_batch prompts
+    # (the data-parallel padding adds 2 prompts on data=4; the last window may overlap).
+    plan = engine.compile_log[-1]
+    assert int(engine.last_stats["prefill_windows"]) == -(-plan.prompts // plan.prefill_batch)
+    if g == 1:
+        assert plan.prefill_batch == 1 and int(engine.last_stats["prefill_windows"]) == 6
+
+
+def test_seeds_and_slots_decide_nothing_but_the_seeded_rows(llama, prompts):
+    """A request's samples depend on its own seed only: not on the slot count, the refill
+    interval or the other requests; a different seed changes them."""
+    params = SamplingParams(max_new_tokens=12, temperature=1.0, n=2)
+    state = nnx.state(llama)
+    three = ContinuousSampler(llama, slots=3, refill_every=1)
+    a = three.generate(state, *prompts, params, SEEDS)
+    b = ContinuousSampler(llama, slots=6, refill_every=4).generate(state, *prompts, params, SEEDS)
+    assert_same(a, b)
+    alone = three.generate(state, prompts[0][2:3], prompts[1][2:3], params, SEEDS[2:3])
+    assert_same(alone, type(a)(*(x[4:6] for x in a)))
+    other = three.generate(state, *prompts, params, SEEDS + 1)
+    assert not np.array_equal(np.asarray(other.tokens), np.asarray(a.tokens))
+    t = np.asarray(a.tokens)
+    assert not np.array_equal(t[0], t[1])  # two samples of one prompt differ
+
+
+def test_short_and_odd_budgets(llama, prompts, static):
+    engine = ContinuousSampler(llama, slots=4, refill_every=2)
+    for max_new in (1, 2, 17):
+        params = SamplingParams(max_new_tokens=max_new, temperature=1.0, n=2, eos_ids=(5,))
+        want = static.generate(nnx.state(llama), *prompts, params, 7)
+        got = engine.generate(nnx.state(llama), *prompts, params, 7)
+        assert got.tokens.shape == (12, max_new)
+        assert_same(got, want)
+    # max_new_tokens is traced: 1 and 2 share the 16-token bucket's program.
+    assert [p.new_bucket for p in engine.compile_log] == [16, 32]
+
+
+# ---------------------------------------------------------------------------------------------
+# Through the actor, on the 3D-HybridEngine's decode mesh
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_actor_generates_the_same_through_continuous_batching():
+    from hfjax.trainer import Trainer
+    from tests.engine.test_hybrid import tiny_rl_config
+
+    trainers = {}
+    for mode in ("static", "continuous"):
+        c = tiny_rl_config(True)
+        c.rollout.mode, c.rollout.slots, c.rollout.refill_every = mode, 8, 2
+        c.rollout.n, c.rollout.response_length = 2, 12
+        trainers[mode] = Trainer(c)
+    cont = trainers["continuous"]
+    assert isinstance(cont.actor.sampler, ContinuousSampler)
+    assert not isinstance(trainers["static"].actor.sampler, ContinuousSampler)
+    assert cont.actor.sampler.mesh == cont.actor.hybrid.decode_mesh
+    rows = cont.test_data.rows
+    seeds = np.arange(len(rows), dtype=np.int32) * 7 + 1
+    for greedy in (True, False):
+        out = {
+            mode: t.actor.generate(t.prompt_batch(rows, seeds), greedy=greedy)
+            for mode, t in trainers.items()
+        }
+        for key in ("responses", "response_mask", "input_ids"):
+            np.testing.assert_array_equal(
+                np.asarray(out["continuous"][key]), np.asarray(out["static"][key])
+            )
+        np.testing.assert_allclose(
+            np.asarray(out["continuous"]["rollout_log_probs"]),
+            np.asarray(out["static"]["rollout_log_probs"]),
+            atol=1e-5,
+        )
+    assert len(rows) * 2 > 8  # more samples than slots: the actor's rollout refilled them
+    metrics = cont.train_step()
+    assert np.isfinite(metrics["actor/pg_loss"])
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad input: clear errors before anything compiles
+# ---------------------------------------------------------------------------------------------
+
+
+def test_request_longer_than_the_slot_cache_is_refused(llama, prompts, static):
+    engine = ContinuousSampler(llama, slots=4, max_cache_len=24)
+    state = nnx.state(llama)
+    # The longest prompt has 12 tokens: 12 + 13 = 25 columns > 24.
+    with pytest.raises(ValueError, match=r"12 prompt \+ 13 new tokens = 25.*max_cache_len=24"):
+        engine.generate(state, *prompts, SamplingParams(13), 0)
+    assert engine.compile_log == []
+    # 12 + 12 fits: the buckets (16 + 16) shrink to the cache, with the same tokens.
+    params = SamplingParams(12, temperature=1.0, eos_ids=(5,))
+    got = engine.generate(state, *prompts, params, 0)
+    plan = engine.compile_log[-1]
+    assert plan.columns <= 24 and plan.prompt_bucket >= 12 and plan.new_bucket >= 12
+    want = static.generate(state, *prompts, params, 0)
+    np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
+
+
+@pytest.mark.parametrize("max_new", [0, -2])
+def test_max_new_tokens_must_be_positive(max_new):
+    with pytest.raises(ValueError, match=f"max_new_tokens={max_new}; it must be a positive"):
+        SamplingParams(max_new_tokens=max_new)
+    # A training run with continuous batching is refused with its config, before building.
+    from configs import ppo_arith
+    from hfjax.trainer import validate_config
+
+    c = ppo_arith.get_config()
+    c.rollout.mode, c.rollout.response_length = "continuous", max_new
+    with pytest.raises(ValueError, match=f"max_new_tokens={max_new}"):
+        validate_config(c)
+
+
+@pytest.mark.parametrize(
+    "kw, mesh, match",
+    [
+        (dict(slots=0), None, "slots=0; it must be a positive int"),
+        (dict(slots=6), "data=4,tensor=2", r"slots=6 does not divide .* multiple of 4"),
+        (dict(refill_every=0), None, "refill_every=0"),
+        (dict(prefill_batch=0), None, "prefill_batch=0"),
+        (dict(max_cache_len=1), None, "max_cache_len=1"),
+    ],
+)
+def test_bad_settings(llama, kw, mesh, match):
+    with pytest.raises(ValueError, match=match):
+        ContinuousSampler(llama, mesh=mesh_of(mesh), **kw)
+
+
+def test_config_selects_the_engine(llama):
+    cfg = config_dict.ConfigDict(dict(mode="static", slots=4, refill_every=2, max_cache_len=0))
+    assert type(rollout_sampler(llama, cfg)) is Sampler
+    cfg.mode = "continuous"
+    engine = rollout_sampler(llama, cfg)
+    assert isinstance(engine, ContinuousSampler)
+    assert (engine.slots, engine.refill_every, engine.max_cache_len) == (4, 2, None)
+    cfg.mode = "paged"
+    with pytest.raises(ValueError, match="rollout.mode='paged'; choose one of static, continuous"):
+        rollout_sampler(llama, cfg)
+    cfg.mode, cfg.slots = "continuous", 6
+    with pytest.raises(ValueError, match=r"rollout \(mode=continuous\): slots=6 .*multiple of 4"):
+        rollout_sampler(llama, cfg, mesh=mesh_of("data=4,tensor=2"))
