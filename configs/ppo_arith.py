@@ -91,8 +91,10 @@ def get_config() -> config_dict.ConfigDict:
             # batch's longest stops; "continuous" decodes `slots` rows at a time and refills a
             # slot with the next waiting sample when its row stops (hfjax/engine/continuous.py).
             mode="static",
-            slots=16,  # continuous: decode slots (a multiple of the decode mesh's data size)
-            refill_every=8,  # continuous: decode steps between refills
+            slots=0,  # continuous: decode slots (a multiple of the decode mesh's data size); 0:
+            # one per sample, so only the drain (fewer slots as rows stop) cuts the work
+            refill_every=8,  # continuous: decode steps between refills / drain checks
+            min_slots=40,  # continuous: the drain's floor (40: bit-identical to static on CPU)
             max_cache_len=0,  # continuous: cache columns per slot; 0 = prompt + response buckets
             n=1,
             temperature=1.0,

@@ -39,7 +39,12 @@ prompt key is `fold_in(key(seed_b), salt_b)` (as in the static engine), sample j
 token t folds in t. Its cache holds the same values at the same columns as in the static engine,
 so greedy tokens and seeded samples equal the static engine's token for token, whichever other
 requests share the slots (tests/engine/test_continuous.py checks this on 1 device and on
-`data=4,tensor=2`).
+`data=4,tensor=2`). One condition comes from the backend, not from this engine: a row's
+arithmetic must not depend on how many rows share a matmul. Matmul kernels pick their blocking
+by row count; XLA:CPU computes SmolLM2's decode step bit-identically for any 33 or more rows,
+and for any 8 to 32, but not across the two ranges (measured, docs/benchmarks.md). With the
+static engine's rows and the slots in different ranges the logits differ in their last bits and
+a temperature-1 draw can, rarely, flip; keep both at 33 or more for bit-identical rollouts.
 
 **Limits.** `max_cache_len` bounds a slot's cache; a request whose prompt plus
 `max_new_tokens` does not fit is refused before anything compiles.
@@ -69,8 +74,11 @@ from hfjax.models.transformer import KVCache, positions_from_mask
 from hfjax.parallel import mesh as mesh_lib
 from hfjax.parallel import sharding as sharding_lib
 
-DEFAULT_SLOTS = 16
+DEFAULT_SLOTS = 0  # one per request
 DEFAULT_REFILL_EVERY = 8
+# XLA:CPU rounds a decode step's rows alike for any 33 or more rows (module docstring): a drain
+# that stops at 40 keeps the rows' bits those of a static batch of 33 or more.
+DEFAULT_MIN_SLOTS = 40
 # Requests admitted per admission round: the round's gather and scatter cost scales with it,
 # and the first fill of all slots takes slots / ADMIT_ROWS rounds.
 ADMIT_ROWS = 8
@@ -92,6 +100,7 @@ class Plan:
     prefill_batch: int  # prompts per prefill window (G)
     admit_rows: int  # requests per admission round
     refill_every: int  # decode steps between refills (k)
+    drain: tuple[int, ...]  # slot counts of the drain phases after the first, decreasing
     greedy: bool
     top_k: int
     use_top_p: bool
@@ -133,6 +142,7 @@ class _State(NamedTuple):
     stage: _Stage
     next: jax.Array  # int32 []: the next request to admit
     steps: jax.Array  # int32 []: decode steps run
+    slot_steps: jax.Array  # int32 []: rows those steps computed (slots x steps, summed)
     prefills: jax.Array  # int32 []: prefill windows run
     tokens: jax.Array  # int32 [prompts * n, new_bucket]: the output rows
     mask: jax.Array
@@ -349,11 +359,28 @@ def _init(model, plan: Plan, x: _Inputs) -> _State:
         ),
         next=jnp.int32(0),
         steps=jnp.int32(0),
+        slot_steps=jnp.int32(0),
         prefills=jnp.int32(0),
         tokens=jnp.full((rows_out, new), x.knobs.pad_id, jnp.int32),
         mask=jnp.zeros((rows_out, new), jnp.int32),
         logprobs=jnp.zeros((rows_out, new), jnp.float32),
     )
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def _compact(st: _State, rows: int, shardings) -> _State:
+    """Moves the busy slots (at most `rows` of them) into `rows` slots, in slot order."""
+    s = st.slots
+    busy = s.req >= 0
+    # Slots past the busy ones copy some slot's (finite) rows and are marked free.
+    idx = jnp.nonzero(busy, size=rows, fill_value=0)[0]
+    keep = jnp.arange(rows) < jnp.sum(busy, dtype=jnp.int32)
+    slots = jax.tree.map(lambda a: a[idx], s)
+    slots = slots._replace(req=jnp.where(keep, slots.req, -1))
+    return st._replace(slots=_constrain(slots, shardings and shardings.slots))
 
 
 def _run(
@@ -371,7 +398,8 @@ def _run(
 ) -> tuple[GenerateOutput, dict[str, jax.Array]]:
     """The whole continuous-batching rollout: every request admitted, decoded and retired.
 
-    Returns the output rows and counters (decode steps run, prefill windows run)."""
+    Returns the output rows and counters (decode steps, slot-steps: the rows those steps
+    computed, prefill windows)."""
     model = nnx.merge(graphdef, state)
     layers = split_layers(model)  # outside the loops: sliced once per call, not per step
     prompt_keys = jax.vmap(lambda s, salt: jax.random.fold_in(jax.random.key(s), salt))(
@@ -381,28 +409,51 @@ def _run(
     st = _init(model, plan, x)
     st = st._replace(slots=_constrain(st.slots, shardings and shardings.slots))
 
-    def busy(st: _State) -> jax.Array:
-        return jnp.any(st.slots.req >= 0) | (st.next < x.total)
+    def busy_slots(s: _Slots) -> jax.Array:
+        return jnp.sum(s.req >= 0, dtype=jnp.int32)
 
-    def round_(st: _State) -> _State:
-        st = _refill(model, plan, x, shardings, st)
+    def decode(st: _State, limit: int) -> _State:
+        """Up to k decode steps, fewer once at most `limit` slots are still decoding; then
+        retires the finished slots."""
 
-        def live(c):
+        def go(c):
             i, s = c
-            return (i < plan.refill_every) & jnp.any((s.req >= 0) & ~s.done)
+            return (i < plan.refill_every) & (jnp.sum((s.req >= 0) & ~s.done) > limit)
 
         def step(c):
             i, s = c
             return i + 1, _step(model, layers, plan, x, shardings, s)
 
-        steps, slots = jax.lax.while_loop(live, step, (jnp.int32(0), st.slots))
-        return _retire(plan, st._replace(slots=slots, steps=st.steps + steps))
+        steps, slots = jax.lax.while_loop(go, step, (jnp.int32(0), st.slots))
+        rows = slots.req.shape[0]
+        st = st._replace(
+            slots=slots, steps=st.steps + steps, slot_steps=st.slot_steps + steps * rows
+        )
+        return _retire(plan, st)
 
-    st = jax.lax.while_loop(busy, round_, st)
+    # Admission: refill and decode while requests wait.
+    st = jax.lax.while_loop(
+        lambda st: st.next < x.total,
+        lambda st: decode(_refill(model, plan, x, shardings, st), 0),
+        st,
+    )
+    # Drain: nothing waits any more; as slots finish, the busy ones move into fewer slots, so
+    # a long last request does not keep every slot's rows computing.
+    sizes = (plan.slots, *plan.drain)
+    for i, rows in enumerate(sizes):
+        if i:
+            st = _compact(st, rows, shardings)
+        limit = sizes[i + 1] if i + 1 < len(sizes) else 0
+        st = jax.lax.while_loop(
+            lambda st, limit=limit: busy_slots(st.slots) > limit,
+            lambda st, limit=limit: decode(st, limit),
+            st,
+        )
     out = GenerateOutput(st.tokens, st.mask, st.logprobs)
     if shardings is not None:
         out = _constrain(out, GenerateOutput(*[shardings.rows] * 3))
-    return out, {"decode_steps": st.steps, "prefill_windows": st.prefills}
+    stats = {"decode_steps": st.steps, "slot_steps": st.slot_steps, "prefill_windows": st.prefills}
+    return out, stats
 
 
 # --------------------------------------------------------------------------------------------
@@ -414,9 +465,11 @@ class ContinuousSampler(Sampler):
     """A `Sampler` that decodes through a fixed number of slots (module docstring).
 
     Args beyond `Sampler`'s:
-      slots: decode slots (rounded down to the requests of a call, which it never exceeds);
-        on a mesh, a multiple of the data-parallel size.
-      refill_every: decode steps between refills (k).
+      slots: decode slots (at most the requests of a call); 0: one per request, so that
+        nothing waits and only the drain phases shrink the rows. On a mesh, a multiple of the
+        data-parallel size.
+      refill_every: decode steps between refills (k), and between checks of the drain.
+      min_slots: the fewest slots the drain shrinks to (rounded up to the data-parallel size).
       prefill_batch: prompts per prefill window; None: enough prompts to fill every slot
         (ceil(slots / n)), rounded up to the data-parallel size.
       max_cache_len: the most cache columns a slot may hold (prompt bucket + new-token
@@ -430,14 +483,19 @@ class ContinuousSampler(Sampler):
         *,
         slots: int = DEFAULT_SLOTS,
         refill_every: int = DEFAULT_REFILL_EVERY,
+        min_slots: int = DEFAULT_MIN_SLOTS,
         prefill_batch: int | None = None,
         max_cache_len: int | None = None,
         **kw: Any,
     ):
         super().__init__(model, **kw)
-        for name, value in (("slots", slots), ("refill_every", refill_every)):
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-                raise ValueError(f"{name}={value!r}; it must be a positive int")
+        for name, value, least in (
+            ("slots", slots, 0),
+            ("refill_every", refill_every, 1),
+            ("min_slots", min_slots, 1),
+        ):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < least:
+                raise ValueError(f"{name}={value!r}; it must be an int >= {least}")
         if slots % self._dp:
             raise ValueError(
                 f"slots={slots} does not divide over the decode mesh's {self._dp} data-parallel "
@@ -450,13 +508,14 @@ class ContinuousSampler(Sampler):
         if max_cache_len is not None and max_cache_len < 2:
             raise ValueError(f"max_cache_len={max_cache_len!r}; it must be >= 2 or None")
         self.slots = int(slots)
+        self.min_slots = int(min_slots)
         self.refill_every = int(refill_every)
         self.prefill_batch = None if prefill_batch is None else int(prefill_batch)
         self.max_cache_len = None if max_cache_len is None else int(max_cache_len)
         self._cb_shardings = _shardings(self.mesh, self.config) if self.mesh is not None else None
         self._runs: dict[Plan, Any] = {}
         # Counters of the last call, on device (read them only when needed: reading waits for
-        # the rollout): decode_steps, prefill_windows.
+        # the rollout): decode_steps, slot_steps, prefill_windows.
         self.last_stats: dict[str, jax.Array] = {}
 
     def _buckets(self, longest: int, max_new: int) -> tuple[int, int]:
@@ -479,10 +538,20 @@ class ContinuousSampler(Sampler):
 
     def _plan(self, prompts: int, width: int, new: int, params: SamplingParams) -> Plan:
         requests = prompts * params.n
-        slots = min(self.slots, requests)  # both multiples of the data-parallel size
-        want = self.prefill_batch or math.ceil(slots / params.n)
-        g = min(prompts, -(-want // self._dp) * self._dp)
-        admit = min(slots, -(-ADMIT_ROWS // self._dp) * self._dp)
+        # Both multiples of the data-parallel size; 0 slots: one per request.
+        slots = min(self.slots or requests, requests)
+        # Drain phases halve the slots, down to min_slots.
+        floor, drain, rows = min(slots, _round_up(self.min_slots, self._dp)), [], slots
+        while (half := max(floor, _round_up(-(-rows // 2), self._dp))) < rows:
+            drain.append(rows := half)
+        # A window fills every slot at the start. It also holds at least 2 prompts and 64
+        # prompt tokens: matmul kernels choose their blocking by row count, and XLA:CPU rounds a
+        # row the same way only within a range of row counts (one row alone, then 2 and more in
+        # the LM head, 33 and more in the layers' projections; docs/benchmarks.md), so a
+        # narrower prefill than the static engine's could change the first token's last bits.
+        want = self.prefill_batch or max(math.ceil(slots / params.n), 2, math.ceil(64 / width))
+        g = min(prompts, _round_up(want, self._dp))
+        admit = min(slots, _round_up(ADMIT_ROWS, self._dp))
         return Plan(
             prompts=prompts,
             prompt_bucket=width,
@@ -492,6 +561,7 @@ class ContinuousSampler(Sampler):
             prefill_batch=g,
             admit_rows=admit,
             refill_every=self.refill_every,
+            drain=tuple(drain),
             greedy=params.greedy,
             top_k=params.top_k,
             use_top_p=params.top_p < 1.0,
@@ -565,7 +635,8 @@ def rollout_sampler(model: nnx.Module, rollout: Any, **kw: Any) -> Sampler:
     arguments `kw` (mesh, max_prompt_len, pad_id, rules, ...).
 
     `rollout.mode`: "static" (`Sampler`) or "continuous" (`ContinuousSampler` with
-    `rollout.slots`, `rollout.refill_every` and `rollout.max_cache_len`, 0 for no limit).
+    `rollout.slots`, `rollout.refill_every`, `rollout.min_slots` and `rollout.max_cache_len`,
+    0 for no limit).
     Raises ValueError naming the key on a bad setting, before anything compiles.
     """
     mode = rollout.get("mode", "static")
@@ -578,6 +649,7 @@ def rollout_sampler(model: nnx.Module, rollout: Any, **kw: Any) -> Sampler:
             model,
             slots=rollout.get("slots", DEFAULT_SLOTS),
             refill_every=rollout.get("refill_every", DEFAULT_REFILL_EVERY),
+            min_slots=rollout.get("min_slots", DEFAULT_MIN_SLOTS),
             max_cache_len=rollout.get("max_cache_len", 0) or None,
             **kw,
         )

@@ -93,38 +93,42 @@ def assert_same(got, want):
 
 
 CASES = [
-    # (mesh, slots, refill_every, prefill_batch)
-    (None, 4, 1, None),
-    (None, 5, 3, 1),
-    ("data=4,tensor=2", 4, 2, None),
-    ("data=4,tensor=2", 8, 3, 4),
+    # (mesh, slots, refill_every, prefill_batch, min_slots): refill only, refill and drain,
+    # drain only (one slot per request), on 1 device and on data=4,tensor=2
+    (None, 4, 1, None, 40),
+    (None, 5, 3, 1, 2),
+    ("data=4,tensor=2", 4, 2, None, 40),
+    ("data=4,tensor=2", 0, 3, 4, 4),
 ]
-IDS = ["1dev-4slots-k1", "1dev-5slots-k3-g1", "dp4tp2-4slots-k2", "dp4tp2-8slots-k3-g4"]
+IDS = ["1dev-refill", "1dev-refill-drain-g1", "dp4tp2-refill", "dp4tp2-drain-g4"]
 
 
-@pytest.mark.parametrize("mesh, slots, k, g", CASES, ids=IDS)
+@pytest.mark.parametrize("mesh, slots, k, g, least", CASES, ids=IDS)
 @pytest.mark.parametrize("kind", list(SAMPLING))
-def test_outputs_equal_the_static_engine(llama, prompts, reference, mesh, slots, k, g, kind):
+def test_outputs_equal_the_static_engine(llama, prompts, reference, mesh, slots, k, g, least, kind):
     params, want = reference(kind)
     lengths = np.asarray(want.mask).sum(axis=1)
-    # The comparison has power: rows stop at different steps, and 18 requests share the slots.
+    # The comparison has power: rows stop at different steps.
     assert len(set(lengths.tolist())) >= 3 and lengths.max() == MAX_NEW
 
     engine = ContinuousSampler(
-        llama, mesh=mesh_of(mesh), slots=slots, refill_every=k, prefill_batch=g
+        llama, mesh=mesh_of(mesh), slots=slots, refill_every=k, prefill_batch=g, min_slots=least
     )
     got = engine.generate(engine.place(nnx.state(llama)), *prompts, params, SEEDS)
     assert got.tokens.shape == want.tokens.shape == (18, MAX_NEW)
     assert_same(got, want)
-    # Slots were refilled: the 18 requests took far fewer steps than one slot per request...
-    steps = int(engine.last_stats["decode_steps"])
-    assert steps < lengths.sum() / slots + 2 * MAX_NEW + k
-    # ...and the samples of a prompt shared its prefill: one window per prefill_batch prompts
-    # (the data-parallel padding adds 2 prompts on data=4; the last window may overlap).
-    plan = engine.compile_log[-1]
-    assert int(engine.last_stats["prefill_windows"]) == -(-plan.prompts // plan.prefill_batch)
+
+    plan, stats = engine.compile_log[-1], {k: int(v) for k, v in engine.last_stats.items()}
+    # 18 requests (24 with the data-parallel padding of 6 prompts to 8) through fewer slots,
+    # or drained into fewer: less work than the static engine's rows x steps.
+    assert plan.slots < plan.prompts * 3 or plan.drain
+    assert stats["slot_steps"] < plan.prompts * 3 * MAX_NEW
+    assert stats["decode_steps"] >= MAX_NEW - 1  # token 0 comes from the prefill
+    # The samples of a prompt shared its prefill: one window per prefill_batch prompts (the
+    # last window may overlap the one before).
+    assert stats["prefill_windows"] == -(-plan.prompts // plan.prefill_batch)
     if g == 1:
-        assert plan.prefill_batch == 1 and int(engine.last_stats["prefill_windows"]) == 6
+        assert stats["prefill_windows"] == 6
 
 
 def test_seeds_and_slots_decide_nothing_but_the_seeded_rows(llama, prompts):
@@ -134,7 +138,9 @@ def test_seeds_and_slots_decide_nothing_but_the_seeded_rows(llama, prompts):
     state = nnx.state(llama)
     three = ContinuousSampler(llama, slots=3, refill_every=1)
     a = three.generate(state, *prompts, params, SEEDS)
-    b = ContinuousSampler(llama, slots=6, refill_every=4).generate(state, *prompts, params, SEEDS)
+    b = ContinuousSampler(llama, slots=0, refill_every=4, min_slots=1).generate(
+        state, *prompts, params, SEEDS
+    )
     assert_same(a, b)
     alone = three.generate(state, prompts[0][2:3], prompts[1][2:3], params, SEEDS[2:3])
     assert_same(alone, type(a)(*(x[4:6] for x in a)))
@@ -154,6 +160,42 @@ def test_short_and_odd_budgets(llama, prompts, static):
         assert_same(got, want)
     # max_new_tokens is traced: 1 and 2 share the 16-token bucket's program.
     assert [p.new_bucket for p in engine.compile_log] == [16, 32]
+
+
+@pytest.mark.slow
+def test_smollm2_samples_equal_the_static_engine():
+    """Real weights, temperature 1: bit-identical rows, as long as both engines decode with 33
+    or more rows. XLA:CPU rounds a row of SmolLM2's projections differently below that (the
+    matmul kernels depend on the row count; docs/benchmarks.md), so 40 slots against the
+    static engine's 48 rows is the smallest setting this can hold for."""
+    from hfjax.models.smollm2 import smollm2_gguf_path
+
+    path = smollm2_gguf_path()
+    model, tok = M.load(str(path)), M.load_tokenizer(path)
+    texts = [
+        "Write a short poem about the sea.",
+        "What is 17 times 23? Answer briefly.",
+        "Name three colours.",
+        "Explain what a prime number is in one sentence.",
+        "Say hello.",
+        "List the days of the week.",
+    ]
+    rows = [tok.apply_chat_template([{"role": "user", "content": t}], tokenize=True) for t in texts]
+    width = max(map(len, rows))
+    ids = np.zeros((len(rows), width), np.int32)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r) :] = r
+    mask = np.arange(width)[None, :] >= width - np.array([len(r) for r in rows])[:, None]
+    params = SamplingParams(max_new_tokens=24, temperature=1.0, n=8, eos_ids=(tok.eos_id, 30))
+    state = nnx.state(model)
+    want = Sampler(model).generate(state, ids, mask.astype(np.int32), params, SEEDS)
+    engine = ContinuousSampler(model, slots=40, refill_every=4)
+    got = engine.generate(state, ids, mask.astype(np.int32), params, SEEDS)
+    lengths = np.asarray(want.mask).sum(axis=1)
+    assert lengths.min() < 24 and lengths.max() == 24  # rows stop at different steps
+    assert int(engine.last_stats["prefill_windows"]) == 1
+    np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
+    np.testing.assert_array_equal(np.asarray(got.logprobs), np.asarray(want.logprobs))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -235,7 +277,8 @@ def test_max_new_tokens_must_be_positive(max_new):
 @pytest.mark.parametrize(
     "kw, mesh, match",
     [
-        (dict(slots=0), None, "slots=0; it must be a positive int"),
+        (dict(slots=-1), None, "slots=-1; it must be an int >= 0"),
+        (dict(min_slots=0), None, "min_slots=0; it must be an int >= 1"),
         (dict(slots=6), "data=4,tensor=2", r"slots=6 does not divide .* multiple of 4"),
         (dict(refill_every=0), None, "refill_every=0"),
         (dict(prefill_batch=0), None, "prefill_batch=0"),

