@@ -37,7 +37,7 @@ from absl import app, flags
 flags.DEFINE_integer("prompts", 16, "gsm_symbolic prompts")
 flags.DEFINE_integer("n", 8, "samples per prompt")
 flags.DEFINE_integer("max_new", 256, "new-token cap (responses stop at EOS before it)")
-flags.DEFINE_list("slots", ["32"], "continuous batching: decode slots (one side per value)")
+flags.DEFINE_list("slots", ["0"], "continuous batching: decode slots (one side per value)")
 flags.DEFINE_list("refill_every", ["8"], "continuous batching: decode steps between refills")
 flags.DEFINE_integer("repeats", 3, "timed runs per side, alternating (median reported)")
 flags.DEFINE_integer("seed", 0, "data seed and base of the per-prompt sampling seeds")
@@ -62,21 +62,22 @@ class Side:
     """A way to run the step: named stages, each `ctx -> None` (reads and writes `ctx`)."""
 
     name: str
-    rows: int  # rows each decode step computes
     stages: list[tuple[str, Callable[[dict], None]]]
     times: dict[str, list[float]] = dataclasses.field(default_factory=dict)
+    cpu: dict[str, list[float]] = dataclasses.field(default_factory=dict)
     ctx: dict = dataclasses.field(default_factory=dict)
 
     def run(self, w: Workload, record: bool) -> None:
         self.ctx = {"workload": w, "warmup": not record}
         for stage, fn in self.stages:
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             fn(self.ctx)  # every stage blocks on its own results before returning
             if record:
                 self.times.setdefault(stage, []).append(time.perf_counter() - start)
+                self.cpu.setdefault(stage, []).append(time.process_time() - cpu)
 
-    def median_total(self) -> float:
-        return sum(statistics.median(t) for t in self.times.values())
+    def median_total(self, cpu: bool = False) -> float:
+        return sum(statistics.median(t) for t in (self.cpu if cpu else self.times).values())
 
 
 def generate_stage(engine, state, params) -> Callable[[dict], None]:
@@ -167,13 +168,12 @@ def main(argv: list[str]) -> None:
     sides = []
     if f.static:
         stage = generate_stage(Sampler(model), state, params)
-        sides.append(Side("static", f.prompts * f.n, [("generate", stage)]))
+        sides.append(Side("static", [("generate", stage)]))
     for slots in map(int, f.slots):
         for k in map(int, f.refill_every):
             engine = ContinuousSampler(model, slots=slots, refill_every=k)
             stage = generate_stage(engine, state, params)
-            rows = min(slots, f.prompts * f.n)
-            sides.append(Side(f"continuous[slots={slots},k={k}]", rows, [("generate", stage)]))
+            sides.append(Side(f"continuous[slots={slots},k={k}]", [("generate", stage)]))
 
     for side in sides:  # compile + first run
         start = time.perf_counter()
@@ -185,7 +185,9 @@ def main(argv: list[str]) -> None:
     for r in range(f.repeats):
         for side in sides:
             side.run(w, record=True)
-            times = ", ".join(f"{k} {v[-1]:.2f} s" for k, v in side.times.items())
+            times = ", ".join(
+                f"{k} {v[-1]:.2f} s (CPU {side.cpu[k][-1]:.2f} s)" for k, v in side.times.items()
+            )
             print(f"run {r + 1}: {side.name}: {times}", flush=True)
 
     ref = sides[0].ctx["rollout"]
@@ -199,13 +201,21 @@ def main(argv: list[str]) -> None:
         f"{int(lengths.sum())} response)"
     )
 
-    result: dict = {"useful_tokens": useful, "useful_tokens_per_s": {}, "median_s": {}}
+    result: dict = {
+        "useful_tokens": useful,
+        "useful_tokens_per_s": {},
+        "median_s": {},
+        "useful_tokens_per_cpu_s": {},
+        "slot_steps": {},
+    }
     for side in sides:
         out = side.ctx["rollout"]
         same = np.all(np.asarray(out.tokens) == np.asarray(ref.tokens), axis=1)
         stats = {k: int(v) for k, v in side.ctx.get("stats", {}).items()}
-        steps = stats.get("decode_steps", int(lengths.max()))  # static: until the longest stops
-        rows = side.rows
+        # The static engine decodes every row until the longest stops (its first token comes
+        # from the prefill); the continuous engine counts its own steps and slot-steps.
+        steps = stats.get("decode_steps", int(lengths.max()) - 1)
+        slot_steps = stats.get("slot_steps", steps * len(lengths))
         total = side.median_total()
         stage_medians = {k: statistics.median(v) for k, v in side.times.items()}
         timing = ", ".join(
@@ -213,14 +223,17 @@ def main(argv: list[str]) -> None:
             for k, v in stage_medians.items()
         )
         print(
-            f"{side.name}: {timing}; {steps} decode steps x {rows} rows = {steps * rows} "
-            f"row-steps for {int(lengths.sum())} tokens "
-            f"({100 * lengths.sum() / (steps * rows):.0f}% busy); {useful / total:.1f} useful "
-            f"tokens/s; rows equal to {sides[0].name}: {int(same.sum())}/{len(same)}"
-            + (f"; {stats}" if stats else "")
+            f"{side.name}: {timing}; {steps} decode steps, {slot_steps} row-steps for "
+            f"{int(lengths.sum()) - len(lengths)} decoded tokens "
+            f"({100 * (lengths.sum() - len(lengths)) / slot_steps:.0f}% busy); "
+            f"{useful / total:.1f} useful tokens/s ({useful / side.median_total(True):.1f} per "
+            f"CPU-second); rows equal to {sides[0].name}: "
+            f"{int(same.sum())}/{len(same)}"
         )
         result["useful_tokens_per_s"][side.name] = round(useful / total, 2)
         result["median_s"][side.name] = {k: round(v, 3) for k, v in stage_medians.items()}
+        result["useful_tokens_per_cpu_s"][side.name] = round(useful / side.median_total(True), 2)
+        result["slot_steps"][side.name] = slot_steps
     print(
         "uptime at the end:",
         subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip(),

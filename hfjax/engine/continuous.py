@@ -1,18 +1,30 @@
 """Continuous batching: the rollout engine with a fixed number of decode slots.
 
 The static engine (`hfjax.engine.sampler.Sampler`) decodes every row of a batch until its
-longest row stops, so in an RL batch with a wide spread of response lengths most of its work is
-on rows that have already finished. This engine decodes a fixed number of **slots** instead.
-When a slot's request stops, the slot takes the next waiting request: its prompt's KV, then
-decoding from there, until every request is done. It is a `Sampler` with the same `generate`
-and the same results: the same tokens, masks and log-probs row for row (see "Same results").
+longest row stops, so in an RL batch with a wide spread of response lengths much of its work is
+on rows that have already finished. This engine decodes through **slots** instead: when a
+slot's request stops, the slot takes the next waiting request (its prompt's KV, then decoding
+from there) until every request is admitted; then, as slots finish with nothing left to admit,
+the busy ones move into fewer slots (the **drain**), so the rows a step computes follow the rows
+still decoding. It is a `Sampler` with the same `generate` and the same results: the same
+tokens, masks and log-probs row for row (see "Same results").
 
-**One program.** A whole `generate` call is one jitted program, a `lax.while_loop` whose body
-refills the slots and then runs up to `refill_every` (k) decode steps. Which slot is free, which
-request comes next and when to prefill are all decided on device, so nothing returns to the host
-until every request is done: no host round trip per token or per refill. k trades the refill's
-fixed cost against the steps a finished slot idles until the next refill (measured in
-docs/benchmarks.md).
+**One program.** A whole `generate` call is one jitted program. Admission is a
+`lax.while_loop` whose body refills the slots and runs up to `refill_every` (k) decode steps;
+each drain phase is a loop of up to k steps at a time on its own, smaller slot count (3/4 of the
+one before, down to `min_slots`), entered once few enough slots are busy. Which slot is free,
+which request comes next, when to prefill and when to shrink are all decided on device, so
+nothing returns to the host until every request is done: no host round trip per token, per
+refill or per phase. k trades the refill's fixed cost against the steps a finished slot idles
+until the next refill (measured in docs/benchmarks.md).
+
+Where the work goes on this 2-core CPU (docs/benchmarks.md): a decode step's cost grows almost
+in proportion to its rows (attention over the cache dominates at a few hundred columns), so the
+gain comes from computing fewer rows, which the drain does; refilling a smaller set of slots
+does not reduce the rows computed per token, and when most responses run to the cap, a long
+request admitted late makes the run longer. `slots=0` (one slot per request, nothing waits)
+with the drain is therefore the CPU default; fewer slots bound the KV memory, and pay off where
+a step costs about the same for any row count (memory-bound accelerators).
 
 **Requests.** Request r = b * n + j is sample j of prompt b; it is also its output row. Requests
 are admitted in that order, so the n samples of a prompt enter one after another.
@@ -32,7 +44,8 @@ token at its own column (`decode_step` with one column per row). A slot keeps it
 tokens, mask and log-probs in its own rows while it decodes; when the request is done the next
 refill copies them to the request's output row ("retire") and frees the slot. Per step,
 everything stays within a slot's row, so on a data-parallel mesh the step's only cross-row
-communication is the loop's "any slot live?" test, as in the static engine.
+communication is the loop's "any slot live?" test, as in the static engine. A drain phase
+starts by gathering the busy slots' rows (cache included) into the smaller slot arrays.
 
 **Same results.** A request's randomness depends only on its own seed and token index: the
 prompt key is `fold_in(key(seed_b), salt_b)` (as in the static engine), sample j folds in j and
@@ -44,7 +57,9 @@ arithmetic must not depend on how many rows share a matmul. Matmul kernels pick 
 by row count; XLA:CPU computes SmolLM2's decode step bit-identically for any 33 or more rows,
 and for any 8 to 32, but not across the two ranges (measured, docs/benchmarks.md). With the
 static engine's rows and the slots in different ranges the logits differ in their last bits and
-a temperature-1 draw can, rarely, flip; keep both at 33 or more for bit-identical rollouts.
+a temperature-1 draw can, rarely, flip. The drain therefore stops, by default, at the lower
+end of the row range it starts in (`ROW_RANGES`: 8 to 32 or 33 and more, XLA:CPU's); choose
+`slots` the same way (or 0, one per request) where bit-identical rollouts matter.
 
 **Limits.** `max_cache_len` bounds a slot's cache; a request whose prompt plus
 `max_new_tokens` does not fit is refused before anything compiles.
@@ -52,408 +67,37 @@ a temperature-1 draw can, rarely, flip; keep both at 33 or more for bit-identica
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from absl import logging
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
 
-from hfjax.engine.decode import LayerCache, cache_from_prefill, decode_step, split_layers
 from hfjax.engine.sampler import Sampler, bucket_size
-from hfjax.engine.sampling import GenerateOutput, Knobs, SamplingParams, select_tokens
-from hfjax.models.config import ModelConfig
-from hfjax.models.transformer import KVCache, positions_from_mask
+from hfjax.engine.sampling import GenerateOutput, Knobs, SamplingParams
+from hfjax.engine.slots import Plan, run_shardings
+from hfjax.engine.slots import run as run_program
 from hfjax.parallel import mesh as mesh_lib
 from hfjax.parallel import sharding as sharding_lib
 
 DEFAULT_SLOTS = 0  # one per request
 DEFAULT_REFILL_EVERY = 8
-# XLA:CPU rounds a decode step's rows alike for any 33 or more rows (module docstring): a drain
-# that stops at 40 keeps the rows' bits those of a static batch of 33 or more.
-DEFAULT_MIN_SLOTS = 40
+DEFAULT_MIN_SLOTS = 0  # the start of the row range the slots are in (ROW_RANGES)
+# Row counts from which XLA:CPU computes a decode step's rows bit-identically, up to the next
+# entry (measured on SmolLM2-135M: 4-7, 8-32, 33+; module docstring). A drain that stays inside
+# one range gives each row the bits a static batch in that range gives it.
+ROW_RANGES = (8, 33)
 # Requests admitted per admission round: the round's gather and scatter cost scales with it,
 # and the first fill of all slots takes slots / ADMIT_ROWS rounds.
 ADMIT_ROWS = 8
 
 
-@dataclasses.dataclass(frozen=True)
-class Plan:
-    """Everything that changes the program's shapes or structure: its compile-cache key.
-
-    The token-selection fields (greedy, top_k, use_top_p, use_min_p) are those that
-    `select_tokens` reads.
-    """
-
-    prompts: int  # prompt rows uploaded (the batch padded to the data-parallel size)
-    prompt_bucket: int
-    new_bucket: int
-    n: int
-    slots: int
-    prefill_batch: int  # prompts per prefill window (G)
-    admit_rows: int  # requests per admission round
-    refill_every: int  # decode steps between refills (k)
-    drain: tuple[int, ...]  # slot counts of the drain phases after the first, decreasing
-    greedy: bool
-    top_k: int
-    use_top_p: bool
-    use_min_p: bool
-    num_stops: int
-
-    @property
-    def columns(self) -> int:
-        """Cache columns of one slot."""
-        return self.prompt_bucket + self.new_bucket
-
-
-class _Slots(NamedTuple):
-    """The decode slots; `req` is -1 on a free slot."""
-
-    cache: tuple[LayerCache, ...]  # per layer [slots, kv_heads, ..., columns]
-    req: jax.Array  # int32 [slots]: the request decoding here, -1 when free
-    t: jax.Array  # int32 [slots]: response tokens emitted so far
-    last: jax.Array  # int32 [slots]: the token fed at the next step
-    done: jax.Array  # bool [slots]: stopped (stop token or max_new tokens), not yet retired
-    lengths: jax.Array  # int32 [slots]: real prompt length (position of response token 0)
-    keys: jax.Array  # PRNG keys [slots]: the request's key (its prompt key, sample folded in)
-    attn: jax.Array  # int32 [slots, columns]: prompt mask, then ones for the response columns
-    tokens: jax.Array  # int32 [slots, new_bucket]: the request's response so far
-    mask: jax.Array  # int32 [slots, new_bucket]
-    logprobs: jax.Array  # float32 [slots, new_bucket]
-
-
-class _Stage(NamedTuple):
-    """The prefill window: prompts lo .. lo + G - 1."""
-
-    lo: jax.Array  # int32 []
-    cache: tuple[LayerCache, ...]  # per layer [G, kv_heads, ..., prompt_bucket]
-    logits: jax.Array  # float32 [G, vocab]: each prompt's last-position logits
-
-
-class _State(NamedTuple):
-    slots: _Slots
-    stage: _Stage
-    next: jax.Array  # int32 []: the next request to admit
-    steps: jax.Array  # int32 []: decode steps run
-    slot_steps: jax.Array  # int32 []: rows those steps computed (slots x steps, summed)
-    prefills: jax.Array  # int32 []: prefill windows run
-    tokens: jax.Array  # int32 [prompts * n, new_bucket]: the output rows
-    mask: jax.Array
-    logprobs: jax.Array
-
-
-class _Inputs(NamedTuple):
-    """Per-call inputs, closed over by the loop."""
-
-    ids: jax.Array  # int32 [prompts, prompt_bucket], left-padded
-    mask: jax.Array  # int32 [prompts, prompt_bucket]
-    prompt_keys: jax.Array  # PRNG keys [prompts]
-    total: jax.Array  # int32 []: real requests (batch * n); later rows are padding
-    knobs: Knobs
-    stops: jax.Array  # int32 [num_stops]
-
-
-# --------------------------------------------------------------------------------------------
-# Shardings
-# --------------------------------------------------------------------------------------------
-
-
-class _Shardings(NamedTuple):
-    slots: _Slots
-    stage: _Stage
-    rows: NamedSharding  # output rows, as the static engine returns them
-
-
-def _shardings(mesh: Mesh, cfg: ModelConfig) -> _Shardings:
-    """Slots and staged prompts split over the data-parallel axes, kv-heads over `tensor` when
-    it divides them (as the static engine's cache); everything else replicated."""
-    rows = mesh_lib.batch_spec(mesh)
-    row_axis = rows[0] if len(rows) else None
-    tp = mesh.shape.get("tensor", 1)
-    kv_axis = "tensor" if tp > 1 and cfg.num_kv_heads % tp == 0 else None
-    layer = NamedSharding(mesh, P(row_axis, kv_axis))
-    row = NamedSharding(mesh, P(row_axis))
-    cache = tuple(LayerCache(layer, layer) for _ in range(cfg.num_layers))
-    slots = _Slots(cache, *([row] * (len(_Slots._fields) - 1)))
-    return _Shardings(slots, _Stage(NamedSharding(mesh, P()), cache, row), row)
-
-
-def _constrain(x: Any, shardings: Any) -> Any:
-    return x if shardings is None else jax.lax.with_sharding_constraint(x, shardings)
-
-
-# --------------------------------------------------------------------------------------------
-# The program's pieces
-# --------------------------------------------------------------------------------------------
-
-
-def _fold(keys: jax.Array, data: jax.Array) -> jax.Array:
-    return jax.vmap(jax.random.fold_in)(keys, data)
-
-
-def _prefill(model, plan: Plan, x: _Inputs, lo: jax.Array) -> tuple[tuple[LayerCache, ...], Any]:
-    """KV cache and last-position logits of prompts lo .. lo + G - 1."""
-    g, width = plan.prefill_batch, plan.prompt_bucket
-    ids = jax.lax.dynamic_slice(x.ids, (lo, 0), (g, width))
-    mask = jax.lax.dynamic_slice(x.mask, (lo, 0), (g, width))
-    cache = KVCache.zeros(model.config, g, width)
-    hidden, cache = model.model(
-        ids, mask, positions=positions_from_mask(mask), cache=cache, cache_index=0
-    )
-    # Left padding puts every prompt's last token in the last column.
-    return cache_from_prefill(cache, 1, 0), model.logits(hidden[:, -1])
-
-
-def _admit(plan: Plan, x: _Inputs, st: _State) -> _State:
-    """Admits up to `admit_rows` waiting requests whose prompts are in the staging window into
-    free slots (lowest slot first), each with its first response token sampled."""
-    s, stage, a = st.slots, st.stage, plan.admit_rows
-    n, width, new = plan.n, plan.prompt_bucket, plan.new_bucket
-    free = s.req < 0
-    window_end = jnp.minimum((stage.lo + plan.prefill_batch) * n, x.total)
-    count = jnp.minimum(jnp.minimum(jnp.sum(free, dtype=jnp.int32), window_end - st.next), a)
-    i = jnp.arange(a, dtype=jnp.int32)
-    # Slot indices past the last slot are dropped by every scatter below.
-    dst = jnp.where(i < count, jnp.nonzero(free, size=a, fill_value=plan.slots)[0], plan.slots)
-    req = st.next + i
-    prompt = jnp.minimum(req // n, plan.prompts - 1)
-    src = jnp.clip(prompt - stage.lo, 0, plan.prefill_batch - 1)
-
-    def put(arr, val):
-        return arr.at[dst].set(val, mode="drop")
-
-    cache = tuple(
-        LayerCache(
-            c.k.at[dst, :, :, :width].set(sc.k[src], mode="drop"),
-            c.v.at[dst, :, :width, :].set(sc.v[src], mode="drop"),
-        )
-        for c, sc in zip(s.cache, stage.cache)
-    )
-    pmask = x.mask[prompt]
-    keys = _fold(x.prompt_keys[prompt], req % n)
-    # Response token 0 comes from the prompt's staged logits, with the key the static engine
-    # uses for it (token index 0 folded in).
-    tok, lp = select_tokens(stage.logits[src], _fold(keys, jnp.zeros_like(req)), plan, x.knobs)
-    hit = jnp.any(tok[:, None] == x.stops[None, :], axis=-1)
-    first = jnp.arange(new)[None, :] == 0
-    slots = s._replace(
-        cache=cache,
-        req=put(s.req, req),
-        t=put(s.t, jnp.ones_like(req)),
-        last=put(s.last, tok),
-        done=put(s.done, hit | (x.knobs.max_new <= 1)),
-        lengths=put(s.lengths, jnp.sum(pmask, axis=-1, dtype=jnp.int32)),
-        keys=put(s.keys, keys),
-        attn=put(s.attn, jnp.concatenate([pmask, jnp.ones((a, new), jnp.int32)], axis=1)),
-        tokens=put(s.tokens, jnp.where(first, tok[:, None], x.knobs.pad_id)),
-        mask=put(s.mask, first.astype(jnp.int32) + jnp.zeros((a, 1), jnp.int32)),
-        logprobs=put(s.logprobs, jnp.where(first, lp[:, None], 0.0)),
-    )
-    return st._replace(slots=slots, next=st.next + count)
-
-
-def _retire(plan: Plan, st: _State) -> _State:
-    """Copies every finished slot's response to its request's output row and frees the slot."""
-    s = st.slots
-    fin = (s.req >= 0) & s.done
-    rows = jnp.where(fin, s.req, plan.prompts * plan.n)  # past the last row: dropped
-    return st._replace(
-        slots=s._replace(req=jnp.where(fin, -1, s.req), done=s.done & ~fin),
-        tokens=st.tokens.at[rows].set(s.tokens, mode="drop"),
-        mask=st.mask.at[rows].set(s.mask, mode="drop"),
-        logprobs=st.logprobs.at[rows].set(s.logprobs, mode="drop"),
-    )
-
-
-def _refill(model, plan: Plan, x: _Inputs, shardings, st: _State) -> _State:
-    """Retires finished slots, then admits waiting requests into free slots, prefilling the
-    next window of prompts whenever the next request's prompt lies past the current one."""
-    st = _retire(plan, st)
-
-    def more(st: _State) -> jax.Array:
-        return jnp.any(st.slots.req < 0) & (st.next < x.total)
-
-    def admit(st: _State) -> _State:
-        prompt = st.next // plan.n
-
-        def prefill() -> _Stage:
-            # The last window is shifted back so that it stays inside the prompt rows.
-            lo = jnp.minimum(prompt, plan.prompts - plan.prefill_batch)
-            cache, logits = _prefill(model, plan, x, lo)
-            return _constrain(_Stage(lo, cache, logits), shardings and shardings.stage)
-
-        need = prompt >= st.stage.lo + plan.prefill_batch
-        stage = jax.lax.cond(need, prefill, lambda: st.stage)
-        st = _admit(plan, x, st._replace(stage=stage, prefills=st.prefills + need))
-        return st._replace(slots=_constrain(st.slots, shardings and shardings.slots))
-
-    return jax.lax.while_loop(more, admit, st)
-
-
-def _step(model, layers, plan: Plan, x: _Inputs, shardings, s: _Slots) -> _Slots:
-    """One decode step of every slot; only live slots (admitted, not stopped) record it."""
-    live = (s.req >= 0) & ~s.done
-    # Token t - 1 is fed at column prompt_bucket + t - 1 and position length + t - 1. Free and
-    # finished slots compute too (fixed shapes); what they write stays in their own rows.
-    col = plan.prompt_bucket + s.t - 1
-    logits, cache = decode_step(model, layers, s.last, s.lengths + s.t - 1, s.attn, s.cache, col)
-    tok, lp = select_tokens(logits, _fold(s.keys, s.t), plan, x.knobs)
-    # A select over the small [slots, new_bucket] history rather than a scatter: elementwise,
-    # so it stays on each device's own rows.
-    at = live[:, None] & (jnp.arange(plan.new_bucket)[None, :] == s.t[:, None])
-    hit = jnp.any(tok[:, None] == x.stops[None, :], axis=-1)
-    t = s.t + live.astype(jnp.int32)
-    s = s._replace(
-        cache=cache,
-        t=t,
-        last=jnp.where(live, tok, s.last),
-        done=s.done | (live & (hit | (t >= x.knobs.max_new))),
-        tokens=jnp.where(at, tok[:, None], s.tokens),
-        mask=jnp.where(at, 1, s.mask),
-        logprobs=jnp.where(at, lp[:, None], s.logprobs),
-    )
-    return _constrain(s, shardings and shardings.slots)
-
-
-def _init(model, plan: Plan, x: _Inputs) -> _State:
-    cfg = model.config
-    slots, cols, new = plan.slots, plan.columns, plan.new_bucket
-    dt = cfg.jnp_dtype
-    kv, hd = cfg.num_kv_heads, cfg.head_dim
-
-    def layer(rows: int, width: int) -> LayerCache:
-        return LayerCache(
-            jnp.zeros((rows, kv, hd, width), dt), jnp.zeros((rows, kv, width, hd), dt)
-        )
-
-    rows_out = plan.prompts * plan.n
-    g = plan.prefill_batch
-    return _State(
-        # A free slot attends to its own (finite) columns: no row ever sees NaN, so a slot's
-        # stale columns, masked out after it is reused, stay harmless.
-        slots=_Slots(
-            cache=tuple(layer(slots, cols) for _ in range(cfg.num_layers)),
-            req=jnp.full((slots,), -1, jnp.int32),
-            t=jnp.zeros((slots,), jnp.int32),
-            last=jnp.zeros((slots,), jnp.int32),
-            done=jnp.zeros((slots,), bool),
-            lengths=jnp.ones((slots,), jnp.int32),
-            keys=jax.random.split(jax.random.key(0), slots),
-            attn=jnp.ones((slots, cols), jnp.int32),
-            tokens=jnp.zeros((slots, new), jnp.int32),
-            mask=jnp.zeros((slots, new), jnp.int32),
-            logprobs=jnp.zeros((slots, new), jnp.float32),
-        ),
-        # lo = -G: the first request's prompt lies past this empty window.
-        stage=_Stage(
-            lo=jnp.int32(-g),
-            cache=tuple(layer(g, plan.prompt_bucket) for _ in range(cfg.num_layers)),
-            logits=jnp.zeros((g, cfg.vocab_size), jnp.float32),
-        ),
-        next=jnp.int32(0),
-        steps=jnp.int32(0),
-        slot_steps=jnp.int32(0),
-        prefills=jnp.int32(0),
-        tokens=jnp.full((rows_out, new), x.knobs.pad_id, jnp.int32),
-        mask=jnp.zeros((rows_out, new), jnp.int32),
-        logprobs=jnp.zeros((rows_out, new), jnp.float32),
-    )
-
-
 def _round_up(x: int, m: int) -> int:
     return -(-x // m) * m
-
-
-def _compact(st: _State, rows: int, shardings) -> _State:
-    """Moves the busy slots (at most `rows` of them) into `rows` slots, in slot order."""
-    s = st.slots
-    busy = s.req >= 0
-    # Slots past the busy ones copy some slot's (finite) rows and are marked free.
-    idx = jnp.nonzero(busy, size=rows, fill_value=0)[0]
-    keep = jnp.arange(rows) < jnp.sum(busy, dtype=jnp.int32)
-    slots = jax.tree.map(lambda a: a[idx], s)
-    slots = slots._replace(req=jnp.where(keep, slots.req, -1))
-    return st._replace(slots=_constrain(slots, shardings and shardings.slots))
-
-
-def _run(
-    graphdef: nnx.GraphDef,
-    plan: Plan,
-    shardings: _Shardings | None,
-    state: nnx.State,
-    ids: jax.Array,
-    mask: jax.Array,
-    seeds: jax.Array,
-    salts: jax.Array,
-    total: jax.Array,
-    knobs: Knobs,
-    stops: jax.Array,
-) -> tuple[GenerateOutput, dict[str, jax.Array]]:
-    """The whole continuous-batching rollout: every request admitted, decoded and retired.
-
-    Returns the output rows and counters (decode steps, slot-steps: the rows those steps
-    computed, prefill windows)."""
-    model = nnx.merge(graphdef, state)
-    layers = split_layers(model)  # outside the loops: sliced once per call, not per step
-    prompt_keys = jax.vmap(lambda s, salt: jax.random.fold_in(jax.random.key(s), salt))(
-        seeds, salts
-    )
-    x = _Inputs(ids, mask.astype(jnp.int32), prompt_keys, total, knobs, stops)
-    st = _init(model, plan, x)
-    st = st._replace(slots=_constrain(st.slots, shardings and shardings.slots))
-
-    def busy_slots(s: _Slots) -> jax.Array:
-        return jnp.sum(s.req >= 0, dtype=jnp.int32)
-
-    def decode(st: _State, limit: int) -> _State:
-        """Up to k decode steps, fewer once at most `limit` slots are still decoding; then
-        retires the finished slots."""
-
-        def go(c):
-            i, s = c
-            return (i < plan.refill_every) & (jnp.sum((s.req >= 0) & ~s.done) > limit)
-
-        def step(c):
-            i, s = c
-            return i + 1, _step(model, layers, plan, x, shardings, s)
-
-        steps, slots = jax.lax.while_loop(go, step, (jnp.int32(0), st.slots))
-        rows = slots.req.shape[0]
-        st = st._replace(
-            slots=slots, steps=st.steps + steps, slot_steps=st.slot_steps + steps * rows
-        )
-        return _retire(plan, st)
-
-    # Admission: refill and decode while requests wait.
-    st = jax.lax.while_loop(
-        lambda st: st.next < x.total,
-        lambda st: decode(_refill(model, plan, x, shardings, st), 0),
-        st,
-    )
-    # Drain: nothing waits any more; as slots finish, the busy ones move into fewer slots, so
-    # a long last request does not keep every slot's rows computing.
-    sizes = (plan.slots, *plan.drain)
-    for i, rows in enumerate(sizes):
-        if i:
-            st = _compact(st, rows, shardings)
-        limit = sizes[i + 1] if i + 1 < len(sizes) else 0
-        st = jax.lax.while_loop(
-            lambda st, limit=limit: busy_slots(st.slots) > limit,
-            lambda st, limit=limit: decode(st, limit),
-            st,
-        )
-    out = GenerateOutput(st.tokens, st.mask, st.logprobs)
-    if shardings is not None:
-        out = _constrain(out, GenerateOutput(*[shardings.rows] * 3))
-    stats = {"decode_steps": st.steps, "slot_steps": st.slot_steps, "prefill_windows": st.prefills}
-    return out, stats
 
 
 # --------------------------------------------------------------------------------------------
@@ -469,7 +113,8 @@ class ContinuousSampler(Sampler):
         nothing waits and only the drain phases shrink the rows. On a mesh, a multiple of the
         data-parallel size.
       refill_every: decode steps between refills (k), and between checks of the drain.
-      min_slots: the fewest slots the drain shrinks to (rounded up to the data-parallel size).
+      min_slots: the fewest slots the drain shrinks to (rounded up to the data-parallel size);
+        0: the start of the slots' row range (ROW_RANGES), or the slots themselves below it.
       prefill_batch: prompts per prefill window; None: enough prompts to fill every slot
         (ceil(slots / n)), rounded up to the data-parallel size.
       max_cache_len: the most cache columns a slot may hold (prompt bucket + new-token
@@ -492,7 +137,7 @@ class ContinuousSampler(Sampler):
         for name, value, least in (
             ("slots", slots, 0),
             ("refill_every", refill_every, 1),
-            ("min_slots", min_slots, 1),
+            ("min_slots", min_slots, 0),
         ):
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < least:
                 raise ValueError(f"{name}={value!r}; it must be an int >= {least}")
@@ -512,7 +157,8 @@ class ContinuousSampler(Sampler):
         self.refill_every = int(refill_every)
         self.prefill_batch = None if prefill_batch is None else int(prefill_batch)
         self.max_cache_len = None if max_cache_len is None else int(max_cache_len)
-        self._cb_shardings = _shardings(self.mesh, self.config) if self.mesh is not None else None
+        mesh = self.mesh
+        self._run_shardings = run_shardings(mesh, self.config) if mesh is not None else None
         self._runs: dict[Plan, Any] = {}
         # Counters of the last call, on device (read them only when needed: reading waits for
         # the rollout): decode_steps, slot_steps, prefill_windows.
@@ -540,10 +186,11 @@ class ContinuousSampler(Sampler):
         requests = prompts * params.n
         # Both multiples of the data-parallel size; 0 slots: one per request.
         slots = min(self.slots or requests, requests)
-        # Drain phases halve the slots, down to min_slots.
-        floor, drain, rows = min(slots, _round_up(self.min_slots, self._dp)), [], slots
-        while (half := max(floor, _round_up(-(-rows // 2), self._dp))) < rows:
-            drain.append(rows := half)
+        # Drain phases take 3/4 of the slots each, down to min_slots.
+        least = self.min_slots or max([r for r in ROW_RANGES if r <= slots], default=slots)
+        floor, drain, rows = min(slots, _round_up(least, self._dp)), [], slots
+        while (fewer := max(floor, _round_up(-(-rows * 3 // 4), self._dp))) < rows:
+            drain.append(rows := fewer)
         # A window fills every slot at the start. It also holds at least 2 prompts and 64
         # prompt tokens: matmul kernels choose their blocking by row count, and XLA:CPU rounds a
         # row the same way only within a range of row counts (one row alone, then 2 and more in
@@ -577,7 +224,7 @@ class ContinuousSampler(Sampler):
                 plan,
                 dict(self.mesh.shape) if self.mesh is not None else None,
             )
-            fn = functools.partial(_run, self.graphdef, plan, self._cb_shardings)
+            fn = functools.partial(run_program, self.graphdef, plan, self._run_shardings)
             run = jax.jit(sharding_lib.under_layout(self._trace_layout, fn))
             self._runs[plan] = run
             self.compile_log.append(plan)

@@ -475,11 +475,13 @@ class HybridEngine:
             if kind == "reshard":
                 program = reshard.reshard_program(leaf.decode)
             elif kind == "all_gather":
-                program = reshard.gather_program(mesh, leaf.train_t.spec, leaf.decode_t.spec,
-                                                 leaf.gathered, leaf.decode)
+                program = reshard.gather_program(
+                    mesh, leaf.train_t.spec, leaf.decode_t.spec, leaf.gathered, leaf.decode
+                )
             else:
-                program = reshard.slice_program(mesh, leaf.decode_t.spec, leaf.train_t.spec,
-                                                leaf.gathered, leaf.train_t)
+                program = reshard.slice_program(
+                    mesh, leaf.decode_t.spec, leaf.train_t.spec, leaf.gathered, leaf.train_t
+                )
             self._programs[key] = program
         return self._programs[key]
 

@@ -278,7 +278,7 @@ def test_max_new_tokens_must_be_positive(max_new):
     "kw, mesh, match",
     [
         (dict(slots=-1), None, "slots=-1; it must be an int >= 0"),
-        (dict(min_slots=0), None, "min_slots=0; it must be an int >= 1"),
+        (dict(min_slots=-1), None, "min_slots=-1; it must be an int >= 0"),
         (dict(slots=6), "data=4,tensor=2", r"slots=6 does not divide .* multiple of 4"),
         (dict(refill_every=0), None, "refill_every=0"),
         (dict(prefill_batch=0), None, "prefill_batch=0"),

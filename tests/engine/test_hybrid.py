@@ -36,8 +36,13 @@ PAIRS = MEGATRON + FSDP
 # 8 query and 8 KV heads, so every tensor-parallel dimension splits 8 ways and the only
 # replicated tensors are the norms.
 SMALL = get_preset("tiny").replace(
-    vocab_size=64, hidden_size=16, intermediate_size=32, num_heads=8, num_kv_heads=8,
-    head_dim=4, max_position_embeddings=64,
+    vocab_size=64,
+    hidden_size=16,
+    intermediate_size=32,
+    num_heads=8,
+    num_kv_heads=8,
+    head_dim=4,
+    max_position_embeddings=64,
 )
 # SmolLM2-135M-sized with 8 heads (SmolLM2's 9 divide no tensor size used here).
 SMOL_SIZED = get_preset("smollm2-135m").replace(num_heads=8, num_kv_heads=2, head_dim=72)
@@ -61,8 +66,14 @@ def host(tree):
 def tp_bytes(cfg, itemsize):
     """(bytes of the vocab/heads/mlp weights, bytes of the KV projections), written out from
     the config: together, every parameter but the norms."""
-    L, D, N, K, H, F = (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads,
-                        cfg.head_dim, cfg.intermediate_size)
+    L, D, N, K, H, F = (
+        cfg.num_layers,
+        cfg.hidden_size,
+        cfg.num_heads,
+        cfg.num_kv_heads,
+        cfg.head_dim,
+        cfg.intermediate_size,
+    )
     dense = cfg.vocab_size * D + 2 * L * D * N * H + 3 * L * D * F
     return dense * itemsize, 2 * L * D * K * H * itemsize
 
@@ -88,8 +99,7 @@ def test_round_trip_is_bit_identical_at_the_lower_bound(small_model, train, rule
     train_b, dec_b = engine.train_bytes(), engine.decode_bytes()
     assert {d: grown[d] - base[d] for d in base} == {d: dec_b[d] - train_b[d] for d in base}
     assert all(x.sharding == s for x, s in zip(jax.tree.leaves(dec), engine.decode_shardings()))
-    assert all(x.is_deleted() for x, s in zip(jax.tree.leaves(params), engine.leaves)
-               if s.gathered)
+    assert all(x.is_deleted() for x, s in zip(jax.tree.leaves(params), engine.leaves) if s.gathered)
 
     back = engine.to_train(dec)
     assert all(x.is_deleted() for x, s in zip(jax.tree.leaves(dec), engine.leaves) if s.gathered)
@@ -127,21 +137,24 @@ def test_round_trip_is_bit_identical_at_the_lower_bound(small_model, train, rule
 def test_decode_mesh_follows_the_paper_device_order():
     # Megatron data=2,tensor=4 -> data=4,tensor=2: decode tensor groups at stride t/t_g = 2
     # inside each training TP group, micro-DP groups (same decode shard) of consecutive ranks.
-    engine = hybrid.HybridEngine(layout("data=2,tensor=4", "decode"), "data=4,tensor=2",
-                                 nnx.state(transformer.abstract(SMALL)))
+    engine = hybrid.HybridEngine(
+        layout("data=2,tensor=4", "decode"),
+        "data=4,tensor=2",
+        nnx.state(transformer.abstract(SMALL)),
+    )
     ids = np.vectorize(lambda d: d.id)(engine.decode_mesh.devices).reshape(4, 2)
     np.testing.assert_array_equal(ids, [[0, 2], [1, 3], [4, 6], [5, 7]])
     assert engine.micro_dp == 2
     # Consecutive ranks (HybridFlow-V) do not nest: the busiest device receives more.
     assert reshard.max_bytes(engine.hybridflow_v_bytes()) > reshard.max_bytes(
-        engine.bytes_to_decode())
+        engine.bytes_to_decode()
+    )
 
 
 @pytest.mark.parametrize("train,rules,decode", PAIRS)
 def test_smollm2_sized_volumes_match_closed_forms(train, rules, decode):
     cfg = SMOL_SIZED.replace(param_dtype="bfloat16")
-    engine = hybrid.HybridEngine(layout(train, rules), decode,
-                                 nnx.state(transformer.abstract(cfg)))
+    engine = hybrid.HybridEngine(layout(train, rules), decode, nnx.state(transformer.abstract(cfg)))
     # 2 KV heads split 4 or 8 ways in no training layout here: replicated in both, they move
     # nothing, so M is the other tensor-parallel weights.
     m, _ = tp_bytes(cfg, 2)
@@ -173,8 +186,10 @@ def test_methods_agree_and_way_back_has_no_collectives(small_model, method):
             x = jax.tree.leaves(dec)[i]
             hlo = engine._program("slice", i).lower(reshard.relabel(x, leaf.decode_t)).compile()
             text = hlo.as_text()
-            assert not any(op in text for op in
-                           ("all-gather", "all-reduce", "all-to-all", "collective-permute"))
+            assert not any(
+                op in text
+                for op in ("all-gather", "all-reduce", "all-to-all", "collective-permute")
+            )
     back = engine.to_train(dec)
     for a, b in zip(before, host(back)):
         np.testing.assert_array_equal(a, b)
@@ -216,8 +231,10 @@ def test_fallback_round_trips_and_logs_the_extra_bytes(small_model, caplog):
     assert engine.fallback
     back_bytes = reshard.max_bytes(engine.bytes_to_train())
     assert back_bytes > 0
-    assert any("extra bytes" in r.getMessage() and str(back_bytes) in r.getMessage()
-               for r in caplog.records)
+    assert any(
+        "extra bytes" in r.getMessage() and str(back_bytes) in r.getMessage()
+        for r in caplog.records
+    )
     back = engine.to_train(engine.to_decode(params))
     for a, b in zip(before, host(back)):
         np.testing.assert_array_equal(a, b)
@@ -274,17 +291,24 @@ def test_actor_generates_through_the_engine_and_keeps_training():
     rows = on.test_data.rows
     batch = on.prompt_batch(rows, np.zeros(len(rows), np.int32))
     got = on.actor.generate(batch, greedy=True, n=1)
-    want = off.actor.generate(off.prompt_batch(rows, np.zeros(len(rows), np.int32)),
-                              greedy=True, n=1)
+    want = off.actor.generate(
+        off.prompt_batch(rows, np.zeros(len(rows), np.int32)), greedy=True, n=1
+    )
     np.testing.assert_array_equal(np.asarray(got["responses"]), np.asarray(want["responses"]))
     # The params came back bit-identical, in the training shardings the updates compiled for.
     for a, b in zip(before, host(on.actor.params)):
         np.testing.assert_array_equal(a, b)
-    assert all(x.sharding == s for x, s in zip(jax.tree.leaves(on.actor.params),
-                                               jax.tree.leaves(on.actor.param_shardings)))
+    assert all(
+        x.sharding == s
+        for x, s in zip(jax.tree.leaves(on.actor.params), jax.tree.leaves(on.actor.param_shardings))
+    )
     # The optimizer state went to host memory and came back where the updates expect it.
-    assert all(x.sharding == s for x, s in zip(jax.tree.leaves(on.actor.opt_state),
-                                               jax.tree.leaves(on.actor.opt_shardings)))
+    assert all(
+        x.sharding == s
+        for x, s in zip(
+            jax.tree.leaves(on.actor.opt_state), jax.tree.leaves(on.actor.opt_shardings)
+        )
+    )
     metrics = on.train_step()
     assert math.isfinite(metrics["actor/pg_loss"])
     assert not any(x.is_deleted() for x in jax.tree.leaves(on.actor.params))
