@@ -193,7 +193,8 @@ def test_smollm2_samples_equal_the_static_engine():
     got = engine.generate(state, ids, mask.astype(np.int32), params, SEEDS)
     lengths = np.asarray(want.mask).sum(axis=1)
     assert lengths.min() < 24 and lengths.max() == 24  # rows stop at different steps
-    assert int(engine.last_stats["prefill_windows"]) == 1
+    # A window fills the 40 slots: ceil(40 / 8) = 5 prompts, so the 6 prompts take 2 windows.
+    assert int(engine.last_stats["prefill_windows"]) == 2
     np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
     np.testing.assert_array_equal(np.asarray(got.logprobs), np.asarray(want.logprobs))
 
@@ -303,3 +304,16 @@ def test_config_selects_the_engine(llama):
     cfg.mode, cfg.slots = "continuous", 6
     with pytest.raises(ValueError, match=r"rollout \(mode=continuous\): slots=6 .*multiple of 4"):
         rollout_sampler(llama, cfg, mesh=mesh_of("data=4,tensor=2"))
+
+
+def test_drain_stays_in_its_row_range(llama):
+    """The drain shrinks by 3/4 down to the start of the row range the slots are in
+    (ROW_RANGES), so its rows keep the rounding of a static batch in that range."""
+    engine = ContinuousSampler(llama)  # slots=0: one per request; min_slots=0: automatic
+    params = SamplingParams(8, n=8)
+    assert engine._plan(16, 16, 16, params).drain == (96, 72, 54, 41, 33)
+    assert engine._plan(4, 16, 16, params).drain == (24, 18, 14, 11, 9, 8)
+    assert engine._plan(3, 16, 16, SamplingParams(8, n=2)).drain == ()  # 6 rows: below 8
+    assert ContinuousSampler(llama, slots=64, min_slots=50)._plan(16, 16, 16, params).drain == (50,)
+    on_mesh = ContinuousSampler(llama, mesh=mesh_of("data=4,tensor=2"), slots=64)
+    assert on_mesh._plan(16, 16, 16, params).drain == (48, 36)
