@@ -1,8 +1,8 @@
 """The default job: PPO with a GAE critic on the embedded 2-digit arithmetic task.
 
 A tiny Llama-style model is trained from scratch: a short SFT warm start on deliberately
-imperfect data (carries dropped in most examples that need one), then PPO with an exact-answer
-reward. Every key can be overridden from the command line, e.g.
+imperfect data (70% of the demonstrations give the bare answer without the `####` marker the
+reward looks for: `sft.corruption=format`), then PPO with an exact-answer reward. Every key can be overridden from the command line, e.g.
     python -m launch.train --config.placement=split --config.actor.mesh=fsdp=2,tensor=2
 """
 
@@ -13,12 +13,14 @@ def get_config() -> config_dict.ConfigDict:
     c = config_dict.ConfigDict()
     c.algorithm = "ppo"
     c.seed = 0
-    # colocate | split | standalone, or a mapping {pool: {size, roles}}.
-    c.placement = "colocate"
+    # colocate | split | standalone, or a mapping {pool: {size, roles}} (on the command line
+    # "pool=size:role+role;..."). Typed `object` so a derived config may assign either form.
+    c.placement = config_dict.FieldReference("colocate", field_type=object)
 
     c.model = config_dict.ConfigDict(
         dict(
-            # A preset name or a path to an HF directory / .gguf file.
+            # A path to an HF directory or a .gguf file; empty: a tiny model from scratch with
+            # the sizes below.
             path="",
             vocab_size=0,  # 0: the task tokenizer's size
             hidden_size=128,
@@ -130,7 +132,7 @@ def get_config() -> config_dict.ConfigDict:
         dict(
             custom_fn="",  # path/to/file.py:fn with (data_source, solution_str, ground_truth,
             # extra_info); replaces the built-in rewards
-            num_workers=2,  # reward worker processes (0: score in the controller thread)
+            num_processes=2,  # reward scorer subprocesses (0: score in the controller thread)
             timeout_s=10.0,  # per-call limit; a reward that hangs or raises scores 0
         )
     )

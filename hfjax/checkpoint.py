@@ -311,6 +311,39 @@ class RunCheckpointer:
         return moved
 
 
+def resume_source(ckpt: RunCheckpointer | None, mode: str = "auto"
+                  ) -> tuple[RunCheckpointer, int | None] | None:
+    """Where a run's `trainer.resume` setting says to restore from: (checkpointer, step or None
+    for its newest), or None for a fresh start.
+
+    - "auto": the newest readable checkpoint in `ckpt` (the run's own), if it has any;
+    - "disable": a fresh start, refused when `ckpt` already holds checkpoints;
+    - a path (a run's out_dir, a checkpoint root or one step directory): that checkpoint.
+
+    Raises ValueError, before anything is restored or written, when the setting contradicts
+    what `ckpt` already holds.
+    """
+    mode = str(mode or "auto")
+    own = ckpt.steps() if ckpt is not None else []
+    if mode == "disable":
+        if own:
+            raise ValueError(
+                f"trainer.resume=disable, but {ckpt.directory} already holds checkpoints "
+                f"(steps {own}); use trainer.resume=auto to continue that run, or choose "
+                "another trainer.out_dir")
+        return None
+    if mode == "auto":
+        return (ckpt, None) if own else None
+    root, step = locate(mode)
+    if ckpt is not None and root == ckpt.directory:
+        return ckpt, step
+    if own:
+        raise ValueError(
+            f"trainer.resume={mode}, but this run's {ckpt.directory} already holds "
+            f"checkpoints (steps {own}); choose another trainer.out_dir")
+    return RunCheckpointer(root, read_only=True), step
+
+
 def _short(e: BaseException, n: int = 200) -> str:
     s = str(e).strip().splitlines()[0] if str(e).strip() else ""
     return s[:n]

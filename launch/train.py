@@ -103,7 +103,7 @@ def main(argv):
         jax.config.update("jax_cpu_enable_async_dispatch", False)
 
     from hfjax import metrics
-    from hfjax.checkpoint import RunCheckpointer
+    from hfjax.checkpoint import RunCheckpointer, resume_source
     from hfjax.trainer import Trainer, config_json
 
     cfg = _CONFIG.value
@@ -119,7 +119,7 @@ def main(argv):
         # A resume setting that contradicts the out_dir, or names no checkpoint, is refused
         # here, before anything runs or is written.
         existing = RunCheckpointer(ckpt_dir, read_only=True) if os.path.isdir(ckpt_dir) else None
-        Trainer.resume_source(existing, t.resume)
+        resume_source(existing, t.resume)
     except (ValueError, FileNotFoundError) as err:  # config or data, found before building
         raise SystemExit(f"hfjax: cannot start the run: {err}") from None
     print(f"hfjax: {cfg.algorithm} on {jax.device_count()} {jax.devices()[0].platform} devices, "

@@ -243,7 +243,7 @@ class Backbone(nnx.Module):
     def embed(self, input_ids: jax.Array) -> jax.Array:
         """Token embeddings [B, T, D] of input_ids [B, T].
 
-        Under a worker's layout the table is whole along `embed` (as FSDP gathers any weight
+        Under a worker group's layout the table is whole along `embed` (as FSDP gathers any weight
         before use) and split along `vocab` only, and the rows come out split like the token
         ids: the lookup and its gradient then partition without moving token ids between
         devices. (Left to itself, XLA reorders them with a collective-permute that nothing

@@ -4,7 +4,7 @@ The function has verl's signature `fn(data_source, solution_str, ground_truth, e
 returns a float or a dict with a "score" key. As in verl, a custom function replaces the
 built-in rewards for every data source.
 
-The loaded function carries its spec (`__hfjax_spec__`), so a reward worker process can load
+The loaded function carries its spec (`__hfjax_spec__`), so a reward scorer process can load
 the same file again instead of receiving the function itself.
 """
 
@@ -79,7 +79,7 @@ def load_custom_reward(spec: str) -> RewardFn:
     try:
         setattr(fn, SPEC_ATTR, f"{path}:{name}")
     except (AttributeError, TypeError):
-        pass  # a builtin or a callable object that refuses attributes: workers load by spec
+        pass  # a builtin or a callable object that refuses attributes: scorers load by spec
     return fn
 
 

@@ -1,4 +1,4 @@
-"""Custom reward loading, and the worker pool's handling of functions that raise or hang."""
+"""Custom reward loading, and the scorer pool's handling of functions that raise or hang."""
 
 import time
 
@@ -52,7 +52,7 @@ def rewards_file(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def pool():
-    p = RewardPool(num_workers=2, timeout_s=1.0)
+    p = RewardPool(num_processes=2, timeout_s=1.0)
     yield p
     p.close()
 
@@ -112,13 +112,13 @@ def test_raising_hanging_and_broken_functions_score_zero(pool, rewards_file):
     assert "exited with code 7" in out[4].error
     assert "within 1 s" in out[2].error
     assert elapsed < 20, elapsed  # the hang is cut at ~1 s, not waited out
-    # The killed workers were replaced: the pool keeps serving.
+    # The killed scorers were replaced: the pool keeps serving.
     again = pool.map([fns["exact"]] * 4, [("d", "2", "2", None)] * 4)
     assert [o.score for o in again] == [1.0] * 4
 
 
 def test_inline_mode_still_catches_errors(rewards_file):
-    inline = RewardPool(num_workers=0)
+    inline = RewardPool(num_processes=0)
     boom = load_custom_reward(f"{rewards_file}:boom")
     exact = load_custom_reward(f"{rewards_file}:exact")
     out = inline.map([boom, exact], [("d", "1", "1", None)] * 2)
@@ -129,5 +129,5 @@ def test_unimportable_function_is_a_clear_error():
     def local(data_source, solution_str, ground_truth, extra_info):
         return 1.0
 
-    with pytest.raises(ValueError, match="cannot be imported by a worker process"):
+    with pytest.raises(ValueError, match="cannot be imported by a scorer process"):
         reference(local)

@@ -1,4 +1,4 @@
-"""A reward worker process: `python -m hfjax.rewards.worker`, driven by `RewardPool`.
+"""A reward scorer process: `python -m hfjax.rewards.scorer`, driven by `RewardPool`.
 
 It reads one JSON request per line on stdin and answers with JSON lines on the stdout it was
 started with:
@@ -64,7 +64,7 @@ def _watch_parent(parent: int) -> None:
 
 
 def main() -> None:
-    # The parent handles Ctrl-C and ends the workers itself.
+    # The parent handles Ctrl-C and ends its scorers itself.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     answers = os.fdopen(os.dup(1), "w", buffering=1, encoding="utf-8")
     os.dup2(2, 1)
