@@ -59,7 +59,8 @@ def _local_python_impl(rctx):
         fail("'%s' is Python %d.%d; hfjax needs %d.%d or newer (set HFJAX_PYTHON)" %
              (executable, version[0], version[1], _MIN_VERSION[0], _MIN_VERSION[1]))
     if missing:
-        fail("'%s' cannot import %s: install hfjax's dependencies into it " % (executable, missing) +
+        fail("'%s' cannot import %s: install hfjax's dependencies into it " %
+             (executable, missing.replace(" ", ", ")) +
              "(bash scripts/install.sh test), or set HFJAX_PYTHON to an interpreter that has them")
     rctx.file("WORKSPACE", 'workspace(name = "%s")\n' % rctx.name)
     rctx.file("BUILD", _BUILD.format(executable = executable))
