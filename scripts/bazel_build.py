@@ -48,11 +48,11 @@ RUNNER = "pytest_main.py"  # tests/pytest.bzl runs every test module through it
 KNOWN_CYCLES: list[frozenset[str]] = [frozenset({"hfjax.controller", "hfjax.engine"})]
 
 # Test modules that need more than the defaults. Size "medium" (a 300 s timeout per shard) is
-# for modules that take under ~20 s on a quiet 2-core machine; the rest are "large" (900 s),
-# since a loaded machine stretches them several times over. CI runs the small and medium ones
-# (scripts/bazel_test.sh --test_size_filters=small,medium). Shards split a module into
-# contiguous blocks of tests (tests/pytest_main.py); with two cores, two shards let Bazel run
-# the halves of the longest modules side by side.
+# for modules that take under ~20 s on a quiet 2-core machine; the rest are "large" (1800 s,
+# .bazelrc), since a loaded machine stretches them up to ten times. CI runs the small and
+# medium ones (scripts/bazel_test.sh --test_size_filters=small,medium). Shards split a module
+# into contiguous blocks of tests (tests/pytest_main.py); with two cores, two shards let Bazel
+# run the halves of the longest modules side by side.
 TEST_OPTIONS: dict[str, dict] = {
     "tests/engine/test_hybrid.py": {"size": "large", "shard_count": 2},
     "tests/engine/test_sampler.py": {"size": "large", "shard_count": 2},
