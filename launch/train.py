@@ -22,30 +22,21 @@ import signal
 import sys
 import time
 
-from absl import app, flags, logging
+from absl import app, logging
 from ml_collections import config_flags
+
+from hfjax.parallel import distributed
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", os.path.join(os.path.dirname(__file__), "..", "configs", "ppo_arith.py"),
     "configuration file (configs/*.py)",
 )
-_DEVICES = flags.DEFINE_integer(
-    "cpu_devices",
-    1,
-    "simulated CPU devices when running on CPU, e.g. 8 to try placements and meshes on a laptop "
-    "(0: leave XLA_FLAGS alone)",
-)
+# --cpu_devices and the process flags (--coordinator_address, --num_processes, --process_id and
+# the timeouts) are shared by every entry point that can run on several hosts.
+distributed.define_flags()
 
 _STAGES = ("gen", "old_log_prob", "ref", "values", "reward", "adv", "update_critic",
            "update_actor")
-
-
-def _setup_devices():
-    n = _DEVICES.value
-    if n and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-        os.environ["XLA_FLAGS"] = (
-            os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={n}"
-        )
 
 
 class _Progress:
@@ -94,7 +85,13 @@ class _Progress:
 
 def main(argv):
     del argv
-    _setup_devices()
+    try:
+        # Before anything touches a JAX backend: the CPU device count, and on several hosts
+        # the jax.distributed join; then meshes against the devices of all processes.
+        topo = distributed.initialize_from_flags()
+        distributed.check_config_meshes(_CONFIG.value, topo)
+    except distributed.DistributedError as err:
+        raise SystemExit(f"hfjax: {err}") from None
     import jax
 
     if jax.default_backend() == "cpu":
@@ -122,7 +119,7 @@ def main(argv):
         resume_source(existing, t.resume)
     except (ValueError, FileNotFoundError) as err:  # config or data, found before building
         raise SystemExit(f"hfjax: cannot start the run: {err}") from None
-    print(f"hfjax: {cfg.algorithm} on {jax.device_count()} {jax.devices()[0].platform} devices, "
+    print(f"hfjax: {cfg.algorithm} on {topo.describe()}, "
           f"placement={cfg.placement}, actor mesh={cfg.actor.mesh}, out_dir={t.out_dir}",
           flush=True)
     ckpt = RunCheckpointer(ckpt_dir, max_to_keep=t.max_to_keep or None, async_save=t.async_save)

@@ -24,7 +24,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from hfjax.models import transformer
+from hfjax.models import presets, transformer
 from hfjax.models.config import ModelConfig
 from hfjax.parallel import sharding as shd
 
@@ -296,20 +296,30 @@ def load(
     head: str = "causal_lm",
     rules: str | dict = "train",
     replicate_indivisible: Iterable[str] = ("kv_heads",),
+    seed: int = 0,
     **config_overrides,
 ) -> nnx.Module:
-    """Loads an HF directory or a `.gguf` file as an hfjax model.
+    """Loads an HF directory, a `.gguf` file or a preset (`"preset:NAME"`) as an hfjax model.
 
     With a mesh, parameters are placed in the training layout (`rules`) of that mesh; without
-    one, on the first device. `dtype` sets both the parameter and the compute dtype. For the
+    one, on the first device. `dtype` sets both the parameter and the compute dtype (give
+    `param_dtype=` as well for, e.g., bfloat16 compute over float32 weights). For the
     "value" and "score" heads, a causal-LM checkpoint provides the backbone and the head starts
     fresh when the checkpoint has none. Logical axes in `replicate_indivisible` are replicated,
     with a warning, where the mesh does not divide them (e.g. SmolLM2's 3 KV heads, or with
     ("kv_heads", "heads") its 9 query heads, on tensor=2); any other indivisible dimension is
     an error naming the tensor.
+
+    A preset (hfjax.models.presets, e.g. "preset:qwen2.5-7b") has no weights: it is that
+    architecture with random weights from `seed`, each parameter created directly in its
+    sharding. `config_overrides` change any ModelConfig field of it or of a checkpoint's config.
     """
     overrides = {"param_dtype": dtype, "dtype": dtype, **config_overrides}
     optional = ("score",) if head != "causal_lm" else ()
+    if (name := presets.preset_name(path)) is not None:
+        cfg = presets.get_preset(name).replace(**overrides)
+        return build_sharded(cfg, head=head, mesh=mesh, rules=rules, seed=seed,
+                             replicate_indivisible=replicate_indivisible)
     if str(path).endswith(".gguf"):
         from hfjax.models import gguf_io
 
@@ -324,6 +334,31 @@ def load(
         tensors = _iter_safetensors(files)
     return assemble(cfg, tensors, head=head, mesh=mesh, rules=rules, optional=optional,
                     replicate_indivisible=replicate_indivisible)
+
+
+def build_sharded(
+    cfg: ModelConfig,
+    *,
+    head: str = "causal_lm",
+    mesh: Mesh | None = None,
+    rules: str | dict = "train",
+    seed: int = 0,
+    replicate_indivisible: Iterable[str] = ("kv_heads",),
+) -> nnx.Module:
+    """A freshly initialised model whose parameters are created in their shardings.
+
+    Initialisation runs as one jitted program with the layout's shardings as outputs, so no
+    device (and not the host) ever holds the whole model: an 8B preset on 8 devices allocates
+    an eighth of it on each. The values are `transformer.build(cfg, head, seed)`'s (to float32
+    rounding: the jitted initialiser fuses its scaling differently).
+    """
+    if mesh is None:
+        mesh = Mesh(np.array(jax.devices()[:1]).reshape(1), ("data",))
+    lay = shd.layout(mesh, rules, replicate_indivisible=tuple(replicate_indivisible))
+    graphdef, abs_state = nnx.split(transformer.abstract(cfg, head))
+    init = jax.jit(lambda: nnx.split(transformer.build(cfg, head, seed))[1],
+                   out_shardings=lay.state_shardings(abs_state))
+    return nnx.merge(graphdef, init())
 
 
 def iter_hf_tensors(model: nnx.Module) -> Iterator[tuple[str, np.ndarray]]:

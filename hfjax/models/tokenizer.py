@@ -442,6 +442,10 @@ def load_tokenizer(path: str | os.PathLike[str]) -> Tokenizer:
 
     A directory without `tokenizer.json` but with exactly one `.gguf` file uses that file.
     """
+    if str(path).startswith("preset:"):
+        raise ValueError(
+            f"model path {str(path)!r} is an architecture with random weights and no tokenizer; "
+            "take the tokenizer from an HF directory or .gguf file, or from the task")
     path = Path(path)
     if path.is_file():
         if path.suffix != ".gguf":
