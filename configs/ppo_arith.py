@@ -2,7 +2,8 @@
 
 A tiny Llama-style model is trained from scratch: a short SFT warm start on deliberately
 imperfect data (70% of the demonstrations give the bare answer without the `####` marker the
-reward looks for: `sft.corruption=format`), then PPO with an exact-answer reward. Every key can be overridden from the command line, e.g.
+reward looks for: `sft.corruption=format`), then PPO with an exact-answer reward. Every key
+can be overridden from the command line, e.g.
     python -m launch.train --config.placement=split --config.actor.mesh=fsdp=2,tensor=2
 """
 
