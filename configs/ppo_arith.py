@@ -2,7 +2,8 @@
 
 A tiny Llama-style model is trained from scratch: a short SFT warm start on deliberately
 imperfect data (70% of the demonstrations give the bare answer without the `####` marker the
-reward looks for: `sft.corruption=format`), then PPO with an exact-answer reward. Every key can be overridden from the command line, e.g.
+reward looks for: `sft.corruption=format`), then PPO with an exact-answer reward. Every key can be
+overridden from the command line, e.g.
     python -m launch.train --config.placement=split --config.actor.mesh=fsdp=2,tensor=2
 """
 
@@ -156,6 +157,13 @@ def get_config() -> config_dict.ConfigDict:
             # auto: continue from the newest readable checkpoint in out_dir, if any;
             # disable: start fresh; or a path: a run's out_dir, a checkpoint root or step dir.
             resume="auto",
+            # A non-finite loss, gradient norm or parameter never reaches the parameters: the
+            # update is not applied. stop: end the run naming the stage and step; skip: count
+            # it (actor/nonfinite_updates, ...) and go on.
+            nonfinite="stop",
+            # JAX's persistent compilation cache, so a resumed run compiles nothing it compiled
+            # before: auto ($JAX_COMPILATION_CACHE_DIR, else ~/.cache/hfjax/jax), off, or a dir.
+            compilation_cache_dir="auto",
         )
     )
     return c
