@@ -10,6 +10,11 @@ Each loss function returns its micro-batch loss already weighted by the micro-ba
 the mini-batch normaliser (its share of the tokens for token-mean, of the sequences for a
 sequence mean), so the accumulated gradient is exactly the gradient of the mini-batch loss,
 whatever the micro-batch size.
+
+A non-finite update is never applied: when the mini-batch loss, the gradient norm or any updated
+parameter is NaN or infinite, the step returns its input parameters and optimizer state
+unchanged and reports `nonfinite` = 1 (else 0). The check runs inside the program, so it costs
+no host round trip; the trainer reads the count with the step's metrics and stops or skips.
 """
 
 from __future__ import annotations
@@ -45,7 +50,8 @@ def make_update_step(
 
     `loss_fn(params, micro_batch, totals)` returns (weighted loss, metrics dict of scalars);
     `normalisers(batch)` computes mini-batch totals (e.g. token counts) passed as `totals`.
-    Metrics are summed over micro-batches (they are weighted like the loss), plus `grad_norm`.
+    Metrics are summed over micro-batches (they are weighted like the loss), plus `grad_norm`
+    and `nonfinite` (1 when the update was not applied, see the module docstring).
     """
 
     def step(params, opt_state, batch):
@@ -66,8 +72,14 @@ def make_update_step(
         m0.update({k: jnp.zeros(v.shape, v.dtype) for k, v in first[1].items()})
         (grads, metrics), _ = jax.lax.scan(body, (zeros, m0), micro)
         metrics["grad_norm"] = optax.tree_utils.tree_norm(grads)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
+        updates, new_opt_state = optimizer.update(grads, opt_state, params)
+        new_params = optax.apply_updates(params, updates)
+        ok = (jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"])
+              & all_finite(new_params))
+        keep = lambda new, old: jnp.where(ok, new, old)  # noqa: E731
+        params = jax.tree.map(keep, new_params, params)
+        opt_state = jax.tree.map(keep, new_opt_state, opt_state)
+        metrics["nonfinite"] = 1.0 - ok.astype(jnp.float32)
         return params, opt_state, metrics
 
     kw = {}
@@ -77,6 +89,14 @@ def make_update_step(
             out_shardings=(param_shardings, opt_shardings, None),
         )
     return jit(step, donate_argnums=(0, 1), **kw)
+
+
+def all_finite(tree: Any) -> jax.Array:
+    """True (a device scalar) when no floating-point leaf of `tree` holds a NaN or infinity."""
+    leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
+    if not leaves:
+        return jnp.bool_(True)
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
 
 
 def make_optimizer(
