@@ -96,7 +96,10 @@ def _emulate_fetch_guard_on_cpu(monkeypatch):
 
 # ----------------------------------------------------------------------------------- placements
 
-PLACEMENTS = {"colocate": [8, 8, 8, 8], "split": [4, 4, 4, 4], "standalone": [2, 2, 2, 2]}
+# The last is the command-line spelling of a mapping (--config.placement=...): split's pools.
+MAPPING = "gen=4:actor+rollout+ref;score=4:critic+reward"
+PLACEMENTS = {"colocate": [8, 8, 8, 8], "split": [4, 4, 4, 4], "standalone": [2, 2, 2, 2],
+              MAPPING: [4, 4, 4, 4]}
 ROLES = ("actor", "ref", "critic", "reward")
 
 
@@ -138,7 +141,7 @@ def test_placements_give_the_same_step(placement_runs):
     moved = max(np.abs(base["actor"][k] - v).max() for k, v in before.items())
     assert moved > 5e-5
 
-    for placement in ("split", "standalone"):
+    for placement in ("split", "standalone", MAPPING):
         run = placement_runs[placement]
         other = numeric(run["metrics"])
         assert other.keys() == m.keys()
