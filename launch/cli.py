@@ -136,8 +136,8 @@ class _DropLibraryNoise(py_logging.Filter):
 def _quiet_logs(verbose: bool) -> None:
     if verbose:
         return
+    # On the handler: a logger's own filters do not see records propagated from its children.
     logging.get_absl_handler().addFilter(_DropLibraryNoise())
-    py_logging.getLogger().addFilter(_DropLibraryNoise())
 
 
 # -- the --config flag ---------------------------------------------------------------------------
