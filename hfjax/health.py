@@ -1,10 +1,12 @@
 """What a step's metrics say about the run's health, read from the metrics the step fetches
 anyway (no extra host round trip):
 
-- updates that were not applied because a loss, gradient norm or parameter went NaN or
-  infinite (`hfjax.engine.update` refuses them on the device): `trainer.nonfinite=stop` ends the
-  run with `NonFiniteError`, naming the stage and the step; `skip` lets it go on, counting them
-  in `<role>/nonfinite_updates`;
+- updates that were not applied because the loss or gradient norm went NaN or infinite
+  (`hfjax.engine.update` refuses them on the device): `trainer.nonfinite=stop` ends the run with
+  `NonFiniteError`, naming the stage and the step; `skip` lets it go on, counting them in
+  `<role>/nonfinite_updates`;
+- an update with a finite gradient that left a parameter non-finite (`<role>/nonfinite_params`):
+  it cannot be taken back, so the run ends whatever `trainer.nonfinite` says;
 - a policy near uniform: its mean token entropy near log(vocab), `health/near_uniform_policy`
   = 1. An untrained model starts there; a policy that was not and becomes so has collapsed, and
   the trainer warns once when that happens.
@@ -28,18 +30,37 @@ COLLAPSE_SHARE = 0.9
 
 
 class NonFiniteError(RuntimeError):
-    """An update that would have made the model non-finite, under trainer.nonfinite=stop."""
+    """Non-finite numbers that end the run (see the module docstring)."""
+
+
+def params_key(key: str) -> str:
+    """The `<role>/nonfinite_params` flag next to a `<role>/nonfinite_updates` count."""
+    return key.replace("nonfinite_updates", "nonfinite_params")
+
+
+def must_stop(metrics: Mapping[str, float], cfg) -> bool:
+    """Whether `check_nonfinite` will end the run on these metrics."""
+    return any(metrics.get(params_key(k)) for k in NONFINITE) or (
+        cfg.trainer.nonfinite == "stop" and any(metrics.get(k) for k in NONFINITE))
 
 
 def check_nonfinite(metrics: Mapping[str, float], where: str, cfg) -> int:
-    """The number of updates the step did not apply; raises NonFiniteError when there are any
-    and `cfg.trainer.nonfinite` is "stop". `where` names the step, e.g. "RL step 7"."""
+    """The number of updates the step did not apply; raises NonFiniteError when an applied
+    update left a non-finite parameter, or when any update was refused and
+    `cfg.trainer.nonfinite` is "stop". `where` names the step, e.g. "RL step 7"."""
     skipped = 0
     for key, (stage, loss_key, section) in NONFINITE.items():
+        grad_key = key.replace("nonfinite_updates", "grad_norm")
+        if metrics.get(params_key(key)):
+            raise NonFiniteError(
+                f"an update in {stage} at {where} made parameters non-finite although its "
+                f"gradient was finite ({grad_key}={_fmt(metrics, grad_key)}): it cannot be "
+                "taken back, so the run stops whatever trainer.nonfinite says, and no "
+                f"checkpoint holds it. Lower {section}.lr (now {cfg[section].lr:g}); rerunning "
+                "resumes from the newest checkpoint")
         n = int(metrics.get(key, 0))
         skipped += n
         if n and cfg.trainer.nonfinite == "stop":
-            grad_key = key.replace("nonfinite_updates", "grad_norm")
             raise NonFiniteError(
                 f"non-finite numbers in {stage} at {where} ({loss_key}={_fmt(metrics, loss_key)},"
                 f" {grad_key}={_fmt(metrics, grad_key)}); the update was not applied and no "

@@ -440,7 +440,7 @@ TRAIN_KEYS: dict[str, Callable[[Any], str | None]] = {
     "trainer.async_save": Bool(),
     "trainer.resume": Check(_resume),
     "trainer.nonfinite": Choice(("stop", "skip"),
-                                note="what a non-finite loss, gradient or parameter does"),
+                                note="what an update with a non-finite loss or gradient does"),
     "trainer.compilation_cache_dir": Check(_cache_dir),
 }
 

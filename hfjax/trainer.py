@@ -141,7 +141,8 @@ class Trainer:
         trainer.nonfinite=stop."""
         with jax.transfer_guard("allow"):
             host = jax.device_get(steps)
-        bad = [(first + k + 1, m) for k, m in enumerate(host) if m["sft/nonfinite_updates"]]
+        bad = [(first + k + 1, m) for k, m in enumerate(host)
+               if m["sft/nonfinite_updates"] or m["sft/nonfinite_params"]]
         if bad:
             step, m = bad[0]
             health.check_nonfinite({k: float(v) for k, v in m.items()}, f"warm-start step {step}",
@@ -335,7 +336,7 @@ class Trainer:
             while self.step < total and not stop():
                 m = self.train_step()
                 # A step that stops the run is logged first, so metrics.jsonl shows it.
-                stopping = t.nonfinite == "stop" and any(m.get(k) for k in health.NONFINITE)
+                stopping = health.must_stop(m, self.cfg)
                 if not stopping and t.test_freq > 0 and (self.step % t.test_freq == 0
                                                          or self.step == total):
                     m |= self._timed_validate()

@@ -61,11 +61,12 @@ def test_update_step_refuses_non_finite_loss_gradient_and_parameters():
     for a, b in zip(jax.tree.leaves(s2), jax.tree.leaves(s1)):  # Adam's count and moments too
         np.testing.assert_array_equal(a, b)
 
-    # A finite gradient whose update overflows the parameters is refused as well.
+    # A finite gradient whose update overflows the parameters: applied (taking it back would
+    # cost a copy of the state), and flagged so that the run ends.
     sgd = optax.sgd(1e38)
     p3, _, m = _step(sgd)(copy(params), sgd.init(params), {"x": x * 100, "y": y})
-    assert float(m["nonfinite"]) == 1.0 and math.isfinite(float(m["grad_norm"]))
-    np.testing.assert_array_equal(p3["w"], params["w"])
+    assert float(m["nonfinite"]) == 0.0 and math.isfinite(float(m["grad_norm"]))
+    assert float(m["nonfinite_params"]) == 1.0 and not np.isfinite(np.asarray(p3["w"])).all()
 
 
 SOURCE = "tests/nonfinite/digit_fraction"
@@ -169,3 +170,11 @@ def test_check_nonfinite_stops_or_counts():
     c.trainer.nonfinite = "skip"
     assert health.check_nonfinite(m, "RL step 5", c) == 2
     assert health.check_nonfinite({"actor/nonfinite_updates": 0.0}, "RL step 5", c) == 0
+    assert not health.must_stop(m, c)
+    # Parameters an applied update made non-finite end the run even under skip.
+    broke = {"critic/nonfinite_params": 1.0, "critic/grad_norm": 2.5}
+    assert health.must_stop(broke, c)
+    with pytest.raises(NonFiniteError, match=r"update in update_critic at RL step 3 made "
+                                             r"parameters non-finite .*critic/grad_norm=2.5.*"
+                                             r"whatever trainer.nonfinite says"):
+        health.check_nonfinite(broke, "RL step 3", c)

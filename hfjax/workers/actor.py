@@ -243,6 +243,7 @@ class ActorRollout(Reference):
                        epochs=a.ppo_epochs, shuffle=a.shuffle)
         m["actor/grad_norm"] = m.pop("grad_norm")
         m["actor/nonfinite_updates"] = m.pop("nonfinite")
+        m["actor/nonfinite_params"] = m.pop("nonfinite_params")
         m.pop("loss")
         return m
 
@@ -253,7 +254,8 @@ class ActorRollout(Reference):
         m = self.train(self._sft_loss, batch, keys, mini=len(batch), micro=micro, epochs=1,
                        shuffle=False)
         return {"sft/loss": m["loss"], "sft/grad_norm": m["grad_norm"],
-                "sft/nonfinite_updates": m["nonfinite"]}
+                "sft/nonfinite_updates": m["nonfinite"],
+                "sft/nonfinite_params": m["nonfinite_params"]}
 
 
 def trim_responses(out: GenerateOutput) -> GenerateOutput:

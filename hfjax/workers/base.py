@@ -101,7 +101,8 @@ class WorkerGroup:
               shuffle: bool) -> dict[str, jax.Array]:
         """Runs `epochs` passes of micro-batched updates of `loss_fn` over mini-batches of
         `batch`; returns the metrics averaged over the steps (device scalars, not fetched),
-        except `nonfinite`: the number of updates not applied (`hfjax.engine.update`)."""
+        except `nonfinite` and `nonfinite_params`: the number of updates not applied, and of
+        those that left a non-finite parameter (`hfjax.engine.update`)."""
         update.check_mini_batching(len(batch), mini, micro, self.dp_size, self.name)
         key = (loss_fn.__name__, mini // micro)
         if key not in self._programs:
@@ -122,6 +123,7 @@ class WorkerGroup:
         self._train_calls += 1
         out = _divide(sums, count)
         out["nonfinite"] = sums["nonfinite"]
+        out["nonfinite_params"] = sums["nonfinite_params"]
         return out
 
     @property

@@ -60,5 +60,6 @@ class Critic(WorkerGroup):
                          micro=c.ppo_micro_batch_size, epochs=c.ppo_epochs, shuffle=c.shuffle)
         out["critic/grad_norm"] = out.pop("grad_norm")
         out["critic/nonfinite_updates"] = out.pop("nonfinite")
+        out["critic/nonfinite_params"] = out.pop("nonfinite_params")
         out.pop("loss")
         return out
