@@ -538,7 +538,8 @@ def test_case_count():
 
 
 def test_verbose_shows_the_traceback(tmp_path):
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT}
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT,
+           "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "cache")}
     env.pop("XLA_FLAGS", None)
     p = subprocess.run([sys.executable, "-m", "launch.export", f"--ckpt={tmp_path}/none",
                         f"--out={tmp_path}/out", "--verbose"], cwd=ROOT, env=env,
