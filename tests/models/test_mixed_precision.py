@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from hfjax.algorithms import core
+from hfjax.numerics import core
 from hfjax.models import precision, transformer
 from hfjax.models.presets import get_preset
 
