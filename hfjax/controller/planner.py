@@ -533,7 +533,7 @@ def _check_some_mesh(search: _Search, roles, n: int, workload: Workload) -> None
             near = [m for m in range(max(1, n - 8), n + 9)
                     if m != n and search.layouts(role, m)][:4]
             raise PlanError(
-                f"no mesh over {n} devices can run the {role} ({model.label}): {need}tensor "
+                f"no mesh over {n} devices can run {model.label}: {need}tensor "
                 f"must divide its {cfg.num_heads} heads (and fsdp its hidden size "
                 f"{cfg.hidden_size}); device counts that work nearby: "
                 f"{', '.join(map(str, near)) or 'none'}")
@@ -545,7 +545,7 @@ def _no_fit_message(search: _Search, roles, min_alloc, n: int, cluster: Cluster,
     alone = []
     for role in roles:
         fits = next((m for m in range(1, n + 1) if search.set_choice((role,), m)), None)
-        alone.append(f"{role} ({search.models[role].label}): "
+        alone.append(f"{search.models[role].label}: "
                      + (f"{fits} device(s)" if fits else f"does not fit on {n}"))
     total = sum(search.sim.costs.state(search.models[r], MeshLayout(fsdp=1)).total
                 for r in roles)
