@@ -56,9 +56,13 @@ def plan_inputs(cfg, reward_model: str = "", score_micro: int = 0, gen_rows: int
     models = [ModelSpec("actor", actor_cfg, "causal_lm", True, f"actor {name}")]
     if "critic" in algo.roles:
         models.append(ModelSpec("critic", actor_cfg, "value", True, f"critic {name}"))
+    host = []
     if needs_ref(cfg, algo.roles):
         models.append(ModelSpec("ref", actor_cfg, "causal_lm", False, f"ref {name}"))
-    host = []
+    elif "ref" in algo.roles:
+        # No KL term reads it, so the run builds no reference; the placement still names the
+        # role, on the actor's pool.
+        host.append("ref")
     if "reward" in algo.roles:
         if reward_model:
             m = cfg.model

@@ -90,7 +90,9 @@ def main(argv):
         print(f"  {m.role:<7} {size} params, {m.head}, {kind}, "
               f"dtype {m.config.dtype}, remat {m.config.remat_policy}")
     for role in host:
-        print(f"  {role:<7} rule reward, scored on the host")
+        what = ("rule reward, scored on the host" if role == "reward"
+                else "not built (no KL term reads it); placed with the actor")
+        print(f"  {role:<7} {what}")
     w = workload
     print(f"  step: {w.prompts} prompts x {w.n} samples, {w.prompt_len} prompt + "
           f"{w.response_len} response tokens (buckets); actor mini/micro {w.actor_mini}/"

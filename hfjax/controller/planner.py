@@ -443,8 +443,9 @@ def plan(
 ) -> PlanResult:
     """Plans `models` (one per device role) for `num_devices` devices of `target`.
 
-    `dataflow` defaults to `rlhf_dataflow` of the models' roles; `host_roles` (e.g. a rule
-    reward) are placed with the actor and cost nothing. Returns the best plan and the best of
+    `dataflow` defaults to `rlhf_dataflow` of the models' roles; `host_roles` (roles without a
+    device model: a rule reward, a reference no KL term reads) join the actor's pool and cost
+    nothing. Returns the best plan and the best of
     each other placement. Raises PlanError when no placement runs, naming what is missing.
     """
     t0 = time.perf_counter()
