@@ -106,8 +106,9 @@ def main(argv):
           "device)")
     for name, sc in best.sets.items():
         size, roles = best.pools[name]
-        print(f"  pool {name}: {size} devices, roles {'+'.join(roles)}, peak "
-              f"{_gb(sc.peak_bytes)} of {_gb(t.memory_bytes)} per device")
+        print(f"  pool {name}: {size} devices (fits on {result.min_allocation[name]} or more), "
+              f"roles {'+'.join(roles)}, peak {_gb(sc.peak_bytes)} of {_gb(t.memory_bytes)} "
+              "per device")
         for role, ch in sc.choices.items():
             extra = ""
             if role == "actor":

@@ -253,6 +253,9 @@ class PlanResult:
     seconds: float
     cluster: Cluster
     workload: Workload
+    # The fewest devices each colocated set fits on (pool name -> devices; None: not within
+    # the cluster), for every set of every placement.
+    min_allocation: dict[str, int | None] = dataclasses.field(default_factory=dict)
 
 
 class _Search:
@@ -481,6 +484,8 @@ def plan(
     for placement in placements:
         feasible = []
         for group in placement:
+            # The sizes the set fits on; the first is its minimum allocation (Algorithm 1's
+            # get_min_alloc), and allocations are enumerated from there.
             sizes = [n for n in steps if search.set_choice(group, n) is not None]
             min_alloc[group] = sizes[0] if sizes else None
             feasible.append(sizes)
@@ -493,10 +498,11 @@ def plan(
             if key not in best_by_placement or p.iteration_s < best_by_placement[key].iteration_s:
                 best_by_placement[key] = p
     if not best_by_placement:
-        raise PlanError(_no_fit_message(search, roles, min_alloc, num_devices, cluster, budget))
+        raise PlanError(_no_fit_message(search, roles, num_devices, cluster, budget))
     ranked = sorted(best_by_placement.values(), key=lambda p: p.iteration_s)
     return PlanResult(ranked[0], ranked[1:1 + alternatives], len(placements), n_alloc,
-                      time.perf_counter() - t0, cluster, workload)
+                      time.perf_counter() - t0, cluster, workload,
+                      {pool_name(group): n for group, n in min_alloc.items()})
 
 
 def _build_plan(placement, alloc, search: _Search, flow, host_roles, workload: Workload,
@@ -540,8 +546,7 @@ def _check_some_mesh(search: _Search, roles, n: int, workload: Workload) -> None
                 f"{', '.join(map(str, near)) or 'none'}")
 
 
-def _no_fit_message(search: _Search, roles, min_alloc, n: int, cluster: Cluster,
-                    budget: float) -> str:
+def _no_fit_message(search: _Search, roles, n: int, cluster: Cluster, budget: float) -> str:
     t = cluster.target
     alone = []
     for role in roles:

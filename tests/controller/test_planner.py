@@ -171,6 +171,8 @@ def test_memory_decides_the_minimum_allocation():
     assert not any(search.layouts("actor", n) for n in (3, 5, 6, 7))
     eight = search.set_choice(("actor",), 8)
     assert eight is not None and eight.peak_bytes <= budget
+    result = planner.plan([ModelSpec("actor", cfg, "causal_lm", True)], w, "a100-80gb", 16)
+    assert result.min_allocation == {"actor": 8}
 
 
 def test_bad_input_is_refused_clearly():
