@@ -463,6 +463,9 @@ def plan(
     unknown = set(by_role) - set(DEVICE_ROLES)
     if unknown:
         raise PlanError(f"unknown roles {sorted(unknown)}; device roles are {DEVICE_ROLES}")
+    if "critic" in by_role and not (workload.critic_mini and workload.critic_micro):
+        raise PlanError("a critic needs workload.critic_mini and critic_micro (rows per mini- "
+                        "and micro-batch of its update)")
     if not 0 < memory_fraction <= 1:
         raise PlanError(f"memory_fraction={memory_fraction}: a fraction in (0, 1]")
     roles = tuple(r for r in DEVICE_ROLES if r in by_role)
