@@ -132,6 +132,10 @@ class Efficiency:
             if key.endswith("_s"):
                 if values[key] < 0:
                     raise ValueError(f"efficiency {key}={value}: seconds cannot be negative")
+            elif key == "fsdp_overlap":  # 0: no FSDP traffic hides behind compute
+                if not 0 <= values[key] <= 1:
+                    raise ValueError(f"efficiency {key}={value}: a fraction in [0, 1] is "
+                                     "expected")
             elif not 0 < values[key] <= 1:
                 raise ValueError(f"efficiency {key}={value}: a fraction in (0, 1] is expected")
         return dataclasses.replace(base, **values)

@@ -195,6 +195,7 @@ def test_bad_input_is_refused_clearly():
 def test_efficiency_flags_parse_and_refuse_nonsense():
     e = Efficiency.parse("train=0.3,hbm=0.6,call_overhead_s=0.001")
     assert (e.train, e.hbm, e.call_overhead_s, e.forward) == (0.3, 0.6, 0.001, 0.45)
+    assert Efficiency.parse("fsdp_overlap=0").fsdp_overlap == 0
     for bad in ("train=1.5", "speed=1", "train", "hbm=x", "step_overhead_s=-1"):
         with pytest.raises(ValueError):
             Efficiency.parse(bad)
