@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import statistics
+import sys
 import time
 
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
@@ -29,12 +30,15 @@ import jax  # noqa: E402
 from absl import app, flags, logging  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from hfjax.engine import hybrid, hybrid_baselines  # noqa: E402
+from hfjax.engine import hybrid  # noqa: E402
 from hfjax.models import transformer  # noqa: E402
 from hfjax.models.presets import get_preset  # noqa: E402
 from hfjax.parallel import reshard  # noqa: E402
 from hfjax.parallel import sharding as shd  # noqa: E402
 from hfjax.parallel.mesh import MeshSpec  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import hybrid_baselines  # noqa: E402
 
 # (training mesh, training rules, decode mesh, Megatron-style?)
 PAIRS = {

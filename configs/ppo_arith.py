@@ -1,8 +1,9 @@
 """The default job: PPO with a GAE critic on the embedded 2-digit arithmetic task.
 
 A tiny Llama-style model is trained from scratch: a short SFT warm start on deliberately
-imperfect data (carries dropped in most examples that need one), then PPO with an exact-answer
-reward. Every key can be overridden from the command line, e.g.
+imperfect data (70% of the demonstrations give the bare answer without the `####` marker the
+reward looks for: `sft.corruption=format`), then PPO with an exact-answer reward. Every key
+can be overridden from the command line, e.g.
     python -m launch.train --config.placement=split --config.actor.mesh=fsdp=2,tensor=2
 """
 
@@ -13,12 +14,14 @@ def get_config() -> config_dict.ConfigDict:
     c = config_dict.ConfigDict()
     c.algorithm = "ppo"
     c.seed = 0
-    # colocate | split | standalone, or a mapping {pool: {size, roles}}.
-    c.placement = "colocate"
+    # colocate | split | standalone, or a mapping {pool: {size, roles}} (on the command line
+    # "pool=size:role+role;..."). Typed `object` so a derived config may assign either form.
+    c.placement = config_dict.FieldReference("colocate", field_type=object)
 
     c.model = config_dict.ConfigDict(
         dict(
-            # A preset name or a path to an HF directory / .gguf file.
+            # A path to an HF directory or a .gguf file; empty: a tiny model from scratch with
+            # the sizes below.
             path="",
             vocab_size=0,  # 0: the task tokenizer's size
             hidden_size=128,
@@ -57,10 +60,11 @@ def get_config() -> config_dict.ConfigDict:
     c.actor = config_dict.ConfigDict(
         dict(
             mesh="fsdp=-1",
-            # Logical-axis rules of the training layout: train | nested_train | decode
+            # Logical-axis rules of the training layout: auto | train | nested_train | decode
             # (Megatron-style). With the hybrid engine, training shards must nest inside decode
-            # shards: nested_train and decode do; train does not on fsdp alone (it says why).
-            rules="train",
+            # shards; auto picks train, or nested_train when only it nests in rollout.mesh
+            # (hfjax/engine/layout_choice.py), and says so in the log.
+            rules="auto",
             lr=1e-4,
             weight_decay=0.0,
             grad_clip=1.0,
@@ -140,7 +144,7 @@ def get_config() -> config_dict.ConfigDict:
         dict(
             custom_fn="",  # path/to/file.py:fn with (data_source, solution_str, ground_truth,
             # extra_info); replaces the built-in rewards
-            num_workers=2,  # reward worker processes (0: score in the controller thread)
+            num_processes=2,  # reward scorer subprocesses (0: score in the controller thread)
             timeout_s=10.0,  # per-call limit; a reward that hangs or raises scores 0
         )
     )
@@ -164,6 +168,13 @@ def get_config() -> config_dict.ConfigDict:
             # auto: continue from the newest readable checkpoint in out_dir, if any;
             # disable: start fresh; or a path: a run's out_dir, a checkpoint root or step dir.
             resume="auto",
+            # An update with a non-finite loss or gradient norm is not applied. stop: end the
+            # run naming the stage and step; skip: count it (actor/nonfinite_updates, ...) and
+            # go on. An update that overflows a parameter ends the run either way.
+            nonfinite="stop",
+            # JAX's persistent compilation cache, so a resumed run compiles nothing it compiled
+            # before: auto ($JAX_COMPILATION_CACHE_DIR, else ~/.cache/hfjax/jax), off, or a dir.
+            compilation_cache_dir="auto",
         )
     )
     return c

@@ -1,12 +1,12 @@
-"""The training loop: builds worker groups from a config, then runs warm start, RL steps,
-validation, checkpoints and metrics (`Trainer.fit`). It talks to the user only through the
-metric sinks and the `on_log` callback that the launcher passes in."""
+"""The training loop: builds a run's worker groups from a config, then runs warm start, RL
+steps, validation and checkpoints (`Trainer.fit`). It talks to the user only through the metric
+sinks and the `on_log` callback that the launcher passes in."""
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
+import math
 import os
 import time
 from collections.abc import Callable
@@ -16,98 +16,24 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import logging
-from flax import nnx
 
 from hfjax import checkpoint as ckpt_lib
-from hfjax.algorithms import core, losses
-from hfjax.algorithms.dataflow import Workers
-from hfjax.algorithms.registry import get_algorithm
-from hfjax.controller.batch import Batch
-from hfjax.controller.placement import resolve_placement
+from hfjax import health
+from hfjax.algorithms import dataflow
 from hfjax.data import arith
-from hfjax.data.dataset import Dataset, reward_meta
-from hfjax.engine.continuous import rollout_sampler
-from hfjax.engine.sampler import MIN_PROMPT_BUCKET, SamplingParams, bucket_size
-from hfjax.engine.update import check_mini_batching, make_optimizer
-from hfjax.metrics import MetricsLogger, parse_sink_names
+from hfjax.data.batching import prompt_batch, sft_batches
+from hfjax.data.dataset import Dataset
+from hfjax.metrics import MetricsLogger
 from hfjax.models import load as load_model
 from hfjax.models import load_tokenizer, transformer
-from hfjax.models.config import ModelConfig
-from hfjax.parallel.mesh import MeshSpec, dp_size
-from hfjax.workers.actor import ActorRollout, Reference
-from hfjax.workers.critic import Critic
-from hfjax.workers.reward import RuleReward
+from hfjax.numerics.losses import kl_controller_from_state, kl_controller_state
+from hfjax.parallel.transfer import to_host
+from hfjax.run_config import validate_config
+from hfjax.workers import groups
+from hfjax.workers.groups import WorkerGroups
 
-
-def left_pad(seqs: list[list[int]], width: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
-    """(ids, mask) int32 [N, width], each sequence right-aligned."""
-    ids = np.full((len(seqs), width), pad_id, np.int32)
-    mask = np.zeros((len(seqs), width), np.int32)
-    for i, s in enumerate(seqs):
-        if len(s) > width:
-            raise ValueError(f"sequence {i} has {len(s)} tokens, more than the limit {width}")
-        if s:
-            ids[i, width - len(s) :] = s
-            mask[i, width - len(s) :] = 1
-    return ids, mask
-
-
-def right_pad(seqs: list[list[int]], width: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
-    """(ids, mask) int32 [N, width], each sequence left-aligned and cut at width."""
-    ids = np.full((len(seqs), width), pad_id, np.int32)
-    mask = np.zeros((len(seqs), width), np.int32)
-    for i, s in enumerate(seqs):
-        s = s[:width]
-        ids[i, : len(s)] = s
-        mask[i, : len(s)] = 1
-    return ids, mask
-
-
-def validate_config(cfg) -> Any:
-    """Checks names and batch arithmetic before anything is built; returns the Algorithm."""
-    algo = get_algorithm(cfg.algorithm)
-    core.ADV_ESTIMATORS.get(cfg.algo.adv_estimator)
-    core.POLICY_LOSSES.get(cfg.actor.policy_loss)
-    core.LOSS_AGG_MODES.get(cfg.actor.loss_agg_mode)
-    losses.check_kl_name(cfg.algo.kl_penalty)
-    if cfg.actor.use_kl_loss:
-        losses.check_kl_name(cfg.actor.kl_loss_type)
-    _check_run_keys(cfg.trainer)
-    try:  # the validation sampling settings, checked like any request's
-        SamplingParams(cfg.rollout.response_length, temperature=cfg.rollout.val_kwargs.temperature,
-                       n=cfg.rollout.val_kwargs.n)
-    except ValueError as err:
-        raise ValueError(f"rollout.val_kwargs: {err}") from err
-    n_seq = cfg.data.train_batch_size * cfg.rollout.n
-    pools = resolve_placement(_placement(cfg), _active_roles(algo), jax.devices())
-    dp = dp_size(MeshSpec.parse(cfg.actor.mesh).build(pools["actor"].devices, "actor"))
-    check_mini_batching(n_seq, cfg.actor.ppo_mini_batch_size * cfg.rollout.n,
-                        cfg.actor.ppo_micro_batch_size, dp, "actor")
-    if "ref" in algo.roles and (cfg.actor.use_kl_loss or cfg.algo.use_kl_in_reward):
-        # Built only after the warm start, so a bad mesh must be caught here, not there.
-        MeshSpec.parse(cfg.ref.mesh).build(pools["ref"].devices, "ref")
-    if "critic" in algo.roles:
-        dpc = dp_size(MeshSpec.parse(cfg.critic.mesh).build(pools["critic"].devices, "critic"))
-        check_mini_batching(n_seq, cfg.critic.ppo_mini_batch_size * cfg.rollout.n,
-                            cfg.critic.ppo_micro_batch_size, dpc, "critic")
-    return algo, pools
-
-
-def _check_run_keys(t) -> None:
-    parse_sink_names(t.get("logger", ""))
-    resume = str(t.get("resume", "auto"))
-    if resume not in ("auto", "disable") and not os.path.isdir(resume):
-        raise ValueError(f"trainer.resume={resume!r}: not auto, disable or an existing "
-                         "checkpoint directory (a run's out_dir, checkpoint root or step dir)")
-
-
-def _placement(cfg):
-    p = cfg.placement
-    return p.to_dict() if hasattr(p, "to_dict") else p
-
-
-def _active_roles(algo) -> tuple[str, ...]:
-    return tuple(r for r in algo.roles if r != "rollout")
+# Warm-start steps between checks for non-finite updates (each check is one small fetch).
+_SFT_CHECK_EVERY = 100
 
 
 class Trainer:
@@ -116,30 +42,25 @@ class Trainer:
     def __init__(self, cfg):
         self.cfg = cfg
         self.algo, self.pools = validate_config(cfg)
-        d = cfg.data
-        self.tok = self._tokenizer()
+        self.tok = load_tokenizer(cfg.model.path) if cfg.model.path else arith.tokenizer()
         self.train_data, self.test_data = self._datasets()
         logging.info("train data: %s", self.train_data.report.summary())
         logging.info("validation data: %s", self.test_data.report.summary())
-        self.train_iter = self.train_data.iterator(d.train_batch_size, seed=cfg.seed)
-        self.pad = self.tok.pad_id
-        self.eos = self.tok.eos_id
-        self.reward = RuleReward(self.tok, custom_fn=cfg.reward.custom_fn or None,
-                                 num_workers=cfg.reward.num_workers,
-                                 timeout_s=cfg.reward.timeout_s)
+        self.train_iter = self.train_data.iterator(cfg.data.train_batch_size, seed=cfg.seed)
         self.step = 0
+        # Before the model: a custom reward file is imported (under the reward timeout) here.
+        self.reward = groups.build_reward(cfg, self.tok,
+                                          home=self.pools["actor"].mesh(cfg.actor.mesh))
         initial = self._initial_model()
         self.model_cfg = initial.config
-        self.actor = self._make_actor(initial)
-        self.workers: Workers | None = None
+        self.actor = groups.build_actor(cfg, initial, self.pools, self.tok.pad_id, self.tok.eos_id)
+        self._groups: WorkerGroups | None = None
+        # Whether this process has seen the policy away from uniform, and told of a collapse.
+        self._peaked = self._collapse_reported = False
 
     # -- construction ------------------------------------------------------------------------
 
-    def _tokenizer(self):
-        path = self.cfg.model.path
-        return load_tokenizer(path) if path else arith.tokenizer()
-
-    def _datasets(self):
+    def _datasets(self) -> tuple[Dataset, Dataset]:
         """(train, validation) Datasets; bad rows fail or are counted here, before compiling."""
         c, d = self.cfg, self.cfg.data
         if d.task == "arith":
@@ -156,134 +77,79 @@ class Trainer:
                          "(with data.train_files and data.val_files)")
 
     def _initial_model(self):
-        """The actor before training: a checkpoint from model.path, else a fresh tiny model."""
+        """The actor before training: a checkpoint from model.path, else a fresh tiny model
+        that holds the task's longest prompt and response."""
         c = self.cfg
         if c.model.path:
             return load_model(c.model.path, dtype=c.model.dtype, scan_layers=c.model.scan_layers,
                               remat_policy=c.model.remat_policy)
-        return transformer.build(self._scratch_config(), "causal_lm", seed=c.seed)
+        positions = c.data.max_prompt_length + c.rollout.response_length
+        mcfg = groups.scratch_model_config(c.model, self.tok.vocab_size, self.tok.pad_id,
+                                           self.tok.eos_id, positions)
+        return transformer.build(mcfg, "causal_lm", seed=c.seed)
 
-    def _scratch_config(self) -> ModelConfig:
-        m = self.cfg.model
-        return ModelConfig(
-            vocab_size=m.vocab_size or self.tok.vocab_size,
-            hidden_size=m.hidden_size,
-            intermediate_size=m.intermediate_size,
-            num_layers=m.num_layers,
-            num_heads=m.num_heads,
-            num_kv_heads=m.num_kv_heads,
-            head_dim=m.head_dim,
-            tie_word_embeddings=True,
-            param_dtype=m.dtype,
-            dtype=m.dtype,
-            scan_layers=m.scan_layers,
-            remat_policy=m.remat_policy,
-            pad_token_id=self.tok.pad_id,
-            eos_token_id=self.tok.eos_id,
-            max_position_embeddings=64,
-        )
-
-    def _make_actor(self, model) -> ActorRollout:
-        c = self.cfg
-        pool = self.pools["actor"]
-        mesh = pool.mesh(c.actor.mesh)
-        # The 3D-HybridEngine (rollout.mesh + rollout.hybrid_engine): built first so that a
-        # decode layout that cannot hold the model fails before anything compiles.
-        from hfjax.engine.hybrid import engine_for
-        from hfjax.parallel.sharding import layout
-
-        rules = c.actor.get("rules", "train")
-        engine = engine_for(layout(mesh, rules), c.rollout, nnx.state(model))
-        sampler = rollout_sampler(
-            model, c.rollout, mesh=engine.decode_mesh if engine else mesh,
-            max_prompt_len=c.data.max_prompt_length, pad_id=self.pad, rules=None,
-            param_rules=engine.decode_rules if engine else rules)
-        return ActorRollout(
-            "actor", pool, c.actor.mesh, model, rules=rules,
-            sampler=sampler, actor_cfg=c.actor, rollout_cfg=c.rollout,
-            optimizer=make_optimizer(c.sft.lr, grad_clip=c.actor.grad_clip),
-            eos_ids=(self.eos,), hybrid=engine,
-        )
-
-    def _make_rl_workers(self) -> Workers:
-        c = self.cfg
-        roles = self.algo.roles
-        self.actor.set_optimizer(
-            make_optimizer(c.actor.lr, weight_decay=c.actor.weight_decay,
-                           grad_clip=c.actor.grad_clip)
-        )
-        policy = self.actor.model()
-        ref = None
-        if "ref" in roles and (c.actor.use_kl_loss or c.algo.use_kl_in_reward):
-            ref = Reference("ref", self.pools["ref"], c.ref.mesh, policy,
-                            temperature=c.rollout.temperature)
-        critic = None
-        if "critic" in roles:
-            value_model = transformer.build(self.model_cfg, "value", seed=c.seed + 1)
-            nnx.update(value_model.model, nnx.state(policy.model))
-            critic = Critic(
-                "critic", self.pools["critic"], c.critic.mesh, value_model,
-                critic_cfg=c.critic, n_samples=c.rollout.n, horizon=c.rollout.response_length,
-                optimizer=make_optimizer(c.critic.lr, weight_decay=c.critic.weight_decay,
-                                         grad_clip=c.critic.grad_clip),
-            )
-        a = c.algo
-        kl = losses.get_kl_controller(a.kl_ctrl.type, a.kl_ctrl.kl_coef, a.kl_ctrl.target_kl,
-                                    a.kl_ctrl.horizon)
-        return Workers(actor=self.actor, ref=ref, critic=critic, reward=self.reward,
-                       kl_ctrl=kl, sync_timing=c.trainer.sync_stage_timing)
-
-    # -- data ----------------------------------------------------------------------------------
-
-    def prompt_batch(self, rows: list[dict], seeds: np.ndarray) -> Batch:
-        """Host batch of left-padded prompts with per-row seeds and reward metadata.
-
-        The width is the longest prompt's length rounded up to a power of two (at least
-        MIN_PROMPT_BUCKET), capped at max_prompt_length: no stage computes on columns that are
-        padding in every row, and a run compiles a handful of widths.
-        """
-        ids_list = [r["prompt_ids"] for r in rows]
-        width = bucket_size(max(len(i) for i in ids_list), MIN_PROMPT_BUCKET,
-                            cap=self.cfg.data.max_prompt_length)
-        ids, mask = left_pad(ids_list, width, self.pad)
-        return Batch({"prompts": ids, "prompt_mask": mask, "seeds": seeds.astype(np.int32)},
-                     meta=reward_meta(rows))
+    @property
+    def workers(self) -> WorkerGroups:
+        """The RL worker groups, built on first use (after the warm start)."""
+        if self._groups is None:
+            self._groups = groups.build_groups(self.cfg, self.actor, self.reward,
+                                               self.algo.roles, self.pools)
+        return self._groups
 
     # -- stages --------------------------------------------------------------------------------
 
     def warm_start(self, on_log: Callable | None = None,
                    should_stop: Callable[[], bool] | None = None) -> dict:
         """Supervised steps on the task's imperfect demonstrations; returns the last metrics
-        (empty when `should_stop` ended it early)."""
-        s = self.cfg.sft
+        (empty when `should_stop` ended it early), with `sft/nonfinite_updates` counting the
+        steps whose update was not applied.
+
+        Non-finite updates are checked every `_SFT_CHECK_EVERY` steps and at the end (one
+        fetch of those steps' metrics each time), and raise NonFiniteError naming the first such
+        step under trainer.nonfinite=stop."""
+        s, c = self.cfg.sft, self.cfg
         if s.steps <= 0:
             return {}
-        if self.cfg.data.task != "arith":
+        if c.data.task != "arith":
             raise ValueError("sft.steps > 0 needs data.task='arith' (the warm start uses its "
                              "demonstrations); set --config.sft.steps=0 for other data")
-        pairs = arith.sft_texts(self.train_data.rows, s.corrupt_frac, seed=self.cfg.seed + 1,
+        pairs = arith.sft_texts(self.train_data.rows, s.corrupt_frac, seed=c.seed + 1,
                                 corruption=s.corruption)
-        p = [self.tok.encode(q, add_special_tokens=False) for q, _ in pairs]
-        r = [self.tok.encode(a, add_special_tokens=False) + [self.eos] for _, a in pairs]
-        P, R = self.cfg.data.max_prompt_length, self.cfg.rollout.response_length
-        pid, pm = left_pad(p, P, self.pad)
-        rid, rm = right_pad(r, R, self.pad)
-        rng = np.random.default_rng(self.cfg.seed + 2)
-        m = {}
+        encode = lambda t: self.tok.encode(t, add_special_tokens=False)  # noqa: E731
+        batches = sft_batches(
+            [encode(q) for q, _ in pairs], [encode(a) + [self.tok.eos_id] for _, a in pairs],
+            prompt_width=c.data.max_prompt_length, response_width=c.rollout.response_length,
+            pad_id=self.tok.pad_id, batch_size=s.batch_size, steps=s.steps, seed=c.seed + 2)
+        m, pending, skipped = {}, [], 0
         for i in range(s.steps):
             if should_stop is not None and should_stop():
                 return {}
-            idx = rng.choice(len(pairs), s.batch_size, replace=False)
-            b = Batch({
-                "input_ids": np.concatenate([pid[idx], rid[idx]], 1),
-                "attention_mask": np.concatenate([pm[idx], rm[idx]], 1),
-                "responses": rid[idx],
-                "response_mask": rm[idx],
-            })
-            m = self.actor.update_sft(b, s.micro_batch_size)
-            if on_log and (i + 1) % 100 == 0:
-                on_log(i + 1, {k: float(v) for k, v in jax.device_get(m).items()})
-        return {k: float(v) for k, v in jax.device_get(m).items()}
+            m = self.actor.update_sft(next(batches), s.micro_batch_size)
+            pending.append(m)
+            if (i + 1) % _SFT_CHECK_EVERY == 0 or i + 1 == s.steps:
+                skipped += self._check_sft(pending, i + 1 - len(pending))
+                pending = []
+                if on_log and (i + 1) % _SFT_CHECK_EVERY == 0:
+                    on_log(i + 1, {k: float(v) for k, v in jax.device_get(m).items()})
+        out = {k: float(v) for k, v in jax.device_get(m).items()}
+        out["sft/nonfinite_updates"] = float(skipped)
+        return out
+
+    def _check_sft(self, steps: list[dict], first: int) -> int:
+        """How many of the warm-start steps after step `first` (their metrics) did not apply
+        their update (one fetch); NonFiniteError for the first such step under
+        trainer.nonfinite=stop."""
+        with jax.transfer_guard("allow"):
+            host = jax.device_get(steps)
+        bad = [(first + k + 1, m) for k, m in enumerate(host)
+               if m["sft/nonfinite_updates"] or m["sft/nonfinite_params"]]
+        if bad:
+            step, m = bad[0]
+            health.check_nonfinite({k: float(v) for k, v in m.items()}, f"warm-start step {step}",
+                                   self.cfg)
+            logging.warning("warm start: %d updates with non-finite numbers skipped (the first "
+                            "at step %d)", len(bad), step)
+        return len(bad)
 
     def validate(self) -> dict[str, float]:
         """Mean score per data_source on the validation set (accuracy for 0/1 rewards).
@@ -296,11 +162,11 @@ class Trainer:
         n, temperature = int(v.n), float(v.temperature)
         rows = self.test_data.rows
         # Fixed per-prompt seeds: sampled validation is reproducible and the same at every step.
-        batch = self.prompt_batch(rows, np.arange(len(rows), dtype=np.int32))
+        batch = prompt_batch(rows, np.arange(len(rows), dtype=np.int32), self.tok.pad_id,
+                             self.cfg.data.max_prompt_length)
         out = self.actor.generate(batch, greedy=temperature == 0.0, n=n, temperature=temperature)
         scored = self.reward.compute_reward(out)
-        with jax.transfer_guard("allow"):
-            scores = np.asarray(jnp.sum(scored["token_level_scores"], axis=1)).reshape(-1, n)
+        scores = to_host(jnp.sum(scored["token_level_scores"], axis=1)).reshape(-1, n)
         sources = np.asarray(out.meta["data_source"]).reshape(-1, n)[:, 0]
         metrics = {}
         for ds in sorted(set(sources.tolist())):
@@ -312,22 +178,21 @@ class Trainer:
 
     def train_step(self) -> dict[str, float]:
         """One RL iteration; returns host metrics (the step's one metrics fetch)."""
-        c = self.cfg
-        if self.workers is None:
-            self.workers = self._make_rl_workers()
-        w = self.workers
+        c, w = self.cfg, self.workers
         w.timing.clear()
         rows = next(self.train_iter)
         seeds = (c.seed * 1_000_003 + self.step * 65_537 + np.arange(len(rows))) % (2**31)
-        batch = self.prompt_batch(rows, seeds)
+        batch = prompt_batch(rows, seeds, self.tok.pad_id, c.data.max_prompt_length)
         t0 = time.perf_counter()
         batch, metrics = self.algo.step(w, batch, c)
-        metrics |= _batch_metrics(dict(batch.arrays), c.rollout.response_length)
+        metrics |= dataflow.step_metrics(dict(batch.arrays), c.rollout.response_length)
         with jax.transfer_guard("allow"):
             host = {k: float(v) for k, v in jax.device_get(metrics).items()}
         wall = time.perf_counter() - t0
-        if "actor/reward_kl_penalty" in host:
-            w.kl_ctrl = w.kl_ctrl.update(host["actor/reward_kl_penalty"], len(rows))
+        # A non-finite KL (from a step whose update is being refused) must not reach the
+        # controller's state, which checkpoints hold.
+        if math.isfinite(host.get("actor/reward_kl_penalty", 0.0)):
+            w.kl_ctrl = dataflow.update_kl_controller(w.kl_ctrl, host, len(rows))
         host.update(w.timing)
         tokens = host.pop("_tokens")
         host["timing_s/step"] = wall
@@ -335,21 +200,25 @@ class Trainer:
         host["perf/throughput"] = tokens / wall
         host["actor/kl_coef"] = float(w.kl_ctrl.value)
         host |= w.reward.pop_metrics()
+        uniform = health.near_uniform(host, self.model_cfg.vocab_size)
+        host[health.UNIFORM_KEY] = float(uniform)
+        if not uniform:
+            self._peaked = True
+        elif self._peaked and not self._collapse_reported:
+            self._collapse_reported = True
+            logging.warning("step %d: the policy collapsed: its mean token entropy %.3g is near "
+                            "log(vocab) = %.3g, it samples almost uniformly; lower actor.lr",
+                            self.step + 1, host[health.ENTROPY_KEY],
+                            math.log(self.model_cfg.vocab_size))
         self.step += 1
         return host
 
     # -- checkpoints ---------------------------------------------------------------------------
 
-    def ensure_rl_workers(self) -> Workers:
-        """The RL worker groups, built on first use (after the warm start)."""
-        if self.workers is None:
-            self.workers = self._make_rl_workers()
-        return self.workers
-
     def checkpoint_items(self) -> dict[str, Any]:
         """The arrays a checkpoint holds: params and optimizer state of each trained group, and
         the reference's params (saved rather than rebuilt: they are the warm-started actor's)."""
-        w = self.ensure_rl_workers()
+        w = self.workers
         items = {"actor_params": w.actor.params, "actor_opt_state": w.actor.opt_state}
         if w.ref is not None:
             items["ref_params"] = w.ref.params
@@ -358,85 +227,49 @@ class Trainer:
             items["critic_opt_state"] = w.critic.opt_state
         return items
 
+    def _trained(self) -> dict[str, Any]:
+        w = self.workers
+        return {name: g for name, g in (("actor", w.actor), ("critic", w.critic)) if g}
+
     def state_dict(self) -> dict:
         """The host state that, with `checkpoint_items()`, fixes every later step (JSON-able).
         Sampling seeds are a function of (seed, step), so the step carries them."""
-        w = self.ensure_rl_workers()
         return {
             "step": self.step,
             "seed": self.cfg.seed,
-            "data": self._data_state(),
-            "kl_ctrl": {"type": type(w.kl_ctrl).__name__, **dataclasses.asdict(w.kl_ctrl)},
+            "data": self.train_iter.state(),
+            "kl_ctrl": kl_controller_state(self.workers.kl_ctrl),
             # Update programs shuffle mini-batches with a seed that counts their calls.
-            "train_calls": {name: g._train_calls for name, g in
-                            (("actor", w.actor), ("critic", w.critic)) if g is not None},
+            "train_calls": {name: g._train_calls for name, g in self._trained().items()},
             "model_config": dataclasses.asdict(self.model_cfg),
         }
 
     def load_state(self, restored: ckpt_lib.Restored) -> None:
         """Installs a restored checkpoint: arrays into the worker groups, host state here."""
-        w = self.ensure_rl_workers()
+        w = self.workers
         it, st = restored.items, restored.state
         w.actor.params, w.actor.opt_state = it["actor_params"], it["actor_opt_state"]
         if w.ref is not None:
             w.ref.params = it["ref_params"]
         if w.critic is not None:
             w.critic.params, w.critic.opt_state = it["critic_params"], it["critic_opt_state"]
-        self._load_data_state(st["data"])
-        kl = dict(st["kl_ctrl"])
-        kinds = {"FixedKLController": losses.FixedKLController,
-                 "AdaptiveKLController": losses.AdaptiveKLController}
-        w.kl_ctrl = kinds[kl.pop("type")](**kl)
-        for name, n in st["train_calls"].items():
-            getattr(w, name)._train_calls = int(n)
-        self.step = int(st["step"])
-
-    def _data_state(self) -> dict:
-        return self.train_iter.state()
-
-    def _load_data_state(self, d: dict) -> None:
         try:
-            self.train_iter.restore(d)
+            self.train_iter.restore(st["data"])
         except ValueError as err:
             raise ckpt_lib.CheckpointMismatch(str(err)) from None
-
-    @staticmethod
-    def resume_source(ckpt: ckpt_lib.RunCheckpointer | None, mode: str = "auto"
-                      ) -> tuple[ckpt_lib.RunCheckpointer, int | None] | None:
-        """Where `trainer.resume` says to restore from: (checkpointer, step or None for its
-        newest), or None for a fresh start. Raises ValueError, before anything is restored or
-        written, when the setting contradicts what `ckpt` already holds."""
-        mode = str(mode or "auto")
-        own = ckpt.steps() if ckpt is not None else []
-        if mode == "disable":
-            if own:
-                raise ValueError(
-                    f"trainer.resume=disable, but {ckpt.directory} already holds checkpoints "
-                    f"(steps {own}); use trainer.resume=auto to continue that run, or choose "
-                    "another trainer.out_dir")
-            return None
-        if mode == "auto":
-            return (ckpt, None) if own else None
-        root, step = ckpt_lib.locate(mode)
-        if ckpt is not None and root == ckpt.directory:
-            return ckpt, step
-        if own:
-            raise ValueError(
-                f"trainer.resume={mode}, but this run's {ckpt.directory} already holds "
-                f"checkpoints (steps {own}); choose another trainer.out_dir")
-        return ckpt_lib.RunCheckpointer(root, read_only=True), step
+        w.kl_ctrl = kl_controller_from_state(st["kl_ctrl"])
+        trained = self._trained()
+        for name, n in st["train_calls"].items():
+            trained[name]._train_calls = int(n)
+        self.step = int(st["step"])
 
     def resume(self, ckpt: ckpt_lib.RunCheckpointer | None,
                mode: str = "auto") -> ckpt_lib.Restored | None:
-        """Applies `trainer.resume`:
-        - "auto": the newest readable checkpoint in `ckpt`, if it has any;
-        - "disable": a fresh start (refused when `ckpt` already holds checkpoints);
-        - a path (a run's out_dir, a checkpoint root or one step directory): that checkpoint.
-        Returns what was restored, or None for a fresh start."""
-        plan = self.resume_source(ckpt, mode)
-        if plan is None:
+        """Applies `trainer.resume` (see `checkpoint.resume_source`); returns what was
+        restored, or None for a fresh start."""
+        if not check_resume(self.cfg, ckpt, mode):
             return None
-        source, step = plan
+        source, step = ckpt_lib.resume_source(ckpt, mode)
         restored = source.restore_latest(self.checkpoint_items(), step=step)
         self.load_state(restored)
         if source is ckpt:
@@ -493,7 +326,6 @@ class Trainer:
                 if stop():
                     result.preempted = True
                     return result
-                self.ensure_rl_workers()
                 if t.val_before_train:
                     first |= self._timed_validate()
                 if first:
@@ -503,9 +335,13 @@ class Trainer:
             total = t.total_steps
             while self.step < total and not stop():
                 m = self.train_step()
-                if t.test_freq > 0 and (self.step % t.test_freq == 0 or self.step == total):
+                # A step that stops the run is logged first, so metrics.jsonl shows it.
+                stopping = health.must_stop(m, self.cfg)
+                if not stopping and t.test_freq > 0 and (self.step % t.test_freq == 0
+                                                         or self.step == total):
                     m |= self._timed_validate()
                 logger.log(self.step, m)
+                health.check_nonfinite(m, f"RL step {self.step}", self.cfg)
                 if t.save_freq > 0 and (self.step % t.save_freq == 0 or self.step == total):
                     self.save(ckpt)
             if self.step < total:
@@ -546,29 +382,32 @@ class FitResult:
     step: int = 0
 
 
+def check_resume(cfg, ckpt: ckpt_lib.RunCheckpointer | None, mode: str = "auto") -> bool:
+    """Whether `trainer.resume` resumes (see `checkpoint.resume_source`), reading only the
+    checkpoints' JSON; raises before anything is built, restored or written when the setting
+    contradicts what `ckpt` holds, or when the checkpoint to resume was saved by another
+    algorithm (CheckpointMismatch)."""
+    plan = ckpt_lib.resume_source(ckpt, mode)
+    if plan is None:
+        return False
+    source, step = plan
+    for s in [step] if step is not None else reversed(source.steps()):
+        try:
+            _, saved = source.read_json(s)
+        except ckpt_lib.CheckpointCorrupt:
+            continue  # restore_latest passes over it (or says that none is readable)
+        algo = saved.get("algorithm")
+        if algo and algo != cfg.algorithm:
+            out_dir = os.path.dirname(source.directory)
+            raise ckpt_lib.CheckpointMismatch(
+                f"{source.step_dir(s)} was saved by a {algo!r} run and this config runs "
+                f"{cfg.algorithm!r}; resume it with the config it was started with (saved in "
+                f"{source.step_dir(s)}/config), or start a new run: "
+                f"--config.trainer.out_dir={out_dir}-{cfg.algorithm}")
+        break
+    return True
+
+
 def config_json(cfg) -> dict:
     """The resolved config as plain JSON data."""
     return json.loads(cfg.to_json_best_effort(sort_keys=True))
-
-
-@functools.partial(jax.jit, static_argnames=("response_length",))
-def _batch_metrics(a: dict, response_length: int) -> dict:
-    mask = a["response_mask"].astype(jnp.float32)
-    score = jnp.sum(a["token_level_scores"], axis=1)
-    length = jnp.sum(mask, axis=1)
-    out = {
-        "critic/score/mean": jnp.mean(score),
-        "critic/score/max": jnp.max(score),
-        "critic/score/min": jnp.min(score),
-        "critic/rewards/mean": jnp.mean(jnp.sum(a["token_level_rewards"], axis=1)),
-        "critic/advantages/mean": core.masked_mean(a["advantages"], mask),
-        "critic/returns/mean": core.masked_mean(a["returns"], mask),
-        "response_length/mean": jnp.mean(length),
-        "response_length/max": jnp.max(length),
-        # Responses that used every allowed token (cut off, not finished).
-        "response_length/clip_ratio": jnp.mean(length >= response_length),
-        "_tokens": jnp.sum(a["attention_mask"]).astype(jnp.float32),
-    }
-    if "values" in a:
-        out["critic/values/mean"] = core.masked_mean(a["values"], mask)
-    return out

@@ -10,12 +10,13 @@ import logging
 import os
 import shutil
 
+import chex
 import jax
 import numpy as np
 import pytest
 from flax import nnx
+from support import tiny_rl_config
 
-from configs import ppo_arith
 from hfjax import checkpoint as ck
 from hfjax.trainer import Trainer
 
@@ -24,22 +25,9 @@ pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptio
 
 
 def tiny_config(out_dir, mesh="fsdp=-1", placement="colocate", hidden=32):
-    c = ppo_arith.get_config()
-    del c.placement  # a ConfigDict field keeps its first type; tests set a string or a mapping
-    c.placement = placement
-    m = c.model
-    m.hidden_size, m.intermediate_size, m.head_dim = hidden, 64, 16
-    m.num_layers, m.num_heads, m.num_kv_heads = 1, 2, 2
-    c.data.n_train, c.data.n_test, c.data.train_batch_size = 64, 16, 16
-    c.sft.steps = 0
-    c.rollout.response_length = 8
-    c.algo.kl_ctrl.type = "adaptive"
-    for role in (c.actor, c.critic, c.ref):
-        role.mesh = mesh
-    for role in (c.actor, c.critic):
-        role.ppo_mini_batch_size = 8
-        role.ppo_micro_batch_size = 8
-    c.trainer.out_dir = str(out_dir)
+    c = tiny_rl_config(placement=placement, mesh=mesh, out_dir=out_dir, hidden=hidden)
+    c.model.num_kv_heads = 2  # kv heads split by tensor=2 meshes
+    c.algo.kl_ctrl.type = "adaptive"  # the controller state worth round-tripping
     return c
 
 
@@ -99,11 +87,7 @@ def test_restore_onto_another_mesh_and_placement(saved, tmp_path, placement, mes
     t = Trainer(tiny_config(tmp_path, mesh=mesh, placement=placement))
     restored = t.resume(None, str(saved[0]))  # a path: the newest checkpoint of that run
     assert restored.step == 4 and t.step == 4
-    got = host_leaves(t)
-    want = saved[1][4]
-    assert sorted(got) == sorted(want)
-    for k in want:
-        np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+    chex.assert_trees_all_equal(host_leaves(t), saved[1][4], strict=True)
     w = t.workers
     for group in (w.actor, w.ref, w.critic):
         for x in jax.tree.leaves(group.params):
@@ -144,9 +128,7 @@ def test_corrupt_latest_falls_back_with_a_warning(saved, tmp_path, caplog, damag
     assert restored.step == 2 and restored.skipped == [str(step4)]
     warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert any(str(step4) in m and "corrupt" in m for m in warnings), warnings
-    got = host_leaves(t)
-    for k, v in saved[1][2].items():
-        np.testing.assert_array_equal(got[k], v, err_msg=k)
+    chex.assert_trees_all_equal(host_leaves(t), saved[1][2], strict=True)
     # The bad step is moved aside, so the run can save step 4 again.
     assert ckpt.steps() == [2]
     assert any(n.startswith("4-") for n in os.listdir(str(run / "checkpoints") + ".corrupt"))
@@ -243,6 +225,24 @@ def test_fingerprint_sees_single_element_changes():
     sharded = jax.device_put(x, jax.sharding.NamedSharding(
         jax.sharding.Mesh(np.array(jax.devices()), ("d",)), jax.sharding.PartitionSpec("d")))
     assert ck.fingerprints({"x": sharded})["x"] == base
+
+
+@pytest.mark.parametrize("where", ["array", "state"])
+def test_a_checkpoint_is_never_written_with_non_finite_values(tmp_path, where):
+    mgr = ck.RunCheckpointer(str(tmp_path / "checkpoints"), async_save=False)
+    w = jax.numpy.ones((4, 3), jax.numpy.float32)
+    state = {"step": 1, "kl": 0.1}
+    if where == "array":
+        w = w.at[2, 1].set(jax.numpy.inf)
+    else:
+        state["kl"] = float("nan")
+    match = (r"actor_params/layer.w holds NaN or infinity" if where == "array"
+             else r"trainer state or config of step 1 holds NaN or infinity")
+    with pytest.raises(ck.NonFiniteCheckpoint, match=match):
+        mgr.save(1, {"actor_params": {"layer": {"w": w}}}, state, {"algorithm": "ppo"})
+    mgr.wait()
+    assert mgr.steps() == [] and not [p for p in os.listdir(mgr.directory) if p.startswith("1")]
+    mgr.close()
 
 
 def test_stop_during_the_warm_start_saves_nothing(tmp_path):

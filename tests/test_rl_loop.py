@@ -7,16 +7,18 @@ compilation; the three-placement run is shared by the tests that need a warm tra
 
 import contextlib
 
+import chex
 import jax
 import numpy as np
 import optax
 import pytest
+from support import tiny_rl_config
 
-from configs import ppo_arith
 from hfjax import metrics as metrics_lib
 from hfjax.controller.batch import Batch
 from hfjax.rewards.registry import register_reward
-from hfjax.trainer import Trainer, validate_config
+from hfjax.run_config import validate_config
+from hfjax.trainer import Trainer
 
 # A dense test reward, so that one step from a randomly initialised model already has non-zero
 # advantages, returns and gradients (the exact-answer rule scores such a model 0 everywhere).
@@ -30,27 +32,10 @@ def digit_fraction(data_source, solution_str, ground_truth, extra_info):
 
 
 def tiny_config(placement="colocate", algorithm="ppo"):
-    c = ppo_arith.get_config()
-    c.algorithm = algorithm
-    c.placement = placement
-    m = c.model
-    m.hidden_size, m.intermediate_size, m.head_dim = 32, 64, 16
-    m.num_layers, m.num_heads, m.num_kv_heads = 1, 2, 1
-    c.data.n_train, c.data.n_test, c.data.train_batch_size = 64, 16, 16
-    c.sft.steps = 0
-    c.rollout.n = 1
-    c.rollout.response_length = 8
-    for role in (c.actor, c.critic):
-        role.ppo_mini_batch_size = 8  # prompts (times rollout.n sequences)
-        role.ppo_micro_batch_size = 8  # sequences: a multiple of the largest dp size, 8
-    c.trainer.sync_stage_timing = True
-    c.reward.num_workers = 0  # score in this process, where the test reward is registered
-    return c
+    return tiny_rl_config(placement=placement, algorithm=algorithm)
 
 
 def with_placement(cfg, mapping):
-    # A ConfigDict field keeps its first type; a mapping replaces the mode string.
-    del cfg.placement
     cfg.placement = mapping
     return cfg
 
@@ -111,7 +96,10 @@ def _emulate_fetch_guard_on_cpu(monkeypatch):
 
 # ----------------------------------------------------------------------------------- placements
 
-PLACEMENTS = {"colocate": [8, 8, 8, 8], "split": [4, 4, 4, 4], "standalone": [2, 2, 2, 2]}
+# The last is the command-line spelling of a mapping (--config.placement=...): split's pools.
+MAPPING = "gen=4:actor+rollout+ref;score=4:critic+reward"
+PLACEMENTS = {"colocate": [8, 8, 8, 8], "split": [4, 4, 4, 4], "standalone": [2, 2, 2, 2],
+              MAPPING: [4, 4, 4, 4]}
 ROLES = ("actor", "ref", "critic", "reward")
 
 
@@ -153,17 +141,14 @@ def test_placements_give_the_same_step(placement_runs):
     moved = max(np.abs(base["actor"][k] - v).max() for k, v in before.items())
     assert moved > 5e-5
 
-    for placement in ("split", "standalone"):
+    for placement in ("split", "standalone", MAPPING):
         run = placement_runs[placement]
         other = numeric(run["metrics"])
         assert other.keys() == m.keys()
         for k in m:
             assert other[k] == pytest.approx(m[k], abs=1e-5), (placement, k)
         for role in ("actor", "critic"):
-            assert run[role].keys() == base[role].keys()
-            for k, v in base[role].items():
-                np.testing.assert_allclose(run[role][k], v, rtol=0, atol=1e-5,
-                                           err_msg=f"{placement} {role} {k}")
+            chex.assert_trees_all_close(run[role], base[role], rtol=0, atol=1e-5)
 
 
 @pytest.mark.slow
@@ -226,15 +211,19 @@ def _ppo_mapping(**changes):
          r"actor: mini-batch of 6 sequences does not divide the batch of 16"),
         (lambda c: setattr(c.critic, "ppo_micro_batch_size", 4),
          r"critic: micro-batch of 4 sequences does not split over 8 data-parallel devices"),
-        (lambda c: setattr(c, "algorithm", "ppo2"), r"unknown algorithm 'ppo2'; known: .*ppo"),
+        (lambda c: setattr(c, "algorithm", "ppo2"), r"algorithm='ppo2': needs one of .*ppo"),
         (lambda c: setattr(c.algo, "adv_estimator", "gea"),
-         r"unknown adv_estimator 'gea'; known: .*gae"),
+         r"algo.adv_estimator='gea': needs one of .*gae"),
         (lambda c: setattr(c.rollout.val_kwargs, "n", 0),
-         r"rollout.val_kwargs: n=0; the number of samples per prompt must be >= 1"),
+         r"rollout.val_kwargs.n=0: needs an int >= 1"),
+        (lambda c: setattr(c.algo, "adv_estimator", "remax"),
+         r"adv_estimator='remax' needs reward_baselines, which algorithm 'ppo' does not"),
+        (lambda c: (setattr(c, "algorithm", "grpo"), setattr(c.algo, "adv_estimator", "gae")),
+         r"adv_estimator='gae' needs values, which algorithm 'grpo' does not produce"),
     ],
     ids=["mesh-too-big", "mesh-too-big-split", "mesh-indivisible-ref", "device-overlap",
          "role-twice", "role-without-pool", "pools-too-big", "mini-batch", "micro-batch",
-         "algorithm", "estimator", "val-samples"],
+         "algorithm", "estimator", "val-samples", "estimator-input", "estimator-critic"],
 )
 def test_bad_config_fails_before_building(change, message):
     cfg = tiny_config()
@@ -300,9 +289,9 @@ def _update_batch(trainer, n, rng):
     vocab = trainer.model_cfg.vocab_size
     prompt_len = rng.integers(2, p + 1, n)
     resp_len = rng.integers(1, r + 1, n)
-    prompts = np.full((n, p), trainer.pad, np.int32)
+    prompts = np.full((n, p), trainer.tok.pad_id, np.int32)
     pmask = np.zeros((n, p), np.int32)
-    resp = np.full((n, r), trainer.pad, np.int32)
+    resp = np.full((n, r), trainer.tok.pad_id, np.int32)
     rmask = np.zeros((n, r), np.int32)
     for i in range(n):
         prompts[i, p - prompt_len[i]:] = rng.integers(3, vocab, prompt_len[i])
@@ -356,8 +345,7 @@ def test_micro_batching_does_not_change_the_update():
     assert m_whole["actor/pg_clipfrac"] > 0  # clipping is exercised
     moved = max(np.abs(p_whole[k] - v).max() for k, v in before.items())
     assert moved > 1e-3
-    for k, v in p_whole.items():
-        np.testing.assert_allclose(p_micro[k], v, rtol=0, atol=1e-5, err_msg=k)
+    chex.assert_trees_all_close(p_micro, p_whole, rtol=0, atol=1e-5)
 
 
 def test_trim_responses_keeps_a_power_of_two_width():
@@ -383,16 +371,19 @@ def test_trim_responses_keeps_a_power_of_two_width():
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
                                   "seq-mean-token-sum-norm"])
 def test_trimmed_padding_leaves_the_losses_unchanged(mode):
-    from hfjax.algorithms import losses
+    from hfjax.numerics import losses
+    from hfjax.numerics.losses import PolicyLossInputs
 
     rng = np.random.default_rng(3)
     b, full, keep = 6, 64, 16
     mask = (np.arange(full)[None, :] < rng.integers(1, keep + 1, b)[:, None]).astype(np.float32)
     old, new, adv, vals, ret = (rng.normal(size=(b, full)).astype(np.float32) for _ in range(5))
     for policy_loss in (losses.compute_policy_loss, losses.compute_policy_loss_gspo):
-        a = policy_loss(old, new, adv, mask, loss_agg_mode=mode, loss_scale_factor=full)
-        c = policy_loss(old[:, :keep], new[:, :keep], adv[:, :keep], mask[:, :keep],
-                        loss_agg_mode=mode, loss_scale_factor=full)
+        a = policy_loss(PolicyLossInputs(old, new, adv, mask, loss_agg_mode=mode,
+                                         loss_scale_factor=full))
+        c = policy_loss(PolicyLossInputs(old[:, :keep], new[:, :keep], adv[:, :keep],
+                                         mask[:, :keep], loss_agg_mode=mode,
+                                         loss_scale_factor=full))
         np.testing.assert_allclose(np.asarray(a), np.asarray(c), rtol=1e-6, atol=1e-7)
     a = losses.compute_value_loss(new, ret, vals, mask, 0.2, mode, full)
     c = losses.compute_value_loss(new[:, :keep], ret[:, :keep], vals[:, :keep], mask[:, :keep],

@@ -46,13 +46,13 @@ class EvenReward:
         import jax
         import jax.numpy as jnp
 
-        from hfjax.workers.reward import scores_at_last_token
-
         def score(responses, mask):
             m = mask.astype(jnp.float32)
             even = jnp.sum(jnp.where(responses % 2 == 0, m, 0.0), axis=1)
             frac = even / jnp.maximum(jnp.sum(m, axis=1), 1.0)
-            return scores_at_last_token(frac, mask)
+            length = jnp.sum(m, axis=1).astype(jnp.int32)
+            last = jnp.arange(m.shape[1])[None, :] == (length - 1)[:, None]
+            return jnp.where(last, frac[:, None], 0.0)  # the score on the last response token
 
         self._score = jax.jit(score)
 
@@ -70,13 +70,13 @@ def build(w: workload.Workload):
     from ml_collections import config_dict
 
     import hfjax.models as M
-    from hfjax.algorithms import losses
-    from hfjax.algorithms.dataflow import Workers
     from hfjax.controller.batch import Batch
     from hfjax.engine.sampler import Sampler
     from hfjax.engine.update import make_optimizer
+    from hfjax.numerics.losses import FixedKLController
     from hfjax.parallel.mesh import ResourcePool
     from hfjax.workers.actor import ActorRollout
+    from hfjax.workers.groups import WorkerGroups
 
     texts, expected = w.load_prompts()
     tok = M.load_tokenizer(w.model_dir)
@@ -112,8 +112,8 @@ def build(w: workload.Workload):
         "actor", pool, spec, model, sampler=sampler, actor_cfg=cfg.actor,
         rollout_cfg=cfg.rollout, optimizer=make_optimizer(w.lr, grad_clip=0.0), eos_ids=(),
     )
-    workers = Workers(actor=actor, reward=EvenReward(),
-                      kl_ctrl=losses.FixedKLController(0.0), sync_timing=True)
+    workers = WorkerGroups(actor=actor, reward=EvenReward(), kl_ctrl=FixedKLController(0.0),
+                           sync_timing=True)
     prompts = np.asarray(ids, np.int32)
     batch = Batch({"prompts": prompts, "prompt_mask": np.ones_like(prompts),
                    "seeds": np.arange(w.prompts, dtype=np.int32)})

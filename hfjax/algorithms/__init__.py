@@ -1,4 +1,3 @@
-"""RL algorithms: shared numerics (core), advantage estimators, losses, and the registered
-dataflow drivers (ppo, grpo)."""
-
-from hfjax.algorithms import advantages, losses  # noqa: F401  (registration on import)
+"""RL algorithms as dataflow drivers over worker groups (`ppo`, `grpo`), registered by name
+(`registry`), with the stages they share (`dataflow`). The numerics they use (estimators,
+losses, KL) are in `hfjax.numerics`."""

@@ -1,52 +1,27 @@
-"""What the algorithm drivers share: the worker-group handles, stage timing, and the
-advantage stage (KL-in-reward plus a registered estimator), jitted once per shape."""
+"""What the algorithm drivers share: the opening stages (`sample`), the advantage stage
+(KL-in-reward plus a registered estimator, jitted once per shape), the step's batch metrics and
+the KL coefficient controller's update.
+
+A driver receives `WorkerGroups` (one typed handle per role) and a host batch of prompts, and
+calls worker-group methods in order. Each method's transfer protocol moves its inputs onto the
+group's mesh and its results back onto the dataflow's, so a driver never places data itself.
+"""
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import time
-from collections.abc import Callable
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from hfjax.algorithms import core, losses
 from hfjax.controller.batch import Batch
+from hfjax.numerics import core, losses
+from hfjax.numerics.advantages import AdvantageInputs
+from hfjax.numerics.losses import KLController
+from hfjax.workers.groups import WorkerGroups
 
 
-@dataclasses.dataclass
-class Workers:
-    """The worker groups of one run; roles an algorithm does not use are None."""
-
-    actor: Any
-    ref: Any = None
-    critic: Any = None
-    reward: Any = None
-    rm: Any = None
-    kl_ctrl: Any = None
-    sync_timing: bool = True
-    timing: dict[str, float] = dataclasses.field(default_factory=dict)
-
-    def run(self, name: str, fn: Callable[..., Any], *args: Any) -> Any:
-        """Runs one stage, `fn(*args)`, and returns its result, timed as `timing_s/<name>`.
-
-        With sync_timing the time waits for the result's arrays, so it is the stage's own;
-        without it, only dispatch is timed and worker groups on disjoint pools can overlap.
-        """
-        t0 = time.perf_counter()
-        out = fn(*args)
-        if self.sync_timing:
-            jax.block_until_ready(
-                jax.tree.map(lambda x: x.arrays if isinstance(x, Batch) else x, out,
-                             is_leaf=lambda x: isinstance(x, Batch))
-            )
-        self.timing[f"timing_s/{name}"] = time.perf_counter() - t0
-        return out
-
-
-def sample(w: Workers, batch: Batch, cfg) -> Batch:
+def sample(w: WorkerGroups, batch: Batch, cfg) -> Batch:
     """The stages every algorithm starts with: generate the responses, score them under the
     pre-update policy when the update needs it, and under the reference policy when there is
     one. Returns the batch with responses, old_log_probs and ref_log_prob as applicable."""
@@ -54,9 +29,22 @@ def sample(w: Workers, batch: Batch, cfg) -> Batch:
     if needs_old_log_prob(w, batch, cfg):
         batch = batch.union(w.run("old_log_prob", w.actor.compute_log_prob, batch))
     if w.ref is not None:
-        ref = w.run("ref", lambda b: w.ref.compute_ref_log_prob(b).to(w.actor.mesh), batch)
-        batch = batch.union(ref)
+        batch = batch.union(w.run("ref", w.ref.compute_ref_log_prob, batch))
     return batch
+
+
+def needs_old_log_prob(w: WorkerGroups, batch: Batch, cfg) -> bool:
+    """Whether a step must score its samples under the pre-update policy (`old_log_probs`).
+
+    Not when the actor takes a single update on the batch and no KL penalty goes into the
+    reward: the samples' policy is then the current one, and the actor's loss uses its own
+    detached log-probs (as TRL and Tunix do), saving a forward pass over the batch.
+    """
+    return bool(cfg.algo.use_kl_in_reward) or not w.actor.single_update(len(batch))
+
+
+# Batch arrays an estimator may read, beyond the rewards and the mask (AdvantageInputs fields).
+_OPTIONAL_INPUTS = ("values", "reward_baselines")
 
 
 @functools.partial(jax.jit, static_argnames=("estimator", "kl_penalty", "use_kl", "n", "opts"))
@@ -72,37 +60,29 @@ def _advantage(arrays, kl_coef, *, estimator, kl_penalty, use_kl, n, opts):
     else:
         rewards = scores
     b = scores.shape[0]
-    adv, ret = core.ADV_ESTIMATORS.get(estimator)(
+    inputs = AdvantageInputs(
         token_level_rewards=rewards,
         response_mask=mask,
-        values=arrays.get("values"),
         index=jnp.arange(b) // n,
         num_groups=b // n,
+        **{k: arrays.get(k) for k in _OPTIONAL_INPUTS},
         **dict(opts),
     )
+    adv, ret = core.ADV_ESTIMATORS.get(estimator)(inputs)
     return {"token_level_rewards": rewards, "advantages": adv, "returns": ret}, metrics
 
 
-def needs_old_log_prob(w: Workers, batch: Batch, cfg) -> bool:
-    """Whether a step must score its samples under the pre-update policy (`old_log_probs`).
-
-    Not when the actor takes a single update on the batch and no KL penalty goes into the
-    reward: the samples' policy is then the current one, and the actor's loss uses its own
-    detached log-probs (as TRL and Tunix do), saving a forward pass over the batch.
-    """
-    return bool(cfg.algo.use_kl_in_reward) or not w.actor.single_update(len(batch))
-
-
-def compute_advantage(batch: Batch, algo_cfg, n: int, kl_coef: float) -> tuple[Batch, dict]:
-    """Adds token_level_rewards, advantages and returns; rows come in groups of n samples."""
-    use_kl = bool(algo_cfg.use_kl_in_reward)
+def compute_advantage(batch: Batch, cfg, kl_coef: float) -> tuple[Batch, dict]:
+    """Adds token_level_rewards, advantages and returns; rows come in groups of
+    `cfg.rollout.n` samples. Every input an estimator may read that the batch holds is
+    passed (`AdvantageInputs`)."""
+    a = cfg.algo
+    use_kl = bool(a.use_kl_in_reward)
     keys = ["response_mask", "token_level_scores"] + (["old_log_probs", "ref_log_prob"]
                                                       if use_kl else [])
-    if "values" in batch:
-        keys.append("values")
-    opts = (("gamma", float(algo_cfg.gamma)), ("lam", float(algo_cfg.lam)))
-    if algo_cfg.adv_estimator == "grpo":
-        opts += (("norm_adv_by_std_in_grpo", bool(algo_cfg.norm_adv_by_std_in_grpo)),)
+    keys += [k for k in _OPTIONAL_INPUTS if k in batch]
+    opts = (("gamma", float(a.gamma)), ("lam", float(a.lam)),
+            ("norm_adv_by_std_in_grpo", bool(a.norm_adv_by_std_in_grpo)))
     # The KL coefficient is host-side controller state (the adaptive controller updates it from
     # the fetched metrics): one deliberate scalar upload per step.
     with jax.transfer_guard("allow"):
@@ -110,10 +90,44 @@ def compute_advantage(batch: Batch, algo_cfg, n: int, kl_coef: float) -> tuple[B
     out, metrics = _advantage(
         {k: batch[k] for k in keys},
         coef,
-        estimator=algo_cfg.adv_estimator,
-        kl_penalty=algo_cfg.kl_penalty,
+        estimator=a.adv_estimator,
+        kl_penalty=a.kl_penalty,
         use_kl=use_kl,
-        n=n,
+        n=cfg.rollout.n,
         opts=opts,
     )
     return batch.union(Batch(out)), metrics
+
+
+@functools.partial(jax.jit, static_argnames=("response_length",))
+def step_metrics(a: dict, response_length: int) -> dict:
+    """verl's batch metrics of one step (device scalars): scores, rewards, advantages, returns,
+    values, response lengths and the share of responses cut off at `response_length`; plus
+    `_tokens`, the step's real tokens, for throughput."""
+    mask = a["response_mask"].astype(jnp.float32)
+    score = jnp.sum(a["token_level_scores"], axis=1)
+    length = jnp.sum(mask, axis=1)
+    out = {
+        "critic/score/mean": jnp.mean(score),
+        "critic/score/max": jnp.max(score),
+        "critic/score/min": jnp.min(score),
+        "critic/rewards/mean": jnp.mean(jnp.sum(a["token_level_rewards"], axis=1)),
+        "critic/advantages/mean": core.masked_mean(a["advantages"], mask),
+        "critic/returns/mean": core.masked_mean(a["returns"], mask),
+        "response_length/mean": jnp.mean(length),
+        "response_length/max": jnp.max(length),
+        # Responses that used every allowed token (cut off, not finished).
+        "response_length/clip_ratio": jnp.mean(length >= response_length),
+        "_tokens": jnp.sum(a["attention_mask"]).astype(jnp.float32),
+    }
+    if "values" in a:
+        out["critic/values/mean"] = core.masked_mean(a["values"], mask)
+    return out
+
+
+def update_kl_controller(ctrl: KLController, host_metrics: dict[str, float],
+                         n_prompts: int) -> KLController:
+    """The controller after a step: the adaptive one moves toward its target KL, measured as
+    the step's `actor/reward_kl_penalty`; without a KL-in-reward term it stays."""
+    kl = host_metrics.get("actor/reward_kl_penalty")
+    return ctrl if kl is None else ctrl.update(kl, n_prompts)

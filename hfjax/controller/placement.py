@@ -24,13 +24,13 @@ import jax
 
 from hfjax.parallel.mesh import ResourcePool, carve_pools, sorted_devices
 
-ROLES: tuple[str, ...] = ("actor", "rollout", "ref", "critic", "reward", "cost")
+ROLES: tuple[str, ...] = ("actor", "rollout", "ref", "critic", "reward")
 MODES: tuple[str, ...] = ("colocate", "split", "standalone")
 
 # `split` puts the generating side on one half and the scoring side on the other.
 _SPLIT_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("actor_pool", ("actor", "rollout", "ref")),
-    ("critic_pool", ("critic", "reward", "cost")),
+    ("critic_pool", ("critic", "reward")),
 )
 # `standalone` gives every model its own pool. Rollout stays with the actor because the hybrid
 # engine generates with the actor's own weights on the actor's devices.
@@ -39,7 +39,6 @@ _STANDALONE_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("ref_pool", ("ref",)),
     ("critic_pool", ("critic",)),
     ("reward_pool", ("reward",)),
-    ("cost_pool", ("cost",)),
 )
 
 

@@ -1,22 +1,29 @@
-"""Transfer protocols: how a worker-group method's inputs reach its mesh and outputs come back.
+"""Transfer protocols: how a worker-group method's inputs reach it and its outputs come back.
 
-A protocol turns the controller's batch into arguments placed on the group's mesh (`dispatch`)
-and turns the method's outputs back into what the controller sees (`collect`):
+A protocol owns both directions of a call. `dispatch` turns the caller's batch into the
+method's inputs, placed where the method computes; `collect` turns the method's output back
+into what the caller sees, on the caller's mesh (the `home` mesh the dataflow names):
 
-- `ONE_TO_ALL`: every device gets the whole input (replicated); outputs pass through.
-- `DP_COMPUTE`: the batch axis is split over the mesh's data-parallel axes. The batch is padded
-  to a multiple of the data-parallel size on dispatch and the padding is dropped on collect.
-- `ALL_TO_ALL`: inputs and outputs pass through untouched; the method places them itself.
+- `DP_COMPUTE`: the batch axis is split over the group's data-parallel axes. The batch is padded
+  to a multiple of the data-parallel size on dispatch; the padding is dropped on collect.
+- `ONE_TO_ALL`: every device of the group gets the whole input (replicated).
+- `ON_HOST`: the method computes on the host (rule rewards, generation from host prompts).
+  Inputs are fetched to the host, whole even when they span processes; outputs are placed on
+  the caller's mesh.
 
-Worker methods are tagged with `@register(DP_COMPUTE)` so a worker group can look the protocol up.
-Placement uses `hfjax.controller.batch.transfer`, so inputs already on devices move device to
-device, never through the host.
+Outputs that are Batches come back split over the home mesh's batch axes, device to device
+(`hfjax.parallel.transfer`), or uploaded once for host outputs; anything else (metrics) is
+returned as is. A driver therefore never places data itself.
+
+Methods are tagged with `@method(PROTOCOL, reads=...)`: `reads` names the arrays the method
+needs, so only those travel to its mesh.
 """
 
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable, Mapping
+import functools
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import jax
@@ -24,6 +31,7 @@ from jax.sharding import Mesh, NamedSharding, Sharding
 
 from hfjax.controller.batch import Batch
 from hfjax.parallel.mesh import batch_sharding, dp_size, replicated
+from hfjax.parallel.transfer import to_host
 
 PROTOCOL_ATTR = "__hfjax_protocol__"
 
@@ -31,23 +39,19 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 class TransferProtocol(abc.ABC):
-    """Base protocol: subclasses define the input sharding and the padding rule."""
+    """Base protocol: subclasses define where inputs go and the padding rule."""
 
     name: str = "protocol"
 
     @abc.abstractmethod
-    def in_sharding(self, mesh: Mesh, batch: Batch | None = None) -> Sharding | None:
-        """Returns the sharding every input array gets on `mesh`, or None to leave them as is."""
-
-    def out_sharding(self, mesh: Mesh) -> Sharding | None:
-        """Returns the sharding outputs are expected in (for jit out_shardings), or None."""
-        return self.in_sharding(mesh)
+    def in_sharding(self, mesh: Mesh) -> Sharding | None:
+        """Returns the sharding every input array gets on `mesh` (None: the host)."""
 
     def pad_multiple(self, mesh: Mesh) -> int:
         """Returns the row count the batch must be a multiple of on `mesh`."""
         return 1
 
-    def dispatch(self, batch: Any, mesh: Mesh) -> tuple[Any, int]:
+    def dispatch(self, batch: Any, mesh: Mesh | None) -> tuple[Any, int]:
         """Returns (inputs placed on `mesh`, rows of padding added).
 
         `batch` is a Batch, or any pytree of arrays sharing a leading batch axis (a dict of
@@ -55,27 +59,34 @@ class TransferProtocol(abc.ABC):
         """
         as_batch, rebuild = _to_batch(batch)
         padded, pad = as_batch.pad_to_multiple(self.pad_multiple(mesh))
-        sharding = self.in_sharding(mesh, padded)
-        placed = padded if sharding is None else padded.to(sharding)
-        return rebuild(placed), pad
+        return rebuild(padded.to(self.in_sharding(mesh))), pad
 
-    def collect(self, out: Any, pad: int) -> Any:
-        """Returns `out` without the `pad` padding rows that dispatch added."""
-        if pad == 0:
+    def collect(self, out: Any, pad: int, home: Mesh | None = None) -> Any:
+        """Returns `out` without the `pad` padding rows that dispatch added, split over the
+        batch axes of `home` when one is given."""
+        if pad == 0 and home is None:
             return out
         as_batch, rebuild = _to_batch(out)
-        return rebuild(as_batch.unpad(pad))
+        if pad:
+            as_batch = as_batch.unpad(pad)
+        if home is not None:
+            rows = batch_sharding(home)
+            if len(as_batch) % dp_size(home):
+                rows = replicated(home)  # e.g. a validation set that doesn't split evenly
+            with jax.transfer_guard("allow"):  # host outputs: the method's deliberate upload
+                as_batch = as_batch.to(rows)
+        return rebuild(as_batch)
 
     def __repr__(self) -> str:
         return self.name
 
 
 class OneToAll(TransferProtocol):
-    """Replicates inputs onto every device of the mesh; outputs pass through."""
+    """Replicates inputs onto every device of the mesh."""
 
     name = "ONE_TO_ALL"
 
-    def in_sharding(self, mesh: Mesh, batch: Batch | None = None) -> NamedSharding:
+    def in_sharding(self, mesh: Mesh) -> NamedSharding:
         """Returns the replicated sharding of `mesh`."""
         return replicated(mesh)
 
@@ -85,7 +96,7 @@ class DPCompute(TransferProtocol):
 
     name = "DP_COMPUTE"
 
-    def in_sharding(self, mesh: Mesh, batch: Batch | None = None) -> NamedSharding:
+    def in_sharding(self, mesh: Mesh) -> NamedSharding:
         """Returns the sharding splitting the leading axis over `dp_axes(mesh)`."""
         return batch_sharding(mesh)
 
@@ -94,24 +105,26 @@ class DPCompute(TransferProtocol):
         return dp_size(mesh)
 
 
-class AllToAll(TransferProtocol):
-    """Passes inputs and outputs through unchanged; the method handles placement itself."""
+class OnHost(TransferProtocol):
+    """Fetches inputs to the host (whole, across processes); outputs go to the caller's mesh."""
 
-    name = "ALL_TO_ALL"
+    name = "ON_HOST"
 
-    def in_sharding(self, mesh: Mesh, batch: Batch | None = None) -> None:
-        """Returns None: inputs keep whatever sharding they have."""
+    def in_sharding(self, mesh: Mesh | None) -> None:
+        """Returns None: inputs live on the host."""
         return None
 
-    def dispatch(self, batch: Any, mesh: Mesh) -> tuple[Any, int]:
-        """Returns (batch, 0) untouched."""
-        return batch, 0
+    def dispatch(self, batch: Any, mesh: Mesh | None) -> tuple[Any, int]:
+        """Returns (batch with host copies of its arrays, 0): the method's deliberate fetch."""
+        as_batch, rebuild = _to_batch(batch)
+        host = {k: to_host(v) for k, v in as_batch.arrays.items()}
+        return rebuild(Batch(host, as_batch.meta, as_batch.info)), 0
 
 
 ONE_TO_ALL = OneToAll()
 DP_COMPUTE = DPCompute()
-ALL_TO_ALL = AllToAll()
-PROTOCOLS: dict[str, TransferProtocol] = {p.name: p for p in (ONE_TO_ALL, DP_COMPUTE, ALL_TO_ALL)}
+ON_HOST = OnHost()
+PROTOCOLS: dict[str, TransferProtocol] = {p.name: p for p in (ONE_TO_ALL, DP_COMPUTE, ON_HOST)}
 
 
 def get_protocol(name: str | TransferProtocol) -> TransferProtocol:
@@ -126,23 +139,55 @@ def get_protocol(name: str | TransferProtocol) -> TransferProtocol:
         ) from None
 
 
-def register(protocol: TransferProtocol | str) -> Callable[[F], F]:
-    """Returns a decorator that tags a worker method with `protocol` (see `protocol_of`)."""
+def method(
+    protocol: TransferProtocol | str,
+    *,
+    reads: Sequence[str] | None = None,
+    may_read: Sequence[str] = (),
+) -> Callable[[F], F]:
+    """Decorator for a worker-group method `fn(self, batch, ...)`: its batch is dispatched by
+    `protocol` onto `self.mesh` and a Batch it returns is collected onto `self.home` (the mesh
+    the dataflow keeps its batch on; None leaves outputs where the method put them).
+
+    `reads` names the arrays the method needs (a missing one is an error naming it) and
+    `may_read` the ones it uses when present; with neither, every array travels. Meta (host
+    data) always comes along.
+    """
     if callable(protocol) and not isinstance(protocol, TransferProtocol):
-        raise TypeError("register needs a protocol: write @register(DP_COMPUTE), not @register")
+        raise TypeError("method needs a protocol: write @method(DP_COMPUTE), not @method")
     proto = get_protocol(protocol)
 
-    def tag(fn: F) -> F:
-        setattr(fn, PROTOCOL_ATTR, proto)
-        return fn
+    def deco(fn: F) -> F:
+        @functools.wraps(fn)
+        def wrapped(self, batch: Batch, *args, **kwargs):
+            if reads is not None:
+                batch = _select(batch, reads, may_read, f"{type(self).__name__}.{fn.__name__}")
+            placed, pad = proto.dispatch(batch, self.mesh)
+            out = fn(self, placed, *args, **kwargs)
+            if not isinstance(out, Batch):
+                return out
+            # A method that returns k rows per input row (n samples per prompt) drops k * pad.
+            rows = pad * (len(out) // len(placed)) if pad else 0
+            return proto.collect(out, rows, getattr(self, "home", None))
 
-    return tag
+        setattr(wrapped, PROTOCOL_ATTR, proto)
+        return wrapped  # type: ignore[return-value]
+
+    return deco
 
 
 def protocol_of(fn: Callable[..., Any]) -> TransferProtocol | None:
-    """Returns the protocol a method was registered with, or None if it wasn't."""
+    """Returns the protocol a method was declared with, or None if it wasn't."""
     # Bound methods forward attribute lookups to their function, so this works on both.
     return getattr(fn, PROTOCOL_ATTR, None)
+
+
+def _select(batch: Batch, reads: Sequence[str], may_read: Sequence[str], who: str) -> Batch:
+    missing = [k for k in reads if k not in batch.arrays]
+    if missing:
+        raise KeyError(f"{who} needs batch arrays {missing}; the batch has {sorted(batch.arrays)}")
+    keys = list(reads) + [k for k in may_read if k in batch.arrays and k not in reads]
+    return batch.select(keys)
 
 
 def _to_batch(value: Any) -> tuple[Batch, Callable[[Batch], Any]]:

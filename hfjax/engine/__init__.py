@@ -1,4 +1,6 @@
-"""Engines that run a model's programs: the rollout sampler (and later the hybrid engine)."""
+"""Engines that run the actor's programs: the rollout sampler (`sampler`, `decode`,
+`sampling`), the 3D-HybridEngine that reshards the actor between its training and decoding
+layouts (`hybrid`), and micro-batched update steps (`update`)."""
 
 from hfjax.engine.sampler import GenerateOutput, Sampler, SamplingParams, bucket_size, generate
 

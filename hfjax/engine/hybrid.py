@@ -29,7 +29,7 @@ devices in decode order; training and decode shards are re-labelled onto it with
 which equals the lower bound (decode shard minus local training shard); `bytes_to_train()` is 0.
 Baselines for comparison: `naive_bytes()` (gather everything, then slice) and
 `hybridflow_v_bytes()` (decode groups of consecutive ranks, no reordering); the naive
-transition itself and the paper's Table 2 volume are in `hfjax.engine.hybrid_baselines`.
+transition itself and the paper's Table 2 volume are analysis code in bench/hybrid_baselines.py.
 
 A decode layout that cannot nest (e.g. `tensor_g` above a Megatron-style training `tensor`) is
 an error naming the constraint; with `allow_fallback=True` the engine instead reshards both ways
@@ -50,10 +50,10 @@ from absl import logging
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from hfjax.controller.batch import transfer
 from hfjax.parallel import reshard
 from hfjax.parallel import sharding as shd
 from hfjax.parallel.mesh import MESH_AXES, MeshSpec
+from hfjax.parallel.transfer import transfer
 
 METHODS = ("all_gather", "reshard", "copies")
 

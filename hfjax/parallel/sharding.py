@@ -172,7 +172,7 @@ def under_layout(layout: Layout | None, fn: Callable) -> Callable:
 
 def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
     """x with a sharding constraint from its logical axes under the active layout; x itself
-    when no layout is active (single device, or code traced outside a worker's programs).
+    when no layout is active (single device, or code traced outside a worker group's programs).
 
     Besides the parameter axes, activations may name "batch": the data-parallel mesh axes.
     """
@@ -219,10 +219,3 @@ def layout(mesh: Mesh, rules: str | Mapping[str, Rule] = "train", **kw) -> Layou
             raise ValueError(f"unknown layout rules {rules!r}; choose one of {sorted(RULE_SETS)}")
         rules = RULE_SETS[rules]
     return Layout(mesh, dict(rules), **kw)
-
-
-def shard_model(model: nnx.Module, lay: Layout) -> nnx.Module:
-    """Places every parameter of `model` in `lay`'s shardings (in place) and returns it."""
-    state = nnx.state(model)
-    nnx.update(model, jax.device_put(state, lay.state_shardings(state)))
-    return model

@@ -17,14 +17,23 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from hfjax.algorithms import core, losses
-from hfjax.controller.batch import Batch, transfer
-from hfjax.controller.protocol import DP_COMPUTE
-from hfjax.controller.worker_group import WorkerGroup, method
-from hfjax.engine.sampler import MIN_NEW_TOKENS_BUCKET, GenerateOutput, SamplingParams, bucket_size
+from hfjax.controller.batch import Batch
+from hfjax.controller.protocol import DP_COMPUTE, ON_HOST, method
+from hfjax.engine.hybrid import HybridEngine
+from hfjax.engine.sampler import (
+    MIN_NEW_TOKENS_BUCKET,
+    GenerateOutput,
+    Sampler,
+    SamplingParams,
+    bucket_size,
+)
 from hfjax.engine.update import share_of_normaliser
+from hfjax.numerics import core, losses
+from hfjax.numerics.losses import PolicyLossInputs
 from hfjax.parallel import reshard
 from hfjax.parallel.mesh import batch_sharding
+from hfjax.parallel.transfer import transfer
+from hfjax.workers.base import SEQUENCES, WorkerGroup
 
 
 def response_logprobs(model, input_ids, attention_mask, response_len: int, temperature: float):
@@ -53,7 +62,7 @@ class Reference(WorkerGroup):
         r = batch["responses"].shape[1]
         return self._logprob(self.params, batch["input_ids"], batch["attention_mask"], r)
 
-    @method(DP_COMPUTE)
+    @method(DP_COMPUTE, reads=SEQUENCES)
     def compute_ref_log_prob(self, batch: Batch) -> Batch:
         """Batch with `ref_log_prob` [B, R]."""
         lp, _ = self._log_probs(batch)
@@ -70,8 +79,8 @@ class ActorRollout(Reference):
     the engine's decode mesh.
     """
 
-    def __init__(self, *args, sampler: Any, actor_cfg: Any, rollout_cfg: Any,
-                 eos_ids: tuple[int, ...] = (), hybrid: Any = None, **kw):
+    def __init__(self, *args, sampler: Sampler, actor_cfg: Any, rollout_cfg: Any,
+                 eos_ids: tuple[int, ...] = (), hybrid: HybridEngine | None = None, **kw):
         super().__init__(*args, temperature=rollout_cfg.temperature, **kw)
         self.sampler = sampler
         self.eos_ids = tuple(eos_ids)
@@ -93,14 +102,15 @@ class ActorRollout(Reference):
         if self.hybrid is not None:
             self.params = self.hybrid.to_train(params)
 
+    @method(ON_HOST, reads=("prompts", "prompt_mask", "seeds"))
     def generate(self, batch: Batch, *, greedy: bool = False, n: int | None = None,
                  temperature: float | None = None) -> Batch:
         """Samples n responses per prompt of a host batch (prompts, prompt_mask, seeds).
 
-        Returns the batch repeated n times (interleaved: rows b*n .. b*n+n-1 share prompt b),
-        on the actor's mesh, with responses, response_mask, input_ids, attention_mask and
-        rollout_log_probs. Prompts come from the host data pipeline, so the sampler uploads them
-        itself; the responses never leave the devices.
+        Returns the batch repeated n times (interleaved: rows b*n .. b*n+n-1 share prompt b)
+        with responses, response_mask, input_ids, attention_mask and rollout_log_probs. The
+        sampler needs the prompts on the host (it buckets their lengths), hence ON_HOST; the
+        responses never leave the devices.
         """
         n = self.rcfg.n if n is None else n
         r = self.rcfg
@@ -141,9 +151,9 @@ class ActorRollout(Reference):
         resp, rmask = out.tokens, out.mask.astype(pmask.dtype)
         arrays = _join(prompts, pmask, resp, rmask)
         arrays["rollout_log_probs"] = out.logprobs
-        return rep.union(Batch(arrays)).to(self.mesh)
+        return rep.union(Batch(arrays))
 
-    @method(DP_COMPUTE)
+    @method(DP_COMPUTE, reads=SEQUENCES)
     def compute_log_prob(self, batch: Batch) -> Batch:
         """Batch with `old_log_probs` and `entropys` [B, R] under the current policy."""
         lp, ent = self._log_probs(batch)
@@ -165,16 +175,18 @@ class ActorRollout(Reference):
         old = mb.get("old_log_probs")
         old = jax.lax.stop_gradient(lp) if old is None else old
         pg_loss, clipfrac, ppo_kl, clipfrac_lower = core.POLICY_LOSSES.get(a.policy_loss)(
-            old_log_prob=old,
-            log_prob=lp,
-            advantages=mb["advantages"],
-            response_mask=mask,
-            cliprange=a.clip_ratio,
-            cliprange_low=a.clip_ratio_low,
-            cliprange_high=a.clip_ratio_high,
-            clip_ratio_c=a.clip_ratio_c,
-            loss_agg_mode=a.loss_agg_mode,
-            loss_scale_factor=horizon,
+            PolicyLossInputs(
+                old_log_prob=old,
+                log_prob=lp,
+                advantages=mb["advantages"],
+                response_mask=mask,
+                cliprange=a.clip_ratio,
+                cliprange_low=a.clip_ratio_low,
+                cliprange_high=a.clip_ratio_high,
+                clip_ratio_c=a.clip_ratio_c,
+                loss_agg_mode=a.loss_agg_mode,
+                loss_scale_factor=horizon,
+            )
         )
         entropy = core.agg_loss(ent, mask, a.loss_agg_mode, horizon)
         # Without an entropy bonus the entropy is a metric only: keep it out of the backward pass
@@ -189,6 +201,10 @@ class ActorRollout(Reference):
             "actor/pg_clipfrac": clipfrac * weight,
             "actor/ppo_kl": ppo_kl * weight,
             "actor/pg_clipfrac_lower": clipfrac_lower * weight,
+            # The mini-batch's mean token entropy, whatever the aggregation mode: how close the
+            # policy is to uniform (hfjax.health).
+            "actor/token_entropy": core.masked_sum(jax.lax.stop_gradient(ent), mask)
+            / totals["tokens"],
         }
         if a.use_kl_loss:
             kld = losses.kl_penalty(lp, mb["ref_log_prob"], a.kl_loss_type)
@@ -212,6 +228,8 @@ class ActorRollout(Reference):
         a = self.acfg
         return a.ppo_epochs == 1 and a.ppo_mini_batch_size * self.rcfg.n == rows
 
+    @method(DP_COMPUTE, reads=("response_mask", "advantages", *SEQUENCES),
+            may_read=("old_log_probs", "ref_log_prob"))
     def update_actor(self, batch: Batch) -> dict[str, jax.Array]:
         """PPO epochs over shuffled mini-batches; returns mean metrics (device scalars)."""
         a = self.acfg
@@ -224,15 +242,20 @@ class ActorRollout(Reference):
         m = self.train(self._policy_loss, batch, keys, mini=mini, micro=a.ppo_micro_batch_size,
                        epochs=a.ppo_epochs, shuffle=a.shuffle)
         m["actor/grad_norm"] = m.pop("grad_norm")
+        m["actor/nonfinite_updates"] = m.pop("nonfinite")
+        m["actor/nonfinite_params"] = m.pop("nonfinite_params")
         m.pop("loss")
         return m
 
+    @method(DP_COMPUTE, reads=("response_mask", *SEQUENCES))
     def update_sft(self, batch: Batch, micro: int) -> dict[str, jax.Array]:
         """One cross-entropy step on the responses of `batch` (the warm start)."""
         keys = ["input_ids", "attention_mask", "responses", "response_mask"]
         m = self.train(self._sft_loss, batch, keys, mini=len(batch), micro=micro, epochs=1,
                        shuffle=False)
-        return {"sft/loss": m["loss"], "sft/grad_norm": m["grad_norm"]}
+        return {"sft/loss": m["loss"], "sft/grad_norm": m["grad_norm"],
+                "sft/nonfinite_updates": m["nonfinite"],
+                "sft/nonfinite_params": m["nonfinite_params"]}
 
 
 def trim_responses(out: GenerateOutput) -> GenerateOutput:

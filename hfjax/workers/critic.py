@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import jax
 
-from hfjax.algorithms import core, losses
 from hfjax.controller.batch import Batch
-from hfjax.controller.protocol import DP_COMPUTE
-from hfjax.controller.worker_group import WorkerGroup, method
+from hfjax.controller.protocol import DP_COMPUTE, method
 from hfjax.engine.update import share_of_normaliser
+from hfjax.numerics import core, losses
+from hfjax.workers.base import SEQUENCES, WorkerGroup
 
 
 class Critic(WorkerGroup):
@@ -27,7 +27,7 @@ class Critic(WorkerGroup):
         values = self.model(params)(input_ids, attention_mask)
         return values[:, -response_len - 1 : -1]
 
-    @method(DP_COMPUTE)
+    @method(DP_COMPUTE, reads=SEQUENCES)
     def compute_values(self, batch: Batch) -> Batch:
         """Batch with `values` [B, R]."""
         r = batch["responses"].shape[1]
@@ -51,6 +51,7 @@ class Critic(WorkerGroup):
         }
         return vf_loss * weight, metrics
 
+    @method(DP_COMPUTE, reads=("response_mask", "values", "returns", *SEQUENCES))
     def update_critic(self, batch: Batch) -> dict[str, jax.Array]:
         """Value-loss epochs over shuffled mini-batches; returns mean metrics."""
         c = self.ccfg
@@ -58,5 +59,7 @@ class Critic(WorkerGroup):
         out = self.train(self._loss, batch, keys, mini=c.ppo_mini_batch_size * self.n_samples,
                          micro=c.ppo_micro_batch_size, epochs=c.ppo_epochs, shuffle=c.shuffle)
         out["critic/grad_norm"] = out.pop("grad_norm")
+        out["critic/nonfinite_updates"] = out.pop("nonfinite")
+        out["critic/nonfinite_params"] = out.pop("nonfinite_params")
         out.pop("loss")
         return out

@@ -1,41 +1,44 @@
-"""Reward workers: rule functions by data_source on the host, and a scalar-head reward model.
+"""Rule rewards as a role of the dataflow: rule functions chosen by data_source, run on the host.
 
-Rule rewards need text, so they make the one deliberate host fetch of a step: the response
-tokens. The scores go back to the devices as `token_level_scores` [B, R], with each sequence's
-score on its last response token, placed with the same sharding as `response_mask`.
+Rule rewards need text, so their protocol is ON_HOST: the response tokens come to the host (the
+step's one deliberate fetch), are decoded and scored there, and the scores go back to the
+dataflow's mesh as `token_level_scores` [B, R], each sequence's score on its last response
+token.
 """
 
 from __future__ import annotations
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 from absl import logging
+from jax.sharding import Mesh
 
 from hfjax.controller.batch import Batch
-from hfjax.controller.protocol import DP_COMPUTE
-from hfjax.controller.worker_group import WorkerGroup, method
+from hfjax.controller.protocol import ON_HOST, method
+from hfjax.rewards.custom import load_custom_reward
 from hfjax.rewards.pool import ERROR, OK, TIMEOUT, RewardPool, shared_pool
 from hfjax.rewards.registry import get_reward_fn
 
 
-def scores_at_last_token(scores: jax.Array, response_mask: jax.Array) -> jax.Array:
-    """[B] scores -> [B, R] with each score on the row's last response token (0 elsewhere)."""
-    r = response_mask.shape[1]
-    length = jnp.sum(response_mask > 0, axis=1)
-    last = jnp.maximum(length - 1, 0)
-    onehot = (jnp.arange(r)[None, :] == last[:, None]) & (length[:, None] > 0)
-    return onehot.astype(jnp.float32) * scores[:, None].astype(jnp.float32)
+def scores_at_last_token(scores: np.ndarray, response_mask: np.ndarray) -> np.ndarray:
+    """[B] scores -> [B, R] float32 with each score on the row's last response token (0
+    elsewhere, and everywhere in an empty row)."""
+    mask = np.asarray(response_mask) > 0
+    out = np.zeros(mask.shape, np.float32)
+    length = mask.sum(axis=1)
+    rows = np.flatnonzero(length > 0)
+    out[rows, length[rows] - 1] = np.asarray(scores, np.float32)[rows]
+    return out
 
 
 class RuleReward:
     """Scores decoded responses with the rule reward for each row, in a host worker pool.
 
     Each row's function comes from its `data_source` (or `reward_style`, or `custom_fn`; see
-    `hfjax.rewards.registry`). Calls run in `num_workers` processes with a `timeout_s` limit per
-    call (`hfjax.rewards.pool`): a function that raises or hangs scores 0 and is counted in
-    `failures` / `timeouts`, never ending the run. A data_source with no reward is a
-    configuration error and raises.
+    `hfjax.rewards.registry`). Calls run in `num_processes` subprocesses with a `timeout_s`
+    limit per call (`hfjax.rewards.pool`): a function that raises or hangs scores 0 and is
+    counted in `failures` / `timeouts`, never ending the run. A data_source with no reward is a
+    configuration error and raises. Scores come back on `home`, the dataflow's mesh (None: as
+    host arrays).
 
     Batch meta read: `data_source`, `ground_truth`, and optionally `reward_style` and
     `extra_info` (per-row dicts; reasoning-gym rows need theirs).
@@ -46,23 +49,28 @@ class RuleReward:
         tokenizer,
         *,
         custom_fn: str | None = None,
-        num_workers: int = 2,
+        num_processes: int = 2,
         timeout_s: float = 10.0,
         pool: RewardPool | None = None,
+        home: Mesh | None = None,
     ):
         self.tokenizer = tokenizer
+        self.mesh = None  # computes on the host
+        self.home = home
         self.custom_fn = custom_fn or None
+        self.pool = pool if pool is not None else shared_pool(num_processes, timeout_s)
         if self.custom_fn:
-            get_reward_fn("", custom_fn=self.custom_fn)  # a bad spec fails here, not mid-run
-        self.pool = pool if pool is not None else shared_pool(num_workers, timeout_s)
+            # A bad spec, or a file that fails or hangs while importing, fails here, before any
+            # work: the scorer processes import it under the timeout (the controller never
+            # does, unless it scores in-process).
+            fn = get_reward_fn("", custom_fn=self.custom_fn)
+            if self.pool.num_processes:
+                self.pool.preload(fn)
+            else:
+                load_custom_reward(self.custom_fn)
         self.failures = 0
         self.timeouts = 0
         self._since_pop = {"reward/failures": 0, "reward/timeouts": 0}
-
-    def fetch_responses(self, batch: Batch) -> tuple[np.ndarray, np.ndarray]:
-        """The step's deliberate host fetch: response tokens and mask."""
-        with jax.transfer_guard("allow"):
-            return np.asarray(batch["responses"]), np.asarray(batch["response_mask"])
 
     def score_texts(
         self,
@@ -106,11 +114,11 @@ class RuleReward:
             self._since_pop[k] += v
         return scores, counts
 
+    @method(ON_HOST, reads=("responses", "response_mask"))
     def compute_reward(self, batch: Batch) -> Batch:
-        """Batch with `token_level_scores` [B, R] on the responses' devices, the decoded
-        `response_text` in meta, and this batch's `reward/failures` and `reward/timeouts`
-        counts in info."""
-        tokens, mask = self.fetch_responses(batch)
+        """Batch with `token_level_scores` [B, R], the decoded `response_text` in meta, and
+        this batch's `reward/failures` and `reward/timeouts` counts in info."""
+        tokens, mask = batch["responses"], batch["response_mask"]
         texts = [
             self.tokenizer.decode(tokens[i][mask[i] > 0].tolist()) for i in range(len(tokens))
         ]
@@ -122,10 +130,8 @@ class RuleReward:
             list(meta["extra_info"]) if "extra_info" in meta else None,
             list(meta["reward_style"]) if "reward_style" in meta else None,
         )
-        with jax.transfer_guard("allow"):
-            placed = jax.device_put(scores, _row_sharding(batch["response_mask"]))
-        tls = _jit_scores(placed, batch["response_mask"])
-        return Batch({"token_level_scores": tls}, meta={"response_text": texts}, info=counts)
+        return Batch({"token_level_scores": scores_at_last_token(scores, mask)},
+                     meta={"response_text": texts}, info=counts)
 
     def pop_metrics(self) -> dict[str, float]:
         """`reward/failures` and `reward/timeouts` since the previous call, for step metrics."""
@@ -152,30 +158,3 @@ def _plain(info):
     if isinstance(info, np.generic):
         return info.item()
     return info
-
-
-_jit_scores = jax.jit(scores_at_last_token)
-
-
-def _row_sharding(x: jax.Array):
-    """The sharding of x's leading axis alone, for a [B] array living beside x."""
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
-
-    sh = x.sharding
-    if isinstance(sh, NamedSharding):
-        return NamedSharding(sh.mesh, P(*sh.spec[:1]))
-    return sh
-
-
-class ModelReward(WorkerGroup):
-    """A ScoreModel on its pool: one scalar per sequence, on the last response token."""
-
-    def __init__(self, *args, **kw):
-        super().__init__(*args, **kw)
-        self._score = self.jit(lambda p, ids, m: self.model(p)(ids, m))
-
-    @method(DP_COMPUTE)
-    def compute_rm_score(self, batch: Batch) -> Batch:
-        s = self._score(self.params, batch["input_ids"], batch["attention_mask"])
-        return Batch({"rm_scores": scores_at_last_token(s, batch["response_mask"])})

@@ -8,7 +8,7 @@ from hfjax.controller.placement import Placement, build_placement, resolve_place
 
 PPO = ("actor", "rollout", "ref", "critic")
 GRPO = ("actor", "rollout", "ref")
-SAFE = ("actor", "rollout", "ref", "critic", "reward", "cost")
+FULL = ("actor", "rollout", "ref", "critic", "reward")
 
 
 def ids(pool):
@@ -58,19 +58,19 @@ def test_standalone_ppo_gives_each_model_two_devices():
 
 
 def test_standalone_gives_remainder_to_actor():
-    # GRPO: actor(+rollout) and ref only -> 4 + 4; Safe-RLHF: 5 models on 8 -> actor gets 4.
+    # GRPO: actor(+rollout) and ref only -> 4 + 4; PPO's 4 models on 7 devices -> actor gets 4.
     pools = resolve_placement("standalone", GRPO)
     assert (pools["actor"].size, pools["ref"].size) == (4, 4)
-    pools = resolve_placement("standalone", SAFE)
+    pools = resolve_placement("standalone", FULL, jax.devices()[:7])
     sizes = {r: p.size for r, p in pools.items()}
-    assert sizes == {"actor": 4, "rollout": 4, "ref": 1, "critic": 1, "reward": 1, "cost": 1}
-    all_ids = [i for r in ("actor", "ref", "critic", "reward", "cost") for i in ids(pools[r])]
-    assert sorted(all_ids) == list(range(8))
+    assert sizes == {"actor": 4, "rollout": 4, "ref": 1, "critic": 1, "reward": 1}
+    all_ids = [i for r in ("actor", "ref", "critic", "reward") for i in ids(pools[r])]
+    assert sorted(all_ids) == list(range(7))
 
 
 def test_standalone_needs_a_device_per_model():
-    with pytest.raises(ValueError, match=r"placement 'standalone' needs 5 pools .* only 4 devices"):
-        resolve_placement("standalone", SAFE, jax.devices()[:4])
+    with pytest.raises(ValueError, match=r"placement 'standalone' needs 4 pools .* only 3 devices"):
+        resolve_placement("standalone", FULL, jax.devices()[:3])
 
 
 def test_explicit_mapping_with_sizes():

@@ -6,21 +6,17 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from support import no_host_round_trip, pool_mesh
 
 from hfjax.controller.batch import Batch
 from hfjax.controller.protocol import (
-    ALL_TO_ALL,
     DP_COMPUTE,
+    ON_HOST,
     ONE_TO_ALL,
     get_protocol,
+    method,
     protocol_of,
-    register,
 )
-from hfjax.parallel.mesh import ResourcePool
-
-
-def pool_mesh(lo, hi, spec):
-    return ResourcePool(f"devices{lo}-{hi}", tuple(jax.devices()[lo:hi])).mesh(spec)
 
 
 def make_batch(n):
@@ -67,7 +63,7 @@ def test_dp_compute_round_trip_with_padding(n, spec, dp, pad):
     def score(tokens, mask):
         return {"sums": jnp.sum(tokens * mask, axis=1)}
 
-    out = jax.jit(score, out_shardings=DP_COMPUTE.out_sharding(mesh))(
+    out = jax.jit(score, out_shardings=DP_COMPUTE.in_sharding(mesh))(
         placed["tokens"], placed["mask"]
     )
     assert out["sums"].sharding == expected
@@ -115,13 +111,70 @@ def test_one_to_all_replicates_and_passes_outputs_through():
     assert ONE_TO_ALL.collect(out, pad) is out
 
 
-def test_all_to_all_passes_everything_through():
-    mesh = pool_mesh(0, 8, "data=8")
-    batch = make_batch(3)
-    placed, pad = ALL_TO_ALL.dispatch(batch, mesh)
-    assert placed is batch and pad == 0
-    assert ALL_TO_ALL.in_sharding(mesh) is None
-    assert ALL_TO_ALL.collect("anything", 0) == "anything"
+def test_on_host_fetches_inputs_and_places_outputs_on_home():
+    batch = make_batch(8).to(pool_mesh(0, 4, "fsdp=4"))
+    placed, pad = ON_HOST.dispatch(batch, None)
+    assert pad == 0 and isinstance(placed["tokens"], np.ndarray)
+    assert list(placed["uid"]) == list(batch["uid"])
+    home = pool_mesh(4, 8, "data=2,tensor=2")
+    out = ON_HOST.collect(Batch({"sums": placed["tokens"].sum(axis=1)}), 0, home)
+    assert out["sums"].sharding == NamedSharding(home, P("data"))
+    assert np.asarray(out["sums"]).tolist() == row_sums_reference(batch["tokens"])
+
+
+_double = jax.jit(lambda x: x * 2)  # the 2 is a compile-time constant: no upload
+
+
+class Doubler:
+    """A worker-group-like object: a mesh to compute on and a home for results."""
+
+    def __init__(self, mesh, home):
+        self.mesh, self.home = mesh, home
+
+    @method(DP_COMPUTE, reads=("tokens",))
+    def double(self, batch):
+        assert set(batch.arrays) == {"tokens"}  # only what the method reads travels
+        assert batch["tokens"].sharding == DP_COMPUTE.in_sharding(self.mesh)
+        return Batch({"doubled": _double(batch["tokens"])})
+
+    @method(DP_COMPUTE, reads=("tokens",), may_read=("mask", "absent"))
+    def summary(self, batch):
+        return {"keys": sorted(batch.arrays)}
+
+
+def test_method_dispatches_to_its_mesh_and_collects_to_home():
+    """The caller never places data: a batch on one pool goes to the method's pool and the
+    result comes back to the home pool, all device to device, padding dropped."""
+    src, mine = pool_mesh(0, 7, "fsdp=7"), pool_mesh(4, 8, "data=4")
+    batch = make_batch(7).to(src)  # 7 rows: padded to 8 for data=4
+    group = Doubler(mine, home=src)
+    with no_host_round_trip():
+        out = group.double(batch)
+        jax.block_until_ready(out.arrays)
+    assert len(out) == 7
+    assert out["doubled"].sharding == NamedSharding(src, P("fsdp"))  # home's batch split
+    np.testing.assert_array_equal(np.asarray(out["doubled"]), 2 * np.arange(21).reshape(7, 3))
+    assert protocol_of(group.double) is DP_COMPUTE
+    # Rows that don't split over home's batch axes come back replicated there.
+    odd = Doubler(mine, home=pool_mesh(0, 4, "fsdp=4")).double(batch)
+    assert odd["doubled"].sharding == NamedSharding(odd["doubled"].sharding.mesh, P())
+    assert group.summary(make_batch(4)) == {"keys": ["mask", "tokens"]}
+    with pytest.raises(KeyError, match=r"Doubler.double needs batch arrays \['tokens'\]"):
+        group.double(Batch({"other": np.zeros((4, 1))}))
+
+
+def test_protocol_lookup_and_tagging_errors():
+    assert protocol_of(Doubler.double) is DP_COMPUTE
+    assert protocol_of(Doubler.__init__) is None
+    assert get_protocol("on_host") is ON_HOST
+    assert get_protocol(DP_COMPUTE) is DP_COMPUTE
+    with pytest.raises(ValueError, match=r"unknown transfer protocol 'DP_PROTO'; use one of"):
+        get_protocol("DP_PROTO")
+    with pytest.raises(TypeError, match=r"write @method\(DP_COMPUTE\)"):
+
+        @method
+        def bare(self):
+            return None
 
 
 def test_dispatch_accepts_pytrees_of_arrays():
@@ -138,31 +191,3 @@ def test_dispatch_accepts_pytrees_of_arrays():
 
     pair, pad = DP_COMPUTE.dispatch((jnp.zeros((2, 1)), jnp.ones((2,))), mesh)
     assert isinstance(pair, tuple) and pair[0].shape == (4, 1) and pad == 2
-
-
-def test_register_tags_methods_for_lookup():
-    class Critic:
-        @register(DP_COMPUTE)
-        def compute_values(self, batch):
-            return batch
-
-        @register("one_to_all")
-        def load(self, path):
-            return path
-
-        def helper(self):
-            return None
-
-    critic = Critic()
-    assert protocol_of(critic.compute_values) is DP_COMPUTE
-    assert protocol_of(Critic.load) is ONE_TO_ALL
-    assert protocol_of(critic.helper) is None
-    assert get_protocol("all_to_all") is ALL_TO_ALL
-    assert get_protocol(DP_COMPUTE) is DP_COMPUTE
-    with pytest.raises(ValueError, match=r"unknown transfer protocol 'DP_PROTO'; use one of"):
-        get_protocol("DP_PROTO")
-    with pytest.raises(TypeError, match=r"write @register\(DP_COMPUTE\)"):
-
-        @register
-        def bare(self):
-            return None

@@ -206,12 +206,15 @@ def test_smollm2_samples_equal_the_static_engine():
 
 @pytest.mark.slow
 def test_actor_generates_the_same_through_continuous_batching():
+    from support import tiny_rl_config
+
+    from hfjax.data.batching import prompt_batch
     from hfjax.trainer import Trainer
-    from tests.engine.test_hybrid import tiny_rl_config
 
     trainers = {}
     for mode in ("static", "continuous"):
-        c = tiny_rl_config(True)
+        c = tiny_rl_config(mesh="fsdp=4,tensor=2")  # TRAIN_RULES nest under the decode mesh
+        c.rollout.mesh, c.rollout.hybrid_engine = "data=4,tensor=2", True
         c.rollout.mode, c.rollout.slots, c.rollout.refill_every = mode, 8, 2
         c.rollout.n, c.rollout.response_length = 2, 12
         trainers[mode] = Trainer(c)
@@ -223,7 +226,10 @@ def test_actor_generates_the_same_through_continuous_batching():
     seeds = np.arange(len(rows), dtype=np.int32) * 7 + 1
     for greedy in (True, False):
         out = {
-            mode: t.actor.generate(t.prompt_batch(rows, seeds), greedy=greedy)
+            mode: t.actor.generate(
+                prompt_batch(rows, seeds, t.tok.pad_id, t.cfg.data.max_prompt_length),
+                greedy=greedy,
+            )
             for mode, t in trainers.items()
         }
         for key in ("responses", "response_mask", "input_ids"):

@@ -5,13 +5,15 @@ order, the actor integration, and clear errors for decode layouts that cannot wo
 import logging
 import math
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from support import tiny_rl_config
 
-from hfjax.engine import hybrid, hybrid_baselines
+from hfjax.engine import hybrid
 from hfjax.engine.sampler import Sampler, SamplingParams
 from hfjax.models import transformer
 from hfjax.models.presets import get_preset
@@ -36,16 +38,16 @@ PAIRS = MEGATRON + FSDP
 # 8 query and 8 KV heads, so every tensor-parallel dimension splits 8 ways and the only
 # replicated tensors are the norms.
 SMALL = get_preset("tiny").replace(
-    vocab_size=64,
-    hidden_size=16,
-    intermediate_size=32,
-    num_heads=8,
-    num_kv_heads=8,
-    head_dim=4,
-    max_position_embeddings=64,
+    vocab_size=64, hidden_size=16, intermediate_size=32, num_heads=8, num_kv_heads=8,
+    head_dim=4, max_position_embeddings=64,
 )
 # SmolLM2-135M-sized with 8 heads (SmolLM2's 9 divide no tensor size used here).
 SMOL_SIZED = get_preset("smollm2-135m").replace(num_heads=8, num_kv_heads=2, head_dim=72)
+
+
+def table2_bytes(t: int, t_g: int, model_bytes: float) -> float:
+    """The paper's Table 2 HybridFlow volume (tp - t_g p_g)/(t_g p_g tp) * M with p = p_g = 1."""
+    return (t - t_g) / (t_g * t) * model_bytes
 
 
 def layout(train, rules):
@@ -66,14 +68,8 @@ def host(tree):
 def tp_bytes(cfg, itemsize):
     """(bytes of the vocab/heads/mlp weights, bytes of the KV projections), written out from
     the config: together, every parameter but the norms."""
-    L, D, N, K, H, F = (
-        cfg.num_layers,
-        cfg.hidden_size,
-        cfg.num_heads,
-        cfg.num_kv_heads,
-        cfg.head_dim,
-        cfg.intermediate_size,
-    )
+    L, D, N, K, H, F = (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads,
+                        cfg.head_dim, cfg.intermediate_size)
     dense = cfg.vocab_size * D + 2 * L * D * N * H + 3 * L * D * F
     return dense * itemsize, 2 * L * D * K * H * itemsize
 
@@ -99,14 +95,13 @@ def test_round_trip_is_bit_identical_at_the_lower_bound(small_model, train, rule
     train_b, dec_b = engine.train_bytes(), engine.decode_bytes()
     assert {d: grown[d] - base[d] for d in base} == {d: dec_b[d] - train_b[d] for d in base}
     assert all(x.sharding == s for x, s in zip(jax.tree.leaves(dec), engine.decode_shardings()))
-    assert all(x.is_deleted() for x, s in zip(jax.tree.leaves(params), engine.leaves) if s.gathered)
+    assert all(x.is_deleted() for x, s in zip(jax.tree.leaves(params), engine.leaves)
+               if s.gathered)
 
     back = engine.to_train(dec)
     assert all(x.is_deleted() for x, s in zip(jax.tree.leaves(dec), engine.leaves) if s.gathered)
     assert [x.sharding for x in jax.tree.leaves(back)] == want_shardings
-    for a, b in zip(before, host(back)):
-        np.testing.assert_array_equal(a, b)
-        assert a.dtype == b.dtype
+    chex.assert_trees_all_equal(before, host(back), strict=True)  # values and dtypes
 
     # Volume: every device receives exactly its decode shard minus its own training shard.
     moved, bound = engine.bytes_to_decode(), engine.lower_bound()
@@ -118,7 +113,7 @@ def test_round_trip_is_bit_identical_at_the_lower_bound(small_model, train, rule
     m = sum(tp_bytes(SMALL, 4))  # 8 KV heads split like the rest
     assert engine.split_bytes() == m
     if rules == "decode":
-        assert set(moved.values()) == {hybrid_baselines.table2_bytes(t, t_g, m)}
+        assert set(moved.values()) == {table2_bytes(t, t_g, m)}
     assert set(moved.values()) == {m // t_g - m // n}
     # The baselines move more, except when decoding replicates everything (then naive = bound).
     naive, v = engine.naive_bytes(), engine.hybridflow_v_bytes()
@@ -137,24 +132,21 @@ def test_round_trip_is_bit_identical_at_the_lower_bound(small_model, train, rule
 def test_decode_mesh_follows_the_paper_device_order():
     # Megatron data=2,tensor=4 -> data=4,tensor=2: decode tensor groups at stride t/t_g = 2
     # inside each training TP group, micro-DP groups (same decode shard) of consecutive ranks.
-    engine = hybrid.HybridEngine(
-        layout("data=2,tensor=4", "decode"),
-        "data=4,tensor=2",
-        nnx.state(transformer.abstract(SMALL)),
-    )
+    engine = hybrid.HybridEngine(layout("data=2,tensor=4", "decode"), "data=4,tensor=2",
+                                 nnx.state(transformer.abstract(SMALL)))
     ids = np.vectorize(lambda d: d.id)(engine.decode_mesh.devices).reshape(4, 2)
     np.testing.assert_array_equal(ids, [[0, 2], [1, 3], [4, 6], [5, 7]])
     assert engine.micro_dp == 2
     # Consecutive ranks (HybridFlow-V) do not nest: the busiest device receives more.
     assert reshard.max_bytes(engine.hybridflow_v_bytes()) > reshard.max_bytes(
-        engine.bytes_to_decode()
-    )
+        engine.bytes_to_decode())
 
 
 @pytest.mark.parametrize("train,rules,decode", PAIRS)
 def test_smollm2_sized_volumes_match_closed_forms(train, rules, decode):
     cfg = SMOL_SIZED.replace(param_dtype="bfloat16")
-    engine = hybrid.HybridEngine(layout(train, rules), decode, nnx.state(transformer.abstract(cfg)))
+    engine = hybrid.HybridEngine(layout(train, rules), decode,
+                                 nnx.state(transformer.abstract(cfg)))
     # 2 KV heads split 4 or 8 ways in no training layout here: replicated in both, they move
     # nothing, so M is the other tensor-parallel weights.
     m, _ = tp_bytes(cfg, 2)
@@ -166,7 +158,7 @@ def test_smollm2_sized_volumes_match_closed_forms(train, rules, decode):
     assert moved == engine.lower_bound()
     assert set(moved.values()) == {m // t_g - m // n}
     if rules == "decode":
-        assert set(moved.values()) == {hybrid_baselines.table2_bytes(t, t_g, m)}
+        assert set(moved.values()) == {table2_bytes(t, t_g, m)}
     assert set(engine.bytes_to_train().values()) == {0}
     assert set(engine.naive_bytes().values()) == {m - m // n}
 
@@ -179,20 +171,16 @@ def test_methods_agree_and_way_back_has_no_collectives(small_model, method):
     engine = hybrid.HybridEngine(lay, "data=4,tensor=2", params, method=method)
     dec = engine.to_decode(params)
     full = [np.asarray(x) for x in jax.tree.leaves(dec)]
-    for a, b in zip(before, full):
-        np.testing.assert_array_equal(a, b)
+    chex.assert_trees_all_equal(before, full, strict=True)
     for i, leaf in enumerate(engine.leaves):
         if leaf.gathered:
             x = jax.tree.leaves(dec)[i]
             hlo = engine._program("slice", i).lower(reshard.relabel(x, leaf.decode_t)).compile()
             text = hlo.as_text()
-            assert not any(
-                op in text
-                for op in ("all-gather", "all-reduce", "all-to-all", "collective-permute")
-            )
+            assert not any(op in text for op in
+                           ("all-gather", "all-reduce", "all-to-all", "collective-permute"))
     back = engine.to_train(dec)
-    for a, b in zip(before, host(back)):
-        np.testing.assert_array_equal(a, b)
+    chex.assert_trees_all_equal(before, host(back), strict=True)
 
 
 def test_train_rules_nest_after_reordering_but_fsdp_only_cannot(small_model):
@@ -204,8 +192,7 @@ def test_train_rules_nest_after_reordering_but_fsdp_only_cannot(small_model):
     engine = hybrid.HybridEngine(lay, "data=4,tensor=2", params)
     assert engine.bytes_to_decode() == engine.lower_bound()
     back = engine.to_train(engine.to_decode(params))
-    for a, b in zip(before, host(back)):
-        np.testing.assert_array_equal(a, b)
+    chex.assert_trees_all_equal(before, host(back), strict=True)
     # With fsdp alone, training keeps mlp/heads whole while decoding splits them.
     with pytest.raises(hybrid.LayoutError, match="NESTED_TRAIN_RULES"):
         hybrid.HybridEngine(layout("fsdp=8", "train"), "data=4,tensor=2", params)
@@ -231,13 +218,10 @@ def test_fallback_round_trips_and_logs_the_extra_bytes(small_model, caplog):
     assert engine.fallback
     back_bytes = reshard.max_bytes(engine.bytes_to_train())
     assert back_bytes > 0
-    assert any(
-        "extra bytes" in r.getMessage() and str(back_bytes) in r.getMessage()
-        for r in caplog.records
-    )
+    assert any("extra bytes" in r.getMessage() and str(back_bytes) in r.getMessage()
+               for r in caplog.records)
     back = engine.to_train(engine.to_decode(params))
-    for a, b in zip(before, host(back)):
-        np.testing.assert_array_equal(a, b)
+    chex.assert_trees_all_equal(before, host(back), strict=True)
 
 
 def test_decoding_on_the_engine_layout_matches_the_training_layout(small_model):
@@ -258,57 +242,38 @@ def test_decoding_on_the_engine_layout_matches_the_training_layout(small_model):
     assert math.isfinite(float(np.asarray(jax.tree.leaves(params)[0]).sum()))
 
 
-def tiny_rl_config(hybrid_engine):
-    from configs import ppo_arith
-
-    c = ppo_arith.get_config()
-    m = c.model
-    m.hidden_size, m.intermediate_size, m.head_dim = 32, 64, 16
-    m.num_layers, m.num_heads, m.num_kv_heads = 1, 2, 1
-    c.data.n_train, c.data.n_test, c.data.train_batch_size = 64, 16, 16
-    c.sft.steps = 0
-    c.rollout.response_length = 8
-    for role in (c.actor, c.critic):
-        role.ppo_mini_batch_size = 8
-        role.ppo_micro_batch_size = 8
+def engine_config(hybrid_engine):
     # TRAIN_RULES (fsdp over embed) still nest under the engine's device order.
+    c = tiny_rl_config()
     c.actor.mesh = "fsdp=4,tensor=2"
     c.rollout.mesh = "data=4,tensor=2"
     c.rollout.hybrid_engine = hybrid_engine
     c.rollout.offload_optimizer = hybrid_engine
-    c.reward.num_workers = 0  # score in this process: no reward worker pool to start
     return c
 
 
 @pytest.mark.slow
 def test_actor_generates_through_the_engine_and_keeps_training():
+    from hfjax.data.batching import prompt_batch
     from hfjax.trainer import Trainer
 
-    on, off = Trainer(tiny_rl_config(True)), Trainer(tiny_rl_config(False))
+    on, off = Trainer(engine_config(True)), Trainer(engine_config(False))
     assert off.actor.hybrid is None and on.actor.hybrid is not None
     assert on.actor.sampler.mesh == on.actor.hybrid.decode_mesh
     before = host(on.actor.params)
     rows = on.test_data.rows
-    batch = on.prompt_batch(rows, np.zeros(len(rows), np.int32))
+    batch = prompt_batch(rows, np.zeros(len(rows), np.int32), on.tok.pad_id,
+                         on.cfg.data.max_prompt_length)
     got = on.actor.generate(batch, greedy=True, n=1)
-    want = off.actor.generate(
-        off.prompt_batch(rows, np.zeros(len(rows), np.int32)), greedy=True, n=1
-    )
+    want = off.actor.generate(batch, greedy=True, n=1)
     np.testing.assert_array_equal(np.asarray(got["responses"]), np.asarray(want["responses"]))
     # The params came back bit-identical, in the training shardings the updates compiled for.
-    for a, b in zip(before, host(on.actor.params)):
-        np.testing.assert_array_equal(a, b)
-    assert all(
-        x.sharding == s
-        for x, s in zip(jax.tree.leaves(on.actor.params), jax.tree.leaves(on.actor.param_shardings))
-    )
+    chex.assert_trees_all_equal(before, host(on.actor.params), strict=True)
+    assert all(x.sharding == s for x, s in zip(jax.tree.leaves(on.actor.params),
+                                               jax.tree.leaves(on.actor.param_shardings)))
     # The optimizer state went to host memory and came back where the updates expect it.
-    assert all(
-        x.sharding == s
-        for x, s in zip(
-            jax.tree.leaves(on.actor.opt_state), jax.tree.leaves(on.actor.opt_shardings)
-        )
-    )
+    assert all(x.sharding == s for x, s in zip(jax.tree.leaves(on.actor.opt_state),
+                                               jax.tree.leaves(on.actor.opt_shardings)))
     metrics = on.train_step()
     assert math.isfinite(metrics["actor/pg_loss"])
     assert not any(x.is_deleted() for x in jax.tree.leaves(on.actor.params))

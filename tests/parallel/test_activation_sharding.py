@@ -6,11 +6,11 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from hfjax.controller.worker_group import WorkerGroup
 from hfjax.models import transformer
 from hfjax.models.presets import get_preset
 from hfjax.parallel import sharding as shd
 from hfjax.parallel.mesh import ResourcePool
+from hfjax.workers.base import WorkerGroup
 
 
 def test_constrain_is_identity_without_a_layout():

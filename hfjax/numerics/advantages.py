@@ -1,15 +1,21 @@
 """Advantage estimators: GAE, GRPO, RLOO, REINFORCE++ (with and without a baseline), ReMax.
 
-hfjax convention: every estimator returns zeros outside ``response_mask`` (for both advantages
-and returns), so padding never leaks into a loss even if a caller forgets the mask.
+Every estimator takes one `AdvantageInputs` and returns (advantages, returns), both [B, T]
+and zero outside ``response_mask``, so padding never leaks into a loss even if a caller forgets
+the mask. An estimator that needs a new input (a greedy baseline, a cost) adds a field to
+`AdvantageInputs`; the advantage stage fills every field the batch can supply. Estimators are
+registered with the batch arrays they need beyond rewards and mask (``needs``), so a config
+whose algorithm does not produce them is refused before anything runs.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
-from hfjax.algorithms.core import (
+from hfjax.numerics.core import (
     ADV_ESTIMATORS,
     Array,
     mask_like,
@@ -17,18 +23,31 @@ from hfjax.algorithms.core import (
     safe_div,
 )
 
-# --------------------------------------------------------------------------------------------
-# Advantage estimators
-#
-# All share one keyword-only signature so a driver can call any of them with the same config;
-# an estimator raises ValueError when an input it needs (values, index, reward_baselines) is
-# missing. They return (advantages, returns), both [B, T] and zero outside response_mask.
-# --------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class AdvantageInputs:
+    """Everything an advantage estimator may read.
+
+    Token-level arrays are [B, T]; ``index`` holds int group ids [B] in [0, num_groups) (the
+    prompt each sample answers) and ``reward_baselines`` one baseline score per sample [B].
+    An estimator raises ValueError when an input it needs is None.
+    """
+
+    token_level_rewards: Array
+    response_mask: Array
+    values: Array | None = None
+    index: Array | None = None
+    num_groups: int | None = None
+    reward_baselines: Array | None = None
+    gamma: float = 1.0
+    lam: float = 1.0
+    norm_adv_by_std_in_grpo: bool = True
+    epsilon: float = 1e-6
 
 
 def _require(value: Array | None, what: str, estimator: str) -> Array:
     if value is None:
-        raise ValueError(f"adv_estimator '{estimator}' needs {what}; pass it as a keyword")
+        raise ValueError(f"adv_estimator '{estimator}' needs {what}")
     return value
 
 
@@ -48,20 +67,8 @@ def _group_stats(scores: Array, index: Array, num_groups: int | None) -> tuple[A
     return count[index], mean[index], jnp.sqrt(var)[index]
 
 
-@ADV_ESTIMATORS.register("gae")
-def compute_gae_advantage_return(
-    *,
-    token_level_rewards: Array,
-    response_mask: Array,
-    values: Array | None = None,
-    index: Array | None = None,
-    num_groups: int | None = None,
-    reward_baselines: Array | None = None,
-    gamma: float = 1.0,
-    lam: float = 1.0,
-    norm_adv_by_std_in_grpo: bool = True,
-    epsilon: float = 1e-6,
-) -> tuple[Array, Array]:
+@ADV_ESTIMATORS.register("gae", needs=("values",))
+def compute_gae_advantage_return(x: AdvantageInputs) -> tuple[Array, Array]:
     """Generalised advantage estimation (needs ``values``).
 
     Tokens outside the mask are skipped by the recursion: the value bootstrap and the running
@@ -71,14 +78,15 @@ def compute_gae_advantage_return(
 
     Returns (whitened advantages, returns), each ``[B, T]``.
     """
-    values = _require(values, "values [B, T] from the critic", "gae")
-    m = mask_like(response_mask, token_level_rewards)
-    rewards = token_level_rewards * m
+    values = _require(x.values, "values [B, T] from the critic", "gae")
+    gamma, lam = x.gamma, x.lam
+    m = mask_like(x.response_mask, x.token_level_rewards)
+    rewards = x.token_level_rewards * m
     values = values.astype(rewards.dtype) * m
 
-    def step(carry, x):
+    def step(carry, xs):
         next_value, last_adv = carry
-        r_t, v_t, m_t = x
+        r_t, v_t, m_t = xs
         delta = r_t + gamma * next_value - v_t
         adv_t = delta + gamma * lam * last_adv
         next_value = m_t * v_t + (1 - m_t) * next_value
@@ -94,19 +102,7 @@ def compute_gae_advantage_return(
 
 
 @ADV_ESTIMATORS.register("grpo")
-def compute_grpo_outcome_advantage(
-    *,
-    token_level_rewards: Array,
-    response_mask: Array,
-    values: Array | None = None,
-    index: Array | None = None,
-    num_groups: int | None = None,
-    reward_baselines: Array | None = None,
-    gamma: float = 1.0,
-    lam: float = 1.0,
-    norm_adv_by_std_in_grpo: bool = True,
-    epsilon: float = 1e-6,
-) -> tuple[Array, Array]:
+def compute_grpo_outcome_advantage(x: AdvantageInputs) -> tuple[Array, Array]:
     """GRPO outcome advantage (needs ``index``, the prompt-group id of each sample).
 
     The score of a sample is the sum of its token rewards. It is normalised within its group:
@@ -116,34 +112,22 @@ def compute_grpo_outcome_advantage(
 
     Returns (advantages, returns), identical, the per-sample value broadcast over the mask.
     """
-    index = _require(index, "index (int group ids [B])", "grpo")
-    m = mask_like(response_mask, token_level_rewards)
-    scores = jnp.sum(token_level_rewards, axis=-1)
-    count, mean, std = _group_stats(scores, index, num_groups)
+    index = _require(x.index, "index (int group ids [B])", "grpo")
+    m = mask_like(x.response_mask, x.token_level_rewards)
+    scores = jnp.sum(x.token_level_rewards, axis=-1)
+    count, mean, std = _group_stats(scores, index, x.num_groups)
     single = count <= 1
     mean = jnp.where(single, 0.0, mean)
     std = jnp.where(single, 1.0, std)
     adv = scores - mean
-    if norm_adv_by_std_in_grpo:
-        adv = adv / (std + epsilon)
+    if x.norm_adv_by_std_in_grpo:
+        adv = adv / (std + x.epsilon)
     adv = adv[:, None] * m
     return adv, adv
 
 
 @ADV_ESTIMATORS.register("rloo")
-def compute_rloo_outcome_advantage(
-    *,
-    token_level_rewards: Array,
-    response_mask: Array,
-    values: Array | None = None,
-    index: Array | None = None,
-    num_groups: int | None = None,
-    reward_baselines: Array | None = None,
-    gamma: float = 1.0,
-    lam: float = 1.0,
-    norm_adv_by_std_in_grpo: bool = True,
-    epsilon: float = 1e-6,
-) -> tuple[Array, Array]:
+def compute_rloo_outcome_advantage(x: AdvantageInputs) -> tuple[Array, Array]:
     """REINFORCE leave-one-out advantage (needs ``index``).
 
     Each sample's baseline is the mean score of the *other* samples of its group, which equals
@@ -151,29 +135,17 @@ def compute_rloo_outcome_advantage(
 
     Returns (advantages, returns), identical, broadcast over the mask.
     """
-    index = _require(index, "index (int group ids [B])", "rloo")
-    m = mask_like(response_mask, token_level_rewards)
-    scores = jnp.sum(token_level_rewards, axis=-1)
-    count, mean, _ = _group_stats(scores, index, num_groups)
+    index = _require(x.index, "index (int group ids [B])", "rloo")
+    m = mask_like(x.response_mask, x.token_level_rewards)
+    scores = jnp.sum(x.token_level_rewards, axis=-1)
+    count, mean, _ = _group_stats(scores, index, x.num_groups)
     loo = (scores - mean) * safe_div(count, count - 1)
     adv = jnp.where(count > 1, loo, scores)[:, None] * m
     return adv, adv
 
 
 @ADV_ESTIMATORS.register("reinforce_plus_plus")
-def compute_reinforce_plus_plus_outcome_advantage(
-    *,
-    token_level_rewards: Array,
-    response_mask: Array,
-    values: Array | None = None,
-    index: Array | None = None,
-    num_groups: int | None = None,
-    reward_baselines: Array | None = None,
-    gamma: float = 1.0,
-    lam: float = 1.0,
-    norm_adv_by_std_in_grpo: bool = True,
-    epsilon: float = 1e-6,
-) -> tuple[Array, Array]:
+def compute_reinforce_plus_plus_outcome_advantage(x: AdvantageInputs) -> tuple[Array, Array]:
     """REINFORCE++: discounted return-to-go, whitened over the whole batch's mask.
 
     The running return restarts after every masked-out token, so rewards beyond the end of a
@@ -181,15 +153,16 @@ def compute_reinforce_plus_plus_outcome_advantage(
 
     Returns (whitened returns as advantages, returns), each ``[B, T]``.
     """
-    m = mask_like(response_mask, token_level_rewards)
+    m = mask_like(x.response_mask, x.token_level_rewards)
+    gamma = x.gamma
 
-    def step(running, x):
-        r_t, m_t = x
+    def step(running, xs):
+        r_t, m_t = xs
         ret_t = r_t + gamma * running
         return ret_t * m_t, ret_t
 
-    zeros = jnp.zeros(token_level_rewards.shape[:1], m.dtype)
-    _, ret_t_major = jax.lax.scan(step, zeros, (token_level_rewards.T, m.T), reverse=True)
+    zeros = jnp.zeros(x.token_level_rewards.shape[:1], m.dtype)
+    _, ret_t_major = jax.lax.scan(step, zeros, (x.token_level_rewards.T, m.T), reverse=True)
     returns = ret_t_major.T
     advantages = masked_whiten(returns, m) * m
     return advantages, returns * m
@@ -197,17 +170,7 @@ def compute_reinforce_plus_plus_outcome_advantage(
 
 @ADV_ESTIMATORS.register("reinforce_plus_plus_baseline")
 def compute_reinforce_plus_plus_baseline_outcome_advantage(
-    *,
-    token_level_rewards: Array,
-    response_mask: Array,
-    values: Array | None = None,
-    index: Array | None = None,
-    num_groups: int | None = None,
-    reward_baselines: Array | None = None,
-    gamma: float = 1.0,
-    lam: float = 1.0,
-    norm_adv_by_std_in_grpo: bool = True,
-    epsilon: float = 1e-6,
+    x: AdvantageInputs,
 ) -> tuple[Array, Array]:
     """REINFORCE++ with a group-mean baseline (needs ``index``).
 
@@ -216,29 +179,17 @@ def compute_reinforce_plus_plus_baseline_outcome_advantage(
 
     Returns (advantages, returns), identical, each ``[B, T]``.
     """
-    index = _require(index, "index (int group ids [B])", "reinforce_plus_plus_baseline")
-    m = mask_like(response_mask, token_level_rewards)
-    scores = jnp.sum(token_level_rewards, axis=-1)
-    count, mean, _ = _group_stats(scores, index, num_groups)
+    index = _require(x.index, "index (int group ids [B])", "reinforce_plus_plus_baseline")
+    m = mask_like(x.response_mask, x.token_level_rewards)
+    scores = jnp.sum(x.token_level_rewards, axis=-1)
+    count, mean, _ = _group_stats(scores, index, x.num_groups)
     centred = (scores - jnp.where(count <= 1, 0.0, mean))[:, None] * m
     adv = masked_whiten(centred, m) * m
     return adv, adv
 
 
-@ADV_ESTIMATORS.register("remax")
-def compute_remax_outcome_advantage(
-    *,
-    token_level_rewards: Array,
-    response_mask: Array,
-    values: Array | None = None,
-    index: Array | None = None,
-    num_groups: int | None = None,
-    reward_baselines: Array | None = None,
-    gamma: float = 1.0,
-    lam: float = 1.0,
-    norm_adv_by_std_in_grpo: bool = True,
-    epsilon: float = 1e-6,
-) -> tuple[Array, Array]:
+@ADV_ESTIMATORS.register("remax", needs=("reward_baselines",))
+def compute_remax_outcome_advantage(x: AdvantageInputs) -> tuple[Array, Array]:
     """ReMax (needs ``reward_baselines`` [B], the score of the greedy response to each prompt).
 
     Returns are the undiscounted return-to-go of the masked rewards; advantages subtract the
@@ -247,9 +198,9 @@ def compute_remax_outcome_advantage(
 
     Returns (advantages, returns), each ``[B, T]``.
     """
-    baselines = _require(reward_baselines, "reward_baselines [B] (greedy scores)", "remax")
-    m = mask_like(response_mask, token_level_rewards)
-    masked = token_level_rewards * m
+    baselines = _require(x.reward_baselines, "reward_baselines [B] (greedy scores)", "remax")
+    m = mask_like(x.response_mask, x.token_level_rewards)
+    masked = x.token_level_rewards * m
     returns = jnp.flip(jnp.cumsum(jnp.flip(masked, axis=-1), axis=-1), axis=-1)
     advantages = returns - baselines[:, None].astype(returns.dtype) * m
     return advantages, returns

@@ -1,53 +1,38 @@
-"""Worker groups: one model bound to one resource pool's mesh.
+"""The worker-group base class: one model bound to one resource pool's mesh.
 
 A worker group owns the model's graphdef, its parameters (a pytree of `jax.Array`s placed by
 the group's layout), its optimizer state, and the jitted programs that run on them. Its public
-methods are tagged with a transfer protocol; `@method(DP_COMPUTE)` wraps a method so that its
-batch argument is placed on the group's mesh (padded to the data-parallel size) before the call,
-and the padding is dropped from its output after.
+methods are declared with a transfer protocol (`@method(DP_COMPUTE, reads=...)`, from
+`hfjax.controller.protocol`): the batch arrives on the group's mesh, padded to its
+data-parallel size, and a Batch it returns goes back to `home`, the mesh the dataflow keeps its
+batch on.
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
 from absl import logging
 from flax import nnx
+from jax.sharding import Mesh
 
-from hfjax.controller.batch import Batch, transfer
-from hfjax.controller.protocol import get_protocol, register
+from hfjax.controller.batch import Batch
 from hfjax.engine import update
 from hfjax.parallel import sharding as shd
 from hfjax.parallel.mesh import MeshSpec, ResourcePool, dp_size
+from hfjax.parallel.transfer import transfer
+
+# The arrays every scoring pass reads: the sequences and which of their tokens are responses.
+SEQUENCES = ("input_ids", "attention_mask", "responses")
 
 
 def _owned_transfer(x: jax.Array, sharding) -> jax.Array:
     out = transfer(x, sharding)
     return jnp.copy(out) if out is x else out
-
-
-def method(protocol: Any) -> Callable:
-    """Decorator for worker methods: dispatch the batch by `protocol`, collect the output."""
-    proto = get_protocol(protocol)
-
-    def deco(fn):
-        @functools.wraps(fn)
-        def wrapped(self: WorkerGroup, batch: Batch, *args, **kwargs):
-            placed, pad = proto.dispatch(batch, self.mesh)
-            out = fn(self, placed, *args, **kwargs)
-            if not isinstance(out, Batch) or not pad:
-                return out
-            # A method that returns k rows per input row (n samples per prompt) drops k * pad.
-            return proto.collect(out, pad * (len(out) // len(placed)))
-
-        return register(proto)(wrapped)
-
-    return deco
 
 
 @functools.partial(jax.jit, static_argnums=1)
@@ -68,10 +53,13 @@ class WorkerGroup:
         *,
         rules: str | dict = "train",
         optimizer: optax.GradientTransformation | None = None,
+        home: Mesh | None = None,
     ):
         self.name = name
         self.pool = pool
         self.mesh = pool.mesh(mesh_spec)
+        # Where the dataflow keeps its batch: methods' Batch outputs are collected onto it.
+        self.home = home
         self.layout = shd.layout(self.mesh, rules)
         self.config = model.config
         self.graphdef, state = nnx.split(model)
@@ -112,7 +100,9 @@ class WorkerGroup:
     def train(self, loss_fn, batch: Batch, keys, *, mini: int, micro: int, epochs: int,
               shuffle: bool) -> dict[str, jax.Array]:
         """Runs `epochs` passes of micro-batched updates of `loss_fn` over mini-batches of
-        `batch`; returns the metrics averaged over the steps (device scalars, not fetched)."""
+        `batch`; returns the metrics averaged over the steps (device scalars, not fetched),
+        except `nonfinite` and `nonfinite_params`: the number of updates not applied, and of
+        those that left a non-finite parameter (`hfjax.engine.update`)."""
         update.check_mini_batching(len(batch), mini, micro, self.dp_size, self.name)
         key = (loss_fn.__name__, mini // micro)
         if key not in self._programs:
@@ -126,12 +116,15 @@ class WorkerGroup:
         count = 0
         batches = update.mini_batches(batch.select(keys), mini, epochs, shuffle, self._train_calls)
         for mb in batches:
-            mb = mb.to(self.mesh)
+            mb = mb.to(self.mesh)  # a gather's output layout is XLA's choice: pin the split
             self.params, self.opt_state, m = step(self.params, self.opt_state, dict(mb.arrays))
             sums = m if not sums else jax.tree.map(jnp.add, sums, m)
             count += 1
         self._train_calls += 1
-        return _divide(sums, count)
+        out = _divide(sums, count)
+        out["nonfinite"] = sums["nonfinite"]
+        out["nonfinite_params"] = sums["nonfinite_params"]
+        return out
 
     @property
     def dp_size(self) -> int:

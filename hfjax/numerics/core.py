@@ -7,10 +7,10 @@ Token-level tensors are ``[B, T]`` (batch, response length) and come with a ``re
 ``[B]``. Names, defaults and semantics follow the verl convention so that a verl recipe carries
 over unchanged (``adv_estimator``, ``loss_agg_mode``, ``kl_penalty``, ``clip_ratio_c``, ...).
 
-Estimators (`hfjax.algorithms.advantages`), policy losses and KL penalties
-(`hfjax.algorithms.losses`) and loss aggregations (here) are registered by name; a driver looks
+Estimators (`hfjax.numerics.advantages`), policy losses and KL penalties
+(`hfjax.numerics.losses`) and loss aggregations (here) are registered by name; a driver looks
 them up with ``ADV_ESTIMATORS.get(config.adv_estimator)`` and so on. Importing
-`hfjax.algorithms` registers all of them.
+`hfjax.numerics` registers all of them.
 """
 
 from __future__ import annotations
@@ -41,9 +41,11 @@ class Registry(Generic[F]):
     def __init__(self, kind: str) -> None:
         self.kind = kind
         self._fns: dict[str, F] = {}
+        self._info: dict[str, dict[str, Any]] = {}
 
-    def register(self, *names: str) -> Callable[[F], F]:
-        """Returns a decorator that registers a function under ``names`` (first name + aliases)."""
+    def register(self, *names: str, **info: Any) -> Callable[[F], F]:
+        """Returns a decorator that registers a function under ``names`` (first name + aliases),
+        with keyword facts about it (e.g. ``needs=("values",)``) that `info` returns."""
         if not names:
             raise ValueError(f"register() for {self.kind} needs at least one name")
 
@@ -52,9 +54,15 @@ class Registry(Generic[F]):
                 if name in self._fns:
                     raise ValueError(f"{self.kind} '{name}' is already registered")
                 self._fns[name] = fn
+                self._info[name] = dict(info)
             return fn
 
         return decorator
+
+    def info(self, name: str) -> dict[str, Any]:
+        """The keyword facts registered with ``name`` (ValueError for an unknown name)."""
+        self.get(name)
+        return self._info[name]
 
     def get(self, name: str) -> F:
         """Returns the function registered as ``name``; raises ValueError listing known names."""

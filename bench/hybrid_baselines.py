@@ -1,4 +1,5 @@
-"""Baselines the 3D-HybridEngine is measured against (bench/hybrid_engine.py, tests).
+"""Analysis code, not part of the library: the baselines bench/hybrid_engine.py measures the
+3D-HybridEngine against.
 
 - `naive_to_decode`: the DeepSpeed-Chat way, every parameter gathered whole on every device and
   the decode shards sliced out of it (what `HybridEngine.naive_bytes()` counts);

@@ -1,4 +1,8 @@
-"""Policy and value losses, KL penalties and the KL coefficient controllers."""
+"""Policy and value losses, KL penalties and the KL coefficient controllers.
+
+Every policy loss takes one `PolicyLossInputs` and returns (pg_loss, pg_clipfrac, ppo_kl,
+pg_clipfrac_lower); a loss that needs a new input adds a field there.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +11,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from hfjax.algorithms.core import (
+from hfjax.numerics.core import (
     KL_PENALTIES,
     LOG_RATIO_CLAMP,
     POLICY_LOSSES,
@@ -23,24 +27,40 @@ from hfjax.algorithms.core import (
 # --------------------------------------------------------------------------------------------
 
 
+@dataclasses.dataclass(frozen=True)
+class PolicyLossInputs:
+    """Everything a policy loss may read: token-level [B, T] log-probs under the sampling
+    (old) and current policy, advantages and the response mask, plus the clipping and
+    aggregation settings (verl's names). ``cliprange_low``/``cliprange_high`` default to
+    ``cliprange``; ``loss_scale_factor`` is the divisor of "seq-mean-token-sum-norm"."""
+
+    old_log_prob: Array
+    log_prob: Array
+    advantages: Array
+    response_mask: Array
+    cliprange: float = 0.2
+    cliprange_low: float | None = None
+    cliprange_high: float | None = None
+    clip_ratio_c: float = 3.0
+    loss_agg_mode: str = "token-mean"
+    loss_scale_factor: float | None = None
+
+    @property
+    def clip_low(self) -> float:
+        return self.cliprange if self.cliprange_low is None else self.cliprange_low
+
+    @property
+    def clip_high(self) -> float:
+        return self.cliprange if self.cliprange_high is None else self.cliprange_high
+
+
 def _check_clip_ratio_c(clip_ratio_c: float) -> None:
     if isinstance(clip_ratio_c, int | float) and not clip_ratio_c > 1.0:
         raise ValueError(f"clip_ratio_c must be > 1.0 for dual-clip PPO, got {clip_ratio_c}")
 
 
 @POLICY_LOSSES.register("vanilla")
-def compute_policy_loss(
-    old_log_prob: Array,
-    log_prob: Array,
-    advantages: Array,
-    response_mask: Array,
-    cliprange: float = 0.2,
-    cliprange_low: float | None = None,
-    cliprange_high: float | None = None,
-    clip_ratio_c: float = 3.0,
-    loss_agg_mode: str = "token-mean",
-    loss_scale_factor: float | None = None,
-) -> tuple[Array, Array, Array, Array]:
+def compute_policy_loss(x: PolicyLossInputs) -> tuple[Array, Array, Array, Array]:
     """PPO clipped surrogate with dual-clip (token-level ratio).
 
     Per token: max(-A r, -A clip(r, 1 - cliprange_low, 1 + cliprange_high)); for A < 0 that is
@@ -52,12 +72,11 @@ def compute_policy_loss(
     fraction of tokens where the clipped term is active; the masked mean of
     old_log_prob - log_prob; and the masked fraction where the dual-clip cap is active.
     """
-    _check_clip_ratio_c(clip_ratio_c)
-    low = cliprange if cliprange_low is None else cliprange_low
-    high = cliprange if cliprange_high is None else cliprange_high
-    m = mask_like(response_mask, log_prob)
+    _check_clip_ratio_c(x.clip_ratio_c)
+    low, high, advantages = x.clip_low, x.clip_high, x.advantages
+    m = mask_like(x.response_mask, x.log_prob)
 
-    log_ratio = jnp.clip(log_prob - old_log_prob, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    log_ratio = jnp.clip(x.log_prob - x.old_log_prob, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     ratio = jnp.exp(log_ratio)
     ppo_kl = masked_mean(-log_ratio, m)
 
@@ -66,43 +85,31 @@ def compute_policy_loss(
     loss_ppo = jnp.maximum(loss_unclipped, loss_clipped)
     pg_clipfrac = masked_mean((loss_clipped > loss_unclipped).astype(m.dtype), m)
 
-    loss_cap = -advantages * clip_ratio_c
+    loss_cap = -advantages * x.clip_ratio_c
     negative = advantages < 0
     pg_clipfrac_lower = masked_mean(((loss_ppo > loss_cap) & negative).astype(m.dtype), m)
     pg_losses = jnp.where(negative, jnp.minimum(loss_ppo, loss_cap), loss_ppo)
 
-    pg_loss = agg_loss(pg_losses, m, loss_agg_mode, loss_scale_factor)
+    pg_loss = agg_loss(pg_losses, m, x.loss_agg_mode, x.loss_scale_factor)
     return pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower
 
 
 @POLICY_LOSSES.register("gspo")
-def compute_policy_loss_gspo(
-    old_log_prob: Array,
-    log_prob: Array,
-    advantages: Array,
-    response_mask: Array,
-    cliprange: float = 0.2,
-    cliprange_low: float | None = None,
-    cliprange_high: float | None = None,
-    clip_ratio_c: float = 3.0,
-    loss_agg_mode: str = "seq-mean-token-mean",
-    loss_scale_factor: float | None = None,
-) -> tuple[Array, Array, Array, Array]:
+def compute_policy_loss_gspo(x: PolicyLossInputs) -> tuple[Array, Array, Array, Array]:
     """GSPO: PPO clipping on a sequence-level importance ratio.
 
     The sequence ratio is exp(mean over the response of log_prob - old_log_prob), the geometric
     mean of token ratios. Each token carries it with a straight-through form so its value is the
     sequence ratio while the gradient still flows through that token's own log-prob. No dual
-    clip (``clip_ratio_c`` is accepted for a uniform signature). GSPO recipes use
-    ``loss_agg_mode="seq-mean-token-mean"``, the default here.
+    clip (``clip_ratio_c`` is not read). GSPO recipes set
+    ``loss_agg_mode="seq-mean-token-mean"``.
 
     Returns (pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower) with pg_clipfrac_lower = 0.
     """
-    low = cliprange if cliprange_low is None else cliprange_low
-    high = cliprange if cliprange_high is None else cliprange_high
-    m = mask_like(response_mask, log_prob)
+    low, high, advantages, log_prob = x.clip_low, x.clip_high, x.advantages, x.log_prob
+    m = mask_like(x.response_mask, log_prob)
 
-    log_ratio = log_prob - old_log_prob
+    log_ratio = log_prob - x.old_log_prob
     seq_log_ratio = masked_sum(log_ratio, m, axis=-1) / jnp.maximum(jnp.sum(m, axis=-1), 1.0)
     token_seq_log_ratio = (
         log_prob - jax.lax.stop_gradient(log_prob) + jax.lax.stop_gradient(seq_log_ratio)[:, None]
@@ -112,7 +119,7 @@ def compute_policy_loss_gspo(
     loss_unclipped = -advantages * ratio
     loss_clipped = -advantages * jnp.clip(ratio, 1 - low, 1 + high)
     pg_losses = jnp.maximum(loss_unclipped, loss_clipped)
-    pg_loss = agg_loss(pg_losses, m, loss_agg_mode, loss_scale_factor)
+    pg_loss = agg_loss(pg_losses, m, x.loss_agg_mode, x.loss_scale_factor)
     pg_clipfrac = masked_mean((loss_clipped > loss_unclipped).astype(m.dtype), m)
     ppo_kl = masked_mean(-log_ratio, m)
     return pg_loss, pg_clipfrac, ppo_kl, jnp.zeros((), pg_loss.dtype)
@@ -237,6 +244,7 @@ class FixedKLController:
     """A constant KL coefficient; ``update`` returns the same controller."""
 
     value: float
+    kind = "fixed"
 
     def update(self, current_kl: float, n_steps: int) -> FixedKLController:
         """Returns self: the coefficient never changes."""
@@ -250,6 +258,13 @@ class AdaptiveKLController:
     value: float
     target_kl: float
     horizon: float
+    kind = "adaptive"
+
+    def __post_init__(self):
+        if not self.horizon > 0:
+            raise ValueError(f"adaptive kl_ctrl needs horizon > 0, got {self.horizon}")
+        if not self.target_kl > 0:
+            raise ValueError(f"adaptive kl_ctrl needs target_kl > 0, got {self.target_kl}")
 
     def update(self, current_kl: float, n_steps: int) -> AdaptiveKLController:
         """Returns a controller whose value is scaled by 1 + clip(kl/target - 1, +-0.2) * n/horizon.
@@ -262,19 +277,36 @@ class AdaptiveKLController:
         return dataclasses.replace(self, value=self.value * mult)
 
 
+KLController = FixedKLController | AdaptiveKLController
+KL_CONTROLLERS: dict[str, type] = {c.kind: c for c in (FixedKLController, AdaptiveKLController)}
+
+
 def get_kl_controller(
     kl_ctrl_type: str = "fixed",
     kl_coef: float = 0.001,
     target_kl: float = 0.1,
     horizon: float = 10000,
-) -> FixedKLController | AdaptiveKLController:
+) -> KLController:
     """Returns the initial KL controller state for ``kl_ctrl_type`` "fixed" or "adaptive"."""
     if kl_ctrl_type == "fixed":
         return FixedKLController(value=kl_coef)
     if kl_ctrl_type == "adaptive":
-        if not horizon > 0:
-            raise ValueError(f"adaptive kl_ctrl needs horizon > 0, got {horizon}")
-        if not target_kl > 0:
-            raise ValueError(f"adaptive kl_ctrl needs target_kl > 0, got {target_kl}")
         return AdaptiveKLController(value=kl_coef, target_kl=target_kl, horizon=horizon)
-    raise ValueError(f"unknown kl_ctrl type '{kl_ctrl_type}'; known: adaptive, fixed")
+    raise ValueError(
+        f"unknown kl_ctrl type '{kl_ctrl_type}'; known: {', '.join(sorted(KL_CONTROLLERS))}"
+    )
+
+
+def kl_controller_state(ctrl: KLController) -> dict:
+    """The controller as plain JSON data (`kl_controller_from_state` reads it back)."""
+    return {"type": ctrl.kind, **dataclasses.asdict(ctrl)}
+
+
+def kl_controller_from_state(state: dict) -> KLController:
+    """The controller saved by `kl_controller_state`."""
+    fields = dict(state)
+    kind = fields.pop("type")
+    if kind not in KL_CONTROLLERS:
+        raise ValueError(f"unknown kl_ctrl type {kind!r} in saved state; known: "
+                         f"{', '.join(sorted(KL_CONTROLLERS))}")
+    return KL_CONTROLLERS[kind](**fields)

@@ -1,5 +1,7 @@
-"""hfjax.algorithms.core against independent loop-based NumPy references (float64)."""
+"""hfjax.numerics against independent loop-based NumPy references (float64)."""
 
+import dataclasses
+import json
 import math
 
 import jax
@@ -7,7 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from hfjax.algorithms import advantages, core, losses
+from hfjax.numerics import advantages, core, losses
+from hfjax.numerics.advantages import AdvantageInputs
+from hfjax.numerics.losses import PolicyLossInputs
 
 ATOL = 1e-6
 RTOL = 1e-6
@@ -267,13 +271,13 @@ def test_gae_with_padding_and_interior_masked_tokens():
     mask = make_mask(rng, b, t, min_len=3)
     mask[0, 1] = 0.0  # an interior masked span (e.g. a tool observation)
     mask[2, 0:2] = 0.0
-    adv, ret = core.ADV_ESTIMATORS.get("gae")(
+    adv, ret = core.ADV_ESTIMATORS.get("gae")(AdvantageInputs(
         token_level_rewards=f32(rewards),
         values=f32(values),
         response_mask=f32(mask),
         gamma=0.95,
         lam=0.9,
-    )
+    ))
     ref_adv, ref_ret = ref_gae(rewards, values, mask, 0.95, 0.9)
     close(ret, ref_ret)
     close(adv, ref_adv)
@@ -282,7 +286,9 @@ def test_gae_with_padding_and_interior_masked_tokens():
 
 def test_gae_requires_values():
     with pytest.raises(ValueError, match="'gae' needs values"):
-        core.ADV_ESTIMATORS.get("gae")(token_level_rewards=jnp.zeros((2, 3)), response_mask=None)
+        core.ADV_ESTIMATORS.get("gae")(
+            AdvantageInputs(token_level_rewards=jnp.zeros((2, 3)), response_mask=None)
+        )
 
 
 def outcome_rewards(rng, mask):
@@ -299,13 +305,13 @@ def test_grpo_groups_including_a_group_of_one(norm_by_std):
     index = np.array([0, 0, 0, 1, 2, 2, 3, 3, 3, 3])  # group 1 has a single member
     mask = make_mask(rng, len(index), 6)
     rewards = outcome_rewards(rng, mask)
-    adv, ret = core.ADV_ESTIMATORS.get("grpo")(
+    adv, ret = core.ADV_ESTIMATORS.get("grpo")(AdvantageInputs(
         token_level_rewards=f32(rewards),
         response_mask=f32(mask),
         index=jnp.asarray(index),
         norm_adv_by_std_in_grpo=norm_by_std,
         epsilon=1e-6,
-    )
+    ))
     expected = ref_grpo(rewards, mask, index, norm_by_std, 1e-6)
     close(adv, expected)
     close(ret, expected)
@@ -318,9 +324,9 @@ def test_grpo_with_explicit_num_groups_and_unordered_ids():
     index = np.array([2, 0, 2, 1, 0, 2])
     mask = make_mask(rng, 6, 4)
     rewards = rng.normal(size=(6, 4)) * mask
-    adv, _ = advantages.compute_grpo_outcome_advantage(
+    adv, _ = advantages.compute_grpo_outcome_advantage(AdvantageInputs(
         token_level_rewards=f32(rewards), response_mask=f32(mask), index=index, num_groups=3
-    )
+    ))
     close(adv, ref_grpo(rewards, mask, index, True, 1e-6))
 
 
@@ -329,9 +335,9 @@ def test_rloo_leave_one_out():
     index = np.array([0, 1, 1, 0, 2, 0, 1, 1])  # group 2 is a single sample
     mask = make_mask(rng, len(index), 5)
     rewards = outcome_rewards(rng, mask)
-    adv, ret = core.ADV_ESTIMATORS.get("rloo")(
+    adv, ret = core.ADV_ESTIMATORS.get("rloo")(AdvantageInputs(
         token_level_rewards=f32(rewards), response_mask=f32(mask), index=jnp.asarray(index)
-    )
+    ))
     close(adv, ref_rloo(rewards, mask, index))
     close(ret, adv)
 
@@ -342,9 +348,9 @@ def test_reinforce_plus_plus_discounted_and_whitened():
     mask = make_mask(rng, b, t, min_len=2)
     # Rewards beyond the mask must not leak back into the response.
     rewards = rng.normal(size=(b, t))
-    adv, ret = core.ADV_ESTIMATORS.get("reinforce_plus_plus")(
+    adv, ret = core.ADV_ESTIMATORS.get("reinforce_plus_plus")(AdvantageInputs(
         token_level_rewards=f32(rewards), response_mask=f32(mask), gamma=0.9
-    )
+    ))
     ref_adv, ref_ret = ref_reinforce_pp(rewards, mask, 0.9)
     close(ret, ref_ret)
     close(adv, ref_adv)
@@ -355,9 +361,9 @@ def test_reinforce_plus_plus_baseline():
     index = np.array([0, 0, 1, 1, 1, 2])
     mask = make_mask(rng, 6, 5)
     rewards = outcome_rewards(rng, mask)
-    adv, ret = core.ADV_ESTIMATORS.get("reinforce_plus_plus_baseline")(
+    adv, ret = core.ADV_ESTIMATORS.get("reinforce_plus_plus_baseline")(AdvantageInputs(
         token_level_rewards=f32(rewards), response_mask=f32(mask), index=jnp.asarray(index)
-    )
+    ))
     close(adv, ref_reinforce_pp_baseline(rewards, mask, index))
     close(ret, adv)
 
@@ -367,9 +373,9 @@ def test_remax_subtracts_baseline():
     mask = make_mask(rng, 4, 6)
     rewards = rng.normal(size=(4, 6))
     baselines = rng.normal(size=4)
-    adv, ret = core.ADV_ESTIMATORS.get("remax")(
+    adv, ret = core.ADV_ESTIMATORS.get("remax")(AdvantageInputs(
         token_level_rewards=f32(rewards), response_mask=f32(mask), reward_baselines=f32(baselines)
-    )
+    ))
     ref_adv, ref_ret = ref_remax(rewards, mask, baselines)
     close(ret, ref_ret)
     close(adv, ref_adv)
@@ -378,9 +384,9 @@ def test_remax_subtracts_baseline():
 @pytest.mark.parametrize("name", ["grpo", "rloo", "reinforce_plus_plus_baseline"])
 def test_group_estimators_require_index(name):
     with pytest.raises(ValueError, match=f"'{name}' needs index"):
-        core.ADV_ESTIMATORS.get(name)(
+        core.ADV_ESTIMATORS.get(name)(AdvantageInputs(
             token_level_rewards=jnp.zeros((2, 3)), response_mask=jnp.ones((2, 3))
-        )
+        ))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -427,7 +433,7 @@ def ppo_case():
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
 def test_ppo_clip_and_dual_clip(mode):
     old_lp, lp, adv, mask = ppo_case()
-    out = core.POLICY_LOSSES.get("vanilla")(
+    out = core.POLICY_LOSSES.get("vanilla")(PolicyLossInputs(
         f32(old_lp),
         f32(lp),
         f32(adv),
@@ -437,7 +443,7 @@ def test_ppo_clip_and_dual_clip(mode):
         cliprange_high=0.28,
         clip_ratio_c=3.0,
         loss_agg_mode=mode,
-    )
+    ))
     expected = ref_ppo(old_lp, lp, adv, mask, 0.2, 0.28, 3.0, mode)
     for got, want in zip(out, expected):
         close(got, want)
@@ -450,12 +456,13 @@ def test_ppo_clip_and_dual_clip(mode):
 
 def test_ppo_cliprange_defaults_to_symmetric():
     old_lp, lp, adv, mask = ppo_case()
-    out = losses.compute_policy_loss(f32(old_lp), f32(lp), f32(adv), f32(mask), cliprange=0.1)
+    x = PolicyLossInputs(f32(old_lp), f32(lp), f32(adv), f32(mask), cliprange=0.1)
+    out = losses.compute_policy_loss(x)
     expected = ref_ppo(old_lp, lp, adv, mask, 0.1, 0.1, 3.0, "token-mean")
     for got, want in zip(out, expected):
         close(got, want)
     with pytest.raises(ValueError, match="clip_ratio_c must be > 1.0"):
-        losses.compute_policy_loss(f32(old_lp), f32(lp), f32(adv), f32(mask), clip_ratio_c=1.0)
+        losses.compute_policy_loss(dataclasses.replace(x, clip_ratio_c=1.0))
 
 
 def test_gspo_sequence_ratio_and_gradient():
@@ -472,9 +479,10 @@ def test_gspo_sequence_ratio_and_gradient():
         s_ratio = math.exp(sum((lp[i, j] - old_lp[i, j]) * mask[i, j] for j in range(t)) / n)
         for j in range(t):
             loss_mat[i, j], clip[i, j], _ = ref_ppo_token(adv[i, j], s_ratio, 0.2, 0.2, 1e9)
-    pg_loss, clipfrac, ppo_kl, lower = core.POLICY_LOSSES.get("gspo")(
-        f32(old_lp), f32(lp), f32(adv), f32(mask), cliprange=0.2
-    )
+    seq_mean = "seq-mean-token-mean"  # what GSPO recipes use
+    pg_loss, clipfrac, ppo_kl, lower = core.POLICY_LOSSES.get("gspo")(PolicyLossInputs(
+        f32(old_lp), f32(lp), f32(adv), f32(mask), cliprange=0.2, loss_agg_mode=seq_mean
+    ))
     close(pg_loss, ref_agg(loss_mat, mask, "seq-mean-token-mean"))
     close(clipfrac, ref_masked_mean(clip, mask))
     close(ppo_kl, ref_masked_mean(old_lp - lp, mask))
@@ -482,7 +490,9 @@ def test_gspo_sequence_ratio_and_gradient():
 
     # Straight-through: d loss / d log_prob[i, j] = -A_i * s_i / (n_i * B) on unclipped tokens.
     grad = jax.grad(
-        lambda x: losses.compute_policy_loss_gspo(f32(old_lp), x, f32(adv), f32(mask), 10.0)[0]
+        lambda x: losses.compute_policy_loss_gspo(
+            PolicyLossInputs(f32(old_lp), x, f32(adv), f32(mask), 10.0, loss_agg_mode=seq_mean)
+        )[0]
     )(f32(lp))
     want = np.zeros((b, t))
     for i in range(b):
@@ -583,6 +593,26 @@ def test_adaptive_kl_controller_sequence():
 # ---------------------------------------------------------------------------------------------
 
 
+def test_kl_controller_state_round_trips():
+    for ctrl in (losses.get_kl_controller("adaptive", kl_coef=0.2, target_kl=0.1, horizon=50),
+                 losses.get_kl_controller("fixed", kl_coef=0.3)):
+        moved = ctrl.update(0.5, 10)
+        state = losses.kl_controller_state(moved)
+        assert json.loads(json.dumps(state)) == state  # plain JSON for the checkpoint
+        assert losses.kl_controller_from_state(state) == moved
+    with pytest.raises(ValueError, match="unknown kl_ctrl type 'pid' in saved state"):
+        losses.kl_controller_from_state({"type": "pid", "value": 1.0})
+    with pytest.raises(ValueError, match="needs horizon > 0"):
+        losses.get_kl_controller("adaptive", horizon=0)
+
+
+def test_estimators_declare_the_batch_arrays_they_need():
+    needs = {name: core.ADV_ESTIMATORS.info(name).get("needs", ())
+             for name in core.ADV_ESTIMATORS.names()}
+    assert needs["gae"] == ("values",) and needs["remax"] == ("reward_baselines",)
+    assert needs["grpo"] == needs["rloo"] == ()
+
+
 def test_registry_unknown_names_list_known():
     with pytest.raises(ValueError, match=r"unknown adv_estimator 'foo'; known: gae, grpo"):
         core.ADV_ESTIMATORS.get("foo")
@@ -608,15 +638,17 @@ def test_everything_runs_under_jit():
     values = rng.normal(size=(b, t))
     baselines = rng.normal(size=b)
 
+    ADV = core.ADV_ESTIMATORS.get
+
     @jax.jit
     def all_advantages(rewards, values, mask, index, baselines):
         kw = dict(token_level_rewards=rewards, response_mask=mask, gamma=1.0, lam=0.95)
         return {
-            "gae": core.ADV_ESTIMATORS.get("gae")(values=values, **kw),
-            "grpo": core.ADV_ESTIMATORS.get("grpo")(index=index, num_groups=3, **kw),
-            "rloo": core.ADV_ESTIMATORS.get("rloo")(index=index, **kw),
-            "rpp": core.ADV_ESTIMATORS.get("reinforce_plus_plus")(**kw),
-            "remax": core.ADV_ESTIMATORS.get("remax")(reward_baselines=baselines, **kw),
+            "gae": core.ADV_ESTIMATORS.get("gae")(AdvantageInputs(values=values, **kw)),
+            "grpo": ADV("grpo")(AdvantageInputs(index=index, num_groups=3, **kw)),
+            "rloo": core.ADV_ESTIMATORS.get("rloo")(AdvantageInputs(index=index, **kw)),
+            "rpp": core.ADV_ESTIMATORS.get("reinforce_plus_plus")(AdvantageInputs(**kw)),
+            "remax": ADV("remax")(AdvantageInputs(reward_baselines=baselines, **kw)),
         }
 
     out = all_advantages(f32(rewards), f32(values), jnp.asarray(mask > 0), index, f32(baselines))
@@ -630,7 +662,9 @@ def test_everything_runs_under_jit():
 
     @jax.jit
     def all_losses(old_lp, lp, adv, mask):
-        pg = losses.compute_policy_loss(old_lp, lp, adv, mask, 0.2, 0.2, 0.28, 3.0, "token-mean")
+        pg = losses.compute_policy_loss(
+            PolicyLossInputs(old_lp, lp, adv, mask, 0.2, 0.2, 0.28, 3.0, "token-mean")
+        )
         vf = losses.compute_value_loss(lp, adv, old_lp, mask, 0.2, "seq-mean-token-mean")
         kl = losses.apply_kl_penalty(adv, lp, old_lp, mask, 0.1, "low_var_kl")
         ent = core.entropy_from_logits(jnp.stack([lp, adv], -1))

@@ -1,0 +1,138 @@
+"""Moving arrays between shardings: the edges of the dataflow.
+
+`transfer` places an array onto another sharding, possibly on other devices, without a host
+round trip (plain `jax.device_put` does not guarantee that; see `transfer`). `to_host` is the
+deliberate fetch of an array to the host, also when it spans several processes.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import AxisType, Mesh, NamedSharding, Sharding, SingleDeviceSharding
+from jax.sharding import PartitionSpec as P
+
+Array = jax.Array | np.ndarray
+
+_REPLICA_AXIS = "__hfjax_replica"
+
+
+def transfer(x: Array, sharding: Sharding) -> Array:
+    """Returns `x` placed on `sharding`, moving device data device-to-device only.
+
+    Why not just `jax.device_put`: for a device array, jax (0.10) copies shards directly only when
+    each destination shard already exists whole on some source device; otherwise it fetches the
+    whole array to the host and uploads it again. So this function first reshapes the data *on the
+    source devices* (one XLA program) into shards that exactly match the destination's, then lets
+    `jax.device_put` copy those shards across. A host array (numpy) is uploaded explicitly.
+    """
+    if not isinstance(x, jax.Array):
+        return jax.device_put(x, sharding)
+    src = x.sharding
+    if src == sharding:
+        return x
+    src_devices = ordered_devices(src)
+    dst_devices = ordered_devices(sharding)
+    # Multi-process arrays, or shardings we can't order, are left to jax's own transfer rules.
+    if (
+        src_devices is None
+        or dst_devices is None
+        or not x.is_fully_addressable
+        or not sharding.is_fully_addressable
+    ):
+        return jax.device_put(x, sharding)
+    if src_devices == dst_devices:
+        return _reshard_in_place(x, sharding)
+    if set(src_devices) == set(dst_devices) or len(src_devices) == 1:
+        # Same devices in another order: jax reorders shards on device. One source device:
+        # jax slices there and copies the slices out.
+        return jax.device_put(x, sharding)
+    staged = _stage_for(x, src_devices, sharding)
+    return jax.device_put(staged, sharding)
+
+
+def _stage_for(x: jax.Array, src_devices: list[Any], dst: Sharding) -> jax.Array:
+    """Returns `x` resharded on its own devices so each destination shard exists whole."""
+    used = _spec_axes(dst)
+    m = len(src_devices)
+    if used is not None:
+        assert isinstance(dst, NamedSharding)
+        sizes = [dst.mesh.shape[a] for a in used]
+        k = math.prod(sizes)
+        if m % k == 0:
+            # Same axis names and sizes as the destination, so the same spec yields the same
+            # shard boxes; the extra axis replicates the boxes over the spare source devices.
+            mesh = Mesh(
+                np.asarray(src_devices, dtype=object).reshape(*sizes, m // k),
+                (*used, _REPLICA_AXIS),
+                axis_types=(AxisType.Auto,) * (len(used) + 1),
+            )
+            return _reshard_in_place(x, NamedSharding(mesh, dst.spec))
+    # The destination's shard count doesn't divide the source devices: gather a full copy on the
+    # source side and send slices of one device's copy. Costs more bandwidth, but no host hop.
+    mesh = Mesh(
+        np.asarray(src_devices, dtype=object), (_REPLICA_AXIS,), axis_types=(AxisType.Auto,)
+    )
+    full = _reshard_in_place(x, NamedSharding(mesh, P()))
+    return full.addressable_shards[0].data
+
+
+def _spec_axes(sharding: Sharding) -> list[str] | None:
+    if isinstance(sharding, NamedSharding):
+        used: list[str] = []
+        for entry in sharding.spec:
+            if entry is None:
+                continue
+            if isinstance(entry, str):
+                used.append(entry)
+            elif isinstance(entry, tuple) and all(isinstance(a, str) for a in entry):
+                used.extend(entry)
+            else:
+                return None
+        return used
+    if sharding.is_fully_replicated:
+        return []
+    return None
+
+
+def _identity(x: jax.Array) -> jax.Array:
+    return x
+
+
+@functools.lru_cache(maxsize=512)
+def _reshard_fn(sharding: Sharding) -> Callable[[jax.Array], jax.Array]:
+    return jax.jit(_identity, out_shardings=sharding)
+
+
+def _reshard_in_place(x: jax.Array, sharding: Sharding) -> jax.Array:
+    # An identity program with a fixed output sharding: XLA inserts the collectives, on device.
+    return _reshard_fn(sharding)(x)
+
+
+def ordered_devices(sharding: Sharding) -> list[Any] | None:
+    """The devices of `sharding` in mesh order, or None for shardings without one."""
+    if isinstance(sharding, NamedSharding):
+        return list(sharding.mesh.devices.flat)
+    if isinstance(sharding, SingleDeviceSharding):
+        return list(sharding.device_set)
+    return None
+
+
+def to_host(x: Array) -> np.ndarray:
+    """A host (numpy) copy of the whole of `x`: the caller's deliberate fetch.
+
+    An array that spans several processes is gathered so that every process gets all of it
+    (each process then holds the same host value, as a multi-controller program needs).
+    """
+    if not isinstance(x, jax.Array):
+        return np.asarray(x)
+    with jax.transfer_guard("allow"):
+        if x.is_fully_addressable:
+            return np.asarray(x)
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
