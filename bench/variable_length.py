@@ -10,8 +10,13 @@ Sides, each a list of timed stages run one after another on the same inputs:
 - `static`: generate with `Sampler`;
 - `continuous[slots=S,k=K]`: generate with `ContinuousSampler` (one side per `--slots` x
   `--refill_every` pair; the first is the one `speedup_vs_static` reports).
-Only generation is timed today; a side is a list of stages so that training stages (padded vs
-packed) can be appended to each (`Side.stages`), and tokens/s is over the sum of the stages.
+With `--train` (the default) each side goes on with the training stages of a GRPO step on its
+own rollout: `log_prob` (the reference pass: log-probs of every response token) and `update`
+(one on-policy actor update with a KL loss, one mini-batch of `--micro` sequences per
+micro-batch); the static side trains on padded batches, the continuous side on packed ones
+(actor.use_remove_padding, a budget of `--micro` padded rows' worth of tokens). Advantages are
+fixed pseudo-random numbers (the cost of a step does not depend on them). Tokens/s is over the
+sum of the stages.
 
 Each side runs once to compile, then `--repeats` timed runs, sides alternating so that they share
 the machine's background load; medians are reported. Useful tokens are real prompt tokens (each
@@ -45,6 +50,9 @@ flags.DEFINE_string("dtype", "float32", "model weights and compute dtype")
 flags.DEFINE_string("model", None, "GGUF file (default: the SmolLM2-135M-Instruct GGUF)")
 flags.DEFINE_bool("static", True, "run the static side (needed for speedup_vs_static)")
 flags.DEFINE_integer("bin", 32, "width of the length histogram's bins, in tokens")
+flags.DEFINE_bool("train", True, "add the training stages (padded on static, packed on continuous)")
+flags.DEFINE_integer("micro", 16, "training: sequences per padded micro-batch (and the packed "
+                     "token budget: this many padded rows' worth)")
 
 
 @dataclasses.dataclass
@@ -95,6 +103,56 @@ def generate_stage(engine, state, params) -> Callable[[dict], None]:
         ctx["stats"] = getattr(engine, "last_stats", {})
 
     return fn
+
+
+def train_stages(model, f, packed: bool) -> list[tuple[str, Callable[[dict], None]]]:
+    """The training stages of a GRPO step on `ctx["rollout"]`: the reference log-prob pass and
+    one on-policy actor update with a KL loss, on padded or packed batches."""
+    import jax
+    import numpy as np
+
+    from configs import grpo_smollm2
+    from hfjax.controller.batch import Batch
+    from hfjax.engine.update import make_optimizer
+    from hfjax.parallel.mesh import ResourcePool
+    from hfjax.workers.actor import ActorRollout, trim_responses
+
+    c = grpo_smollm2.get_config()
+    a, r = c.actor, c.rollout
+    r.n, r.response_length, r.temperature = f.n, f.max_new, 1.0
+    a.ppo_mini_batch_size, a.ppo_micro_batch_size = f.prompts, f.micro
+    a.ppo_epochs, a.shuffle, a.use_kl_loss = 1, False, True
+    a.use_remove_padding, a.ppo_max_token_len_per_gpu = packed, 0
+    pool = ResourcePool("bench", tuple(jax.devices()[:1]))
+    actor = ActorRollout("actor", pool, "fsdp=1", model, rules="train", sampler=None,
+                         actor_cfg=a, rollout_cfg=r, optimizer=make_optimizer(1e-6))
+    # Every run updates the same weights from the same optimizer state (the update donates
+    # both): the runs cost the same.
+    params0, opt0 = actor.params, actor.opt_state
+
+    def log_prob(ctx: dict) -> None:
+        w = ctx["workload"]
+        out = trim_responses(ctx["rollout"])
+        prompts = np.repeat(w.ids, w.n, axis=0)
+        pmask = np.repeat(w.mask, w.n, axis=0)
+        tokens, rmask = np.asarray(out.tokens), np.asarray(out.mask).astype(np.int32)
+        rng = np.random.default_rng(0)
+        batch = Batch({
+            "input_ids": np.concatenate([prompts, tokens], 1),
+            "attention_mask": np.concatenate([pmask, rmask], 1),
+            "responses": tokens, "response_mask": rmask,
+            "advantages": rng.normal(size=tokens.shape).astype(np.float32),
+        })
+        ref = actor.compute_log_prob(batch)
+        batch = batch.union(Batch({"ref_log_prob": ref["old_log_probs"]}))
+        ctx["batch"] = jax.block_until_ready(batch)
+
+    def update(ctx: dict) -> None:
+        actor.params = jax.tree.map(lambda x: x.copy(), params0)
+        actor.opt_state = jax.tree.map(lambda x: x.copy(), opt0)
+        ctx["metrics"] = jax.block_until_ready(actor.update_actor(ctx["batch"]))
+
+    return [("log_prob", log_prob), ("update", update)]
 
 
 def load_workload(f, tok) -> Workload:
@@ -168,12 +226,14 @@ def main(argv: list[str]) -> None:
     sides = []
     if f.static:
         stage = generate_stage(Sampler(model), state, params)
-        sides.append(Side("static", [("generate", stage)]))
+        train = train_stages(model, f, packed=False) if f.train else []
+        sides.append(Side("static", [("generate", stage), *train]))
     for slots in map(int, f.slots):
         for k in map(int, f.refill_every):
             engine = ContinuousSampler(model, slots=slots, refill_every=k)
             stage = generate_stage(engine, state, params)
-            sides.append(Side(f"continuous[slots={slots},k={k}]", [("generate", stage)]))
+            train = train_stages(model, f, packed=True) if f.train else []
+            sides.append(Side(f"continuous[slots={slots},k={k}]", [("generate", stage), *train]))
 
     for side in sides:  # compile + first run
         start = time.perf_counter()
@@ -242,6 +302,10 @@ def main(argv: list[str]) -> None:
     if f.static and len(names) > 1:
         tps = result["useful_tokens_per_s"]
         result["speedup_vs_static"] = round(tps[names[1]] / tps["static"], 3)
+        result["stage_speedup_vs_static"] = {
+            k: round(result["median_s"]["static"][k] / v, 3)
+            for k, v in result["median_s"][names[1]].items()
+        }
         result["useful_tokens_per_s"] = {
             "static": tps["static"],
             "continuous": tps[names[1]],

@@ -70,6 +70,12 @@ def get_config() -> config_dict.ConfigDict:
             grad_clip=1.0,
             ppo_mini_batch_size=64,  # prompts; multiplied by rollout.n
             ppo_micro_batch_size=64,  # sequences
+            # Packed batches (verl's use_remove_padding + use_dynamic_bsz): the update, the
+            # log-prob and the reference pass compute on real tokens only, packed into rows,
+            # micro-batches cut by ppo_max_token_len_per_gpu tokens per data-parallel device
+            # (0: ppo_micro_batch_size padded rows' worth) instead of ppo_micro_batch_size.
+            use_remove_padding=False,
+            ppo_max_token_len_per_gpu=0,
             ppo_epochs=1,
             shuffle=True,
             policy_loss="vanilla",
@@ -121,6 +127,8 @@ def get_config() -> config_dict.ConfigDict:
             grad_clip=1.0,
             ppo_mini_batch_size=64,
             ppo_micro_batch_size=64,
+            use_remove_padding=False,  # as actor.use_remove_padding, for the value passes
+            ppo_max_token_len_per_gpu=0,
             ppo_epochs=1,
             shuffle=True,
             cliprange_value=0.5,

@@ -329,6 +329,8 @@ def _split(files: str) -> list[str]:
 _FRACTION = Float(0.0, 1.0)
 _LR = Float(0.0, note="0 freezes the model")
 _CLIP = Float(0.0)
+_BUDGET = ("tokens per data-parallel device and micro-batch with use_remove_padding; "
+           "0: ppo_micro_batch_size padded rows")
 
 TRAIN_KEYS: dict[str, Callable[[Any], str | None]] = {
     "algorithm": Choice(_algorithms),
@@ -370,6 +372,8 @@ TRAIN_KEYS: dict[str, Callable[[Any], str | None]] = {
     "actor.grad_clip": Float(0.0, note="0: no clipping"),
     "actor.ppo_mini_batch_size": Int(1),
     "actor.ppo_micro_batch_size": Int(1),
+    "actor.use_remove_padding": Bool(),
+    "actor.ppo_max_token_len_per_gpu": Int(0, note=_BUDGET),
     "actor.ppo_epochs": Int(1),
     "actor.shuffle": Bool(),
     "actor.policy_loss": Choice(_registry("POLICY_LOSSES")),
@@ -410,6 +414,8 @@ TRAIN_KEYS: dict[str, Callable[[Any], str | None]] = {
     "critic.grad_clip": Float(0.0, note="0: no clipping"),
     "critic.ppo_mini_batch_size": Int(1),
     "critic.ppo_micro_batch_size": Int(1),
+    "critic.use_remove_padding": Bool(),
+    "critic.ppo_max_token_len_per_gpu": Int(0, note=_BUDGET),
     "critic.ppo_epochs": Int(1),
     "critic.shuffle": Bool(),
     "critic.cliprange_value": Float(0.0, lo_open=True),
@@ -588,6 +594,19 @@ def _slot_cache(c) -> str | None:
     return None
 
 
+def _token_budget(c) -> str | None:
+    need = c.data.max_prompt_length + c.rollout.response_length
+    for role in ("actor", "critic"):
+        s = c[role]
+        budget = s.ppo_max_token_len_per_gpu
+        if s.use_remove_padding and budget and budget < need:
+            return (f"{role}.ppo_max_token_len_per_gpu={budget} tokens is smaller than one "
+                    f"sequence (data.max_prompt_length + rollout.response_length = {need}); set "
+                    f"--config.{role}.ppo_max_token_len_per_gpu={need} or more, or 0 "
+                    f"({role}.ppo_micro_batch_size padded rows' worth)")
+    return None
+
+
 TRAIN_RULES: tuple[Callable[[Any], str | None], ...] = (
     _estimator_inputs,
     _kl_needs_a_reference,
@@ -600,6 +619,7 @@ TRAIN_RULES: tuple[Callable[[Any], str | None], ...] = (
     _adaptive_kl,
     _positions,
     _slot_cache,
+    _token_budget,
 )
 
 

@@ -56,6 +56,7 @@ KNOWN_CYCLES: list[frozenset[str]] = []
 TEST_OPTIONS: dict[str, dict] = {
     "tests/engine/test_continuous.py": {"size": "large", "shard_count": 2},
     "tests/engine/test_hybrid.py": {"size": "large", "shard_count": 2},
+    "tests/engine/test_packing.py": {"size": "large", "shard_count": 2},
     "tests/engine/test_sampler.py": {"size": "large", "shard_count": 2},
     "tests/models/test_gguf_io.py": {"size": "large"},
     "tests/models/test_hf_parity.py": {"size": "large"},

@@ -253,6 +253,11 @@ CONFIG_CASES = [
     ("slot-cache", _set(rollout__mode="continuous", rollout__max_cache_len=12),
      r"rollout.max_cache_len=12 cache columns per slot cannot hold a request of "
      r"data.max_prompt_length \+ rollout.response_length = \d+ tokens"),
+    ("token-budget", _set(actor__use_remove_padding=True, actor__ppo_max_token_len_per_gpu=10),
+     r"actor.ppo_max_token_len_per_gpu=10 tokens is smaller than one sequence "
+     r"\(data.max_prompt_length \+ rollout.response_length = 18\)"),
+    ("critic-budget", _set(critic__ppo_max_token_len_per_gpu=-1),
+     r"critic.ppo_max_token_len_per_gpu=-1: needs an int >= 0"),
     ("cliprange", _set(critic__cliprange_value=0.0), r"critic.cliprange_value=0.0"),
     ("critic-micro", _set(critic__ppo_micro_batch_size=0), r"critic.ppo_micro_batch_size=0"),
     ("estimator", _set(algo__adv_estimator="gea"), r"algo.adv_estimator='gea': needs one of"),

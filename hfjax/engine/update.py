@@ -11,6 +11,10 @@ the mini-batch normaliser (its share of the tokens for token-mean, of the sequen
 sequence mean), so the accumulated gradient is exactly the gradient of the mini-batch loss,
 whatever the micro-batch size.
 
+With a token budget (`use_remove_padding`), the mini-batch is instead packed into rows of real
+tokens and cut into micro-batches by the budget, a `lax.while_loop` over as many as its lengths
+need (`hfjax.engine.packing`); the loss functions and their weighting are the same.
+
 Non-finite numbers are caught inside the program (no host round trip; the trainer reads the
 flags with the step's metrics):
 - when the mini-batch loss or the gradient norm is NaN or infinite, the optimizer update is not
@@ -32,6 +36,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from hfjax.engine import packing as packing_lib
+from hfjax.engine.packing import PackShape
+
 LossFn = Callable[[Any, dict[str, jax.Array], dict[str, jax.Array]], tuple[jax.Array, dict]]
 
 
@@ -49,6 +56,7 @@ def make_update_step(
     opt_shardings: Any = None,
     normalisers: Callable[[dict[str, jax.Array]], dict[str, jax.Array]] | None = None,
     jit: Callable = jax.jit,
+    packing: PackShape | None = None,
 ) -> Callable:
     """Returns step(params, opt_state, batch) -> (params, opt_state, metrics), compiled with
     `jit` (a worker group's `WorkerGroup.jit`, which traces under its layout).
@@ -58,10 +66,13 @@ def make_update_step(
     Metrics are summed over micro-batches (they are weighted like the loss), plus `grad_norm`,
     `nonfinite` (1 when the update was not applied) and `nonfinite_params` (1 when the applied
     update left a non-finite parameter), see the module docstring.
+
+    With `packing`, the mini-batch is packed and cut into micro-batches by its token budget
+    instead (`hfjax.engine.packing`, `n_micro` unused); `loss_fn` then reads its micro-batch's
+    outputs with `packing.response_values`.
     """
 
-    def step(params, opt_state, batch):
-        totals = normalisers(batch) if normalisers else {}
+    def _scan_micro_batches(params, batch, totals):
         micro = jax.tree.map(lambda x: strided_micro_batches(x, n_micro), batch)
         grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
@@ -77,6 +88,14 @@ def make_update_step(
         m0 = {"loss": jnp.zeros((), jnp.float32)}
         m0.update({k: jnp.zeros(v.shape, v.dtype) for k, v in first[1].items()})
         (grads, metrics), _ = jax.lax.scan(body, (zeros, m0), micro)
+        return grads, metrics
+
+    def step(params, opt_state, batch):
+        totals = normalisers(batch) if normalisers else {}
+        if packing is None:
+            grads, metrics = _scan_micro_batches(params, batch, totals)
+        else:
+            grads, metrics = packing_lib.accumulate_grads(loss_fn, params, batch, totals, packing)
         metrics["grad_norm"] = optax.tree_utils.tree_norm(grads)
         ok = jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"])
 

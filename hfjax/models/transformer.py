@@ -306,6 +306,7 @@ class Backbone(nnx.Module):
         positions: jax.Array | None = None,
         cache: KVCache | None = None,
         cache_index: jax.Array | int = 0,
+        segment_ids: jax.Array | None = None,
     ) -> tuple[jax.Array, KVCache | None]:
         """Final hidden states [B, T, D] and the updated cache (None without a cache).
 
@@ -314,9 +315,17 @@ class Backbone(nnx.Module):
         slots [cache_index, cache_index + T); `attention_mask` [B, slots] then marks which slots
         hold real tokens (the new ones included) and `positions` must be given. Positions are
         below the number of key slots (a token's position never exceeds its slot index).
+
+        Packed rows (`hfjax.engine.packing`, no cache): `segment_ids` [B, T] number the
+        sequences laid end to end in a row (0 on padding) and `positions` restart at 0 in each;
+        a token attends only to earlier tokens of its own segment.
         """
         cfg = self.config
         B, T = input_ids.shape
+        if segment_ids is not None:
+            if cache is not None or positions is None:
+                raise ValueError("packed rows (segment_ids) take positions and no cache")
+            attention_mask = segment_ids > 0
         if attention_mask is None:
             attention_mask = jnp.ones((B, T if cache is None else cache.k.shape[2]), jnp.int32)
         key_valid = attention_mask.astype(bool)
@@ -326,7 +335,10 @@ class Backbone(nnx.Module):
             positions = positions_from_mask(attention_mask)
         q_slot = jnp.arange(T)[:, None] + (0 if cache is None else cache_index)
         causal = jnp.arange(key_valid.shape[1])[None, :] <= q_slot  # [T, S]
-        mask = (causal[None] & key_valid[:, None, :])[:, None]  # [B, 1, T, S]
+        mask = causal[None] & key_valid[:, None, :]  # [B, T, S]
+        if segment_ids is not None:
+            mask = mask & (segment_ids[:, :, None] == segment_ids[:, None, :])
+        mask = mask[:, None]  # [B, 1, T, S]
 
         h = self.embed(input_ids)
         rope = rope_tables(positions, rope_inv_freq(cfg), cfg.jnp_dtype, key_valid.shape[1])

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 
 from hfjax.controller.batch import Batch
 from hfjax.controller.protocol import DP_COMPUTE, ON_HOST, method
+from hfjax.engine import packing
 from hfjax.engine.hybrid import HybridEngine
 from hfjax.engine.sampler import (
     MIN_NEW_TOKENS_BUCKET,
@@ -45,22 +46,58 @@ def response_logprobs(model, input_ids, attention_mask, response_len: int, tempe
     return core.logprobs_from_logits(logits, labels), core.entropy_from_logits(logits)
 
 
-class Reference(WorkerGroup):
-    """A frozen copy of the policy that scores responses (KL anchor)."""
+def packed_logprobs(model, packed: packing.Packed, temperature: float):
+    """(log-probs, entropy) [G, W] of every packed position's next token in its row, logits
+    divided by temperature (`hfjax.engine.packing`: only response positions are read)."""
+    hidden, _ = model.model(packed.ids, None, positions=packed.positions,
+                            segment_ids=packed.segments)
+    logits = model.logits(hidden) / temperature
+    labels = packing.next_tokens(packed.ids)
+    return core.logprobs_from_logits(logits, labels), core.entropy_from_logits(logits)
 
-    def __init__(self, *args, temperature: float = 1.0, **kw):
+
+class Reference(WorkerGroup):
+    """A frozen copy of the policy that scores responses (KL anchor).
+
+    `budget`: score packed rows, cut into micro-batches by this token budget
+    (`hfjax.engine.packing`); None: the padded batch in one pass.
+    """
+
+    def __init__(self, *args, temperature: float = 1.0,
+                 budget: packing.TokenBudget | None = None, **kw):
         super().__init__(*args, **kw)
         self.temperature = temperature
+        self.budget = budget
         self._logprob = self.jit(self._logprob_fn, static_argnums=(3,))
+        self._packed_logprob = self.jit(self._packed_logprob_fn, static_argnums=(3, 4))
 
     def _logprob_fn(self, params, input_ids, attention_mask, response_len):
         return response_logprobs(
             self.model(params), input_ids, attention_mask, response_len, self.temperature
         )
 
+    def _packed_fn(self, params):
+        """Packed rows -> (log-probs, entropy) [G, W] under `params`."""
+        return lambda rows: packed_logprobs(self.model(params), rows, self.temperature)
+
+    def _packed_logprob_fn(self, params, input_ids, attention_mask, response_len, shape):
+        return packing.forward(self._packed_fn(params), input_ids, attention_mask,
+                               response_len, shape)
+
     def _log_probs(self, batch: Batch):
         r = batch["responses"].shape[1]
-        return self._logprob(self.params, batch["input_ids"], batch["attention_mask"], r)
+        ids, mask = batch["input_ids"], batch["attention_mask"]
+        if self.budget is None:
+            return self._logprob(self.params, ids, mask, r)
+        shape = self.budget.shape(len(batch), ids.shape[1], self.dp_size, self.name)
+        return self._packed_logprob(self.params, ids, mask, r, shape)
+
+    def _train_logprobs(self, params, mb):
+        """(log-probs, entropy) [B, R] of a training micro-batch, padded or packed."""
+        if "packed" in mb:
+            return packing.response_values(self._packed_fn(params), mb)
+        return self._logprob_fn(params, mb["input_ids"], mb["attention_mask"],
+                                mb["responses"].shape[1])
 
     @method(DP_COMPUTE, reads=SEQUENCES)
     def compute_ref_log_prob(self, batch: Batch) -> Batch:
@@ -81,7 +118,8 @@ class ActorRollout(Reference):
 
     def __init__(self, *args, sampler: Sampler, actor_cfg: Any, rollout_cfg: Any,
                  eos_ids: tuple[int, ...] = (), hybrid: HybridEngine | None = None, **kw):
-        super().__init__(*args, temperature=rollout_cfg.temperature, **kw)
+        super().__init__(*args, temperature=rollout_cfg.temperature,
+                         budget=packing.token_budget(actor_cfg), **kw)
         self.sampler = sampler
         self.eos_ids = tuple(eos_ids)
         self.acfg = actor_cfg
@@ -163,9 +201,7 @@ class ActorRollout(Reference):
 
     def _policy_loss(self, params, mb, totals):
         a = self.acfg
-        lp, ent = self._logprob_fn(
-            params, mb["input_ids"], mb["attention_mask"], mb["responses"].shape[1]
-        )
+        lp, ent = self._train_logprobs(params, mb)
         mask = mb["response_mask"]
         weight = share_of_normaliser(mask, totals, a.loss_agg_mode)
         horizon = float(self.rcfg.response_length)  # batches may be trimmed (module docstring)
@@ -240,7 +276,7 @@ class ActorRollout(Reference):
             keys.append("ref_log_prob")
         mini = a.ppo_mini_batch_size * self.rcfg.n
         m = self.train(self._policy_loss, batch, keys, mini=mini, micro=a.ppo_micro_batch_size,
-                       epochs=a.ppo_epochs, shuffle=a.shuffle)
+                       epochs=a.ppo_epochs, shuffle=a.shuffle, budget=self.budget)
         m["actor/grad_norm"] = m.pop("grad_norm")
         m["actor/nonfinite_updates"] = m.pop("nonfinite")
         m["actor/nonfinite_params"] = m.pop("nonfinite_params")

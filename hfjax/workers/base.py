@@ -22,6 +22,7 @@ from jax.sharding import Mesh
 
 from hfjax.controller.batch import Batch
 from hfjax.engine import update
+from hfjax.engine.packing import TokenBudget
 from hfjax.parallel import sharding as shd
 from hfjax.parallel.mesh import MeshSpec, ResourcePool, dp_size
 from hfjax.parallel.transfer import transfer
@@ -98,18 +99,24 @@ class WorkerGroup:
         self.opt_shardings = jax.tree.map(lambda x: x.sharding, self.opt_state)
 
     def train(self, loss_fn, batch: Batch, keys, *, mini: int, micro: int, epochs: int,
-              shuffle: bool) -> dict[str, jax.Array]:
+              shuffle: bool, budget: TokenBudget | None = None) -> dict[str, jax.Array]:
         """Runs `epochs` passes of micro-batched updates of `loss_fn` over mini-batches of
         `batch`; returns the metrics averaged over the steps (device scalars, not fetched),
         except `nonfinite` and `nonfinite_params`: the number of updates not applied, and of
-        those that left a non-finite parameter (`hfjax.engine.update`)."""
+        those that left a non-finite parameter (`hfjax.engine.update`).
+
+        With a token `budget`, mini-batches are packed and micro-batches cut by the budget
+        (`hfjax.engine.packing`) instead of `micro` rows at a time."""
         update.check_mini_batching(len(batch), mini, micro, self.dp_size, self.name)
-        key = (loss_fn.__name__, mini // micro)
+        shape = None
+        if budget is not None:
+            shape = budget.shape(mini, batch["input_ids"].shape[1], self.dp_size, self.name)
+        key = (loss_fn.__name__, mini // micro, shape)
         if key not in self._programs:
-            logging.info("%s: compiling %s with %d micro-batches", self.name, *key)
+            logging.info("%s: compiling %s with %d micro-batches (packing: %s)", self.name, *key)
             self._programs[key] = update.make_update_step(
                 loss_fn, self.optimizer, mini // micro, self.param_shardings, self.opt_shardings,
-                normalisers=update.normalisers, jit=self.jit,
+                normalisers=update.normalisers, jit=self.jit, packing=shape,
             )
         step = self._programs[key]
         sums: dict[str, jax.Array] = {}

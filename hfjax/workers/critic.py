@@ -6,6 +6,7 @@ import jax
 
 from hfjax.controller.batch import Batch
 from hfjax.controller.protocol import DP_COMPUTE, method
+from hfjax.engine import packing
 from hfjax.engine.update import share_of_normaliser
 from hfjax.numerics import core, losses
 from hfjax.workers.base import SEQUENCES, WorkerGroup
@@ -21,23 +22,42 @@ class Critic(WorkerGroup):
         # The configured response length: the fixed divisor of "seq-mean-token-sum-norm" when
         # batches are trimmed to their longest response (hfjax.workers.actor).
         self.horizon = None if horizon is None else float(horizon)
+        # Packed rows cut by a token budget (`hfjax.engine.packing`); None: padded batches.
+        self.budget = packing.token_budget(critic_cfg)
         self._values = self.jit(self._values_fn, static_argnums=(3,))
+        self._packed_values = self.jit(self._packed_values_fn, static_argnums=(3, 4))
 
     def _values_fn(self, params, input_ids, attention_mask, response_len):
         values = self.model(params)(input_ids, attention_mask)
         return values[:, -response_len - 1 : -1]
 
+    def _packed_fn(self, params):
+        """Packed rows -> values [G, W] under `params`."""
+        model = self.model(params)
+        return lambda rows: model(rows.ids, None, positions=rows.positions,
+                                  segment_ids=rows.segments)
+
+    def _packed_values_fn(self, params, input_ids, attention_mask, response_len, shape):
+        return packing.forward(self._packed_fn(params), input_ids, attention_mask,
+                               response_len, shape)
+
     @method(DP_COMPUTE, reads=SEQUENCES)
     def compute_values(self, batch: Batch) -> Batch:
         """Batch with `values` [B, R]."""
         r = batch["responses"].shape[1]
-        return Batch({"values": self._values(self.params, batch["input_ids"],
-                                             batch["attention_mask"], r)})
+        ids, mask = batch["input_ids"], batch["attention_mask"]
+        if self.budget is None:
+            return Batch({"values": self._values(self.params, ids, mask, r)})
+        shape = self.budget.shape(len(batch), ids.shape[1], self.dp_size, self.name)
+        return Batch({"values": self._packed_values(self.params, ids, mask, r, shape)})
 
     def _loss(self, params, mb, totals):
         c = self.ccfg
-        r = mb["responses"].shape[1]
-        vpreds = self._values_fn(params, mb["input_ids"], mb["attention_mask"], r)
+        if "packed" in mb:
+            vpreds = packing.response_values(self._packed_fn(params), mb)
+        else:
+            vpreds = self._values_fn(params, mb["input_ids"], mb["attention_mask"],
+                                     mb["responses"].shape[1])
         mask = mb["response_mask"]
         weight = share_of_normaliser(mask, totals, c.loss_agg_mode)
         vf_loss, clipfrac = losses.compute_value_loss(
@@ -57,7 +77,8 @@ class Critic(WorkerGroup):
         c = self.ccfg
         keys = ["input_ids", "attention_mask", "responses", "response_mask", "values", "returns"]
         out = self.train(self._loss, batch, keys, mini=c.ppo_mini_batch_size * self.n_samples,
-                         micro=c.ppo_micro_batch_size, epochs=c.ppo_epochs, shuffle=c.shuffle)
+                         micro=c.ppo_micro_batch_size, epochs=c.ppo_epochs, shuffle=c.shuffle,
+                         budget=self.budget)
         out["critic/grad_norm"] = out.pop("grad_norm")
         out["critic/nonfinite_updates"] = out.pop("nonfinite")
         out["critic/nonfinite_params"] = out.pop("nonfinite_params")

@@ -24,6 +24,7 @@ from jax.sharding import Mesh
 from hfjax.controller.batch import Batch
 from hfjax.engine.continuous import rollout_sampler
 from hfjax.engine.layout_choice import actor_rules_and_engine
+from hfjax.engine.packing import token_budget
 from hfjax.engine.update import make_optimizer
 from hfjax.models import transformer
 from hfjax.models.config import ModelConfig
@@ -138,7 +139,8 @@ def build_groups(cfg, actor: ActorRollout, reward: RuleReward, roles: tuple[str,
     ref = None
     if needs_ref(c, roles):
         ref = Reference("ref", pools["ref"], c.ref.mesh, policy,
-                        temperature=c.rollout.temperature, home=home)
+                        temperature=c.rollout.temperature, home=home,
+                        budget=token_budget(c.actor))  # the actor's packing, as in verl
     critic = None
     if "critic" in roles:
         value_model = transformer.build(actor.config, "value", seed=c.seed + 1)

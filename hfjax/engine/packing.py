@@ -1,0 +1,259 @@
+"""Packed training batches: the real tokens of a batch's sequences laid end to end in
+fixed-width rows, and micro-batches cut by a token budget instead of a row count (verl's
+`use_remove_padding` with `use_dynamic_bsz`).
+
+A padded batch holds each sequence in its own row [P + R]: the left-padded prompt, then the
+right-padded response. In an RL batch whose responses differ widely in length most of those
+columns are padding, and every forward and backward pass computes on them. Here a sequence's
+real tokens are instead copied into a packed row at some offset; a row holds several sequences
+(segments), told apart by segment ids (attention stays inside a segment) and with positions that
+restart at 0 in each segment, which are exactly the positions the padded row gives them
+(`positions_from_mask`). So every real token sees the same keys at the same RoPE positions as
+in the padded batch, and its log-prob, value and gradient are the same up to float rounding.
+
+**Shapes are static, the count is not.** A packed row is as wide as the batch's padded rows
+(W = P + R: any sequence fits in one row, and attention, which is dense over a row, costs per
+token what it costs padded). A micro-batch is G = dp * (budget // W) packed rows: `budget`
+tokens per data-parallel device (verl's `ppo_max_token_len_per_gpu`). The buffers hold the
+worst case (one sequence per row); how many micro-batches are in use depends on the lengths and
+is decided on device, so the micro-batch loop is a `lax.while_loop` with that trip count. No
+length goes to the host and the program compiles once per (batch, W) shape.
+
+**Placement.** Sequences are placed first-fit in decreasing length order (`plan`), computed on
+device by a scan over the sequences; the rows a placement uses are a prefix of the buffer, and
+micro-batch i is rows [i*G, (i+1)*G), split over the data-parallel devices like any batch.
+
+**Back to the padded layout.** Losses are computed on [B, R] arrays exactly as in padded mode:
+the log-prob (or value) that predicts response token t of sequence b is gathered from the
+packed position of the padded column P + t - 1 (`unpack`). A micro-batch's loss is taken over
+the whole mini-batch's [B, R] arrays with the response mask cut to that micro-batch's sequences,
+so the loss functions and their normalisers are the padded ones.
+
+One aggregation mode depends on the micro-batch grouping in both layouts:
+"seq-mean-token-sum-norm" weighs each micro-batch's token sum by its share of the sequences
+(as verl does), so its mini-batch loss equals the padded one when both take the mini-batch in
+one micro-batch; the other modes are the same for any grouping.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from hfjax.parallel import sharding as shd
+
+
+class PackShape(NamedTuple):
+    """Static sizes of a packed batch."""
+
+    width: int  # W: columns of a packed row (the padded rows' width)
+    rows: int  # G: packed rows per micro-batch (a multiple of the data-parallel size)
+    micro: int  # micro-batches the buffers hold (the worst case: one sequence per row)
+
+    @property
+    def buffer_rows(self) -> int:
+        return self.rows * self.micro
+
+
+def pack_shape(n_seqs: int, width: int, budget: int, dp: int, who: str = "packing") -> PackShape:
+    """The static sizes for `n_seqs` padded rows of `width` columns, `budget` tokens per
+    data-parallel device and micro-batch, over `dp` devices.
+
+    Raises ValueError when one sequence does not fit in the budget (before compiling).
+    """
+    if budget < width:
+        raise ValueError(
+            f"{who}: a token budget of {budget} per device is smaller than one sequence "
+            f"({width} tokens: prompt + response columns); raise ppo_max_token_len_per_gpu to "
+            f"at least data.max_prompt_length + rollout.response_length"
+        )
+    rows = dp * (budget // width)
+    return PackShape(width=width, rows=rows, micro=max(1, math.ceil(n_seqs / rows)))
+
+
+class Placement(NamedTuple):
+    """Where each sequence of a batch goes (device arrays)."""
+
+    row: jax.Array  # [B] packed row
+    start: jax.Array  # [B] column of its first real token
+    n_micro: jax.Array  # scalar: micro-batches in use
+
+
+def plan(attention_mask: jax.Array, shape: PackShape) -> Placement:
+    """First-fit decreasing placement of the sequences' real tokens (`attention_mask` [B, L])
+    into rows of `shape.width` columns; runs on device."""
+    lengths = jnp.sum(attention_mask.astype(jnp.int32), axis=1)
+    order = jnp.argsort(-lengths, stable=True)
+    n_rows, width = shape.buffer_rows, shape.width
+
+    def place(fill, length):
+        row = jnp.argmax(fill + length <= width)  # first row with room (every row has W)
+        return fill.at[row].add(length), (row, fill[row])
+
+    fill, (rows, starts) = jax.lax.scan(place, jnp.zeros((n_rows,), jnp.int32), lengths[order])
+    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
+    used = jnp.sum(fill > 0)  # first fit opens rows in order: the used rows are a prefix
+    n_micro = (used + shape.rows - 1) // shape.rows
+    return Placement(rows[inverse].astype(jnp.int32), starts[inverse].astype(jnp.int32),
+                     n_micro.astype(jnp.int32))
+
+
+class Packed(NamedTuple):
+    """Packed rows [micro, G, W]: token ids, segment ids (0 on padding) and positions."""
+
+    ids: jax.Array
+    segments: jax.Array
+    positions: jax.Array
+
+
+def pack(input_ids: jax.Array, attention_mask: jax.Array, where: Placement,
+         shape: PackShape) -> Packed:
+    """Copies the real tokens of `input_ids` [B, L] into packed rows, `where` says where."""
+    b, length = input_ids.shape
+    mask = attention_mask.astype(jnp.int32)
+    pos = jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0)  # as `positions_from_mask`
+    flat = where.row[:, None] * shape.width + where.start[:, None] + pos
+    size = shape.buffer_rows * shape.width
+    flat = jnp.where(mask > 0, flat, size).reshape(-1)  # padding goes out of bounds: dropped
+    seg = jnp.broadcast_to(jnp.arange(1, b + 1, dtype=jnp.int32)[:, None], (b, length))
+
+    def scatter(values):
+        out = jnp.zeros((size,), values.dtype).at[flat].set(values.reshape(-1), mode="drop")
+        out = out.reshape(shape.micro, shape.rows, shape.width)
+        return shd.constrain(out, (None, "batch", None))
+
+    return Packed(scatter(input_ids.astype(jnp.int32)), scatter(seg), scatter(pos))
+
+
+def micro_batch(packed: Packed, i: jax.Array) -> Packed:
+    """Packed micro-batch i: [G, W] arrays."""
+    return Packed(*(jax.lax.dynamic_index_in_dim(x, i, 0, keepdims=False) for x in packed))
+
+
+def response_index(attention_mask: jax.Array, where: Placement, response_len: int, shape: PackShape,
+                   ) -> tuple[jax.Array, jax.Array]:
+    """(packed row, column) [B, R] of the token whose output predicts response token t: the
+    padded column P + t - 1 (positions are clipped into the row where it is padding)."""
+    pos = jnp.maximum(jnp.cumsum(attention_mask.astype(jnp.int32), axis=1) - 1, 0)
+    before = pos[:, -response_len - 1 : -1]
+    col = jnp.clip(where.start[:, None] + before, 0, shape.width - 1)
+    return jnp.broadcast_to(where.row[:, None], col.shape), col
+
+
+def unpack(values: jax.Array, row: jax.Array, col: jax.Array, first_row: jax.Array | int = 0,
+           ) -> jax.Array:
+    """values [G, W] (packed rows first_row .. first_row + G - 1) at [B, R] (row, col); rows
+    outside them read clipped, arbitrary values (mask them)."""
+    r = jnp.clip(row - first_row, 0, values.shape[0] - 1)
+    return values[r, col]
+
+
+def next_tokens(ids: jax.Array) -> jax.Array:
+    """The label of each packed position: the token after it in its row (the last column's,
+    and at a segment's end the next segment's first, are never read for a response)."""
+    return jnp.concatenate([ids[:, 1:], ids[:, :1]], axis=1)
+
+
+def per_token(fn: Callable[[Packed], Any], packed: Packed, where: Placement) -> Any:
+    """`fn` (a packed micro-batch -> [G, W, ...] arrays) over the micro-batches in use,
+    collected into [micro * G, W, ...] buffers (rows of unused micro-batches hold zeros)."""
+    out_shape = jax.eval_shape(fn, micro_batch(packed, jnp.int32(0)))
+    first = jax.tree.map(lambda s: jnp.zeros((packed.ids.shape[0],) + s.shape, s.dtype), out_shape)
+
+    def body(i, acc):
+        out = fn(micro_batch(packed, i))
+        return jax.tree.map(lambda a, o: jax.lax.dynamic_update_index_in_dim(a, o, i, 0), acc, out)
+
+    acc = jax.lax.fori_loop(0, where.n_micro, body, first)
+    return jax.tree.map(lambda a: a.reshape((-1,) + a.shape[2:]), acc)
+
+
+def packed_batch(input_ids: jax.Array, attention_mask: jax.Array, response_len: int,
+                 shape: PackShape) -> tuple[Packed, Placement, jax.Array, jax.Array]:
+    """A padded batch's placement, packed rows, and (row, column) [B, R] of each response
+    token's predicting position (`response_index`)."""
+    where = plan(attention_mask, shape)
+    packed = pack(input_ids, attention_mask, where, shape)
+    row, col = response_index(attention_mask, where, response_len, shape)
+    return packed, where, row, col
+
+
+def response_values(per_token_fn: Callable[[Packed], Any], mb: dict[str, jax.Array]) -> Any:
+    """Inside a loss: `per_token_fn` (packed rows -> [G, W] arrays) on micro-batch
+    `mb["packed"]`, read back at the mini-batch's response tokens [B, R]; 0 where
+    `mb["response_mask"]` (cut to this micro-batch's sequences) is 0."""
+    mask = mb["response_mask"] > 0
+    out = per_token_fn(mb["packed"])
+    return jax.tree.map(
+        lambda v: jnp.where(mask, unpack(v, mb["resp_row"], mb["resp_col"], mb["first_row"]), 0),
+        out)
+
+
+def forward(per_token_fn: Callable[[Packed], Any], input_ids: jax.Array,
+            attention_mask: jax.Array, response_len: int, shape: PackShape) -> Any:
+    """A scoring pass on packed rows: `per_token_fn` (packed rows -> [G, W] arrays) over the
+    micro-batches in use, read back at the response tokens [B, R] (0 on response padding)."""
+    packed, where, row, col = packed_batch(input_ids, attention_mask, response_len, shape)
+    out = per_token(per_token_fn, packed, where)
+    mask = attention_mask[:, -response_len:] > 0
+    return jax.tree.map(lambda v: jnp.where(mask, v[row, col], 0), out)
+
+
+def accumulate_grads(loss_fn: Callable, params: Any, batch: dict[str, jax.Array], totals: dict,
+                     shape: PackShape) -> tuple[Any, dict]:
+    """The packed counterpart of the update's micro-batch scan: packs the mini-batch `batch`
+    and sums, over the micro-batches in use, the gradients and metrics of
+    `loss_fn(params, mb, totals)`. `mb` is `batch` with its `response_mask` cut to micro-batch
+    i's sequences, plus `packed` (its packed rows), `first_row`, and `resp_row`/`resp_col`
+    (see `response_values`). Returns (summed grads, summed metrics with `loss`)."""
+    response_len = batch["responses"].shape[1]
+    packed, where, row, col = packed_batch(batch["input_ids"], batch["attention_mask"],
+                                           response_len, shape)
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+
+    def mb_of(i):
+        mine = (where.row // shape.rows == i).astype(batch["response_mask"].dtype)
+        return {**batch, "response_mask": batch["response_mask"] * mine[:, None],
+                "packed": micro_batch(packed, i), "first_row": i * shape.rows,
+                "resp_row": row, "resp_col": col}
+
+    first = jax.eval_shape(lambda: loss_fn(params, mb_of(jnp.int32(0)), totals))
+    m0 = {"loss": jnp.zeros((), jnp.float32)}
+    m0.update({k: jnp.zeros(v.shape, v.dtype) for k, v in first[1].items()})
+
+    def body(i, acc):
+        (loss, metrics), grads = grad_fn(params, mb_of(i), totals)
+        g_acc, m_acc = acc
+        return (jax.tree.map(jnp.add, g_acc, grads),
+                jax.tree.map(jnp.add, m_acc, {"loss": loss, **metrics}))
+
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    return jax.lax.fori_loop(0, where.n_micro, body, (zeros, m0))
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenBudget:
+    """A role's packing setting: `tokens` per data-parallel device and micro-batch (verl's
+    `ppo_max_token_len_per_gpu`); 0: as many tokens as `rows` padded rows of the batch hold
+    (`ppo_micro_batch_size` sequences over the devices), the padded micro-batch's size."""
+
+    tokens: int
+    rows: int
+
+    def shape(self, n_seqs: int, width: int, dp: int, who: str) -> PackShape:
+        budget = self.tokens or max(1, self.rows // dp) * width
+        return pack_shape(n_seqs, width, budget, dp, who)
+
+
+def token_budget(section: Any) -> TokenBudget | None:
+    """The packing setting of an actor or critic config section; None: padded batches
+    (`use_remove_padding` off)."""
+    if not section.get("use_remove_padding", False):
+        return None
+    return TokenBudget(int(section.get("ppo_max_token_len_per_gpu", 0)),
+                       int(section.ppo_micro_batch_size))

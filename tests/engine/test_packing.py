@@ -1,0 +1,222 @@
+"""Packed training batches against padded ones: the same log-probs, values, losses and
+gradients (within float32 rounding), on 1 device and on a data=2,fsdp=2,tensor=2 mesh.
+
+The references are the padded computations, which test_hf_parity.py and test_rl_loop.py check
+against HF transformers and NumPy; the packing layout itself is checked against a loop over the
+sequences. Every batch mixes prompt and response lengths (full and one-token ones), and the
+budgets are chosen so that micro-batches hold several sequences per row and there are several
+of them.
+"""
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from configs import ppo_arith
+from hfjax.controller.batch import Batch
+from hfjax.engine import packing, update
+from hfjax.models import transformer
+from hfjax.models.config import ModelConfig
+from hfjax.parallel.mesh import ResourcePool
+from hfjax.workers.actor import ActorRollout
+from hfjax.workers.critic import Critic
+
+P, R, B = 8, 12, 16
+CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                  num_kv_heads=2, head_dim=8, tie_word_embeddings=True,
+                  max_position_embeddings=64)
+MESHES = {"1dev": "fsdp=1", "dp4tp2": "data=2,fsdp=2,tensor=2"}
+
+
+def _pool(spec):
+    n = 1 if spec == "fsdp=1" else 8
+    return ResourcePool(f"devices0-{n}", tuple(jax.devices()[:n]))
+
+
+def padded_batch(seed=0):
+    """A host batch of B sequences: left-padded prompts of 1..P tokens, right-padded responses
+    of 1..R tokens, with advantages and old/reference log-probs."""
+    rng = np.random.default_rng(seed)
+    plen = rng.integers(1, P + 1, B)
+    rlen = rng.integers(1, R + 1, B)
+    plen[:2], rlen[:2] = P, (R, 1)
+    ids = rng.integers(1, CFG.vocab_size, (B, P + R)).astype(np.int32)
+    mask = np.zeros((B, P + R), np.int32)
+    for i in range(B):
+        mask[i, P - plen[i] : P + rlen[i]] = 1
+    ids = ids * mask
+    f = lambda: rng.normal(size=(B, R)).astype(np.float32)  # noqa: E731
+    return Batch({
+        "input_ids": ids, "attention_mask": mask, "responses": ids[:, P:],
+        "response_mask": mask[:, P:], "advantages": f(),
+        "old_log_probs": f() * 0.1 - 3.0, "ref_log_prob": f() * 0.1 - 3.0,
+        "values": f(), "returns": f(),
+    })
+
+
+def test_layout_matches_a_loop_over_the_sequences():
+    batch = padded_batch(1)
+    mask = batch["attention_mask"]
+    shape = packing.pack_shape(B, P + R, budget=2 * (P + R), dp=2)
+    assert shape == packing.PackShape(width=P + R, rows=4, micro=4)
+    where = packing.plan(mask, shape)
+    packed = packing.pack(batch["input_ids"], mask, where, shape)
+    row, start = np.asarray(where.row), np.asarray(where.start)
+    ids, seg, pos = (np.asarray(x).reshape(-1, P + R) for x in packed)
+    filled = np.zeros(ids.shape, bool)
+    for i in range(B):
+        real = batch["input_ids"][i][mask[i] > 0]
+        cols = slice(start[i], start[i] + len(real))
+        np.testing.assert_array_equal(ids[row[i], cols], real)
+        np.testing.assert_array_equal(pos[row[i], cols], np.arange(len(real)))
+        assert (seg[row[i], cols] == i + 1).all() and not filled[row[i], cols].any()
+        filled[row[i], cols] = True
+    assert (seg[~filled] == 0).all()  # nothing else is written
+    used = int(filled.any(axis=1).sum())
+    assert filled.any(axis=1)[:used].all()  # the rows in use are a prefix
+    assert used < B  # rows hold several sequences
+    assert int(where.n_micro) == -(-used // shape.rows) > 1
+
+
+def test_a_budget_below_one_sequence_is_refused():
+    with pytest.raises(ValueError, match=r"a token budget of 19 per device is smaller than one "
+                                         r"sequence \(20 tokens"):
+        packing.pack_shape(B, P + R, budget=P + R - 1, dp=1)
+
+
+def _acfg(mode, budget, micro=B):
+    a = ppo_arith.get_config().actor
+    a.loss_agg_mode, a.use_kl_loss, a.entropy_coeff = mode, True, 0.01
+    a.ppo_mini_batch_size, a.ppo_micro_batch_size = B, micro
+    a.use_remove_padding, a.ppo_max_token_len_per_gpu = budget is not None, budget or 0
+    a.shuffle = False
+    return a
+
+
+def _actor(mesh, acfg, model):
+    r = ppo_arith.get_config().rollout
+    r.n, r.response_length = 1, R
+    return ActorRollout("actor", _pool(mesh), mesh, model, rules="train", sampler=None,
+                        actor_cfg=acfg, rollout_cfg=r,
+                        optimizer=update.make_optimizer(1e-2, grad_clip=0.0))
+
+
+@pytest.fixture(scope="module")
+def model():
+    return transformer.build(CFG, "causal_lm", seed=3)
+
+
+def _twin(model):
+    """A model with `model`'s weights in buffers of its own: a group built from a model on
+    its own device may share a buffer with it, and updates donate their groups' buffers."""
+    return nnx.merge(*nnx.split(jax.tree.map(lambda x: x.copy(), model)))
+
+
+@pytest.mark.parametrize("mesh", list(MESHES), ids=list(MESHES))
+def test_log_probs_and_entropy_equal_the_padded_ones(model, mesh):
+    batch = padded_batch(2)
+    padded = _actor(MESHES[mesh], _acfg("token-mean", None), model)
+    packed = _actor(MESHES[mesh], _acfg("token-mean", 2 * (P + R)), model)
+    want = padded.compute_log_prob(batch)
+    got = packed.compute_log_prob(batch)
+    m = batch["response_mask"] > 0
+    for key in ("old_log_probs", "entropys"):
+        np.testing.assert_allclose(np.asarray(got[key])[m], np.asarray(want[key])[m],
+                                   rtol=1e-5, atol=1e-5)
+    assert (np.asarray(got["old_log_probs"])[~m] == 0).all()
+
+
+# (mode, token budget): one micro-batch for every mode; several (budget of 2 padded rows per
+# device) for the modes whose mini-batch loss does not depend on the grouping (module
+# docstring of hfjax.engine.packing).
+GRAD_CASES = [(mode, B * (P + R)) for mode in ("token-mean", "seq-mean-token-sum",
+                                                "seq-mean-token-mean", "seq-mean-token-sum-norm")]
+GRAD_CASES += [("token-mean", 2 * (P + R)), ("seq-mean-token-mean", 2 * (P + R))]
+
+
+@pytest.mark.parametrize("mode, budget", GRAD_CASES)
+def test_policy_loss_and_gradients_equal_the_padded_ones(model, mode, budget):
+    batch = padded_batch(3)
+    actor = _actor("fsdp=1", _acfg(mode, budget), model)
+    shape = actor.budget.shape(B, P + R, actor.dp_size, "actor")
+    arrays = dict(batch.to(actor.mesh).arrays)
+
+    def padded(params, arrays):
+        grad_fn = jax.value_and_grad(actor._policy_loss, has_aux=True)
+        (loss, metrics), grads = grad_fn(params, arrays, update.normalisers(arrays))
+        return grads, {"loss": loss, **metrics}
+
+    def packed(params, arrays):
+        return packing.accumulate_grads(actor._policy_loss, params, arrays,
+                                        update.normalisers(arrays), shape)
+
+    g_want, m_want = actor.jit(padded)(actor.params, arrays)
+    g_got, m_got = actor.jit(packed)(actor.params, arrays)
+    single = int(packing.plan(arrays["attention_mask"], shape).n_micro) == 1
+    assert single == (budget == B * (P + R))
+    for k in m_want:
+        if not single and k in ("actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower"):
+            continue  # token means weighted by the sequences' share: they depend on the grouping
+        np.testing.assert_allclose(float(m_got[k]), float(m_want[k]), rtol=2e-5, atol=1e-6,
+                                   err_msg=k)
+    scale = max(float(np.abs(x).max()) for x in jax.tree.leaves(g_want))
+    for a, b in zip(jax.tree.leaves(g_got), jax.tree.leaves(g_want)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5 * scale, rtol=1e-4)
+
+
+@pytest.mark.parametrize("mesh", list(MESHES), ids=list(MESHES))
+def test_actor_and_critic_updates_equal_the_padded_ones(model, mesh):
+    """One optimizer step each through update_actor / update_critic (several micro-batches in
+    both layouts), then the same parameters and metrics."""
+    batch = padded_batch(4)
+    spec = MESHES[mesh]
+    actors = [_actor(spec, _acfg("token-mean", budget, micro=8), _twin(model))
+              for budget in (None, 2 * (P + R))]
+    metrics = [a.update_actor(batch) for a in actors]
+    for k in ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm"):
+        np.testing.assert_allclose(float(metrics[1][k]), float(metrics[0][k]), rtol=1e-4, err_msg=k)
+    for a, b in zip(jax.tree.leaves(actors[1].params), jax.tree.leaves(actors[0].params)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5)
+
+    critics = []
+    for remove_padding in (False, True):
+        c = ppo_arith.get_config().critic
+        c.ppo_mini_batch_size, c.ppo_micro_batch_size, c.shuffle = B, 8, False
+        c.use_remove_padding, c.ppo_max_token_len_per_gpu = remove_padding, 2 * (P + R)
+        value_model = transformer.build(CFG, "value", seed=4)  # the same weights each time
+        critics.append(Critic("critic", _pool(spec), spec, value_model, critic_cfg=c, horizon=R,
+                              optimizer=update.make_optimizer(1e-2, grad_clip=0.0)))
+    m = batch["response_mask"] > 0
+    values = [np.asarray(c.compute_values(batch)["values"]) for c in critics]
+    np.testing.assert_allclose(values[1][m], values[0][m], rtol=1e-5, atol=1e-5)
+    metrics = [c.update_critic(batch) for c in critics]
+    for k in ("critic/vf_loss", "critic/grad_norm"):
+        np.testing.assert_allclose(float(metrics[1][k]), float(metrics[0][k]), rtol=1e-4, err_msg=k)
+    for a, b in zip(jax.tree.leaves(critics[1].params), jax.tree.leaves(critics[0].params)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5)
+
+
+@pytest.mark.slow
+def test_a_ppo_step_runs_on_packed_batches():
+    """The config switches: actor (update, log-prob), reference and critic all pack; the step's
+    losses are finite and the update was applied."""
+    from support import tiny_rl_config
+
+    from hfjax.trainer import Trainer
+
+    c = tiny_rl_config(mesh="fsdp=4,tensor=2")
+    c.actor.use_kl_loss = True
+    for role in (c.actor, c.critic):
+        role.use_remove_padding, role.ppo_micro_batch_size = True, 4
+    t = Trainer(c)
+    w = t.workers
+    assert w.actor.budget is not None and w.critic.budget is not None
+    assert w.ref.budget == w.actor.budget
+    before = [np.asarray(x) for x in jax.tree.leaves(w.actor.params)]
+    m = t.train_step()
+    for k in ("actor/pg_loss", "actor/kl_loss", "critic/vf_loss", "actor/grad_norm"):
+        assert np.isfinite(m[k]), k
+    assert m["actor/nonfinite_updates"] == 0
+    after = [np.asarray(x) for x in jax.tree.leaves(w.actor.params)]
+    assert any(not np.array_equal(a, b) for a, b in zip(before, after))
