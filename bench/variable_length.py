@@ -145,7 +145,8 @@ def train_stages(model, f, packed: bool) -> list[tuple[str, Callable[[dict], Non
         })
         ref = actor.compute_log_prob(batch)
         batch = batch.union(Batch({"ref_log_prob": ref["old_log_probs"]}))
-        ctx["batch"] = jax.block_until_ready(batch)
+        jax.block_until_ready(batch.arrays)  # a Batch is not a pytree: wait on its arrays
+        ctx["batch"] = batch
 
     def update(ctx: dict) -> None:
         actor.params = jax.tree.map(lambda x: x.copy(), params0)

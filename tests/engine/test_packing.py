@@ -165,7 +165,9 @@ def test_policy_loss_and_gradients_equal_the_padded_ones(model, mode, budget):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5 * scale, rtol=1e-4)
 
 
-@pytest.mark.parametrize("mesh", list(MESHES), ids=list(MESHES))
+# On 1 device the same losses and gradients are checked above; here the whole update program
+# (mini-batches, the while loop, the optimizer) on the multi-device mesh.
+@pytest.mark.parametrize("mesh", ["dp4tp2"])
 def test_actor_and_critic_updates_equal_the_padded_ones(model, mesh):
     """One optimizer step each through update_actor / update_critic (several micro-batches in
     both layouts), then the same parameters and metrics."""
@@ -206,17 +208,19 @@ def test_a_ppo_step_runs_on_packed_batches():
     from hfjax.trainer import Trainer
 
     c = tiny_rl_config(mesh="fsdp=4,tensor=2")
-    c.actor.use_kl_loss = True
+    # An untrained model scores 0 everywhere, so its advantages are 0: the entropy bonus gives
+    # the update a gradient to apply.
+    c.actor.use_kl_loss, c.actor.entropy_coeff = True, 0.01
     for role in (c.actor, c.critic):
         role.use_remove_padding, role.ppo_micro_batch_size = True, 4
     t = Trainer(c)
     w = t.workers
     assert w.actor.budget is not None and w.critic.budget is not None
     assert w.ref.budget == w.actor.budget
-    before = [np.asarray(x) for x in jax.tree.leaves(w.actor.params)]
+    before = [np.array(x) for x in jax.tree.leaves(w.actor.params)]  # copies: updates donate
     m = t.train_step()
     for k in ("actor/pg_loss", "actor/kl_loss", "critic/vf_loss", "actor/grad_norm"):
         assert np.isfinite(m[k]), k
-    assert m["actor/nonfinite_updates"] == 0
+    assert m["actor/nonfinite_updates"] == 0 and m["actor/grad_norm"] > 0
     after = [np.asarray(x) for x in jax.tree.leaves(w.actor.params)]
     assert any(not np.array_equal(a, b) for a, b in zip(before, after))
