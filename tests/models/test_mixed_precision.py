@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from hfjax.algorithms import core
 from hfjax.models import precision, transformer
 from hfjax.models.presets import get_preset
+from hfjax.numerics import core
 
 CFG = get_preset("tiny").replace(vocab_size=512, num_layers=2)
 IDS = jnp.asarray(np.random.default_rng(0).integers(0, 512, (4, 12)), jnp.int32)
