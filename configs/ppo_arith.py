@@ -20,9 +20,13 @@ def get_config() -> config_dict.ConfigDict:
 
     c.model = config_dict.ConfigDict(
         dict(
-            # A path to an HF directory or a .gguf file; empty: a tiny model from scratch with
-            # the sizes below.
+            # A path to an HF directory or a .gguf file, or preset:NAME (an architecture from
+            # hfjax/models/presets.py with random weights); empty: a tiny model from scratch
+            # with the sizes below.
             path="",
+            # Tokenizer (HF directory or .gguf); empty: model.path's own, or the embedded
+            # task's for a preset or a model from scratch.
+            tokenizer="",
             vocab_size=0,  # 0: the task tokenizer's size
             hidden_size=128,
             intermediate_size=384,
@@ -30,7 +34,12 @@ def get_config() -> config_dict.ConfigDict:
             num_heads=4,
             num_kv_heads=2,
             head_dim=32,
-            dtype="float32",
+            # Compute dtype: float32 | bfloat16 | auto (bfloat16 on GPUs and TPUs, float32 on
+            # CPUs; hfjax.models.precision.resolve_compute_dtype says why). Matmuls take
+            # operands in it and accumulate in float32; logits, log-probs and values are float32.
+            dtype="auto",
+            # Master weights, gradients and optimizer state.
+            param_dtype="float32",
             scan_layers=True,
             remat_policy="none",
         )

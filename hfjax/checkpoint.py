@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
+from jax.experimental import multihost_utils
 
 TRAINER_ITEM = "trainer"
 CONFIG_ITEM = "config"
@@ -296,9 +297,12 @@ class RunCheckpointer:
 
     def set_aside(self, steps: list[int], reason: str = "corrupt") -> list[str]:
         """Moves the given step directories to `<root>.<reason>/` (so new saves may reuse their
-        step numbers) and returns where they went."""
+        step numbers) and returns where they went (in process 0; the other processes of a run
+        wait for it and return [])."""
         moved = []
-        for s in steps:
+        # The processes of a run share the directory: process 0 moves (and returns what it
+        # moved), the others wait for it.
+        for s in steps if jax.process_index() == 0 else ():
             src = self.step_dir(s)
             if not os.path.isdir(src):
                 continue
@@ -307,6 +311,8 @@ class RunCheckpointer:
             dst = os.path.join(dst_root, f"{s}-{time.strftime('%Y%m%d-%H%M%S')}")
             shutil.move(src, dst)
             moved.append(dst)
+        if jax.process_count() > 1:
+            multihost_utils.sync_global_devices("hfjax checkpoint set_aside")
         self._mgr.reload()
         return moved
 

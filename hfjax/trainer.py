@@ -17,14 +17,15 @@ import numpy as np
 from absl import logging
 
 from hfjax import checkpoint as ckpt_lib
+from hfjax import model_source
 from hfjax.algorithms import dataflow
 from hfjax.data import arith
 from hfjax.data.batching import prompt_batch, sft_batches
 from hfjax.data.dataset import Dataset
 from hfjax.metrics import MetricsLogger
-from hfjax.models import load as load_model
-from hfjax.models import load_tokenizer, transformer
+from hfjax.models import precision
 from hfjax.numerics.losses import kl_controller_from_state, kl_controller_state
+from hfjax.parallel import distributed
 from hfjax.parallel.transfer import to_host
 from hfjax.run_config import validate_config
 from hfjax.workers import groups
@@ -37,14 +38,27 @@ class Trainer:
     def __init__(self, cfg):
         self.cfg = cfg
         self.algo, self.pools = validate_config(cfg)
-        self.tok = load_tokenizer(cfg.model.path) if cfg.model.path else arith.tokenizer()
+        self.compute_dtype = precision.resolve_compute_dtype(
+            cfg.model.dtype, jax.devices()[0].platform)
+        self.tok = model_source.task_tokenizer(cfg)
         self.train_data, self.test_data = self._datasets()
         logging.info("train data: %s", self.train_data.report.summary())
         logging.info("validation data: %s", self.test_data.report.summary())
+        # Every process builds its host batches itself (see `train_step`): they must all hold
+        # the same config and rows, or their batches would differ without an error.
+        distributed.check_same_on_every_process({
+            "the config": json.dumps(config_json(cfg), sort_keys=True),
+            "the training data": str(self.train_data.fingerprint),
+            "the validation data": str(self.test_data.fingerprint),
+        })
         self.train_iter = self.train_data.iterator(cfg.data.train_batch_size, seed=cfg.seed)
         self.step = 0
-        initial = self._initial_model()
+        initial = model_source.initial_model(cfg, self.tok, self.compute_dtype, self.pools)
         self.model_cfg = initial.config
+        if self.tok.vocab_size > self.model_cfg.vocab_size:
+            raise ValueError(f"the tokenizer has {self.tok.vocab_size} tokens, the model's "
+                             f"vocabulary {self.model_cfg.vocab_size}; give a tokenizer that "
+                             "fits the model (--config.model.tokenizer)")
         self.actor = groups.build_actor(cfg, initial, self.pools, self.tok.pad_id, self.tok.eos_id)
         self.reward = groups.build_reward(cfg, self.tok, home=self.actor.mesh)
         self._groups: WorkerGroups | None = None
@@ -66,18 +80,6 @@ class Trainer:
                                          d.max_prompt_length, **kw))
         raise ValueError(f"unknown data.task {d.task!r}; use 'arith' (built in) or 'parquet' "
                          "(with data.train_files and data.val_files)")
-
-    def _initial_model(self):
-        """The actor before training: a checkpoint from model.path, else a fresh tiny model
-        that holds the task's longest prompt and response."""
-        c = self.cfg
-        if c.model.path:
-            return load_model(c.model.path, dtype=c.model.dtype, scan_layers=c.model.scan_layers,
-                              remat_policy=c.model.remat_policy)
-        positions = c.data.max_prompt_length + c.rollout.response_length
-        mcfg = groups.scratch_model_config(c.model, self.tok.vocab_size, self.tok.pad_id,
-                                           self.tok.eos_id, positions)
-        return transformer.build(mcfg, "causal_lm", seed=c.seed)
 
     @property
     def workers(self) -> WorkerGroups:
@@ -118,6 +120,10 @@ class Trainer:
     def validate(self) -> dict[str, float]:
         """Mean score per data_source on the validation set (accuracy for 0/1 rewards).
 
+        Across processes, the scores come back whole to every process (the reward's ON_HOST
+        fetch gathers the responses once and every process scores all rows), so every process
+        returns the same metrics.
+
         `rollout.val_kwargs` sets the samples per prompt n and their temperature (0: greedy,
         the default); `val-core/<source>/acc/mean@n` averages all samples and, for n > 1,
         `val-aux/<source>/acc/best@n` averages each prompt's best sample.
@@ -141,7 +147,15 @@ class Trainer:
         return metrics
 
     def train_step(self) -> dict[str, float]:
-        """One RL iteration; returns host metrics (the step's one metrics fetch)."""
+        """One RL iteration; returns host metrics (the step's one metrics fetch).
+
+        Across processes, every process draws the same rows (one seeded data order) and builds
+        the same small host batch of prompts; placing it on the actor's mesh uploads each
+        process's own shards only (`jax.device_put` of a host array onto a sharding that spans
+        processes), which gives the array `jax.make_array_from_process_local_data` would build
+        from each process's slice (tests/parallel/test_distributed.py checks the two agree).
+        The metrics are reduced on the devices and come back whole to every process.
+        """
         c, w = self.cfg, self.workers
         w.timing.clear()
         rows = next(self.train_iter)
@@ -310,9 +324,10 @@ class Trainer:
         return out
 
     def _save_tokenizer(self, out_dir: str) -> None:
-        # Export needs the run's tokenizer; it sits next to the checkpoints, written once.
+        # Export needs the run's tokenizer; it sits next to the checkpoints, written once (by
+        # process 0: the processes of a run share out_dir).
         path = os.path.join(out_dir, "tokenizer")
-        if os.path.isdir(path):
+        if os.path.isdir(path) or not distributed.is_main_process():
             return
         tmp = path + f".tmp-{os.getpid()}"
         self.tok.save(tmp)

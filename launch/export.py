@@ -6,11 +6,17 @@
 `--ckpt` is a run's out_dir, its checkpoint root, or one step directory; without a step the
 newest readable checkpoint is used. The output (config.json, model.safetensors and the run's
 tokenizer files) loads with `transformers.AutoModelForCausalLM.from_pretrained(out)`.
+
+Across processes (the process flags of docs/scaling.md, or `launch.local_cluster --module=
+launch.export`), every process restores its shards of the actor, sharded over the devices of
+all processes, the tensors are gathered one layer at a time and process 0 writes the directory.
 """
 
 import os
 
 from absl import app, flags
+
+from hfjax.parallel import distributed
 
 _CKPT = flags.DEFINE_string("ckpt", None, "run out_dir, checkpoint root or step dir",
                             required=True)
@@ -18,27 +24,44 @@ _OUT = flags.DEFINE_string("out", None, "output HF directory", required=True)
 _STEP = flags.DEFINE_integer("step", None, "checkpoint step (default: the newest readable)")
 _TOKENIZER = flags.DEFINE_string(
     "tokenizer", None, "tokenizer directory or .gguf (default: the run's <out_dir>/tokenizer)")
+distributed.define_flags()
 
 
 def load_actor(ckpt: str, step: int | None = None):
-    """(actor model on one device, Restored) from a checkpoint, newest readable by default."""
+    """(actor model, Restored) from a checkpoint, newest readable by default: on one device,
+    or across processes sharded over the devices of all of them."""
     import jax
     from flax import nnx
 
     from hfjax.checkpoint import RunCheckpointer, locate
     from hfjax.models import transformer
     from hfjax.models.config import ModelConfig
+    from hfjax.parallel import sharding as shd
+    from hfjax.parallel.mesh import MeshSpec, sorted_devices
 
     root, at = locate(ckpt)
-    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     graphdefs = {}
 
     def targets(state):
         cfg = ModelConfig(**state["model_config"])
         graphdef, abstract = nnx.split(transformer.abstract(cfg, "causal_lm"))
         graphdefs["actor"] = graphdef
-        return {"actor_params": jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), abstract)}
+        if jax.process_count() == 1:
+            device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+            shardings = jax.tree.map(lambda _: device, abstract, is_leaf=shd.is_variable)
+        else:
+            # No process holds the whole model on its devices: FSDP over all of them, a
+            # dimension that does not divide kept whole.
+            mesh = MeshSpec.parse("fsdp=-1").build(sorted_devices())
+            lay = shd.layout(mesh, "train", replicate_indivisible=tuple(shd.TRAIN_RULES))
+            shardings = lay.state_shardings(abstract)
+
+        def place(var, sharding):
+            x = var.get_value()
+            return var.replace(jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding))
+
+        return {"actor_params": jax.tree.map(place, abstract, shardings,
+                                             is_leaf=shd.is_variable)}
 
     restored = RunCheckpointer(root, read_only=True).restore_latest(
         targets, step=step if step is not None else at)
@@ -60,8 +83,13 @@ def export(ckpt: str, out: str, step: int | None = None, tokenizer: str | None =
 
 def main(argv):
     del argv
+    try:
+        topo = distributed.initialize_from_flags()
+    except distributed.DistributedError as err:
+        raise SystemExit(f"hfjax: {err}") from None
     out = export(_CKPT.value, _OUT.value, _STEP.value, _TOKENIZER.value)
-    print(f"wrote {out}")
+    if topo.process_id == 0:
+        print(f"wrote {out}")
 
 
 if __name__ == "__main__":

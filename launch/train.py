@@ -8,7 +8,10 @@ Prints a progress bar, per-stage timings and tokens/s; the last stdout line is J
 held-out accuracy before and after RL, the throughput, the wall time, the step reached, the step
 the run resumed from (null: a fresh start) and whether SIGTERM cut it short.
 
-Everything the run writes goes under `--config.trainer.out_dir`: `metrics.jsonl` (one line per
+Across processes (`launch.local_cluster`, or every host of a cluster running this same command,
+see docs/scaling.md), process 0 alone prints and writes metrics, TensorBoard and the plot;
+checkpoints are written by all processes. Everything the run writes goes under
+`--config.trainer.out_dir`: `metrics.jsonl` (one line per
 step), `tensorboard/`, `metrics.png`, `tokenizer/` and `checkpoints/<step>/`. Rerunning the same
 command continues from the newest readable checkpoint (`--config.trainer.resume=auto`, the
 default; `disable` starts fresh; a path resumes from that checkpoint). On SIGTERM the run
@@ -111,33 +114,45 @@ def main(argv):
     signal.signal(signal.SIGTERM, stop.on_signal)
     metrics.start_memory_tracking(t.jax_smi)
     ckpt_dir = os.path.join(t.out_dir, "checkpoints")
+    # Every process runs this same controller; process 0 alone talks to the user and writes
+    # metrics, TensorBoard and the plot (checkpoints are written by all, through Orbax).
+    main_process = topo.process_id == 0
+    say = print if main_process else (lambda *args, **kw: None)
     try:
         trainer = Trainer(cfg)
         # A resume setting that contradicts the out_dir, or names no checkpoint, is refused
-        # here, before anything runs or is written.
-        existing = RunCheckpointer(ckpt_dir, read_only=True) if os.path.isdir(ckpt_dir) else None
+        # here, before anything runs or is written. (Asked of all processes at once, before
+        # any of them creates the directory, so that they all see the same answer.)
+        exists = distributed.any_process(os.path.isdir(ckpt_dir))
+        existing = RunCheckpointer(ckpt_dir, read_only=True) if exists else None
         resume_source(existing, t.resume)
     except (ValueError, FileNotFoundError) as err:  # config or data, found before building
         raise SystemExit(f"hfjax: cannot start the run: {err}") from None
-    print(f"hfjax: {cfg.algorithm} on {topo.describe()}, "
-          f"placement={cfg.placement}, actor mesh={cfg.actor.mesh}, out_dir={t.out_dir}",
-          flush=True)
+    say(f"hfjax: {cfg.algorithm} on {topo.describe()}, "
+        f"placement={cfg.placement}, actor mesh={cfg.actor.mesh}, out_dir={t.out_dir}",
+        flush=True)
     ckpt = RunCheckpointer(ckpt_dir, max_to_keep=t.max_to_keep or None, async_save=t.async_save)
     progress = _Progress(t.total_steps, cfg.algorithm, ckpt_dir)
-    logger = metrics.make_logger(
-        t.logger, t.out_dir, console=progress.print, console_every=t.log_every,
-        wandb_project=t.project_name, wandb_name=t.experiment_name, config=config_json(cfg),
-        extra=[progress],
-    )
+    if main_process:
+        logger = metrics.make_logger(
+            t.logger, t.out_dir, console=progress.print, console_every=t.log_every,
+            wandb_project=t.project_name, wandb_name=t.experiment_name,
+            config=config_json(cfg), extra=[progress],
+        )
+    else:
+        logger = metrics.MetricsLogger()  # the records, kept in memory only
     try:
         result = trainer.fit(
-            ckpt, logger, resume=t.resume, should_stop=stop.requested,
-            on_log=lambda i, m: print(f"  warm start step {i}: loss {m['sft/loss']:.3f}",
-                                      flush=True),
+            ckpt, logger, resume=t.resume,
+            should_stop=lambda: distributed.any_process(stop.requested()),
+            on_log=lambda i, m: say(f"  warm start step {i}: loss {m['sft/loss']:.3f}",
+                                    flush=True),
         )
     finally:
         logger.close()
         ckpt.close()
+    if not main_process:
+        return
     history = logger.history
     if result.preempted:
         where = (f"checkpoint {os.path.join(ckpt_dir, str(result.step))}"

@@ -65,6 +65,9 @@ TEST_OPTIONS: dict[str, dict] = {
     # One module fixture runs the uninterrupted job that its tests compare with: not sharded.
     "tests/test_resume.py": {"size": "large"},
     "tests/test_rl_loop.py": {"size": "large", "shard_count": 2},
+    # Real multi-process training runs and whole-run compilations.
+    "tests/test_trainer_processes.py": {"size": "large"},
+    "tests/test_dry_run.py": {"size": "large"},
     # It reads the source tree (not the runfiles, which hold only declared files), so Bazel must
     # neither sandbox it nor cache its result, which depends on files it does not declare.
     "tests/test_bazel_build.py": {"tags": ["external", "local"]},

@@ -27,6 +27,7 @@ from jax.sharding import PartitionSpec as P
 from hfjax.models import presets, transformer
 from hfjax.models.config import ModelConfig
 from hfjax.parallel import sharding as shd
+from hfjax.parallel.transfer import to_host
 
 
 def _heads(w, n):  # [n*h, d] -> [d, n, h]
@@ -314,26 +315,36 @@ def load(
     architecture with random weights from `seed`, each parameter created directly in its
     sharding. `config_overrides` change any ModelConfig field of it or of a checkpoint's config.
     """
-    overrides = {"param_dtype": dtype, "dtype": dtype, **config_overrides}
     optional = ("score",) if head != "causal_lm" else ()
-    if (name := presets.preset_name(path)) is not None:
-        cfg = presets.get_preset(name).replace(**overrides)
+    cfg = model_config(path, dtype=dtype, **config_overrides)
+    if presets.preset_name(path) is not None:
         return build_sharded(cfg, head=head, mesh=mesh, rules=rules, seed=seed,
                              replicate_indivisible=replicate_indivisible)
     if str(path).endswith(".gguf"):
         from hfjax.models import gguf_io
 
-        cfg = ModelConfig.from_hf_config(gguf_io.read_gguf_config(path), **overrides)
         tensors = gguf_io.iter_gguf_tensors(path)
     else:
-        if not os.path.isdir(path):
-            raise FileNotFoundError(f"{path}: not a directory or a .gguf file")
-        cfg = ModelConfig.from_hf_config(_read_config(path), **overrides)
         files = _safetensor_files(path)
         _check_safetensor_headers(files, cfg, head, {"score.weight"} if optional else set())
         tensors = _iter_safetensors(files)
     return assemble(cfg, tensors, head=head, mesh=mesh, rules=rules, optional=optional,
                     replicate_indivisible=replicate_indivisible)
+
+
+def model_config(path: str, *, dtype: str = "float32", **config_overrides) -> ModelConfig:
+    """The ModelConfig `load(path, dtype=..., **config_overrides)` builds, read without loading
+    any weight: a preset's, a `.gguf` file's header or an HF directory's config.json."""
+    overrides = {"param_dtype": dtype, "dtype": dtype, **config_overrides}
+    if (name := presets.preset_name(path)) is not None:
+        return presets.get_preset(name).replace(**overrides)
+    if str(path).endswith(".gguf"):
+        from hfjax.models import gguf_io
+
+        return ModelConfig.from_hf_config(gguf_io.read_gguf_config(path), **overrides)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"{path}: not a directory or a .gguf file")
+    return ModelConfig.from_hf_config(_read_config(path), **overrides)
 
 
 def build_sharded(
@@ -362,16 +373,20 @@ def build_sharded(
 
 
 def iter_hf_tensors(model: nnx.Module) -> Iterator[tuple[str, np.ndarray]]:
-    """Yields (HF name, HF-layout float array) for every parameter, one layer slice at a time."""
+    """Yields (HF name, HF-layout float array) for every parameter, one layer slice at a time.
+
+    Parameters that span several processes are gathered slice by slice (`to_host`, a
+    collective): every process of the run must iterate alike, and each gets every tensor.
+    """
     cfg: ModelConfig = model.config
     for path, var in _flat_params(nnx.state(model, nnx.Param)).items():
         tmpl, _, to_hf = CONVERTERS[path]
         arr = var.get_value()
         if path.startswith("model.layers."):
             for i in range(cfg.num_layers):
-                yield tmpl.format(i=i), np.asarray(to_hf(np.asarray(jax.device_get(arr[i])), cfg))
+                yield tmpl.format(i=i), np.asarray(to_hf(to_host(arr[i]), cfg))
         else:
-            yield tmpl, np.asarray(to_hf(np.asarray(jax.device_get(arr)), cfg))
+            yield tmpl, np.asarray(to_hf(to_host(arr), cfg))
 
 
 def save_hf(
@@ -385,10 +400,15 @@ def save_hf(
 
     The directory is written under a temporary name and renamed into place, so a crash never
     leaves a half-written model. Shards larger than `max_shard_bytes` are split with an index.
-    Returns out_dir.
+    Across processes, every process must call it (the parameters are gathered with
+    collectives) and process 0 alone writes. Returns out_dir.
     """
     from safetensors.numpy import save_file
 
+    if jax.process_index() != 0:
+        for _ in iter_hf_tensors(model):  # take part in the gathers; process 0 writes
+            pass
+        return out_dir
     cfg: ModelConfig = model.config
     parent = os.path.dirname(os.path.abspath(out_dir)) or "."
     os.makedirs(parent, exist_ok=True)

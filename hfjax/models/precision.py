@@ -53,3 +53,23 @@ def suggested_compute_dtype(platform: str, cpuinfo: str | None = None) -> str:
     if platform == "cpu" and cpu_has_amx_bf16(cpuinfo):
         return "bfloat16"
     return "float32"
+
+
+COMPUTE_DTYPES = ("float32", "bfloat16", "auto")
+
+
+def resolve_compute_dtype(name: str, platform: str) -> str:
+    """The compute dtype a config's `model.dtype` asks for on `platform`: 'float32' or
+    'bfloat16' as given, and for 'auto' bfloat16 on GPUs and TPUs, float32 on CPUs.
+
+    Why not bfloat16 on a CPU with AMX: there only forward matmuls that accumulate in float32
+    gain; the backward pass's transposed matmuls, the casts and a small model's many small ops
+    do not, and the default task measured no faster in bfloat16 (docs/benchmarks.md,
+    "Mixed precision in the trainer"). `suggested_compute_dtype` still says where bf16
+    matmuls are native, for a run that sets bfloat16 itself.
+    """
+    if name not in COMPUTE_DTYPES:
+        raise ValueError(f"model.dtype={name!r}; use one of {', '.join(COMPUTE_DTYPES)}")
+    if name != "auto":
+        return name
+    return "bfloat16" if platform in ("gpu", "cuda", "rocm", "tpu") else "float32"

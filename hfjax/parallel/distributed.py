@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import hashlib
 import math
 import os
 import socket
@@ -35,6 +36,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
 from absl import flags, logging
 
 # The process-lost exit status: EX_TEMPFAIL, "try again later", which is what a rerun (resuming
@@ -547,3 +549,64 @@ def check_config_meshes(cfg: Any, topo: Topology | None = None) -> None:
                 walk(value, here)
 
     walk(cfg, "")
+
+
+# --------------------------------------------------------------------------------------------
+# Host-side decisions that every process must take alike
+
+
+def is_main_process() -> bool:
+    """True in process 0, the one that writes logs, plots and exported files (and in a
+    single-process run)."""
+    import jax
+
+    return jax.process_index() == 0
+
+
+def any_process(flag: bool) -> bool:
+    """True on every process when `flag` is true on any of them (a collective: every process
+    must call it at the same point). A stop request (SIGTERM) reaches the processes at slightly
+    different moments; agreeing on it keeps them stopping after the same step, where one that
+    ran a step more would wait in its collectives forever."""
+    import jax
+
+    if jax.process_count() == 1:
+        return bool(flag)
+    from jax.experimental import multihost_utils
+
+    flags_all = multihost_utils.process_allgather(np.asarray([int(bool(flag))], np.int32))
+    return bool(np.any(flags_all))
+
+
+def check_same_on_every_process(items: Mapping[str, bytes | str]) -> None:
+    """DistributedError naming each item whose value differs between processes.
+
+    For host-side inputs that every process computes by itself and that must come out the
+    same (the config, the data files each host reads, the data order): a host that read
+    another copy of a parquet file would otherwise train on other rows without any error. Only
+    digests travel (8 bytes an item). A collective: every process calls it with the same keys.
+    """
+    import jax
+
+    if jax.process_count() == 1 or not items:
+        return
+    from jax.experimental import multihost_utils
+
+    names = sorted(items)
+    digests = np.stack([
+        np.frombuffer(hashlib.sha256(_as_bytes(items[k])).digest()[:8], np.uint32)
+        for k in names])
+    every = np.asarray(multihost_utils.process_allgather(digests))  # [processes, items, 2]
+    bad = [(k, [p for p in range(every.shape[0]) if not np.array_equal(every[p, i], every[0, i])])
+           for i, k in enumerate(names)]
+    bad = [(k, ps) for k, ps in bad if ps]
+    if bad:
+        raise DistributedError(
+            "processes disagree on " + "; ".join(
+                f"{k} (process{'es' if len(ps) > 1 else ''} {', '.join(map(str, ps))} "
+                f"differ{'' if len(ps) > 1 else 's'} from process 0)" for k, ps in bad)
+            + ": every process must run the same command on the same data files")
+
+
+def _as_bytes(value: bytes | str) -> bytes:
+    return value if isinstance(value, bytes) else str(value).encode()

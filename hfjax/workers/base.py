@@ -35,6 +35,18 @@ def _owned_transfer(x: jax.Array, sharding) -> jax.Array:
     return jnp.copy(out) if out is x else out
 
 
+def _place(x, sharding):
+    if isinstance(x, jax.ShapeDtypeStruct):
+        # An abstract model (the dry run): shapes and shardings only, nothing allocated.
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+    return _owned_transfer(x, sharding)
+
+
+def is_abstract(tree) -> bool:
+    """True when `tree`'s leaves are ShapeDtypeStructs (a worker group built for a dry run)."""
+    return any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(tree))
+
+
 @functools.partial(jax.jit, static_argnums=1)
 def _divide(sums: dict[str, jax.Array], count: int) -> dict[str, jax.Array]:
     # Jitted with a static count: eager `v / count` would upload the Python int every step.
@@ -67,8 +79,11 @@ class WorkerGroup:
         # A model built on another mesh (or loaded elsewhere) moves device to device here.
         # Each group owns its buffers: updates donate them, so none may be shared with the model
         # it was built from (a reference policy is often a copy of the actor on the same mesh).
+        # An abstract model (leaves are ShapeDtypeStructs) gives an abstract group: params and
+        # optimizer state as ShapeDtypeStructs with their shardings, from which the dry run
+        # lowers and compiles the group's own programs without allocating anything.
         self.params = jax.tree.map(
-            lambda sh, var: var.replace(_owned_transfer(var.get_value(), sh)),
+            lambda sh, var: var.replace(_place(var.get_value(), sh)),
             self.param_shardings,
             state,
             is_leaf=shd.is_variable,
@@ -89,27 +104,28 @@ class WorkerGroup:
         if optimizer is None:
             return
         everywhere = self.layout.replicated()
-        n = everywhere.mesh.devices.size
-        # Scalars such as the step count come out on one device; replicate them.
-        self.opt_state = jax.tree.map(
-            lambda x: x if len(x.sharding.device_set) == n else transfer(x, everywhere),
-            jax.jit(optimizer.init)(self.params),
-        )
-        self.opt_shardings = jax.tree.map(lambda x: x.sharding, self.opt_state)
+        # Moments and other per-parameter state take their parameter's sharding, everything
+        # else (step counts) is replicated. Left to XLA, `init`'s zeros have no input to follow
+        # and come out replicated: every device would hold the whole optimizer state.
+        shapes = jax.eval_shape(optimizer.init, self.params)
+        self.opt_shardings = optax.tree_map_params(
+            optimizer, lambda _, sharding: sharding, shapes,
+            jax.tree.map(lambda x: x.sharding, self.params),
+            transform_non_params=lambda _: everywhere)
+        if self.abstract:
+            self.opt_state = jax.tree.map(
+                lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes,
+                self.opt_shardings)
+        else:
+            self.opt_state = jax.jit(optimizer.init, out_shardings=self.opt_shardings)(
+                self.params)
 
     def train(self, loss_fn, batch: Batch, keys, *, mini: int, micro: int, epochs: int,
               shuffle: bool) -> dict[str, jax.Array]:
         """Runs `epochs` passes of micro-batched updates of `loss_fn` over mini-batches of
         `batch`; returns the metrics averaged over the steps (device scalars, not fetched)."""
         update.check_mini_batching(len(batch), mini, micro, self.dp_size, self.name)
-        key = (loss_fn.__name__, mini // micro)
-        if key not in self._programs:
-            logging.info("%s: compiling %s with %d micro-batches", self.name, *key)
-            self._programs[key] = update.make_update_step(
-                loss_fn, self.optimizer, mini // micro, self.param_shardings, self.opt_shardings,
-                normalisers=update.normalisers, jit=self.jit,
-            )
-        step = self._programs[key]
+        step = self.update_program(loss_fn, mini // micro)
         sums: dict[str, jax.Array] = {}
         count = 0
         batches = update.mini_batches(batch.select(keys), mini, epochs, shuffle, self._train_calls)
@@ -120,6 +136,23 @@ class WorkerGroup:
             count += 1
         self._train_calls += 1
         return _divide(sums, count)
+
+    def update_program(self, loss_fn, n_micro: int) -> Callable:
+        """The jitted update step `step(params, opt_state, mini_batch)` of `loss_fn` over
+        `n_micro` micro-batches (compiled once per pair; the dry run lowers the same one)."""
+        key = (loss_fn.__name__, n_micro)
+        if key not in self._programs:
+            logging.info("%s: compiling %s with %d micro-batches", self.name, *key)
+            self._programs[key] = update.make_update_step(
+                loss_fn, self.optimizer, n_micro, self.param_shardings, self.opt_shardings,
+                normalisers=update.normalisers, jit=self.jit,
+            )
+        return self._programs[key]
+
+    @property
+    def abstract(self) -> bool:
+        """True for a group built from an abstract model (see `is_abstract`)."""
+        return is_abstract(self.params)
 
     @property
     def dp_size(self) -> int:

@@ -70,9 +70,11 @@ class WorkerGroups:
 
 
 def scratch_model_config(m, vocab_size: int, pad_id: int, eos_id: int,
-                         max_positions: int) -> ModelConfig:
+                         max_positions: int, compute_dtype: str = "float32") -> ModelConfig:
     """The config of a model trained from scratch, from the `model` config section; it holds
-    `max_positions` tokens (the task's longest prompt plus response)."""
+    `max_positions` tokens (the task's longest prompt plus response) and computes in
+    `compute_dtype` (`model.dtype` resolved for the platform) over `model.param_dtype`
+    weights."""
     return ModelConfig(
         vocab_size=m.vocab_size or vocab_size,
         hidden_size=m.hidden_size,
@@ -82,8 +84,8 @@ def scratch_model_config(m, vocab_size: int, pad_id: int, eos_id: int,
         num_kv_heads=m.num_kv_heads,
         head_dim=m.head_dim,
         tie_word_embeddings=True,
-        param_dtype=m.dtype,
-        dtype=m.dtype,
+        param_dtype=m.get("param_dtype", "float32"),
+        dtype=compute_dtype,
         scan_layers=m.scan_layers,
         remat_policy=m.remat_policy,
         pad_token_id=pad_id,
@@ -141,7 +143,8 @@ def build_groups(cfg, actor: ActorRollout, reward: RuleReward, roles: tuple[str,
                         temperature=c.rollout.temperature, home=home)
     critic = None
     if "critic" in roles:
-        value_model = transformer.build(actor.config, "value", seed=c.seed + 1)
+        value_model = (transformer.abstract(actor.config, "value") if actor.abstract
+                       else transformer.build(actor.config, "value", seed=c.seed + 1))
         nnx.update(value_model.model, nnx.state(policy.model))
         critic = Critic(
             "critic", pools["critic"], c.critic.mesh, value_model,
