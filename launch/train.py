@@ -25,10 +25,10 @@ import signal
 import sys
 import time
 
-from absl import app, logging
+from absl import app, flags, logging
 from ml_collections import config_flags
 
-from hfjax.parallel import distributed
+from hfjax.parallel import distributed, targets
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", os.path.join(os.path.dirname(__file__), "..", "configs", "ppo_arith.py"),
@@ -37,6 +37,27 @@ _CONFIG = config_flags.DEFINE_config_file(
 # --cpu_devices and the process flags (--coordinator_address, --num_processes, --process_id and
 # the timeouts) are shared by every entry point that can run on several hosts.
 distributed.define_flags()
+_DRY_RUN = flags.DEFINE_bool(
+    "dry_run", False,
+    "build every program of the configured run from abstract shapes, compile each ahead of "
+    "time on --num_devices simulated CPU devices, print per-program memory and FLOPs against "
+    "--target's memory, and exit: 0 when the run fits, 3 when it does not. Nothing is "
+    "allocated and no weight is read.")
+_TARGET = flags.DEFINE_string(
+    "target", None,
+    f"device the run is sized for: {', '.join(targets.TARGETS)}. With --dry_run, its memory "
+    "is the limit; in a real run, it replaces the devices' own reported memory in the check "
+    "before loading weights.")
+_NUM_DEVICES = flags.DEFINE_integer(
+    "num_devices", 8, "--dry_run: devices of the target the run gets (simulated CPU devices "
+    "stand in for them)", lower_bound=1)
+_MEMORY_CHECK = flags.DEFINE_bool(
+    "memory_check", True,
+    "before loading weights, run the dry run's check on the run's own devices and stop (exit "
+    "status 3) when a program would not fit; needs a device memory size: --target, or the "
+    "devices' own (GPU, TPU). CPU devices report none, so CPU runs skip it.")
+# Exit status of a run (or a dry run) that does not fit in device memory.
+EXIT_DOES_NOT_FIT = 3
 
 _STAGES = ("gen", "old_log_prob", "ref", "values", "reward", "adv", "update_critic",
            "update_actor")
@@ -86,8 +107,87 @@ class _Progress:
             self.bar = None
 
 
+def _target():
+    try:
+        return targets.get_target(_TARGET.value) if _TARGET.value else None
+    except ValueError as err:
+        raise SystemExit(f"hfjax: --target: {err}") from None
+
+
+def dry_run_main() -> int:
+    """--dry_run: the table, the verdict and one JSON line; the exit status says whether the
+    run fits."""
+    target = _target()
+    n = _NUM_DEVICES.value
+    given = [f"--{k}" for k in ("coordinator_address", "num_processes", "process_id")
+             if flags.FLAGS[k].present]
+    if given:
+        raise SystemExit(f"hfjax: --dry_run runs in one process; drop {', '.join(given)} (the "
+                         f"devices of every process are simulated here: --num_devices={n})")
+    import jax
+
+    # Simulated CPU devices stand in for the target's, even on a machine with accelerators.
+    jax.config.update("jax_platforms", "cpu")
+    try:
+        topo = distributed.initialize(distributed.Settings("single process", cpu_devices=n))
+        distributed.check_config_meshes(_CONFIG.value, topo)
+    except distributed.DistributedError as err:
+        raise SystemExit(f"hfjax: {err}") from None
+    from hfjax.dry_run import dry_run
+
+    cfg = _CONFIG.value
+    where = (f"{n} x {target.name} ({target.description}, {target.memory_bytes / 2**30:.1f} "
+             f"GiB each)" if target else f"{n} devices (no --target: no memory limit)")
+    print(f"hfjax dry run: {cfg.algorithm}, model {cfg.model.path or 'from scratch'}, "
+          f"placement={cfg.placement}, on {where}; compiling on {n} simulated CPU devices",
+          flush=True)
+    t0 = time.perf_counter()
+    try:
+        report = dry_run(
+            cfg, device_memory_bytes=target.memory_bytes if target else None,
+            target=target.name if target else None,
+            platform=target.platform if target else None,
+            on_program=lambda p: print(f"  compiled {p.name} in {p.compile_s:.1f}s", flush=True))
+    except (ValueError, FileNotFoundError) as err:
+        raise SystemExit(f"hfjax: cannot build the run: {err}") from None
+    print(report.table())
+    summary = report.summary()
+    summary["wall_s"] = round(time.perf_counter() - t0, 1)
+    print(json.dumps(summary), flush=True)
+    return 0 if report.fits else EXIT_DOES_NOT_FIT
+
+
+def _memory_check(cfg, say) -> None:
+    """The dry run's check on the run's own devices, before any weight is loaded; exits with
+    EXIT_DOES_NOT_FIT when a program would not fit."""
+    import jax
+
+    target = _target()
+    limit = target.memory_bytes if target else None
+    if limit is None:
+        stats = jax.local_devices()[0].memory_stats() or {}
+        limit = stats.get("bytes_limit")
+    if not _MEMORY_CHECK.value or limit is None:
+        return
+    from hfjax.dry_run import dry_run
+
+    report = dry_run(cfg, device_memory_bytes=int(limit),
+                     target=target.name if target else None)
+    if not report.fits:
+        say(report.table())
+        say(json.dumps(report.summary()), flush=True)
+        print(f"hfjax: the run does not fit in device memory: {report.verdict()}. Shrink "
+              "the batches or sequence lengths, shard further, or pass --nomemory_check to "
+              "try anyway", file=sys.stderr, flush=True)
+        raise SystemExit(EXIT_DOES_NOT_FIT)
+    logging.info("memory check: %s", report.verdict())
+
+
 def main(argv):
     del argv
+    if _DRY_RUN.value:
+        sys.exit(dry_run_main())
+    _target()  # an unknown --target is refused before anything starts
     try:
         # Before anything touches a JAX backend: the CPU device count, and on several hosts
         # the jax.distributed join; then meshes against the devices of all processes.
@@ -119,6 +219,7 @@ def main(argv):
     main_process = topo.process_id == 0
     say = print if main_process else (lambda *args, **kw: None)
     try:
+        _memory_check(cfg, say)
         trainer = Trainer(cfg)
         # A resume setting that contradicts the out_dir, or names no checkpoint, is refused
         # here, before anything runs or is written. (Asked of all processes at once, before
