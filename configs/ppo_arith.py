@@ -166,6 +166,13 @@ def get_config() -> config_dict.ConfigDict:
             # auto: continue from the newest readable checkpoint in out_dir, if any;
             # disable: start fresh; or a path: a run's out_dir, a checkpoint root or step dir.
             resume="auto",
+            # An update with a non-finite loss or gradient norm is not applied. stop: end the
+            # run naming the stage and step; skip: count it (actor/nonfinite_updates, ...) and
+            # go on. An update that overflows a parameter ends the run either way.
+            nonfinite="stop",
+            # JAX's persistent compilation cache, so a resumed run compiles nothing it compiled
+            # before: auto ($JAX_COMPILATION_CACHE_DIR, else ~/.cache/hfjax/jax), off, or a dir.
+            compilation_cache_dir="auto",
         )
     )
     return c

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import time
 from collections.abc import Callable
@@ -17,7 +18,7 @@ import numpy as np
 from absl import logging
 
 from hfjax import checkpoint as ckpt_lib
-from hfjax import model_source
+from hfjax import health, model_source
 from hfjax.algorithms import dataflow
 from hfjax.data import arith
 from hfjax.data.batching import prompt_batch, sft_batches
@@ -30,6 +31,9 @@ from hfjax.parallel.transfer import to_host
 from hfjax.run_config import validate_config
 from hfjax.workers import groups
 from hfjax.workers.groups import WorkerGroups
+
+# Warm-start steps between checks for non-finite updates (each check is one small fetch).
+_SFT_CHECK_EVERY = 100
 
 
 class Trainer:
@@ -53,6 +57,9 @@ class Trainer:
         })
         self.train_iter = self.train_data.iterator(cfg.data.train_batch_size, seed=cfg.seed)
         self.step = 0
+        # Before the model: a custom reward file is imported (under the reward timeout) here.
+        self.reward = groups.build_reward(cfg, self.tok,
+                                          home=self.pools["actor"].mesh(cfg.actor.mesh))
         initial = model_source.initial_model(cfg, self.tok, self.compute_dtype, self.pools)
         self.model_cfg = initial.config
         if self.tok.vocab_size > self.model_cfg.vocab_size:
@@ -60,8 +67,9 @@ class Trainer:
                              f"vocabulary {self.model_cfg.vocab_size}; give a tokenizer that "
                              "fits the model (--config.model.tokenizer)")
         self.actor = groups.build_actor(cfg, initial, self.pools, self.tok.pad_id, self.tok.eos_id)
-        self.reward = groups.build_reward(cfg, self.tok, home=self.actor.mesh)
         self._groups: WorkerGroups | None = None
+        # Whether this process has seen the policy away from uniform, and told of a collapse.
+        self._peaked = self._collapse_reported = False
 
     # -- construction ------------------------------------------------------------------------
 
@@ -94,7 +102,12 @@ class Trainer:
     def warm_start(self, on_log: Callable | None = None,
                    should_stop: Callable[[], bool] | None = None) -> dict:
         """Supervised steps on the task's imperfect demonstrations; returns the last metrics
-        (empty when `should_stop` ended it early)."""
+        (empty when `should_stop` ended it early), with `sft/nonfinite_updates` counting the
+        steps whose update was not applied.
+
+        Non-finite updates are checked every `_SFT_CHECK_EVERY` steps and at the end (one
+        fetch of those steps' metrics each time), and raise NonFiniteError naming the first such
+        step under trainer.nonfinite=stop."""
         s, c = self.cfg.sft, self.cfg
         if s.steps <= 0:
             return {}
@@ -108,14 +121,36 @@ class Trainer:
             [encode(q) for q, _ in pairs], [encode(a) + [self.tok.eos_id] for _, a in pairs],
             prompt_width=c.data.max_prompt_length, response_width=c.rollout.response_length,
             pad_id=self.tok.pad_id, batch_size=s.batch_size, steps=s.steps, seed=c.seed + 2)
-        m = {}
+        m, pending, skipped = {}, [], 0
         for i in range(s.steps):
             if should_stop is not None and should_stop():
                 return {}
             m = self.actor.update_sft(next(batches), s.micro_batch_size)
-            if on_log and (i + 1) % 100 == 0:
-                on_log(i + 1, {k: float(v) for k, v in jax.device_get(m).items()})
-        return {k: float(v) for k, v in jax.device_get(m).items()}
+            pending.append(m)
+            if (i + 1) % _SFT_CHECK_EVERY == 0 or i + 1 == s.steps:
+                skipped += self._check_sft(pending, i + 1 - len(pending))
+                pending = []
+                if on_log and (i + 1) % _SFT_CHECK_EVERY == 0:
+                    on_log(i + 1, {k: float(v) for k, v in jax.device_get(m).items()})
+        out = {k: float(v) for k, v in jax.device_get(m).items()}
+        out["sft/nonfinite_updates"] = float(skipped)
+        return out
+
+    def _check_sft(self, steps: list[dict], first: int) -> int:
+        """How many of the warm-start steps after step `first` (their metrics) did not apply
+        their update (one fetch); NonFiniteError for the first such step under
+        trainer.nonfinite=stop."""
+        with jax.transfer_guard("allow"):
+            host = jax.device_get(steps)
+        bad = [(first + k + 1, m) for k, m in enumerate(host)
+               if m["sft/nonfinite_updates"] or m["sft/nonfinite_params"]]
+        if bad:
+            step, m = bad[0]
+            health.check_nonfinite({k: float(v) for k, v in m.items()}, f"warm-start step {step}",
+                                   self.cfg)
+            logging.warning("warm start: %d updates with non-finite numbers skipped (the first "
+                            "at step %d)", len(bad), step)
+        return len(bad)
 
     def validate(self) -> dict[str, float]:
         """Mean score per data_source on the validation set (accuracy for 0/1 rewards).
@@ -167,7 +202,10 @@ class Trainer:
         with jax.transfer_guard("allow"):
             host = {k: float(v) for k, v in jax.device_get(metrics).items()}
         wall = time.perf_counter() - t0
-        w.kl_ctrl = dataflow.update_kl_controller(w.kl_ctrl, host, len(rows))
+        # A non-finite KL (from a step whose update is being refused) must not reach the
+        # controller's state, which checkpoints hold.
+        if math.isfinite(host.get("actor/reward_kl_penalty", 0.0)):
+            w.kl_ctrl = dataflow.update_kl_controller(w.kl_ctrl, host, len(rows))
         host.update(w.timing)
         tokens = host.pop("_tokens")
         host["timing_s/step"] = wall
@@ -175,6 +213,16 @@ class Trainer:
         host["perf/throughput"] = tokens / wall
         host["actor/kl_coef"] = float(w.kl_ctrl.value)
         host |= w.reward.pop_metrics()
+        uniform = health.near_uniform(host, self.model_cfg.vocab_size)
+        host[health.UNIFORM_KEY] = float(uniform)
+        if not uniform:
+            self._peaked = True
+        elif self._peaked and not self._collapse_reported:
+            self._collapse_reported = True
+            logging.warning("step %d: the policy collapsed: its mean token entropy %.3g is near "
+                            "log(vocab) = %.3g, it samples almost uniformly; lower actor.lr",
+                            self.step + 1, host[health.ENTROPY_KEY],
+                            math.log(self.model_cfg.vocab_size))
         self.step += 1
         return host
 
@@ -232,10 +280,9 @@ class Trainer:
                mode: str = "auto") -> ckpt_lib.Restored | None:
         """Applies `trainer.resume` (see `checkpoint.resume_source`); returns what was
         restored, or None for a fresh start."""
-        plan = ckpt_lib.resume_source(ckpt, mode)
-        if plan is None:
+        if not check_resume(self.cfg, ckpt, mode):
             return None
-        source, step = plan
+        source, step = ckpt_lib.resume_source(ckpt, mode)
         restored = source.restore_latest(self.checkpoint_items(), step=step)
         self.load_state(restored)
         if source is ckpt:
@@ -301,9 +348,13 @@ class Trainer:
             total = t.total_steps
             while self.step < total and not stop():
                 m = self.train_step()
-                if t.test_freq > 0 and (self.step % t.test_freq == 0 or self.step == total):
+                # A step that stops the run is logged first, so metrics.jsonl shows it.
+                stopping = health.must_stop(m, self.cfg)
+                if not stopping and t.test_freq > 0 and (self.step % t.test_freq == 0
+                                                         or self.step == total):
                     m |= self._timed_validate()
                 logger.log(self.step, m)
+                health.check_nonfinite(m, f"RL step {self.step}", self.cfg)
                 if t.save_freq > 0 and (self.step % t.save_freq == 0 or self.step == total):
                     self.save(ckpt)
             if self.step < total:
@@ -343,6 +394,32 @@ class FitResult:
     skipped: list[str] = dataclasses.field(default_factory=list)
     preempted: bool = False
     step: int = 0
+
+
+def check_resume(cfg, ckpt: ckpt_lib.RunCheckpointer | None, mode: str = "auto") -> bool:
+    """Whether `trainer.resume` resumes (see `checkpoint.resume_source`), reading only the
+    checkpoints' JSON; raises before anything is built, restored or written when the setting
+    contradicts what `ckpt` holds, or when the checkpoint to resume was saved by another
+    algorithm (CheckpointMismatch)."""
+    plan = ckpt_lib.resume_source(ckpt, mode)
+    if plan is None:
+        return False
+    source, step = plan
+    for s in [step] if step is not None else reversed(source.steps()):
+        try:
+            _, saved = source.read_json(s)
+        except ckpt_lib.CheckpointCorrupt:
+            continue  # restore_latest passes over it (or says that none is readable)
+        algo = saved.get("algorithm")
+        if algo and algo != cfg.algorithm:
+            out_dir = os.path.dirname(source.directory)
+            raise ckpt_lib.CheckpointMismatch(
+                f"{source.step_dir(s)} was saved by a {algo!r} run and this config runs "
+                f"{cfg.algorithm!r}; resume it with the config it was started with (saved in "
+                f"{source.step_dir(s)}/config), or start a new run: "
+                f"--config.trainer.out_dir={out_dir}-{cfg.algorithm}")
+        break
+    return True
 
 
 def config_json(cfg) -> dict:

@@ -5,7 +5,8 @@
 
 `--ckpt` is a run's out_dir, its checkpoint root, or one step directory; without a step the
 newest readable checkpoint is used. The output (config.json, model.safetensors and the run's
-tokenizer files) loads with `transformers.AutoModelForCausalLM.from_pretrained(out)`.
+tokenizer files) loads with `transformers.AutoModelForCausalLM.from_pretrained(out)`. `--out`
+may be a new or empty directory or an earlier export (it is replaced), never the run itself.
 
 Across processes (the process flags of docs/scaling.md, or `launch.local_cluster --module=
 launch.export`), every process restores its shards of the actor, sharded over the devices of
@@ -14,9 +15,10 @@ all processes, the tensors are gathered one layer at a time and process 0 writes
 
 import os
 
-from absl import app, flags
+from absl import flags
 
 from hfjax.parallel import distributed
+from launch import cli
 
 _CKPT = flags.DEFINE_string("ckpt", None, "run out_dir, checkpoint root or step dir",
                             required=True)
@@ -83,14 +85,15 @@ def export(ckpt: str, out: str, step: int | None = None, tokenizer: str | None =
 
 def main(argv):
     del argv
-    try:
-        topo = distributed.initialize_from_flags()
-    except distributed.DistributedError as err:
-        raise SystemExit(f"hfjax: {err}") from None
+    from hfjax import run_config
+
+    run_config.check_flags("export", {k: flags.FLAGS[k].value
+                                      for k in run_config.FLAG_KEYS["export"]})
+    topo = distributed.initialize_from_flags()
     out = export(_CKPT.value, _OUT.value, _STEP.value, _TOKENIZER.value)
     if topo.process_id == 0:
         print(f"wrote {out}")
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main, "export", compilation_cache=True)

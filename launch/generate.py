@@ -5,7 +5,8 @@
 The default model is SmolLM2-135M-Instruct from its GGUF file; `--model` takes any HF directory
 or `.gguf` file hfjax can load. `--chat` wraps each prompt as a user message and applies the
 tokenizer's chat template with the generation prompt. Generation stops at the tokenizer's and the
-model config's EOS ids.
+model config's EOS ids. Compiled programs go to JAX's persistent compilation cache
+(`--compilation_cache_dir`, see launch/compile_cache.py), so a second run skips compiling.
 
 Across processes (the process flags of docs/scaling.md, or `launch.local_cluster --module=
 launch.generate`), every process runs this same command: the model is loaded onto a decode mesh
@@ -17,9 +18,10 @@ from __future__ import annotations
 
 import time
 
-from absl import app, flags
+from absl import flags
 
 from hfjax.parallel import distributed
+from launch import cli
 
 flags.DEFINE_string("model", None, "HF directory or .gguf file (default: SmolLM2-135M GGUF)")
 flags.DEFINE_multi_string("prompt", ["What is 7 + 5?"], "prompt text; repeat for a batch")
@@ -48,14 +50,14 @@ def _eos_ids(tokenizer, config) -> tuple[int, ...]:
 
 def main(argv: list[str]) -> None:
     del argv
+    from hfjax import run_config
+
     f = flags.FLAGS
-    try:
-        topo = distributed.initialize_from_flags()
-        spec = f.mesh or ("data=-1" if topo.num_processes > 1 else None)
-        if spec:
-            distributed.check_mesh_fits(spec, "--mesh", topo)
-    except distributed.DistributedError as err:
-        raise SystemExit(f"hfjax: {err}") from None
+    run_config.check_flags("generate", {k: f[k].value for k in run_config.FLAG_KEYS["generate"]})
+    topo = distributed.initialize_from_flags()
+    spec = f.mesh or ("data=-1" if topo.num_processes > 1 else None)
+    if spec:
+        distributed.check_mesh_fits(spec, "--mesh", topo)
     import numpy as np
 
     import hfjax.models as M
@@ -81,6 +83,12 @@ def main(argv: list[str]) -> None:
     else:
         rows = tokenizer.batch_encode(f.prompt)
     width = max(len(r) for r in rows)
+    limit = model.config.max_position_embeddings
+    if width + f.max_new_tokens > limit:
+        raise ValueError(f"the longest prompt has {width} tokens; with --max_new_tokens="
+                         f"{f.max_new_tokens} that is {width + f.max_new_tokens} positions, more "
+                         f"than the model's max_position_embeddings={limit}: lower "
+                         "--max_new_tokens or shorten the prompt")
     pad = tokenizer.pad_id if tokenizer.pad_id is not None else 0
     ids = np.full((len(rows), width), pad, np.int32)
     mask = np.zeros((len(rows), width), np.int32)
@@ -120,4 +128,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main, "generate", compilation_cache=True)

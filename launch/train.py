@@ -14,9 +14,13 @@ checkpoints are written by all processes. Everything the run writes goes under
 `--config.trainer.out_dir`: `metrics.jsonl` (one line per
 step), `tensorboard/`, `metrics.png`, `tokenizer/` and `checkpoints/<step>/`. Rerunning the same
 command continues from the newest readable checkpoint (`--config.trainer.resume=auto`, the
-default; `disable` starts fresh; a path resumes from that checkpoint). On SIGTERM the run
-finishes its current step, saves a checkpoint and exits with status 0; a second SIGTERM ends it
-at once.
+default; `disable` starts fresh; a path resumes from that checkpoint). On SIGTERM or Ctrl-C
+(SIGINT) the run finishes its current step, saves a checkpoint and exits (status 0 after SIGTERM,
+130 after Ctrl-C); a second signal ends it at once.
+
+Every setting is checked before anything is built or written (`hfjax.run_config`); a bad one,
+like any other mistake, ends the run with one line naming it (`launch.cli`; `--verbose` for
+tracebacks).
 """
 
 import json
@@ -25,15 +29,18 @@ import signal
 import sys
 import time
 
-from absl import app, flags, logging
+from absl import flags, logging
 from ml_collections import config_flags
 
 from hfjax.parallel import distributed, targets
+from launch import cli
 
+DEFAULT_CONFIG = os.path.normpath(os.path.join(os.path.relpath(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__)))), "configs", "ppo_arith.py"))
+# No default here: cli.run supplies DEFAULT_CONFIG, so that the file is read when the flags are
+# parsed (where a bad file or override is one line) rather than when this module is imported.
 _CONFIG = config_flags.DEFINE_config_file(
-    "config", os.path.join(os.path.dirname(__file__), "..", "configs", "ppo_arith.py"),
-    "configuration file (configs/*.py)",
-)
+    "config", None, f"configuration file (configs/*.py; default {DEFAULT_CONFIG})")
 # --cpu_devices and the process flags (--coordinator_address, --num_processes, --process_id and
 # the timeouts) are shared by every entry point that can run on several hosts.
 distributed.define_flags()
@@ -108,10 +115,8 @@ class _Progress:
 
 
 def _target():
-    try:
-        return targets.get_target(_TARGET.value) if _TARGET.value else None
-    except ValueError as err:
-        raise SystemExit(f"hfjax: --target: {err}") from None
+    # The name was checked with the other flags (hfjax.run_config.FLAG_KEYS["train"]).
+    return targets.get_target(_TARGET.value) if _TARGET.value else None
 
 
 def dry_run_main() -> int:
@@ -122,17 +127,14 @@ def dry_run_main() -> int:
     given = [f"--{k}" for k in ("coordinator_address", "num_processes", "process_id")
              if flags.FLAGS[k].present]
     if given:
-        raise SystemExit(f"hfjax: --dry_run runs in one process; drop {', '.join(given)} (the "
-                         f"devices of every process are simulated here: --num_devices={n})")
+        raise cli.UserError(f"--dry_run runs in one process; drop {', '.join(given)} (the "
+                            f"devices of every process are simulated here: --num_devices={n})")
     import jax
 
     # Simulated CPU devices stand in for the target's, even on a machine with accelerators.
     jax.config.update("jax_platforms", "cpu")
-    try:
-        topo = distributed.initialize(distributed.Settings("single process", cpu_devices=n))
-        distributed.check_config_meshes(_CONFIG.value, topo)
-    except distributed.DistributedError as err:
-        raise SystemExit(f"hfjax: {err}") from None
+    topo = distributed.initialize(distributed.Settings("single process", cpu_devices=n))
+    distributed.check_config_meshes(_CONFIG.value, topo)
     from hfjax.dry_run import dry_run
 
     cfg = _CONFIG.value
@@ -149,7 +151,7 @@ def dry_run_main() -> int:
             platform=target.platform if target else None,
             on_program=lambda p: print(f"  compiled {p.name} in {p.compile_s:.1f}s", flush=True))
     except (ValueError, FileNotFoundError) as err:
-        raise SystemExit(f"hfjax: cannot build the run: {err}") from None
+        raise cli.UserError(f"cannot build the run: {err}") from None
     print(report.table())
     summary = report.summary()
     summary["wall_s"] = round(time.perf_counter() - t0, 1)
@@ -176,25 +178,32 @@ def _memory_check(cfg, say) -> None:
     if not report.fits:
         say(report.table())
         say(json.dumps(report.summary()), flush=True)
-        print(f"hfjax: the run does not fit in device memory: {report.verdict()}. Shrink "
-              "the batches or sequence lengths, shard further, or pass --nomemory_check to "
-              "try anyway", file=sys.stderr, flush=True)
+        print(f"hfjax train: the run does not fit in device memory: {report.verdict()}. "
+              "Shrink the batches or sequence lengths, shard further, or pass "
+              "--nomemory_check to try anyway", file=sys.stderr, flush=True)
         raise SystemExit(EXIT_DOES_NOT_FIT)
     logging.info("memory check: %s", report.verdict())
 
 
 def main(argv):
     del argv
+    from hfjax import run_config
+
+    cfg = _CONFIG.value
+    t = cfg.trainer
+    # Every setting, before JAX starts and before anything is written.
+    run_config.check_flags("train", {k: flags.FLAGS[k].value
+                                     for k in run_config.FLAG_KEYS["train"]})
+    run_config.check_config(cfg)
     if _DRY_RUN.value:
         sys.exit(dry_run_main())
-    _target()  # an unknown --target is refused before anything starts
-    try:
-        # Before anything touches a JAX backend: the CPU device count, and on several hosts
-        # the jax.distributed join; then meshes against the devices of all processes.
-        topo = distributed.initialize_from_flags()
-        distributed.check_config_meshes(_CONFIG.value, topo)
-    except distributed.DistributedError as err:
-        raise SystemExit(f"hfjax: {err}") from None
+    from launch import compile_cache
+
+    compile_cache.enable(t.compilation_cache_dir, "trainer.compilation_cache_dir")
+    # Before anything touches a JAX backend: the CPU device count, and on several hosts the
+    # jax.distributed join; then the meshes against the devices of all processes.
+    topo = distributed.initialize_from_flags()
+    distributed.check_config_meshes(cfg, topo)
     import jax
 
     if jax.default_backend() == "cpu":
@@ -203,32 +212,29 @@ def main(argv):
         jax.config.update("jax_cpu_enable_async_dispatch", False)
 
     from hfjax import metrics
-    from hfjax.checkpoint import RunCheckpointer, resume_source
-    from hfjax.trainer import Trainer, config_json
+    from hfjax.checkpoint import RunCheckpointer
+    from hfjax.trainer import Trainer, check_resume, config_json
 
-    cfg = _CONFIG.value
-    t = cfg.trainer
-    logging.set_verbosity(logging.WARNING)
     t_start = time.perf_counter()
     stop = _StopRequest()
     signal.signal(signal.SIGTERM, stop.on_signal)
+    signal.signal(signal.SIGINT, stop.on_signal)
     metrics.start_memory_tracking(t.jax_smi)
     ckpt_dir = os.path.join(t.out_dir, "checkpoints")
     # Every process runs this same controller; process 0 alone talks to the user and writes
     # metrics, TensorBoard and the plot (checkpoints are written by all, through Orbax).
     main_process = topo.process_id == 0
     say = print if main_process else (lambda *args, **kw: None)
-    try:
-        _memory_check(cfg, say)
-        trainer = Trainer(cfg)
-        # A resume setting that contradicts the out_dir, or names no checkpoint, is refused
-        # here, before anything runs or is written. (Asked of all processes at once, before
-        # any of them creates the directory, so that they all see the same answer.)
-        exists = distributed.any_process(os.path.isdir(ckpt_dir))
-        existing = RunCheckpointer(ckpt_dir, read_only=True) if exists else None
-        resume_source(existing, t.resume)
-    except (ValueError, FileNotFoundError) as err:  # config or data, found before building
-        raise SystemExit(f"hfjax: cannot start the run: {err}") from None
+    # A resume that contradicts the out_dir, names no checkpoint, continues another algorithm's
+    # run or would append to a damaged metrics file is refused here, before anything is built.
+    # (The directory is asked of all processes at once, before any of them creates it, so that
+    # they all take the same answer.)
+    exists = distributed.any_process(os.path.isdir(ckpt_dir))
+    existing = RunCheckpointer(ckpt_dir, read_only=True) if exists else None
+    if check_resume(cfg, existing, t.resume) and "jsonl" in metrics.parse_sink_names(t.logger):
+        metrics.read_jsonl(os.path.join(t.out_dir, metrics.JSONL_NAME))
+    _memory_check(cfg, say)
+    trainer = Trainer(cfg)  # checks devices, data and rewards; builds, writes nothing
     say(f"hfjax: {cfg.algorithm} on {topo.describe()}, "
         f"placement={cfg.placement}, actor mesh={cfg.actor.mesh}, out_dir={t.out_dir}",
         flush=True)
@@ -259,7 +265,7 @@ def main(argv):
         where = (f"checkpoint {os.path.join(ckpt_dir, str(result.step))}"
                  if os.path.isdir(os.path.join(ckpt_dir, str(result.step)))
                  else "no checkpoint (stopped in the warm start)")
-        print(f"SIGTERM: stopped at step {result.step}, {where}; rerun the same command to "
+        print(f"{stop.name}: stopped at step {result.step}, {where}; rerun the same command to "
               "resume", flush=True)
     last = progress.last
     if last:
@@ -285,22 +291,29 @@ def main(argv):
         "resumed_from": result.resumed_from,
         "preempted": result.preempted,
     }), flush=True)
+    if stop.name == "SIGINT":
+        sys.exit(cli.EXIT_INTERRUPTED)
 
 
 class _StopRequest:
-    """SIGTERM sets the request; the trainer checks it between steps, saves and returns. A
-    second SIGTERM is not caught, so it ends the process at once."""
+    """SIGTERM or SIGINT (Ctrl-C) sets the request; the trainer checks it between steps, saves
+    and returns. The signals are then no longer caught, so a second one ends the process at
+    once."""
 
     def __init__(self):
-        self._set = False
+        self.name: str | None = None
 
     def on_signal(self, signum, frame):
         del frame
-        self._set = True
-        signal.signal(signum, signal.SIG_DFL)
+        self.name = signal.Signals(signum).name
+        for s in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(s, signal.SIG_DFL)
+        # os.write, not print: the handler may run while the main thread is inside a print.
+        os.write(2, f"\n{self.name}: finishing the current step, then saving a checkpoint; "
+                    "send it again to stop at once\n".encode())
 
     def requested(self) -> bool:
-        return self._set
+        return self.name is not None
 
 
 def _fmt(x):
@@ -308,4 +321,4 @@ def _fmt(x):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main, "train", config_default=DEFAULT_CONFIG)

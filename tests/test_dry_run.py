@@ -134,10 +134,13 @@ def test_dry_run_command_says_whether_it_fits():
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--dry_run", "--target=h300"], "hfjax: --target: unknown target 'h300'; known targets"),
+    (["--dry_run", "--target=h300"],
+     "hfjax train: --target=h300: unknown target 'h300'; known targets: h100, h200"),
     (["--dry_run", "--config.model.path=preset:llama9"],
-     "hfjax: cannot build the run: unknown model preset 'llama9'; known:"),
-    (["--target=h300"], "hfjax: --target: unknown target 'h300'"),
+     "hfjax train: model.path='preset:llama9': unknown model preset 'llama9'; known:"),
+    (["--target=h300"], "hfjax train: --target=h300: unknown target 'h300'"),
+    (["--dry_run", "--num_devices=4", "--config.actor.mesh=fsdp=8"],
+     "hfjax train: config.actor.mesh 'fsdp=8' needs 8 devices"),
 ])
 def test_bad_input_is_one_line_before_compiling(args, message):
     p = _launch_train(*args, timeout=300)

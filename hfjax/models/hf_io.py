@@ -8,6 +8,7 @@ one jitted concatenation whose output already has the final sharding.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -250,22 +251,37 @@ def _safetensor_files(path: str) -> list[str]:
     return [os.path.join(path, x) for x in files]
 
 
-def _iter_safetensors(files: list[str]) -> Iterator[tuple[str, np.ndarray]]:
-    from safetensors import safe_open
+@contextlib.contextmanager
+def _safe_open(fn: str):
+    """`safetensors.safe_open` whose failures (a short, damaged or foreign file) are ValueErrors
+    that say which file and whether it is truncated."""
+    from safetensors import SafetensorError, safe_open
 
+    try:
+        f = safe_open(fn, framework="np")
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{fn}: no such file (listed by the model's index?)") from None
+    except (SafetensorError, OSError) as err:
+        text = str(err)
+        what = ("is truncated" if "not fully covered" in text or "incomplete" in text
+                else "is not a safetensors file (or is damaged)")
+        raise ValueError(f"{fn} {what}: {text}; copy or convert the model again") from None
+    with f:
+        yield f
+
+
+def _iter_safetensors(files: list[str]) -> Iterator[tuple[str, np.ndarray]]:
     for fn in files:
-        with safe_open(fn, framework="np") as f:
+        with _safe_open(fn) as f:
             for name in f.keys():
                 yield name, f.get_tensor(name)
 
 
 def _check_safetensor_headers(files, cfg: ModelConfig, head: str, optional_hf: set[str]):
     """Validates names and shapes from the file headers before any tensor is read."""
-    from safetensors import safe_open
-
     found = {}
     for fn in files:
-        with safe_open(fn, framework="np") as f:
+        with _safe_open(fn) as f:
             for name in f.keys():
                 found[name] = tuple(f.get_slice(name).get_shape())
     want = expected_hf_tensors(cfg, head)
@@ -286,7 +302,10 @@ def _read_config(path: str) -> dict:
     if not os.path.exists(fn):
         raise FileNotFoundError(f"{path}: no config.json; is this an HF model directory?")
     with open(fn) as f:
-        return json.load(f)
+        try:
+            return json.load(f)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{fn} is not valid JSON ({err}); copy it again") from None
 
 
 def load(

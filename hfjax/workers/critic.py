@@ -59,5 +59,7 @@ class Critic(WorkerGroup):
         out = self.train(self._loss, batch, keys, mini=c.ppo_mini_batch_size * self.n_samples,
                          micro=c.ppo_micro_batch_size, epochs=c.ppo_epochs, shuffle=c.shuffle)
         out["critic/grad_norm"] = out.pop("grad_norm")
+        out["critic/nonfinite_updates"] = out.pop("nonfinite")
+        out["critic/nonfinite_params"] = out.pop("nonfinite_params")
         out.pop("loss")
         return out
