@@ -96,6 +96,9 @@ class DryRun:
     compute_dtype: str
     device_memory_bytes: int | None = None
     target: str | None = None
+    # pool -> bytes of its models' parameters and optimizer state in all (every array once,
+    # however it is sharded): what the pool must hold somewhere, on however many devices.
+    state_bytes: dict[str, int] = dataclasses.field(default_factory=dict)
 
     @property
     def worst(self) -> ProgramMemory:
@@ -119,17 +122,46 @@ class DryRun:
         return out
 
     def verdict(self) -> str:
-        """'fits ...' or 'does not fit by N GiB, in program P ...' (one line)."""
+        """'fits ...' or 'does not fit by N GiB, in program P ...' (one line; MiB for devices
+        under 1 GiB)."""
         w = self.worst
         if self.device_memory_bytes is None:
             return f"peak {w.peak_bytes / GiB:.2f} GiB per device, in program {w.name}"
         mem = self.device_memory_bytes
+        unit, size = ("GiB", GiB) if mem >= GiB else ("MiB", 2**20)
         if self.fits:
-            return (f"fits: peak {w.peak_bytes / GiB:.2f} GiB per device in program {w.name}, "
-                    f"{(mem - w.peak_bytes) / GiB:.2f} GiB to spare of {mem / GiB:.2f} GiB")
-        return (f"does not fit by {(w.peak_bytes - mem) / GiB:.2f} GiB, in program {w.name} "
-                f"(pool {w.pool}: peak {w.peak_bytes / GiB:.2f} GiB per device, the device has "
-                f"{mem / GiB:.2f} GiB)")
+            return (f"fits: peak {w.peak_bytes / size:.2f} {unit} per device in program "
+                    f"{w.name}, {(mem - w.peak_bytes) / size:.2f} {unit} to spare of "
+                    f"{mem / size:.2f} {unit}")
+        return (f"does not fit by {(w.peak_bytes - mem) / size:.2f} {unit}, in program {w.name} "
+                f"(pool {w.pool}: peak {w.peak_bytes / size:.2f} {unit} per device, the device "
+                f"has {mem / size:.2f} {unit})")
+
+    def min_devices(self) -> int | None:
+        """A lower bound on the devices the worst pool needs: its models' state alone, each
+        array stored once, divided by the device memory (None: no memory known or no state).
+        Activations, caches and replicated arrays need more."""
+        if not self.device_memory_bytes or not self.state_bytes:
+            return None
+        worst = self.state_bytes.get(self.worst.pool, max(self.state_bytes.values()))
+        return max(1, math.ceil(worst / self.device_memory_bytes))
+
+    def advice(self) -> str:
+        """What to change when the run does not fit (one line; empty when it fits)."""
+        if self.fits:
+            return ""
+        need = self.min_devices()
+        state = self.state_bytes.get(self.worst.pool, 0)
+        mem = self.device_memory_bytes
+        unit, size = ("GiB", GiB) if mem >= GiB else ("MiB", 2**20)
+        more = (f"its models' parameters and optimizer state alone are {state / size:.1f} "
+                f"{unit}, at least {need} devices of {mem / size:.1f} {unit} even with nothing "
+                "else on them; " if need and need > self.num_devices else "")
+        return (f"{more}shard over more devices (--num_devices, and meshes that span them), "
+                "put the models on separate pools (placement), keep master weights in "
+                "bfloat16 (model.param_dtype), recompute activations (model.remat_policy=full) "
+                "or shrink batches and sequence lengths (data.train_batch_size, "
+                "*.ppo_micro_batch_size, data.max_prompt_length, rollout.response_length)")
 
     def table(self) -> str:
         """The per-program table, the pools' peaks and the verdict, as text."""
@@ -165,6 +197,7 @@ class DryRun:
             "target": self.target,
             "num_devices": self.num_devices,
             "compute_dtype": self.compute_dtype,
+            "min_devices": self.min_devices(),
             "programs": {p.name: {k: getattr(p, k) for k in (
                 "pool", "argument_bytes", "output_bytes", "alias_bytes", "temp_bytes",
                 "resident_bytes", "peak_bytes", "flops")} for p in self.programs},
@@ -183,6 +216,13 @@ def device_bytes(tree: Any) -> int:
         for d in sharding.device_set:
             per[d.id] = per.get(d.id, 0) + nbytes
     return max(per.values(), default=0)
+
+
+def global_bytes(tree: Any) -> int:
+    """The bytes of the arrays (or ShapeDtypeStructs) in `tree`, each counted once, whatever its
+    sharding."""
+    return sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree)
+               if hasattr(x, "shape"))
 
 
 class _Rows:
@@ -274,10 +314,13 @@ def dry_run(cfg, *, device_memory_bytes: int | None = None, target: str | None =
                 "responses": rows(mesh, n, response), "response_mask": rows(mesh, n, response)}
 
     resident: dict[str, dict[str, int]] = {}
+    state: dict[str, int] = {}
 
     def hold(role: str, group) -> None:
         held = resident.setdefault(group.pool.name, {})
         held[f"{role} params"] = device_bytes(group.params)
+        state[group.pool.name] = state.get(group.pool.name, 0) + global_bytes(
+            (group.params, group.opt_state))
         if group.opt_state is not None:
             held[f"{role} optimizer"] = device_bytes(group.opt_state)
 
@@ -296,6 +339,7 @@ def dry_run(cfg, *, device_memory_bytes: int | None = None, target: str | None =
     reward = RuleReward(tok, num_processes=0, home=actor.mesh)
     w = groups.build_groups(cfg, actor, reward, algo.roles, pools)
     resident.clear()
+    state.clear()
     for role in ("actor", "ref", "critic"):
         if (g := getattr(w, role)) is not None:
             hold(role, g)
@@ -347,7 +391,7 @@ def dry_run(cfg, *, device_memory_bytes: int | None = None, target: str | None =
                 ("actor params", "actor optimizer"),
                 {"params": a.params, "optimizer": a.opt_state, "batch": mb})
     return DryRun(out.programs, resident, len(jax.devices()), platform, compute,
-                  device_memory_bytes, target)
+                  device_memory_bytes, target, state)
 
 
 def _rollout(out: _Compiler, w, cfg, tok, name: str, prompts: int, n: int, *,

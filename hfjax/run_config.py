@@ -629,6 +629,8 @@ FLAG_KEYS: dict[str, dict[str, Callable[[Any], str | None]]] = {
         "cpu_devices": Int(0, note="0: leave XLA_FLAGS alone"),
         "target": Check(_target_name),
         "num_devices": Int(1),
+        "device_memory_gib": Check(lambda v: None if v is None or v > 0 else "needs a "
+                                   "positive number of GiB"),
     },
     "generate": {
         "model": Check(_model_path(optional=True)),

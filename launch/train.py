@@ -58,6 +58,10 @@ _TARGET = flags.DEFINE_string(
 _NUM_DEVICES = flags.DEFINE_integer(
     "num_devices", 8, "--dry_run: devices of the target the run gets (simulated CPU devices "
     "stand in for them)", lower_bound=1)
+_DEVICE_MEMORY_GIB = flags.DEFINE_float(
+    "device_memory_gib", None,
+    "--dry_run and the check before loading weights: plan against this much memory per device "
+    "(GiB) instead of --target's or the devices' own, e.g. to keep headroom for the runtime")
 _MEMORY_CHECK = flags.DEFINE_bool(
     "memory_check", True,
     "before loading weights, run the dry run's check on the run's own devices and stop (exit "
@@ -114,6 +118,13 @@ class _Progress:
             self.bar = None
 
 
+def _memory_limit(target) -> int | None:
+    """Bytes per device to plan against: --device_memory_gib, else the target's."""
+    if _DEVICE_MEMORY_GIB.value is not None:
+        return int(_DEVICE_MEMORY_GIB.value * 2**30)
+    return target.memory_bytes if target else None
+
+
 def _target():
     # The name was checked with the other flags (hfjax.run_config.FLAG_KEYS["train"]).
     return targets.get_target(_TARGET.value) if _TARGET.value else None
@@ -138,15 +149,17 @@ def dry_run_main() -> int:
     from hfjax.dry_run import dry_run
 
     cfg = _CONFIG.value
-    where = (f"{n} x {target.name} ({target.description}, {target.memory_bytes / 2**30:.1f} "
-             f"GiB each)" if target else f"{n} devices (no --target: no memory limit)")
+    limit = _memory_limit(target)
+    name = f"{target.name} ({target.description}, " if target else "devices ("
+    where = (f"{n} x {name}{limit / 2**30:.1f} GiB each)" if limit
+             else f"{n} devices (no --target: no memory limit)")
     print(f"hfjax dry run: {cfg.algorithm}, model {cfg.model.path or 'from scratch'}, "
           f"placement={cfg.placement}, on {where}; compiling on {n} simulated CPU devices",
           flush=True)
     t0 = time.perf_counter()
     try:
         report = dry_run(
-            cfg, device_memory_bytes=target.memory_bytes if target else None,
+            cfg, device_memory_bytes=limit,
             target=target.name if target else None,
             platform=target.platform if target else None,
             on_program=lambda p: print(f"  compiled {p.name} in {p.compile_s:.1f}s", flush=True))
@@ -156,7 +169,11 @@ def dry_run_main() -> int:
     summary = report.summary()
     summary["wall_s"] = round(time.perf_counter() - t0, 1)
     print(json.dumps(summary), flush=True)
-    return 0 if report.fits else EXIT_DOES_NOT_FIT
+    if report.fits:
+        return 0
+    print(f"hfjax train: the run does not fit: {report.verdict()}; {report.advice()}",
+          file=sys.stderr, flush=True)
+    return EXIT_DOES_NOT_FIT
 
 
 def _memory_check(cfg, say) -> None:
@@ -165,7 +182,7 @@ def _memory_check(cfg, say) -> None:
     import jax
 
     target = _target()
-    limit = target.memory_bytes if target else None
+    limit = _memory_limit(target)
     if limit is None:
         stats = jax.local_devices()[0].memory_stats() or {}
         limit = stats.get("bytes_limit")
@@ -178,9 +195,9 @@ def _memory_check(cfg, say) -> None:
     if not report.fits:
         say(report.table())
         say(json.dumps(report.summary()), flush=True)
-        print(f"hfjax train: the run does not fit in device memory: {report.verdict()}. "
-              "Shrink the batches or sequence lengths, shard further, or pass "
-              "--nomemory_check to try anyway", file=sys.stderr, flush=True)
+        print(f"hfjax train: the run does not fit in device memory: {report.verdict()}; "
+              f"{report.advice()}; or pass --nomemory_check to try anyway", file=sys.stderr,
+              flush=True)
         raise SystemExit(EXIT_DOES_NOT_FIT)
     logging.info("memory check: %s", report.verdict())
 

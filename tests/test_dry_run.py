@@ -2,10 +2,13 @@
 the bytes the real run's arrays hold (per device, within 5%), and its verdict must follow the
 memory it is given."""
 
+import atexit
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 
 import numpy as np
 import pytest
@@ -95,42 +98,73 @@ def test_verdict_follows_the_memory(runs):
     _, report, _, _ = runs
     assert report.fits and report.device_memory_bytes == 10**9
     peak = report.peak_bytes_per_device
-    small = dr.DryRun(report.programs, report.resident, 8, "cpu", "float32", peak - 2**30)
+    small = dr.DryRun(report.programs, report.resident, 8, "cpu", "float32", peak - 2**20)
     assert not small.fits
-    assert small.verdict().startswith(f"does not fit by 1.00 GiB, in program {small.worst.name}")
+    assert small.verdict().startswith(f"does not fit by 1.00 MiB, in program {small.worst.name}")
     assert small.summary()["worst_program"] == report.worst.name
+
+
+_CACHE = tempfile.mkdtemp(prefix="hfjax-dry-run-test-cache-")
+atexit.register(shutil.rmtree, _CACHE, True)
 
 
 def _launch_train(*args, timeout=600):
     env = dict(os.environ)
     env.pop("XLA_FLAGS", None)
+    # The commands below compile the same programs: after the first, they are cache reads.
+    env["JAX_COMPILATION_CACHE_DIR"] = _CACHE
+    env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    env["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
     return subprocess.run([sys.executable, "-m", "launch.train", *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout)
 
 
+# The default task on the tiny preset, on one simulated v5e chip: quick to compile.
+_SMALL = ["--target=v5e", "--config.model.path=preset:tiny", "--config.actor.mesh=fsdp=1",
+          "--config.ref.mesh=fsdp=1", "--config.critic.mesh=fsdp=1", "--config.sft.steps=0",
+          "--config.trainer.val_before_train=False", "--config.trainer.test_freq=0"]
+
+
 @pytest.mark.slow
 def test_dry_run_command_says_whether_it_fits():
-    # Qwen2.5-0.5B's PPO state (actor, critic and reference, float32 with Adam) is ~7.9 GB:
-    # on one 16 GB TPU v5e chip it fits; give the decode cache of 1024 long sequences and it
-    # does not.
-    common = ["--dry_run", "--target=v5e", "--num_devices=1", "--config.model.path=preset:"
-              "qwen2.5-0.5b", "--config.actor.mesh=fsdp=1", "--config.ref.mesh=fsdp=1",
-              "--config.critic.mesh=fsdp=1", "--config.sft.steps=0",
-              "--config.trainer.val_before_train=False", "--config.trainer.test_freq=0"]
-    fits = _launch_train(*common)
+    fits = _launch_train("--dry_run", "--num_devices=1", *_SMALL)
     assert fits.returncode == 0, fits.stdout[-3000:] + fits.stderr[-3000:]
-    summary = json.loads(fits.stdout.strip().splitlines()[-1])
+    lines = fits.stdout.strip().splitlines()
+    summary = json.loads(lines[-1])
     assert summary["fits"] and summary["device_memory_bytes"] == 16 * 10**9
-    big = _launch_train(*common, "--config.data.train_batch_size=1024",
-                        "--config.rollout.response_length=2048",
-                        "--config.actor.ppo_mini_batch_size=1024",
-                        "--config.critic.ppo_mini_batch_size=1024")
+    assert summary["target"] == "v5e" and summary["compute_dtype"] == "bfloat16"
+    assert any(line.startswith("fits: peak ") for line in lines)
+    # The same run against 1 MiB per device (--device_memory_gib: plan against less than the
+    # target has) does not fit: exit status 3, the verdict, and one line on stderr.
+    big = _launch_train("--dry_run", "--num_devices=1", *_SMALL, "--device_memory_gib=0.001")
     assert big.returncode == 3, big.stdout[-3000:] + big.stderr[-3000:]
     lines = big.stdout.strip().splitlines()
     summary = json.loads(lines[-1])
-    assert not summary["fits"] and summary["worst_program"] == "rollout.decode"
-    assert any(line.startswith("does not fit by ") and "in program rollout.decode" in line
+    worst = summary["worst_program"]
+    assert not summary["fits"] and summary["device_memory_bytes"] == 2**30 // 1000
+    assert summary["peak_bytes_per_device"] == max(
+        p["peak_bytes"] for p in summary["programs"].values())
+    assert any(line.startswith("does not fit by ") and f"in program {worst}" in line
                for line in lines)
+    last = big.stderr.strip().splitlines()[-1]
+    assert last.startswith("hfjax train: the run does not fit: does not fit by "), big.stderr
+    assert f"in program {worst}" in last and "MiB per device, the device has 1.02 MiB" in last
+    assert "--num_devices" in last
+
+
+@pytest.mark.slow
+def test_real_run_checks_memory_before_loading_weights(tmp_path):
+    # The same check in a real run: it stops before the weights are built and before out_dir
+    # is written. (A CPU device reports no memory; --target or --device_memory_gib give it.)
+    out = tmp_path / "run"
+    p = _launch_train("--cpu_devices=1", *_SMALL, "--device_memory_gib=0.001",
+                      f"--config.trainer.out_dir={out}")
+    assert p.returncode == 3, p.stdout[-3000:] + p.stderr[-3000:]
+    assert not out.exists()
+    assert not json.loads(p.stdout.strip().splitlines()[-1])["fits"]
+    last = p.stderr.strip().splitlines()[-1]
+    assert last.startswith("hfjax train: the run does not fit in device memory: does not fit by")
+    assert last.endswith("or pass --nomemory_check to try anyway")
 
 
 @pytest.mark.parametrize("args, message", [
