@@ -287,7 +287,7 @@ CONFIG_CASES = [
 ]
 
 
-@pytest.mark.parametrize("name", ["ppo_arith", "grpo_arith", "grpo_smollm2"])
+@pytest.mark.parametrize("name", ["ppo_arith", "grpo_arith", "grpo_smollm2", "ppo_llama8b"])
 def test_shipped_configs_pass(files, name):
     import importlib
 
@@ -462,6 +462,25 @@ SUBPROCESS = [
          r"reward.custom_fn .*hang_reward.py:fn.*importing it took longer than 1 s",
          watch=("{hang_reward}",), absent=("{root}/t4",)),
     Case("train", ["stray"], r"unexpected argument 'stray'"),
+    # Across processes and devices (docs/scaling.md), each before anything compiles or is written.
+    Case("train", ["--coordinator_address=127.0.0.1:1", "--num_processes=2", "--process_id=2",
+                   "--config.trainer.out_dir={root}/d1"],
+         r"--process_id=2 is out of range for --num_processes=2; process ids are 0\.\.1",
+         absent=("{root}/d1",)),
+    Case("train", ["--coordinator_address=127.0.0.1:1", "--num_processes=2", "--process_id=1",
+                   "--coordinator_timeout_s=2", "--config.trainer.out_dir={root}/d2"],
+         r"cannot reach the coordinator at 127.0.0.1:1 within 2 s \(--coordinator_timeout_s",
+         absent=("{root}/d2",)),
+    Case("train", ["--cpu_devices=2", "--config.actor.mesh=fsdp=4",
+                   "--config.trainer.out_dir={root}/d3"],
+         r"config.actor.mesh 'fsdp=4' needs 4 devices, the run has 2 cpu devices",
+         absent=("{root}/d3",)),
+    Case("train", ["--target=h300", "--config.trainer.out_dir={root}/d4"],
+         r"--target=h300: unknown target 'h300'; known targets: h100, h200",
+         absent=("{root}/d4",)),
+    Case("train", ["--config.model.path=preset:llama9", "--config.trainer.out_dir={root}/d5"],
+         r"model.path='preset:llama9': unknown model preset 'llama9'; known: llama3-8b",
+         absent=("{root}/d5",)),
     Case("generate", ["--temperature=-1"], r"--temperature=-1.0: needs a float >= 0"),
     Case("generate", ["--model={trunc_gguf}"], r"truncated or damaged GGUF file",
          watch=("{trunc_gguf}",)),
