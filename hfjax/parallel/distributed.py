@@ -472,6 +472,19 @@ def _install_exit_paths(settings: Settings) -> None:
     atexit.register(lambda: _WATCH is not None and _WATCH.stop())
 
 
+def before_error_exit(exc: BaseException) -> None:
+    """For an entry point that ends on `exc` by itself (launch.cli): a JAX runtime error in a
+    multi-process run is most often a collective whose peer just died, so first give LossWatch
+    the time to name that peer (it then ends the process with EXIT_LOST_PROCESS)."""
+    watch = _WATCH
+    if watch is None or not watch.is_alive():
+        return
+    import jax
+
+    if isinstance(exc, jax.errors.JaxRuntimeError):
+        watch.join(timeout=watch.heartbeat_timeout_s + 5)
+
+
 class LossWatch(threading.Thread):
     """Ends this process, naming the lost one, when jax.distributed declares a process dead.
 
