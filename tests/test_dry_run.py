@@ -126,22 +126,17 @@ _SMALL = ["--target=v5e", "--config.model.path=preset:tiny", "--config.actor.mes
 
 
 @pytest.mark.slow
-def test_dry_run_command_says_whether_it_fits():
-    fits = _launch_train("--dry_run", "--num_devices=1", *_SMALL)
-    assert fits.returncode == 0, fits.stdout[-3000:] + fits.stderr[-3000:]
-    lines = fits.stdout.strip().splitlines()
-    summary = json.loads(lines[-1])
-    assert summary["fits"] and summary["device_memory_bytes"] == 16 * 10**9
-    assert summary["target"] == "v5e" and summary["compute_dtype"] == "bfloat16"
-    assert any(line.startswith("fits: peak ") for line in lines)
-    # The same run against 1 MiB per device (--device_memory_gib: plan against less than the
-    # target has) does not fit: exit status 3, the verdict, and one line on stderr.
+def test_dry_run_command_says_when_it_does_not_fit():
+    # (The verdict of a run that fits is checked in process, above: one command costs a
+    # whole compilation.) Against 1 MiB per device (--device_memory_gib: plan against less
+    # than the target has) the run does not fit: exit status 3, the verdict, one stderr line.
     big = _launch_train("--dry_run", "--num_devices=1", *_SMALL, "--device_memory_gib=0.001")
     assert big.returncode == 3, big.stdout[-3000:] + big.stderr[-3000:]
     lines = big.stdout.strip().splitlines()
     summary = json.loads(lines[-1])
     worst = summary["worst_program"]
     assert not summary["fits"] and summary["device_memory_bytes"] == 2**30 // 1000
+    assert summary["target"] == "v5e" and summary["compute_dtype"] == "bfloat16"
     assert summary["peak_bytes_per_device"] == max(
         p["peak_bytes"] for p in summary["programs"].values())
     assert any(line.startswith("does not fit by ") and f"in program {worst}" in line
