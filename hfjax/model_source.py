@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from hfjax.data import arith
+from hfjax.engine import layout_choice
 from hfjax.models import load as load_model
 from hfjax.models import load_tokenizer, presets, transformer
 from hfjax.models.config import ModelConfig
@@ -67,8 +68,12 @@ def initial_model(cfg, tokenizer, compute_dtype: str, pools: Mapping[str, Resour
     if c.model.path:
         kw = {}
         if presets.preset_name(c.model.path) is not None:
-            kw = dict(mesh=pools["actor"].mesh(c.actor.mesh),
-                      rules=c.actor.get("rules", "train"), seed=c.seed)
+            rules = c.actor.get("rules", layout_choice.AUTO)
+            if rules == layout_choice.AUTO:
+                # The choice needs the model's state; create it in the first candidate's
+                # layout, and the actor group moves it if it chooses other rules.
+                rules = layout_choice.CANDIDATES[0]
+            kw = dict(mesh=pools["actor"].mesh(c.actor.mesh), rules=rules, seed=c.seed)
         return load_model(c.model.path, **_overrides(cfg, compute_dtype), **kw)
     return transformer.build(model_config(cfg, tokenizer, compute_dtype), "causal_lm",
                              seed=c.seed)
