@@ -33,7 +33,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 from typing import Any
 
 import numpy as np
@@ -327,6 +327,22 @@ def initialize_from_flags(flag_values: flags.FlagValues = flags.FLAGS) -> Topolo
     return initialize(settings_from_flags(flag_values))
 
 
+_CPU_COLLECTIVE_FLAG = "--xla_cpu_collective_call_terminate_timeout_seconds"
+CPU_COLLECTIVE_TIMEOUT_S = 600
+
+
+def patient_cpu_collectives(environ: MutableMapping[str, str] | None = None) -> None:
+    """Lets XLA:CPU's in-process collectives wait `CPU_COLLECTIVE_TIMEOUT_S` for every device
+    before it aborts the program (unless XLA_FLAGS already sets that limit). Simulated CPU
+    devices share the machine's cores, so on a loaded laptop or CI box one device's thread can
+    reach an all-reduce tens of seconds after the others; XLA's shorter default ends such a run
+    with a C++ abort. Only read when JAX's CPU backend starts, so call it before that."""
+    environ = os.environ if environ is None else environ
+    flags = environ.get("XLA_FLAGS", "")
+    if _CPU_COLLECTIVE_FLAG not in flags:
+        environ["XLA_FLAGS"] = f"{flags} {_CPU_COLLECTIVE_FLAG}={CPU_COLLECTIVE_TIMEOUT_S}".strip()
+
+
 def initialize(settings: Settings) -> Topology:
     """Configures devices, joins the other processes and returns this process's Topology.
 
@@ -339,6 +355,7 @@ def initialize(settings: Settings) -> Topology:
     global _TOPOLOGY, _WATCH
     if _TOPOLOGY is not None:
         return _TOPOLOGY
+    patient_cpu_collectives()
     import jax
 
     if settings.cpu_devices:

@@ -281,3 +281,15 @@ def test_mesh_larger_than_all_processes_is_refused():
     for rank in (0, 1):
         assert (f"[{rank}] hfjax: --mesh 'fsdp=16' needs 16 devices, the run has 8 cpu devices "
                 "(2 processes x 4)") in out, out
+
+
+def test_cpu_collectives_wait_long_unless_the_user_says_otherwise():
+    env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    dist.patient_cpu_collectives(env)
+    assert env["XLA_FLAGS"] == ("--xla_force_host_platform_device_count=8 "
+                                "--xla_cpu_collective_call_terminate_timeout_seconds=600")
+    mine = {"XLA_FLAGS": "--xla_cpu_collective_call_terminate_timeout_seconds=5"}
+    dist.patient_cpu_collectives(mine)
+    assert mine["XLA_FLAGS"] == "--xla_cpu_collective_call_terminate_timeout_seconds=5"
+    # The test session itself runs with the longer wait (tests/conftest.py).
+    assert "terminate_timeout_seconds=600" in os.environ["XLA_FLAGS"]
