@@ -12,9 +12,14 @@ from hfjax.controller.placement import resolve_placement
 from hfjax.engine.sampler import SamplingParams
 from hfjax.engine.update import check_mini_batching
 from hfjax.metrics import parse_sink_names
+from hfjax.models.hf_io import check_score_checkpoint
 from hfjax.numerics import core, losses
 from hfjax.parallel.mesh import MeshSpec, ResourcePool, dp_size
 from hfjax.workers.groups import needs_ref
+from hfjax.workers.reward import parse_source_weights
+
+# Roles whose model a config selects by a path (a trained score head).
+MODEL_ROLES = ("reward_model", "cost_model")
 
 
 def validate_config(cfg) -> tuple[Algorithm, dict[str, ResourcePool]]:
@@ -22,17 +27,29 @@ def validate_config(cfg) -> tuple[Algorithm, dict[str, ResourcePool]]:
     the resource pool of every role."""
     algo = get_algorithm(cfg.algorithm)
     estimator = cfg.algo.adv_estimator
+    roles = run_roles(algo, cfg)
+    provided = set(algo.provides) | provided_by_roles(roles)
     missing = [k for k in core.ADV_ESTIMATORS.info(estimator).get("needs", ())
-               if k not in algo.provides]
+               if k not in provided]
     if missing:
         raise ValueError(f"algo.adv_estimator={estimator!r} needs {', '.join(missing)}, which "
                          f"algorithm {algo.name!r} does not produce; choose another estimator "
                          "or an algorithm that produces them")
+    if core.ADV_ESTIMATORS.info(estimator).get("group") and cfg.rollout.n < 2:
+        raise ValueError(f"algo.adv_estimator={estimator!r} compares the samples of each prompt, "
+                         f"but rollout.n={cfg.rollout.n} draws one; set --config.rollout.n to 2 "
+                         "or more (e.g. 8)")
     core.POLICY_LOSSES.get(cfg.actor.policy_loss)
     core.LOSS_AGG_MODES.get(cfg.actor.loss_agg_mode)
     losses.check_kl_name(cfg.algo.kl_penalty)
     if cfg.actor.use_kl_loss:
         losses.check_kl_name(cfg.actor.kl_loss_type)
+    if algo.check is not None:
+        algo.check(cfg)
+    for role in MODEL_ROLES:
+        if role in roles:
+            check_score_checkpoint(cfg[role].path, f"{role}.path")
+    parse_source_weights(cfg.reward.get("sources", ""))
     _check_run_keys(cfg.trainer)
     try:  # the validation sampling settings, checked like any request's
         SamplingParams(cfg.rollout.response_length, temperature=cfg.rollout.val_kwargs.temperature,
@@ -40,18 +57,51 @@ def validate_config(cfg) -> tuple[Algorithm, dict[str, ResourcePool]]:
     except ValueError as err:
         raise ValueError(f"rollout.val_kwargs: {err}") from err
     n_seq = cfg.data.train_batch_size * cfg.rollout.n
-    pools = resolve_placement(placement_of(cfg), active_roles(algo), jax.devices())
+    pools = resolve_placement(placement_of(cfg), active_roles(algo, cfg), jax.devices())
     dp = dp_size(MeshSpec.parse(cfg.actor.mesh).build(pools["actor"].devices, "actor"))
     check_mini_batching(n_seq, cfg.actor.ppo_mini_batch_size * cfg.rollout.n,
                         cfg.actor.ppo_micro_batch_size, dp, "actor")
-    if needs_ref(cfg, algo.roles):
+    if needs_ref(cfg, roles):
         # Built only after the warm start, so a bad mesh must be caught here, not there.
         MeshSpec.parse(cfg.ref.mesh).build(pools["ref"].devices, "ref")
-    if "critic" in algo.roles:
-        dpc = dp_size(MeshSpec.parse(cfg.critic.mesh).build(pools["critic"].devices, "critic"))
-        check_mini_batching(n_seq, cfg.critic.ppo_mini_batch_size * cfg.rollout.n,
-                            cfg.critic.ppo_micro_batch_size, dpc, "critic")
+    for critic in ("critic", "cost_critic"):
+        if critic in roles:
+            c = cfg[critic]
+            dpc = dp_size(MeshSpec.parse(c.mesh).build(pools[critic].devices, critic))
+            check_mini_batching(n_seq, c.ppo_mini_batch_size * cfg.rollout.n,
+                                c.ppo_micro_batch_size, dpc, critic)
+    for role in MODEL_ROLES:
+        if role in roles:
+            MeshSpec.parse(cfg[role].mesh).build(pools[role].devices, role)
     return algo, pools
+
+
+def run_roles(algo: Algorithm, cfg) -> tuple[str, ...]:
+    """The algorithm's roles plus those the config selects: a reward model
+    (`reward_model.path`) scores for any algorithm with a reward. A cost model is part of an
+    algorithm that uses costs (Safe-RLHF); configuring one for another algorithm is an error,
+    since nothing would read it."""
+    roles = list(algo.roles)
+    rm = cfg.get("reward_model")
+    if rm is not None and rm.path and "reward" in roles and "reward_model" not in roles:
+        roles.append("reward_model")
+    cm = cfg.get("cost_model")
+    if cm is not None and cm.path and "cost_model" not in roles:
+        raise ValueError(f"cost_model.path is set but algorithm {algo.name!r} has no cost; "
+                         "unset it, or use an algorithm with a cost model (safe_rlhf)")
+    return tuple(roles)
+
+
+def provided_by_roles(roles: tuple[str, ...]) -> set[str]:
+    """Batch arrays the advantage stage gets from the run's roles themselves."""
+    out = set()
+    if "critic" in roles:
+        out.add("values")
+    if "cost_critic" in roles:
+        out.add("cost_values")
+    if "cost_model" in roles:
+        out.add("token_level_costs")
+    return out
 
 
 def _check_run_keys(t) -> None:
@@ -68,6 +118,7 @@ def placement_of(cfg):
     return p.to_dict() if hasattr(p, "to_dict") else p
 
 
-def active_roles(algo: Algorithm) -> tuple[str, ...]:
+def active_roles(algo: Algorithm, cfg=None) -> tuple[str, ...]:
     """The roles that get a pool ("rollout" shares the actor's, through the hybrid engine)."""
-    return tuple(r for r in algo.roles if r != "rollout")
+    roles = algo.roles if cfg is None else run_roles(algo, cfg)
+    return tuple(r for r in roles if r != "rollout")

@@ -60,7 +60,8 @@ def reference(fn) -> FnRef:
         raise ValueError(
             f"reward function {fn!r} cannot be imported by a scorer process (it is defined in "
             "__main__ or inside a function); define it at module level in an importable "
-            "module, load it with reward.custom_fn=path/to/file.py:fn, or use reward.num_processes=0"
+            "module, load it with reward.custom_fn=path/to/file.py:fn, or use "
+            "reward.num_processes=0"
         )
     return ("module", module, qualname)
 

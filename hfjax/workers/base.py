@@ -98,16 +98,18 @@ class WorkerGroup:
         self.opt_shardings = jax.tree.map(lambda x: x.sharding, self.opt_state)
 
     def train(self, loss_fn, batch: Batch, keys, *, mini: int, micro: int, epochs: int,
-              shuffle: bool) -> dict[str, jax.Array]:
+              shuffle: bool, normalisers=update.normalisers) -> dict[str, jax.Array]:
         """Runs `epochs` passes of micro-batched updates of `loss_fn` over mini-batches of
-        `batch`; returns the metrics averaged over the steps (device scalars, not fetched)."""
+        `batch`; returns the metrics averaged over the steps (device scalars, not fetched).
+        `normalisers(mini_batch)` gives the totals the loss divides by (default: response
+        tokens and sequences)."""
         update.check_mini_batching(len(batch), mini, micro, self.dp_size, self.name)
         key = (loss_fn.__name__, mini // micro)
         if key not in self._programs:
             logging.info("%s: compiling %s with %d micro-batches", self.name, *key)
             self._programs[key] = update.make_update_step(
                 loss_fn, self.optimizer, mini // micro, self.param_shardings, self.opt_shardings,
-                normalisers=update.normalisers, jit=self.jit,
+                normalisers=normalisers, jit=self.jit,
             )
         step = self._programs[key]
         sums: dict[str, jax.Array] = {}
