@@ -25,6 +25,8 @@ import time
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from launch.common import setup_devices
+
 _CONFIG = config_flags.DEFINE_config_file(
     "config", os.path.join(os.path.dirname(__file__), "..", "configs", "ppo_arith.py"),
     "configuration file (configs/*.py)",
@@ -36,16 +38,9 @@ _DEVICES = flags.DEFINE_integer(
     "(0: leave XLA_FLAGS alone)",
 )
 
-_STAGES = ("gen", "old_log_prob", "ref", "values", "reward", "adv", "update_critic",
-           "update_actor")
-
-
-def _setup_devices():
-    n = _DEVICES.value
-    if n and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-        os.environ["XLA_FLAGS"] = (
-            os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={n}"
-        )
+_STAGES = ("gen_greedy", "reward_greedy", "reward_greedy_model", "gen", "filter",
+           "old_log_prob", "ref", "values", "cost_values", "reward", "reward_model", "cost", "adv",
+           "update_critic", "update_cost_critic", "update_actor")
 
 
 class _Progress:
@@ -94,7 +89,7 @@ class _Progress:
 
 def main(argv):
     del argv
-    _setup_devices()
+    setup_devices(_DEVICES.value)
     import jax
 
     if jax.default_backend() == "cpu":
