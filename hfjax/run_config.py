@@ -46,6 +46,10 @@ def validate_config(cfg) -> tuple[Algorithm, dict[str, ResourcePool]]:
         losses.check_kl_name(cfg.actor.kl_loss_type)
     if algo.check is not None:
         algo.check(cfg)
+    if "ref" not in roles and (cfg.actor.use_kl_loss or cfg.algo.use_kl_in_reward):
+        raise ValueError(f"algorithm {algo.name!r} has no reference model, so it cannot take a "
+                         "KL term; set --config.actor.use_kl_loss=False and "
+                         "--config.algo.use_kl_in_reward=False")
     for role in MODEL_ROLES:
         if role in roles:
             check_score_checkpoint(cfg[role].path, f"{role}.path")
