@@ -326,5 +326,17 @@ def test_safe_rlhf_step(score_dirs):
     assert {"val-aux/rm_scores/mean", "val-aux/cost_scores/mean",
             "val-aux/cost_reference/mean"} <= set(val)
     assert {"cost_critic_params", "cost_critic_opt_state"} <= set(trainer.checkpoint_items())
+    # Rule and model rewards combined per data_source: this source takes rule + 0.5 * model.
+    from hfjax.algorithms.dataflow import reward
+
+    with_source(trainer, DIGITS)
+    trainer.reward.sources = {DIGITS: (1.0, 0.5)}
+    gen = w.actor.generate(trainer._prompts(next(trainer.train_iter)))
+    mixed = reward(w, gen, cfg).fetch(["token_level_scores", "rm_scores"])
+    rule = trainer.reward.compute_reward(gen).fetch(["token_level_scores"])
+    np.testing.assert_allclose(
+        mixed["token_level_scores"].sum(1),
+        rule["token_level_scores"].sum(1) + 0.5 * mixed["rm_scores"], rtol=1e-6, atol=1e-6)
+    assert np.abs(rule["token_level_scores"]).sum() > 0 and np.abs(mixed["rm_scores"]).sum() > 0
     assert trainer.state_dict()["lagrange"]["log_lambda"] == pytest.approx(
         np.log(m["safe_rlhf/lambda"]))
