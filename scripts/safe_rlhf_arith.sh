@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Safe-RLHF on the embedded arithmetic task (docs/algorithms.md): the SFT policy and reward
-# model of scripts/rlhf_arith.sh (trained first if OUT does not hold them yet), a cost model
+# model of scripts/rlhf_arith.sh (trained first if OUT does not hold them yet; every stage whose
+# output OUT already holds is skipped), a cost model
 # (launch.train_rm, configs/cost_arith.py) that learns to score answers writing the forbidden
 # digit 7 above 0, then Safe-RLHF (launch.train, configs/safe_rlhf_arith.py). The last line is
 # the Safe-RLHF stage's JSON; its metrics.jsonl has cost/mean against the threshold, the
@@ -33,11 +34,13 @@ if [[ ! -f "$OUT/rm/hf/config.json" ]]; then
         > "$OUT/rm.log" 2>&1 || { tail -20 "$OUT/rm.log"; exit 1; }
     tail -1 "$OUT/rm.log"
 fi
-echo "== cost model" >&2
-python -m launch.train_rm --config=configs/cost_arith.py --config.model.path="$OUT/sft/hf" \
-    --config.rm.train_files="$OUT/cost_prefs/train.parquet" \
-    --config.rm.val_files="$OUT/cost_prefs/test.parquet" --config.trainer.out_dir="$OUT/cost" \
-    > "$OUT/cost.log" 2>&1 || { tail -20 "$OUT/cost.log"; exit 1; }
+if [[ ! -f "$OUT/cost/hf/config.json" ]]; then
+    echo "== cost model" >&2
+    python -m launch.train_rm --config=configs/cost_arith.py --config.model.path="$OUT/sft/hf" \
+        --config.rm.train_files="$OUT/cost_prefs/train.parquet" \
+        --config.rm.val_files="$OUT/cost_prefs/test.parquet" --config.trainer.out_dir="$OUT/cost" \
+        > "$OUT/cost.log" 2>&1 || { tail -20 "$OUT/cost.log"; exit 1; }
+fi
 tail -1 "$OUT/cost.log"
 
 echo "== Safe-RLHF" >&2
