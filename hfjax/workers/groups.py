@@ -199,9 +199,9 @@ def register_role(name: str, builder: RoleBuilder, *, side: str = "score") -> No
     """Registers a role: placements accept it (on `side` of a `split` placement, "generate"
     or "score") and `build_groups` builds its worker group with `builder(ctx: BuildContext)`
     for any algorithm that lists it in its roles. A driver reads the group as `w.<name>`."""
-    register_placement_role(name, side)
     if name in ("actor", "rollout", "reward"):
         raise ValueError(f"role {name!r} is built by the trainer, not by a role builder")
+    register_placement_role(name, side)
     ROLE_BUILDERS[name] = builder
 
 
