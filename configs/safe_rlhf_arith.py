@@ -18,8 +18,15 @@ def get_config():
     c.cost_model.path = "runs/rlhf_arith/cost/hf"
     c.cost_model.reference_fn = "hfjax.data.arith:forbidden_digit_cost"
     c.reward.rule_weight = 0.0
-    c.algo.safe_rlhf.cost_threshold = -2.0
+    # The cost model (sign term) scores answers with a 7 at about +8.8 and the others at about
+    # -8.6 (measured on 800 answers), so the mean cost is about -8.6 + 17.4 p for a share p of
+    # costly answers. The SFT policy writes a 7 in ~19% of its answers (mean cost ~ -5.3);
+    # the threshold -7.0 asks for p <= ~9%.
+    c.algo.safe_rlhf.cost_threshold = -7.0
     c.algo.safe_rlhf.lambda_init = 0.5
     c.algo.safe_rlhf.lambda_lr = 0.05
+    # Costs span about +-9: let the cost critic's values move that far within a few updates.
+    c.cost_critic.cliprange_value = 5.0
+    c.trainer.total_steps = 80
     c.trainer.out_dir = "runs/safe_rlhf_arith"
     return c
