@@ -30,6 +30,7 @@ from hfjax.engine.sampler import Sampler
 from hfjax.engine.update import make_optimizer
 from hfjax.models import transformer
 from hfjax.models.config import ModelConfig
+from hfjax.models.hf_io import load_score
 from hfjax.numerics.losses import (
     FixedKLController,
     KLController,
@@ -232,18 +233,11 @@ def _critic_builder(role: str, cls: type[Critic], seed_offset: int) -> RoleBuild
 def _score_builder(role: str, output: str) -> RoleBuilder:
     def build(ctx: BuildContext) -> ModelReward:
         s = ctx.section(role)
-        model = load_score_model(s.path, role, dtype=s.get("dtype", "float32"))
+        # A checkpoint without a trained score head is refused (run_config checks it first).
+        model = load_score(s.path, what=f"{role}.path", dtype=s.get("dtype", "float32"))
         return ModelReward(role, ctx.pools[role], s.mesh, model, output=output, home=ctx.home)
 
     return build
-
-
-def load_score_model(path: str, role: str, **kw) -> nnx.Module:
-    """The ScoreModel at `path` for `role` (reward_model, cost_model); ValueError when the
-    checkpoint has no trained score head."""
-    from hfjax.models.hf_io import load_score
-
-    return load_score(path, what=f"{role}.path", **kw)
 
 
 register_role("ref", _build_ref, side="generate")
