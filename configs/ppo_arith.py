@@ -2,8 +2,8 @@
 
 A tiny Llama-style model is trained from scratch: a short SFT warm start on deliberately
 imperfect data (70% of the demonstrations give the bare answer without the `####` marker the
-reward looks for: `sft.corruption=format`), then PPO with an exact-answer reward. Every key can
-be overridden from the command line, e.g.
+reward looks for: `sft.corruption=format`), then PPO with an exact-answer reward. Every key
+can be overridden from the command line, e.g.
     python -m launch.train --config.placement=split --config.actor.mesh=fsdp=2,tensor=2
 """
 
@@ -181,6 +181,26 @@ def get_config() -> config_dict.ConfigDict:
             reference_fn="",
         )
     )
+    # python -m launch.train_rm: a reward (or cost) model trained with the Bradley–Terry loss on
+    # preference parquet (configs/rm_arith.py and cost_arith.py set the files).
+    c.rm = config_dict.ConfigDict(
+        dict(
+            target="reward",  # reward | cost (the costlier side of each pair scores higher)
+            train_files="",  # preference parquet: prompt, chosen, rejected
+            val_files="",  # held-out pairs for the pairwise accuracy
+            max_response_length=0,  # 0: rollout.response_length
+            steps=1500,
+            batch_size=64,  # pairs per step
+            micro_batch_size=64,
+            lr=3e-4,
+            weight_decay=0.0,
+            grad_clip=1.0,
+            sign_coef=0.0,  # Safe-RLHF's cost-sign term (needs unsafe labels)
+            center_coef=0.01,  # keeps the scores' offset near 0
+            mesh="fsdp=-1",
+            eval_every=250,  # held-out accuracy every N steps (0: only before and after)
+        )
+    )
     c.trainer = config_dict.ConfigDict(
         dict(
             total_steps=60,
@@ -201,6 +221,13 @@ def get_config() -> config_dict.ConfigDict:
             # auto: continue from the newest readable checkpoint in out_dir, if any;
             # disable: start fresh; or a path: a run's out_dir, a checkpoint root or step dir.
             resume="auto",
+            # An update with a non-finite loss or gradient norm is not applied. stop: end the
+            # run naming the stage and step; skip: count it (actor/nonfinite_updates, ...) and
+            # go on. An update that overflows a parameter ends the run either way.
+            nonfinite="stop",
+            # JAX's persistent compilation cache, so a resumed run compiles nothing it compiled
+            # before: auto ($JAX_COMPILATION_CACHE_DIR, else ~/.cache/hfjax/jax), off, or a dir.
+            compilation_cache_dir="auto",
         )
     )
     return c

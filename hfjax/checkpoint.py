@@ -27,6 +27,7 @@ import dataclasses
 import json
 import os
 import shutil
+import sys
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -49,6 +50,10 @@ class CheckpointCorrupt(RuntimeError):
 
 class CheckpointMismatch(ValueError):
     """A readable checkpoint whose arrays do not fit the current run's structure."""
+
+
+class NonFiniteCheckpoint(ValueError):
+    """A save refused because an array or the trainer state holds NaN or infinity."""
 
 
 # -- pytrees as flat named dicts -------------------------------------------------------------
@@ -104,10 +109,24 @@ def _fingerprints(arrays: dict[str, jax.Array]) -> dict[str, jax.Array]:
     return {k: _fingerprint(v) for k, v in arrays.items()}
 
 
-def _describe(arrays: Mapping[str, jax.Array]) -> dict[str, dict]:
-    fps = fingerprints(arrays)
-    return {k: {"shape": list(v.shape), "dtype": np.dtype(v.dtype).name, "fingerprint": fps[k]}
-            for k, v in arrays.items()}
+@jax.jit
+def _fingerprints_and_finite(arrays: dict[str, jax.Array]) -> dict[str, tuple]:
+    return {k: (_fingerprint(v), jnp.all(jnp.isfinite(v)) if jnp.issubdtype(v.dtype, jnp.inexact)
+                else jnp.bool_(True)) for k, v in arrays.items()}
+
+
+def _describe(item: str, arrays: Mapping[str, jax.Array]) -> dict[str, dict]:
+    """Shape, dtype and fingerprint of each array (one small fetch); NonFiniteCheckpoint when
+    one holds NaN or infinity, so that no checkpoint is ever written with one."""
+    with jax.transfer_guard("allow"):
+        got = jax.device_get(_fingerprints_and_finite(dict(arrays)))
+    bad = [k for k, (_, finite) in got.items() if not finite]
+    if bad:
+        more = f" (and {len(bad) - 1} more arrays)" if len(bad) > 1 else ""
+        raise NonFiniteCheckpoint(f"{item}/{bad[0]}{more} holds NaN or infinity; refusing to "
+                                  "write a checkpoint of it")
+    return {k: {"shape": list(v.shape), "dtype": np.dtype(v.dtype).name,
+                "fingerprint": int(got[k][0])} for k, v in arrays.items()}
 
 
 def fingerprints(arrays: Mapping[str, jax.Array]) -> dict[str, int]:
@@ -176,7 +195,12 @@ class RunCheckpointer:
             raise ValueError(f"array item names {bad} are reserved for the checkpoint's JSON")
         arrays = {name: named_leaves(tree) for name, tree in items.items()}
         state = dict(state)
-        state[ARRAYS] = {name: _describe(a) for name, a in arrays.items()}
+        state[ARRAYS] = {name: _describe(name, a) for name, a in arrays.items()}
+        try:  # strict JSON: a NaN in the host state (e.g. a KL coefficient) is refused too
+            json.dumps([state, dict(config)], allow_nan=False)
+        except ValueError as err:
+            raise NonFiniteCheckpoint(f"the trainer state or config of step {step} holds NaN "
+                                      f"or infinity ({err}); refusing to write it") from None
         args = {name: ocp.args.StandardSave(a) for name, a in arrays.items()}
         args[TRAINER_ITEM] = ocp.args.JsonSave(state)
         args[CONFIG_ITEM] = ocp.args.JsonSave(dict(config))
@@ -243,6 +267,10 @@ class RunCheckpointer:
         """Reads one step onto the shardings of `targets` ({item: pytree of arrays or
         ShapeDtypeStructs with shardings}, or a function of the step's trainer state that
         returns them); raises CheckpointCorrupt or CheckpointMismatch."""
+        _quiet_closed_loop_callbacks()  # before: a failed read's late callbacks come at once
+        return self._restore(step, targets)
+
+    def _restore(self, step: int, targets: Targets) -> Restored:
         state, config = self.read_json(step)
         if callable(targets):
             targets = targets(state)
@@ -281,18 +309,27 @@ class RunCheckpointer:
             return self.restore(step, targets)
         if not steps:
             raise FileNotFoundError(f"no checkpoints in {self.directory}")
-        skipped = []
+        skipped, errors = [], []
         for s in reversed(steps):
             try:
                 out = self.restore(s, targets)
             except CheckpointCorrupt as e:
-                logging.warning("checkpoint %s is corrupt or partial, falling back to an earlier "
-                                "one: %s", self.step_dir(s), e)
                 skipped.append(self.step_dir(s))
+                errors.append(e)
                 continue
+            # Told only once a fallback has worked; when none does, the one error says it all.
+            for where, e in zip(skipped, errors):
+                logging.warning("checkpoint %s is corrupt or partial, falling back to an earlier "
+                                "one: %s", where, e)
             out.skipped = skipped
             return out
-        raise CheckpointCorrupt(f"no readable checkpoint in {self.directory}; corrupt: {skipped}")
+        run = os.path.dirname(self.directory)
+        raise CheckpointCorrupt(
+            f"every checkpoint in {self.directory} is corrupt (steps "
+            f"{', '.join(os.path.basename(p) for p in reversed(skipped))}; the newest: "
+            f"{errors[0]}); to start this run over, move the directory aside (mv "
+            f"{self.directory} {self.directory}.bad) and rerun, or start a new run elsewhere: "
+            f"--config.trainer.out_dir={run}-new")
 
     def set_aside(self, steps: list[int], reason: str = "corrupt") -> list[str]:
         """Moves the given step directories to `<root>.<reason>/` (so new saves may reuse their
@@ -309,6 +346,27 @@ class RunCheckpointer:
             moved.append(dst)
         self._mgr.reload()
         return moved
+
+
+def _quiet_closed_loop_callbacks() -> None:
+    """When a restore fails part way, tensorstore reads still in flight complete later and
+    call back into the event loop Orbax has closed by then; Python reports each as an
+    unraisable "RuntimeError: Event loop is closed" traceback. They are harmless (the restore
+    was abandoned and the fallback reads afresh), so they are dropped, counted at debug level;
+    every other unraisable error still goes to the previous hook."""
+    previous = sys.unraisablehook
+    if getattr(previous, "_hfjax_closed_loop_filter", False):
+        return
+
+    def hook(unraisable):
+        err = unraisable.exc_value
+        if isinstance(err, RuntimeError) and str(err) == "Event loop is closed":
+            logging.vlog(1, "dropped a late tensorstore callback after an abandoned restore")
+            return
+        previous(unraisable)
+
+    hook._hfjax_closed_loop_filter = True
+    sys.unraisablehook = hook
 
 
 def resume_source(ckpt: RunCheckpointer | None, mode: str = "auto"

@@ -10,6 +10,10 @@ Resuming at step s keeps what the sinks already hold up to s and drops what came
 is redone): the JSONL file is rewritten without the later lines and TensorBoard purges the later
 events, so a resumed run's files read like an uninterrupted run's.
 
+`metrics.jsonl` is strict JSON (RFC 8259), so any JSON reader takes it: a NaN or infinite
+metric is written as the string "NaN", "Infinity" or "-Infinity" (Python's own spellings, quoted),
+and `read_jsonl` turns those strings back into floats.
+
 Library code prints nothing: the console sink writes through a callable that the launcher gives.
 """
 
@@ -68,9 +72,30 @@ def _scalars(metrics: Mapping[str, Any]) -> dict[str, float]:
     return out
 
 
+# How a non-finite float is written (strict JSON has no NaN or Infinity), and read back.
+_NONFINITE_TEXT = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
+
+
+def _strict(v):
+    if isinstance(v, float) and not math.isfinite(v):
+        return "NaN" if math.isnan(v) else ("Infinity" if v > 0 else "-Infinity")
+    return v
+
+
+def _from_strict(v):
+    return _NONFINITE_TEXT.get(v, v) if isinstance(v, str) else v
+
+
+def encode_record(record: Mapping[str, Any]) -> str:
+    """One strict-JSON line for a record: keys sorted, floats written with repr (they read back
+    bit for bit), non-finite floats as the strings "NaN", "Infinity", "-Infinity"."""
+    return json.dumps({k: _strict(v) for k, v in record.items()}, sort_keys=True, allow_nan=False)
+
+
 def read_jsonl(path: str) -> list[dict]:
-    """The records of a metrics JSONL file in file order; a torn last line (a killed write) is
-    skipped with a warning."""
+    """The records of a metrics JSONL file in file order (non-finite values back as floats); a
+    torn last line (a killed write) is skipped with a warning. A damaged line elsewhere raises
+    ValueError saying how to recover."""
     if not os.path.exists(path):
         return []
     records = []
@@ -80,18 +105,24 @@ def read_jsonl(path: str) -> list[dict]:
         if not line.strip():
             continue
         try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
+            record = json.loads(line)
+            if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+                raise ValueError("not a record with a step")
+        except ValueError as err:
             if i >= len(lines) - 2:
                 logging.warning("%s: ignoring a torn last line (%d chars)", path, len(line))
                 continue
-            raise ValueError(f"{path}: line {i + 1} is not JSON: {line[:80]!r}") from None
+            raise ValueError(
+                f"{path}: line {i + 1} is damaged ({err.__class__.__name__}: {line[:60]!r}); "
+                f"the checkpoints are not affected: delete or repair that line, or move "
+                f"{path} aside (the resumed run then starts a new file), and rerun") from None
+        records.append({k: _from_strict(v) for k, v in record.items()})
     return records
 
 
 def format_record(step: int, metrics: Mapping[str, float]) -> str:
-    """One JSONL line: keys sorted, floats written with repr so they read back bit for bit."""
-    return json.dumps({"step": int(step), **_scalars(metrics)}, sort_keys=True)
+    """One JSONL line for a step (see `encode_record`)."""
+    return encode_record({"step": int(step), **_scalars(metrics)})
 
 
 class JsonlSink:
@@ -111,7 +142,7 @@ class JsonlSink:
         tmp = self.path + ".tmp"
         with open(tmp, "w") as f:
             for r in kept:
-                f.write(json.dumps(r, sort_keys=True) + "\n")
+                f.write(encode_record(r) + "\n")
         os.replace(tmp, self.path)
         self.history = kept
         self._f = open(self.path, "a")
@@ -120,7 +151,7 @@ class JsonlSink:
         line = format_record(step, metrics)
         self._f.write(line + "\n")
         self._f.flush()
-        self.history.append(json.loads(line))
+        self.history.append({"step": int(step), **_scalars(metrics)})
 
     def close(self) -> None:
         if self._f is not None:

@@ -19,6 +19,7 @@ import jax
 import numpy as np
 from absl import logging
 
+from hfjax import health
 from hfjax.controller.batch import Batch
 from hfjax.controller.placement import resolve_placement
 from hfjax.data import arith
@@ -31,22 +32,53 @@ from hfjax.parallel.mesh import dp_size
 from hfjax.validation import generation_metrics
 from hfjax.workers import groups
 
+# Steps between checks for non-finite updates (each check is one small fetch).
+SFT_CHECK_EVERY = 100
 
-def sft_steps(policy, batches: Iterator[Batch], steps: int, micro: int, *,
+
+def sft_steps(policy, batches: Iterator[Batch], steps: int, micro: int, *, cfg,
               on_log: Callable | None = None, should_stop: Callable[[], bool] | None = None,
-              log_every: int = 100) -> dict:
+              log_every: int = SFT_CHECK_EVERY, step_name: str = "warm-start step") -> dict:
     """`steps` supervised updates of `policy` (an actor worker group) on host batches from
     `batches`, in micro-batches of `micro` sequences; `on_log(step, metrics)` every
     `log_every` steps. Returns the last step's metrics as floats (empty when `should_stop`
-    ended it early or steps is 0)."""
-    m = {}
+    ended it early or steps is 0), with `sft/nonfinite_updates` counting the steps whose update
+    was not applied.
+
+    Non-finite updates are checked every `log_every` steps and at the end (one fetch of those
+    steps' metrics each time), and raise NonFiniteError naming the first such step (as
+    `step_name` N) under `cfg.trainer.nonfinite`=stop (`hfjax.health`)."""
+    m, pending, skipped = {}, [], 0
     for i in range(steps):
         if should_stop is not None and should_stop():
             return {}
         m = policy.update_sft(next(batches), micro)
-        if on_log and (i + 1) % log_every == 0:
-            on_log(i + 1, {k: float(v) for k, v in jax.device_get(m).items()})
-    return {k: float(v) for k, v in jax.device_get(m).items()}
+        pending.append(m)
+        if (i + 1) % log_every == 0 or i + 1 == steps:
+            skipped += _check_nonfinite(pending, i + 1 - len(pending), cfg, step_name)
+            pending = []
+            if on_log and (i + 1) % log_every == 0:
+                on_log(i + 1, {k: float(v) for k, v in jax.device_get(m).items()})
+    if not m:
+        return {}
+    out = {k: float(v) for k, v in jax.device_get(m).items()}
+    out["sft/nonfinite_updates"] = float(skipped)
+    return out
+
+
+def _check_nonfinite(steps: list[dict], first: int, cfg, step_name: str) -> int:
+    """How many of the SFT steps after step `first` (their metrics) did not apply their update
+    (one fetch); NonFiniteError for the first such step under trainer.nonfinite=stop."""
+    with jax.transfer_guard("allow"):
+        host = jax.device_get(steps)
+    bad = [(first + k + 1, m) for k, m in enumerate(host)
+           if m["sft/nonfinite_updates"] or m["sft/nonfinite_params"]]
+    if bad:
+        step, m = bad[0]
+        health.check_nonfinite({k: float(v) for k, v in m.items()}, f"{step_name} {step}", cfg)
+        logging.warning("%s: %d updates with non-finite numbers skipped (the first at %s %d)",
+                        step_name, len(bad), step_name, step)
+    return len(bad)
 
 
 def initial_policy(cfg, tok):
@@ -167,8 +199,8 @@ class SFTTrainer:
         t0 = time.perf_counter()
         before = self.evaluate()
         last = sft_steps(self.actor, batches_for(self.cfg, self.tok, self.train),
-                         self.cfg.sft.steps, self.cfg.sft.micro_batch_size, on_log=on_log,
-                         should_stop=should_stop)
+                         self.cfg.sft.steps, self.cfg.sft.micro_batch_size, cfg=self.cfg,
+                         on_log=on_log, should_stop=should_stop, step_name="SFT step")
         after = self.evaluate()
         return {"before": before, "after": after, "last": last,
                 "wall_s": time.perf_counter() - t0}

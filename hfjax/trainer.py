@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import time
 from collections.abc import Callable
@@ -16,7 +17,7 @@ import numpy as np
 from absl import logging
 
 from hfjax import checkpoint as ckpt_lib
-from hfjax import sft
+from hfjax import health, sft
 from hfjax.algorithms import dataflow
 from hfjax.algorithms.registry import import_spec
 from hfjax.data import arith
@@ -48,11 +49,15 @@ class Trainer:
         logging.info("validation data: %s", self.test_data.report.summary())
         self.train_iter = self.train_data.iterator(cfg.data.train_batch_size, seed=cfg.seed)
         self.step = 0
+        # Before the model: a custom reward file is imported (under the reward timeout) here.
+        self.reward = groups.build_reward(cfg, self.tok,
+                                          home=self.pools["actor"].mesh(cfg.actor.mesh))
         initial = sft.initial_policy(cfg, self.tok)
         self.model_cfg = initial.config
         self.actor = groups.build_actor(cfg, initial, self.pools, self.tok.pad_id, self.tok.eos_id)
-        self.reward = groups.build_reward(cfg, self.tok, home=self.actor.mesh)
         self._groups: WorkerGroups | None = None
+        # Whether this process has seen the policy away from uniform, and told of a collapse.
+        self._peaked = self._collapse_reported = False
 
     # -- construction ------------------------------------------------------------------------
 
@@ -86,7 +91,9 @@ class Trainer:
     def warm_start(self, on_log: Callable | None = None,
                    should_stop: Callable[[], bool] | None = None) -> dict:
         """Supervised steps on the task's imperfect demonstrations (the general SFT loop,
-        `hfjax.sft`); returns the last metrics (empty when `should_stop` ended it early)."""
+        `hfjax.sft.sft_steps`); returns the last metrics (empty when `should_stop` ended it
+        early), with `sft/nonfinite_updates` counting the steps whose update was not applied
+        (NonFiniteError for the first such step under trainer.nonfinite=stop)."""
         s, c = self.cfg.sft, self.cfg
         if s.steps <= 0:
             return {}
@@ -96,7 +103,7 @@ class Trainer:
                              "fine-tune on your own data first with python -m launch.sft")
         data = sft.arith_demonstrations(c, self.tok, self.train_data.rows)
         return sft.sft_steps(self.actor, sft.batches_for(c, self.tok, data), s.steps,
-                             s.micro_batch_size, on_log=on_log, should_stop=should_stop)
+                             s.micro_batch_size, cfg=c, on_log=on_log, should_stop=should_stop)
 
     def validate(self) -> dict[str, float]:
         """Mean score per data_source on the validation set (accuracy for 0/1 rewards).
@@ -141,8 +148,12 @@ class Trainer:
         with jax.transfer_guard("allow"):
             host = {k: float(v) for k, v in jax.device_get(metrics).items()}
         wall = time.perf_counter() - t0
-        w.kl_ctrl = dataflow.update_kl_controller(w.kl_ctrl, host, len(rows))
-        w.lagrange = dataflow.update_lagrange(w.lagrange, host)
+        # A non-finite KL or cost (from a step whose update is being refused) must not reach
+        # the controllers' state, which checkpoints hold.
+        if math.isfinite(host.get("actor/reward_kl_penalty", 0.0)):
+            w.kl_ctrl = dataflow.update_kl_controller(w.kl_ctrl, host, len(rows))
+        if math.isfinite(host.get("cost/mean", 0.0)):
+            w.lagrange = dataflow.update_lagrange(w.lagrange, host)
         host.update(w.timing)
         tokens = host.pop("_tokens")
         host["timing_s/step"] = wall
@@ -152,6 +163,16 @@ class Trainer:
         if w.lagrange is not None:
             host["safe_rlhf/lambda"] = float(w.lagrange.value)
         host |= w.reward.pop_metrics()
+        uniform = health.near_uniform(host, self.model_cfg.vocab_size)
+        host[health.UNIFORM_KEY] = float(uniform)
+        if not uniform:
+            self._peaked = True
+        elif self._peaked and not self._collapse_reported:
+            self._collapse_reported = True
+            logging.warning("step %d: the policy collapsed: its mean token entropy %.3g is near "
+                            "log(vocab) = %.3g, it samples almost uniformly; lower actor.lr",
+                            self.step + 1, host[health.ENTROPY_KEY],
+                            math.log(self.model_cfg.vocab_size))
         self.step += 1
         return host
 
@@ -217,10 +238,9 @@ class Trainer:
                mode: str = "auto") -> ckpt_lib.Restored | None:
         """Applies `trainer.resume` (see `checkpoint.resume_source`); returns what was
         restored, or None for a fresh start."""
-        plan = ckpt_lib.resume_source(ckpt, mode)
-        if plan is None:
+        if not check_resume(self.cfg, ckpt, mode):
             return None
-        source, step = plan
+        source, step = ckpt_lib.resume_source(ckpt, mode)
         restored = source.restore_latest(self.checkpoint_items(), step=step)
         self.load_state(restored)
         if source is ckpt:
@@ -288,9 +308,13 @@ class Trainer:
             total = t.total_steps
             while self.step < total and not stop():
                 m = self.train_step()
-                if t.test_freq > 0 and (self.step % t.test_freq == 0 or self.step == total):
+                # A step that stops the run is logged first, so metrics.jsonl shows it.
+                stopping = health.must_stop(m, self.cfg)
+                if not stopping and t.test_freq > 0 and (self.step % t.test_freq == 0
+                                                         or self.step == total):
                     m |= self._timed_validate()
                 logger.log(self.step, m)
+                health.check_nonfinite(m, f"RL step {self.step}", self.cfg)
                 if t.save_freq > 0 and (self.step % t.save_freq == 0 or self.step == total):
                     self.save(ckpt)
             if self.step < total:
@@ -329,6 +353,32 @@ class FitResult:
     skipped: list[str] = dataclasses.field(default_factory=list)
     preempted: bool = False
     step: int = 0
+
+
+def check_resume(cfg, ckpt: ckpt_lib.RunCheckpointer | None, mode: str = "auto") -> bool:
+    """Whether `trainer.resume` resumes (see `checkpoint.resume_source`), reading only the
+    checkpoints' JSON; raises before anything is built, restored or written when the setting
+    contradicts what `ckpt` holds, or when the checkpoint to resume was saved by another
+    algorithm (CheckpointMismatch)."""
+    plan = ckpt_lib.resume_source(ckpt, mode)
+    if plan is None:
+        return False
+    source, step = plan
+    for s in [step] if step is not None else reversed(source.steps()):
+        try:
+            _, saved = source.read_json(s)
+        except ckpt_lib.CheckpointCorrupt:
+            continue  # restore_latest passes over it (or says that none is readable)
+        algo = saved.get("algorithm")
+        if algo and algo != cfg.algorithm:
+            out_dir = os.path.dirname(source.directory)
+            raise ckpt_lib.CheckpointMismatch(
+                f"{source.step_dir(s)} was saved by a {algo!r} run and this config runs "
+                f"{cfg.algorithm!r}; resume it with the config it was started with (saved in "
+                f"{source.step_dir(s)}/config), or start a new run: "
+                f"--config.trainer.out_dir={out_dir}-{cfg.algorithm}")
+        break
+    return True
 
 
 def config_json(cfg) -> dict:

@@ -3,12 +3,13 @@
     python -m launch.convert --src=path/to/model.gguf --dst=out_dir
 
 The output holds config.json, model.safetensors and the tokenizer files, and loads in
-transformers with `AutoModelForCausalLM.from_pretrained(out_dir)`.
+transformers with `AutoModelForCausalLM.from_pretrained(out_dir)`. `--dst` may be a new or
+empty directory or an earlier conversion (it is replaced), never the source.
 """
 
-from absl import app, flags
+from absl import flags
 
-import hfjax.models as M
+from launch import cli
 
 _SRC = flags.DEFINE_string("src", None, "a .gguf file or an HF model directory", required=True)
 _DST = flags.DEFINE_string("dst", None, "output HF directory", required=True)
@@ -17,6 +18,12 @@ _DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "weights
 
 def main(argv):
     del argv
+    from hfjax import run_config
+
+    run_config.check_flags("convert", {k: flags.FLAGS[k].value
+                                       for k in run_config.FLAG_KEYS["convert"]})
+    import hfjax.models as M
+
     model = M.load(_SRC.value, dtype=_DTYPE.value)
     tok = M.load_tokenizer(_SRC.value)
     out = M.save_hf(model, _DST.value, tokenizer=tok)
@@ -25,4 +32,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main, "convert", compilation_cache=True)

@@ -5,12 +5,15 @@
 
 `--ckpt` is a run's out_dir, its checkpoint root, or one step directory; without a step the
 newest readable checkpoint is used. The output (config.json, model.safetensors and the run's
-tokenizer files) loads with `transformers.AutoModelForCausalLM.from_pretrained(out)`.
+tokenizer files) loads with `transformers.AutoModelForCausalLM.from_pretrained(out)`. `--out`
+may be a new or empty directory or an earlier export (it is replaced), never the run itself.
 """
 
 import os
 
-from absl import app, flags
+from absl import flags
+
+from launch import cli
 
 _CKPT = flags.DEFINE_string("ckpt", None, "run out_dir, checkpoint root or step dir",
                             required=True)
@@ -60,9 +63,13 @@ def export(ckpt: str, out: str, step: int | None = None, tokenizer: str | None =
 
 def main(argv):
     del argv
+    from hfjax import run_config
+
+    run_config.check_flags("export", {k: flags.FLAGS[k].value
+                                      for k in run_config.FLAG_KEYS["export"]})
     out = export(_CKPT.value, _OUT.value, _STEP.value, _TOKENIZER.value)
     print(f"wrote {out}")
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main, "export", compilation_cache=True)

@@ -5,14 +5,17 @@
 The default model is SmolLM2-135M-Instruct from its GGUF file; `--model` takes any HF directory
 or `.gguf` file hfjax can load. `--chat` wraps each prompt as a user message and applies the
 tokenizer's chat template with the generation prompt. Generation stops at the tokenizer's and the
-model config's EOS ids.
+model config's EOS ids. Compiled programs go to JAX's persistent compilation cache
+(`--compilation_cache_dir`, see launch/compile_cache.py), so a second run skips compiling.
 """
 
 from __future__ import annotations
 
 import time
 
-from absl import app, flags
+from absl import flags
+
+from launch import cli
 
 flags.DEFINE_string("model", None, "HF directory or .gguf file (default: SmolLM2-135M GGUF)")
 flags.DEFINE_multi_string("prompt", ["What is 7 + 5?"], "prompt text; repeat for a batch")
@@ -40,6 +43,10 @@ def _eos_ids(tokenizer, config) -> tuple[int, ...]:
 
 def main(argv: list[str]) -> None:
     del argv
+    from hfjax import run_config
+
+    f = flags.FLAGS
+    run_config.check_flags("generate", {k: f[k].value for k in run_config.FLAG_KEYS["generate"]})
     import jax
     import numpy as np
 
@@ -48,7 +55,6 @@ def main(argv: list[str]) -> None:
     from hfjax.models.smollm2 import smollm2_gguf_path
     from hfjax.parallel.mesh import MeshSpec
 
-    f = flags.FLAGS
     path = str(f.model or smollm2_gguf_path())
     mesh = MeshSpec.parse(f.mesh).build(jax.devices()) if f.mesh else None
     model = M.load(path, dtype=f.dtype)
@@ -64,6 +70,12 @@ def main(argv: list[str]) -> None:
     else:
         rows = tokenizer.batch_encode(f.prompt)
     width = max(len(r) for r in rows)
+    limit = model.config.max_position_embeddings
+    if width + f.max_new_tokens > limit:
+        raise ValueError(f"the longest prompt has {width} tokens; with --max_new_tokens="
+                         f"{f.max_new_tokens} that is {width + f.max_new_tokens} positions, more "
+                         f"than the model's max_position_embeddings={limit}: lower "
+                         "--max_new_tokens or shorten the prompt")
     pad = tokenizer.pad_id if tokenizer.pad_id is not None else 0
     ids = np.full((len(rows), width), pad, np.int32)
     mask = np.zeros((len(rows), width), np.int32)
@@ -103,4 +115,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main, "generate", compilation_cache=True)

@@ -14,9 +14,10 @@ arith_cost_prefs, preference pairs for reward / cost models (docs/algorithms.md)
 import collections
 import json
 
-from absl import app, flags
+from absl import flags
 
 from hfjax.data import prepare
+from launch import cli
 
 _TASK = flags.DEFINE_enum("task", None, list(prepare.TASKS), "task to generate", required=True)
 _N_TRAIN = flags.DEFINE_integer("n_train", 1000, "training prompts")
@@ -30,12 +31,11 @@ _CONFIG = flags.DEFINE_string(
 
 def main(argv):
     del argv
-    try:
-        config = json.loads(_CONFIG.value)
-    except json.JSONDecodeError as err:
-        raise app.UsageError(f"--task_config is not JSON: {err}") from err
-    if not isinstance(config, dict):
-        raise app.UsageError(f"--task_config must be a JSON object, got {_CONFIG.value}")
+    from hfjax import run_config
+
+    run_config.check_flags("prepare_data", {k: flags.FLAGS[k].value
+                                            for k in run_config.FLAG_KEYS["prepare_data"]})
+    config = json.loads(_CONFIG.value)
     paths = prepare.prepare(_TASK.value, _N_TRAIN.value, _N_TEST.value, _OUT.value,
                             seed=_SEED.value, config=config)
     import pyarrow.parquet as pq
@@ -54,4 +54,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main, "prepare_data")

@@ -11,9 +11,13 @@ the run resumed from (null: a fresh start) and whether SIGTERM cut it short.
 Everything the run writes goes under `--config.trainer.out_dir`: `metrics.jsonl` (one line per
 step), `tensorboard/`, `metrics.png`, `tokenizer/` and `checkpoints/<step>/`. Rerunning the same
 command continues from the newest readable checkpoint (`--config.trainer.resume=auto`, the
-default; `disable` starts fresh; a path resumes from that checkpoint). On SIGTERM the run
-finishes its current step, saves a checkpoint and exits with status 0; a second SIGTERM ends it
-at once.
+default; `disable` starts fresh; a path resumes from that checkpoint). On SIGTERM or Ctrl-C
+(SIGINT) the run finishes its current step, saves a checkpoint and exits (status 0 after SIGTERM,
+130 after Ctrl-C); a second signal ends it at once.
+
+Every setting is checked before anything is built or written (`hfjax.run_config`); a bad one,
+like any other mistake, ends the run with one line naming it (`launch.cli`; `--verbose` for
+tracebacks).
 """
 
 import json
@@ -22,21 +26,21 @@ import signal
 import sys
 import time
 
-from absl import app, flags, logging
+from absl import flags
 from ml_collections import config_flags
 
-from launch.common import setup_devices
+from hfjax.parallel import distributed
+from launch import cli
 
+DEFAULT_CONFIG = os.path.normpath(os.path.join(os.path.relpath(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__)))), "configs", "ppo_arith.py"))
+# No default here: cli.run supplies DEFAULT_CONFIG, so that the file is read when the flags are
+# parsed (where a bad file or override is one line) rather than when this module is imported.
 _CONFIG = config_flags.DEFINE_config_file(
-    "config", os.path.join(os.path.dirname(__file__), "..", "configs", "ppo_arith.py"),
-    "configuration file (configs/*.py)",
-)
-_DEVICES = flags.DEFINE_integer(
-    "cpu_devices",
-    1,
-    "simulated CPU devices when running on CPU, e.g. 8 to try placements and meshes on a laptop "
-    "(0: leave XLA_FLAGS alone)",
-)
+    "config", None, f"configuration file (configs/*.py; default {DEFAULT_CONFIG})")
+# --cpu_devices and the process flags (--coordinator_address, --num_processes, --process_id and
+# the timeouts) are shared by every entry point that can run on several hosts.
+distributed.define_flags()
 
 _STAGES = ("gen_greedy", "reward_greedy", "reward_greedy_model", "gen", "filter",
            "old_log_prob", "ref", "values", "cost_values", "reward", "reward_model", "cost", "adv",
@@ -89,7 +93,20 @@ class _Progress:
 
 def main(argv):
     del argv
-    setup_devices(_DEVICES.value)
+    from hfjax import run_config
+
+    cfg = _CONFIG.value
+    t = cfg.trainer
+    # Every setting, before JAX starts and before anything is written.
+    run_config.check_flags("train", {"cpu_devices": flags.FLAGS.cpu_devices})
+    run_config.check_config(cfg)
+    from launch import compile_cache
+
+    compile_cache.enable(t.compilation_cache_dir, "trainer.compilation_cache_dir")
+    # Before anything touches a JAX backend: the CPU device count, and on several hosts the
+    # jax.distributed join; then the meshes against the devices of all processes.
+    topo = distributed.initialize_from_flags()
+    distributed.check_config_meshes(cfg, topo)
     import jax
 
     if jax.default_backend() == "cpu":
@@ -98,26 +115,22 @@ def main(argv):
         jax.config.update("jax_cpu_enable_async_dispatch", False)
 
     from hfjax import metrics
-    from hfjax.checkpoint import RunCheckpointer, resume_source
-    from hfjax.trainer import Trainer, config_json
+    from hfjax.checkpoint import RunCheckpointer
+    from hfjax.trainer import Trainer, check_resume, config_json
 
-    cfg = _CONFIG.value
-    t = cfg.trainer
-    logging.set_verbosity(logging.WARNING)
     t_start = time.perf_counter()
     stop = _StopRequest()
     signal.signal(signal.SIGTERM, stop.on_signal)
+    signal.signal(signal.SIGINT, stop.on_signal)
     metrics.start_memory_tracking(t.jax_smi)
     ckpt_dir = os.path.join(t.out_dir, "checkpoints")
-    try:
-        trainer = Trainer(cfg)
-        # A resume setting that contradicts the out_dir, or names no checkpoint, is refused
-        # here, before anything runs or is written.
-        existing = RunCheckpointer(ckpt_dir, read_only=True) if os.path.isdir(ckpt_dir) else None
-        resume_source(existing, t.resume)
-    except (ValueError, FileNotFoundError) as err:  # config or data, found before building
-        raise SystemExit(f"hfjax: cannot start the run: {err}") from None
-    print(f"hfjax: {cfg.algorithm} on {jax.device_count()} {jax.devices()[0].platform} devices, "
+    # A resume that contradicts the out_dir, names no checkpoint, continues another algorithm's
+    # run or would append to a damaged metrics file is refused here, before anything is built.
+    existing = RunCheckpointer(ckpt_dir, read_only=True) if os.path.isdir(ckpt_dir) else None
+    if check_resume(cfg, existing, t.resume) and "jsonl" in metrics.parse_sink_names(t.logger):
+        metrics.read_jsonl(os.path.join(t.out_dir, metrics.JSONL_NAME))
+    trainer = Trainer(cfg)  # checks devices, data and rewards; builds, writes nothing
+    print(f"hfjax: {cfg.algorithm} on {topo.describe()}, "
           f"placement={cfg.placement}, actor mesh={cfg.actor.mesh}, out_dir={t.out_dir}",
           flush=True)
     ckpt = RunCheckpointer(ckpt_dir, max_to_keep=t.max_to_keep or None, async_save=t.async_save)
@@ -141,7 +154,7 @@ def main(argv):
         where = (f"checkpoint {os.path.join(ckpt_dir, str(result.step))}"
                  if os.path.isdir(os.path.join(ckpt_dir, str(result.step)))
                  else "no checkpoint (stopped in the warm start)")
-        print(f"SIGTERM: stopped at step {result.step}, {where}; rerun the same command to "
+        print(f"{stop.name}: stopped at step {result.step}, {where}; rerun the same command to "
               "resume", flush=True)
     last = progress.last
     if last:
@@ -167,22 +180,29 @@ def main(argv):
         "resumed_from": result.resumed_from,
         "preempted": result.preempted,
     }), flush=True)
+    if stop.name == "SIGINT":
+        sys.exit(cli.EXIT_INTERRUPTED)
 
 
 class _StopRequest:
-    """SIGTERM sets the request; the trainer checks it between steps, saves and returns. A
-    second SIGTERM is not caught, so it ends the process at once."""
+    """SIGTERM or SIGINT (Ctrl-C) sets the request; the trainer checks it between steps, saves
+    and returns. The signals are then no longer caught, so a second one ends the process at
+    once."""
 
     def __init__(self):
-        self._set = False
+        self.name: str | None = None
 
     def on_signal(self, signum, frame):
         del frame
-        self._set = True
-        signal.signal(signum, signal.SIG_DFL)
+        self.name = signal.Signals(signum).name
+        for s in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(s, signal.SIG_DFL)
+        # os.write, not print: the handler may run while the main thread is inside a print.
+        os.write(2, f"\n{self.name}: finishing the current step, then saving a checkpoint; "
+                    "send it again to stop at once\n".encode())
 
     def requested(self) -> bool:
-        return self._set
+        return self.name is not None
 
 
 def _fmt(x):
@@ -190,4 +210,4 @@ def _fmt(x):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main, "train", config_default=DEFAULT_CONFIG)

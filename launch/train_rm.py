@@ -15,35 +15,42 @@ import json
 import os
 import time
 
-from absl import app, flags, logging
+from absl import flags
 from ml_collections import config_flags
 
-from launch.common import setup_devices
+from hfjax.parallel import distributed
+from launch import cli
 
+DEFAULT_CONFIG = os.path.normpath(os.path.join(os.path.relpath(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__)))), "configs", "rm_arith.py"))
+# No default here: cli.run supplies DEFAULT_CONFIG (see launch/train.py).
 _CONFIG = config_flags.DEFINE_config_file(
-    "config", os.path.join(os.path.dirname(__file__), "..", "configs", "rm_arith.py"),
-    "configuration file (configs/*.py)",
-)
-_DEVICES = flags.DEFINE_integer("cpu_devices", 1, "simulated CPU devices when running on CPU "
-                                "(0: leave XLA_FLAGS alone)")
+    "config", None, f"configuration file (configs/*.py; default {DEFAULT_CONFIG})")
+# --cpu_devices and the process flags, as launch.train has them.
+distributed.define_flags()
 
 
 def main(argv):
     del argv
-    setup_devices(_DEVICES.value)
+    from hfjax import run_config
+
+    cfg = _CONFIG.value
+    # Every setting, before JAX starts and before anything is written.
+    run_config.check_flags("train_rm", {"cpu_devices": flags.FLAGS.cpu_devices})
+    run_config.check_config(cfg)
+    from launch import compile_cache
+
+    compile_cache.enable(cfg.trainer.compilation_cache_dir, "trainer.compilation_cache_dir")
+    topo = distributed.initialize_from_flags()
+    distributed.check_config_meshes(cfg, topo)
     import jax
 
     if jax.default_backend() == "cpu":
         jax.config.update("jax_cpu_enable_async_dispatch", False)  # see launch/train.py
     from hfjax.rm import RMTrainer
 
-    cfg = _CONFIG.value
-    logging.set_verbosity(logging.WARNING)
     t0 = time.perf_counter()
-    try:
-        trainer = RMTrainer(cfg)
-    except (ValueError, FileNotFoundError) as err:
-        raise SystemExit(f"hfjax: cannot start the reward-model run: {err}") from None
+    trainer = RMTrainer(cfg)  # a bad setting or file is one line (launch.cli)
     print(f"hfjax train_rm ({cfg.rm.target}): {trainer.train.summary()}", flush=True)
 
     def log(step, m):
@@ -72,4 +79,4 @@ def _round(x):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main, "train_rm", config_default=DEFAULT_CONFIG)

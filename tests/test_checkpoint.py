@@ -227,6 +227,24 @@ def test_fingerprint_sees_single_element_changes():
     assert ck.fingerprints({"x": sharded})["x"] == base
 
 
+@pytest.mark.parametrize("where", ["array", "state"])
+def test_a_checkpoint_is_never_written_with_non_finite_values(tmp_path, where):
+    mgr = ck.RunCheckpointer(str(tmp_path / "checkpoints"), async_save=False)
+    w = jax.numpy.ones((4, 3), jax.numpy.float32)
+    state = {"step": 1, "kl": 0.1}
+    if where == "array":
+        w = w.at[2, 1].set(jax.numpy.inf)
+    else:
+        state["kl"] = float("nan")
+    match = (r"actor_params/layer.w holds NaN or infinity" if where == "array"
+             else r"trainer state or config of step 1 holds NaN or infinity")
+    with pytest.raises(ck.NonFiniteCheckpoint, match=match):
+        mgr.save(1, {"actor_params": {"layer": {"w": w}}}, state, {"algorithm": "ppo"})
+    mgr.wait()
+    assert mgr.steps() == [] and not [p for p in os.listdir(mgr.directory) if p.startswith("1")]
+    mgr.close()
+
+
 def test_stop_during_the_warm_start_saves_nothing(tmp_path):
     c = tiny_config(tmp_path)
     c.sft.steps = 5

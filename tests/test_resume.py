@@ -4,10 +4,13 @@ resumed run's metrics JSONL must equal an uninterrupted run's bit for bit, leavi
 wall-clock keys (`timing_s/*`, `perf/throughput`, see `hfjax.metrics.is_timing_key`): every
 loss, reward, KL, entropy and validation accuracy after the resume is recomputed and compared.
 
+Ctrl-C (SIGINT) is checked the same way as SIGTERM; a second Ctrl-C ends the run at once.
+
 The job is tiny (one layer, hidden 64, 12 PPO steps with an adaptive KL controller so that its
-state matters) and the runs share a persistent XLA compilation cache, so after the first run
-each takes seconds. The exported actor is checked here as well: `python -m launch.export` on
-the uninterrupted run, loaded by transformers, gives hfjax's logits.
+state matters) and the runs share a persistent XLA compilation cache (the launcher's own,
+pointed at a temporary directory), so after the first run each takes seconds. The exported
+actor is checked here as well: `python -m launch.export` on the uninterrupted run, loaded by
+transformers, gives hfjax's logits.
 """
 
 import json
@@ -139,6 +142,37 @@ def test_sigterm_saves_exits_cleanly_and_resumes_exactly(tmp_path, env, referenc
     assert _comparable(out / "metrics.jsonl") == reference[1]
 
 
+def test_ctrl_c_saves_exits_cleanly_and_resumes_exactly(tmp_path, env, reference):
+    out = tmp_path / "run"
+    p = _start_and_wait(out, env, 3)
+    t0 = time.monotonic()
+    p.send_signal(signal.SIGINT)
+    assert p.wait(timeout=300) == 130  # the shell's code for Ctrl-C, after a clean stop
+    assert time.monotonic() - t0 < 240
+    log = open(str(out) + ".log").read()
+    lines = log.strip().splitlines()
+    summary = json.loads(lines[-1])
+    stopped = summary["step"]
+    assert summary["preempted"] and 3 <= stopped < TOTAL, summary
+    assert any(f"SIGINT: stopped at step {stopped}, checkpoint" in line for line in lines)
+    assert "Traceback" not in log and "KeyboardInterrupt" not in log
+    assert (out / "checkpoints" / str(stopped)).is_dir()
+    resumed_summary = _run(out, env)
+    assert resumed_summary["resumed_from"] == stopped
+    assert _comparable(out / "metrics.jsonl") == reference[1]
+
+
+def test_a_second_ctrl_c_ends_the_run_at_once(tmp_path, env, reference):
+    out = tmp_path / "run"
+    p = _start_and_wait(out, env, 2)
+    p.send_signal(signal.SIGINT)
+    time.sleep(0.2)
+    p.send_signal(signal.SIGINT)
+    t0 = time.monotonic()
+    assert p.wait(timeout=60) == -signal.SIGINT
+    assert time.monotonic() - t0 < 30
+
+
 def test_rerun_of_a_finished_job_does_nothing(reference, env):
     summary = _run(reference[0], env)
     assert summary["resumed_from"] == TOTAL and summary["step"] == TOTAL
@@ -185,7 +219,7 @@ def test_bad_config_stops_the_launcher_with_a_message(tmp_path, env):
     cmd = _cmd(tmp_path / "run") + ["--config.actor.ppo_mini_batch_size=7"]
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 1
-    assert "hfjax: cannot start the run: actor: mini-batch of 7 sequences" in p.stderr
+    assert "hfjax train: actor: mini-batch of 7 sequences" in p.stderr
     assert "Traceback" not in p.stderr
     assert not (tmp_path / "run").exists()  # nothing was written
 
@@ -197,6 +231,6 @@ def test_resume_disable_on_a_run_with_checkpoints_is_refused_before_anything_run
     cmd = _cmd(out) + ["--config.trainer.resume=disable"]
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 1
-    assert "hfjax: cannot start the run: trainer.resume=disable, but" in p.stderr
+    assert "hfjax train: trainer.resume=disable, but" in p.stderr
     assert "Traceback" not in p.stderr
     assert {p: p.stat().st_mtime_ns for p in out.rglob("*")} == before  # nothing touched

@@ -66,7 +66,11 @@ def _rg_stream(task: str, seed: int, config: dict, size: int) -> Iterator[dict]:
     while True:
         # Some generators precompute per-entry choices for the whole size, so the dataset is
         # made as large as needed and regrown (same seed) only if duplicates run it short.
-        ds = reasoning_gym.create_dataset(task, seed=seed, size=size, **config)
+        try:
+            ds = reasoning_gym.create_dataset(task, seed=seed, size=size, **config)
+        except (TypeError, ValueError, AssertionError) as err:  # reasoning-gym asserts, too
+            raise ValueError(f"task config {config} for {task!r}: {type(err).__name__}: {err}; "
+                             "give options the generator takes") from None
         for index in range(start, size):
             entry = ds[index]
             question = entry["question"].rstrip()
@@ -87,7 +91,10 @@ def _arith_stream(seed: int, config: dict) -> Iterator[dict]:
     size, start = 1024, 0
     while True:
         # problems() draws from one generator, so a longer list extends a shorter one.
-        rows = arith.problems(size, seed=seed, **config)
+        try:
+            rows = arith.problems(size, seed=seed, **config)
+        except TypeError as err:
+            raise ValueError(f"task config {config} for 'arith': {err}; it takes max_b") from None
         yield from rows[start:]
         start, size = size, size * 2
 

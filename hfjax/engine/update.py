@@ -10,6 +10,16 @@ Each loss function returns its micro-batch loss already weighted by the micro-ba
 the mini-batch normaliser (its share of the tokens for token-mean, of the sequences for a
 sequence mean), so the accumulated gradient is exactly the gradient of the mini-batch loss,
 whatever the micro-batch size.
+
+Non-finite numbers are caught inside the program (no host round trip; the trainer reads the
+flags with the step's metrics):
+- when the mini-batch loss or the gradient norm is NaN or infinite, the optimizer update is not
+  applied: the step returns its parameters and optimizer state as they were, `nonfinite` = 1;
+- when a finite gradient still makes a parameter non-finite (an update that overflows float32),
+  `nonfinite_params` = 1. That update has been applied: taking it back would need a copy of
+  the parameters and optimizer state alive through the update (measured: +1.25x the parameters'
+  bytes of temporary memory with a select), where a `lax.cond` on the loss and gradient norm
+  costs nothing. The trainer therefore ends the run on it.
 """
 
 from __future__ import annotations
@@ -45,7 +55,9 @@ def make_update_step(
 
     `loss_fn(params, micro_batch, totals)` returns (weighted loss, metrics dict of scalars);
     `normalisers(batch)` computes mini-batch totals (e.g. token counts) passed as `totals`.
-    Metrics are summed over micro-batches (they are weighted like the loss), plus `grad_norm`.
+    Metrics are summed over micro-batches (they are weighted like the loss), plus `grad_norm`,
+    `nonfinite` (1 when the update was not applied) and `nonfinite_params` (1 when the applied
+    update left a non-finite parameter), see the module docstring.
     """
 
     def step(params, opt_state, batch):
@@ -66,8 +78,19 @@ def make_update_step(
         m0.update({k: jnp.zeros(v.shape, v.dtype) for k, v in first[1].items()})
         (grads, metrics), _ = jax.lax.scan(body, (zeros, m0), micro)
         metrics["grad_norm"] = optax.tree_utils.tree_norm(grads)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
+        ok = jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"])
+
+        def apply(state):
+            p, s = state
+            updates, s = optimizer.update(grads, s, p)
+            p = optax.apply_updates(p, updates)
+            return p, s, jnp.logical_not(all_finite(p))
+
+        # A cond, not a select: the update still runs in place on the donated buffers.
+        params, opt_state, broke = jax.lax.cond(
+            ok, apply, lambda state: (*state, jnp.bool_(False)), (params, opt_state))
+        metrics["nonfinite"] = 1.0 - ok.astype(jnp.float32)
+        metrics["nonfinite_params"] = broke.astype(jnp.float32)
         return params, opt_state, metrics
 
     kw = {}
@@ -77,6 +100,14 @@ def make_update_step(
             out_shardings=(param_shardings, opt_shardings, None),
         )
     return jit(step, donate_argnums=(0, 1), **kw)
+
+
+def all_finite(tree: Any) -> jax.Array:
+    """True (a device scalar) when no floating-point leaf of `tree` holds a NaN or infinity."""
+    leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
+    if not leaves:
+        return jnp.bool_(True)
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
 
 
 def make_optimizer(

@@ -185,7 +185,8 @@ class ModelConfig:
             "hidden_act": "silu",
             "rms_norm_eps": self.rms_norm_eps,
             "rope_theta": self.rope_theta,
-            "rope_scaling": self.rope_scaling,
+            # A copy: consumers such as transformers normalise the dict in place.
+            "rope_scaling": dict(self.rope_scaling) if self.rope_scaling else None,
             "max_position_embeddings": self.max_position_embeddings,
             "tie_word_embeddings": self.tie_word_embeddings,
             "torch_dtype": self.param_dtype,

@@ -36,7 +36,8 @@ _MISSING = object()
 def open_gguf(path: str | os.PathLike[str]) -> GGUFReader:
     """Open a GGUF file for reading; returns a memory-mapped `gguf.GGUFReader`.
 
-    Raises FileNotFoundError for a missing path and ValueError for a file that is not GGUF.
+    Raises FileNotFoundError for a missing path, and ValueError for a file that is not GGUF or
+    that is truncated or damaged (the reader fails, or a tensor runs past the end of the file).
     """
     path = Path(path)
     if not path.is_file():
@@ -46,7 +47,19 @@ def open_gguf(path: str | os.PathLike[str]) -> GGUFReader:
         magic = f.read(4)
     if magic != b"GGUF":
         raise ValueError(f"{str(path)!r} is not a GGUF file: it starts with {magic!r}, not b'GGUF'")
-    reader = GGUFReader(path)
+    size = path.stat().st_size
+    try:
+        reader = GGUFReader(path)
+    except Exception as err:  # noqa: BLE001  (the reader fails in numpy on a short file)
+        raise ValueError(
+            f"{str(path)!r} is a truncated or damaged GGUF file ({size} bytes; reading it "
+            f"failed: {err}); download or copy it again") from None
+    for t in reader.tensors:
+        end = int(t.data_offset) + int(t.n_bytes)
+        if end > size:
+            raise ValueError(
+                f"{str(path)!r} is truncated: tensor {t.name} ends at byte {end}, the file has "
+                f"{size} bytes; download or copy it again")
     if reader.byte_order == "S":
         # Block scales are decoded as little-endian float16; a byte-swapped file would decode to
         # garbage rather than fail, so refuse it here.

@@ -8,6 +8,7 @@ one jitted concatenation whose output already has the final sharding.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -24,7 +25,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from hfjax.models import transformer
+from hfjax.models import presets, transformer
 from hfjax.models.config import ModelConfig
 from hfjax.parallel import sharding as shd
 
@@ -249,22 +250,37 @@ def _safetensor_files(path: str) -> list[str]:
     return [os.path.join(path, x) for x in files]
 
 
-def _iter_safetensors(files: list[str]) -> Iterator[tuple[str, np.ndarray]]:
-    from safetensors import safe_open
+@contextlib.contextmanager
+def _safe_open(fn: str):
+    """`safetensors.safe_open` whose failures (a short, damaged or foreign file) are ValueErrors
+    that say which file and whether it is truncated."""
+    from safetensors import SafetensorError, safe_open
 
+    try:
+        f = safe_open(fn, framework="np")
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{fn}: no such file (listed by the model's index?)") from None
+    except (SafetensorError, OSError) as err:
+        text = str(err)
+        what = ("is truncated" if "not fully covered" in text or "incomplete" in text
+                else "is not a safetensors file (or is damaged)")
+        raise ValueError(f"{fn} {what}: {text}; copy or convert the model again") from None
+    with f:
+        yield f
+
+
+def _iter_safetensors(files: list[str]) -> Iterator[tuple[str, np.ndarray]]:
     for fn in files:
-        with safe_open(fn, framework="np") as f:
+        with _safe_open(fn) as f:
             for name in f.keys():
                 yield name, f.get_tensor(name)
 
 
 def _check_safetensor_headers(files, cfg: ModelConfig, head: str, optional_hf: set[str]):
     """Validates names and shapes from the file headers before any tensor is read."""
-    from safetensors import safe_open
-
     found = {}
     for fn in files:
-        with safe_open(fn, framework="np") as f:
+        with _safe_open(fn) as f:
             for name in f.keys():
                 found[name] = tuple(f.get_slice(name).get_shape())
     want = expected_hf_tensors(cfg, head)
@@ -285,7 +301,10 @@ def _read_config(path: str) -> dict:
     if not os.path.exists(fn):
         raise FileNotFoundError(f"{path}: no config.json; is this an HF model directory?")
     with open(fn) as f:
-        return json.load(f)
+        try:
+            return json.load(f)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{fn} is not valid JSON ({err}); copy it again") from None
 
 
 def head_of(hf_config: dict) -> str:
@@ -311,23 +330,36 @@ def load(
     rules: str | dict = "train",
     replicate_indivisible: Iterable[str] = ("kv_heads",),
     require_head: bool = False,
+    seed: int = 0,
     **config_overrides,
 ) -> nnx.Module:
-    """Loads an HF directory or a `.gguf` file as an hfjax model.
+    """Loads an HF directory, a `.gguf` file or a preset (`"preset:NAME"`) as an hfjax model.
 
     `head` None takes it from the checkpoint: a `LlamaForSequenceClassification` /
     `Qwen2ForSequenceClassification` directory (one label) loads as a `ScoreModel`, whose
     `model(ids, attention_mask=mask)` gives one score per row, read at the last real token;
-    anything else as a `CausalLM`. With a mesh, parameters are placed in the training layout
-    (`rules`) of that mesh; without one, on the first device. `dtype` sets both the parameter
-    and the compute dtype. For the "value" and "score" heads, a causal-LM checkpoint provides
-    the backbone and the head starts fresh when the checkpoint has none, unless
-    `require_head` (then a missing `score.weight` is an error). Logical axes in
+    anything else (a GGUF file, a preset) as a `CausalLM`. With a mesh, parameters are placed
+    in the training layout (`rules`) of that mesh; without one, on the first device. `dtype`
+    sets both the parameter and the compute dtype (give `param_dtype=` as well for, e.g.,
+    bfloat16 compute over float32 weights). For the "value" and "score" heads, a causal-LM
+    checkpoint provides the backbone and the head starts fresh when the checkpoint has none,
+    unless `require_head` (then a missing `score.weight` is an error). Logical axes in
     `replicate_indivisible` are replicated, with a warning, where the mesh does not divide them
     (e.g. SmolLM2's 3 KV heads, or with ("kv_heads", "heads") its 9 query heads, on tensor=2);
     any other indivisible dimension is an error naming the tensor.
+
+    A preset (hfjax.models.presets, e.g. "preset:qwen2.5-7b") has no weights: it is that
+    architecture with random weights from `seed`, each parameter created directly in its
+    sharding. `config_overrides` change any ModelConfig field of it or of a checkpoint's config.
     """
     overrides = {"param_dtype": dtype, "dtype": dtype, **config_overrides}
+    if (name := presets.preset_name(path)) is not None:
+        head = head or "causal_lm"
+        if head != "causal_lm" and require_head:
+            raise ValueError(f"{path}: a preset has random weights, not a trained {head} head")
+        cfg = presets.get_preset(name).replace(**overrides)
+        return build_sharded(cfg, head=head, mesh=mesh, rules=rules, seed=seed,
+                             replicate_indivisible=replicate_indivisible)
     if str(path).endswith(".gguf"):
         from hfjax.models import gguf_io
 
@@ -362,13 +394,11 @@ def check_score_checkpoint(path: str, what: str = "path") -> None:
         raise ValueError(f"{what}={path!r} is not an HF model directory; a reward or cost model "
                          "is a *ForSequenceClassification directory (python -m launch.train_rm "
                          "writes one)")
-    from safetensors import safe_open
-
     hf = _read_config(path)
     head_of(hf)  # a multi-label classifier is refused here
     names = set()
     for fn in _safetensor_files(path):
-        with safe_open(fn, framework="np") as f:
+        with _safe_open(fn) as f:
             names.update(f.keys())
     if "score.weight" not in names:
         archs = hf.get("architectures") or ["?"]
@@ -383,6 +413,31 @@ def load_score(path: str, *, what: str = "path", **kw) -> nnx.Module:
     (`check_score_checkpoint`); keyword arguments go to `load`."""
     check_score_checkpoint(path, what)
     return load(path, head="score", require_head=True, **kw)
+
+
+def build_sharded(
+    cfg: ModelConfig,
+    *,
+    head: str = "causal_lm",
+    mesh: Mesh | None = None,
+    rules: str | dict = "train",
+    seed: int = 0,
+    replicate_indivisible: Iterable[str] = ("kv_heads",),
+) -> nnx.Module:
+    """A freshly initialised model whose parameters are created in their shardings.
+
+    Initialisation runs as one jitted program with the layout's shardings as outputs, so no
+    device (and not the host) ever holds the whole model: an 8B preset on 8 devices allocates
+    an eighth of it on each. The values are `transformer.build(cfg, head, seed)`'s (to float32
+    rounding: the jitted initialiser fuses its scaling differently).
+    """
+    if mesh is None:
+        mesh = Mesh(np.array(jax.devices()[:1]).reshape(1), ("data",))
+    lay = shd.layout(mesh, rules, replicate_indivisible=tuple(replicate_indivisible))
+    graphdef, abs_state = nnx.split(transformer.abstract(cfg, head))
+    init = jax.jit(lambda: nnx.split(transformer.build(cfg, head, seed))[1],
+                   out_shardings=lay.state_shardings(abs_state))
+    return nnx.merge(graphdef, init())
 
 
 def iter_hf_tensors(model: nnx.Module) -> Iterator[tuple[str, np.ndarray]]:

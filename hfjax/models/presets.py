@@ -1,10 +1,49 @@
-"""Named model shapes: a tiny test size and the common open models hfjax targets.
+"""Named model shapes: a tiny test size and the public architectures hfjax targets.
 
-Each preset is the architecture only (no weights); `ModelConfig.replace` changes numerics or
-execution flags, e.g. `PRESETS["smollm2-135m"].replace(dtype="bfloat16")`.
+Each preset is the architecture only (no weights). `load("preset:NAME")` builds one with random
+weights, sharded straight onto a mesh; `abstract_state("NAME")` gives its parameters as
+`jax.ShapeDtypeStruct`s without allocating anything (what a dry run compiles from).
+`ModelConfig.replace` changes numerics or execution flags, e.g.
+`get_preset("qwen2.5-7b").replace(dtype="bfloat16")`.
+
+The public presets copy the shape fields of each model's published `config.json` (the base
+model's; the -Instruct variants share every shape and differ in `eos_token_id`,
+`max_position_embeddings` and, for Qwen2.5-32B/-72B, `rms_norm_eps`=1e-6). The family flags
+come with the model_type: q/k/v biases for qwen2, q/k RMSNorm for qwen3. Llama-3.1 uses llama3
+RoPE scaling. Qwen3-32B's attention width (64 heads x 128) is larger than its hidden size 5120,
+which is why `head_dim` is always explicit.
 """
 
+from __future__ import annotations
+
 from hfjax.models.config import ModelConfig
+
+_LLAMA31_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+
+
+def _qwen2(**kw) -> ModelConfig:
+    return ModelConfig(model_type="qwen2", attention_bias=True, rope_theta=1000000.0,
+                       bos_token_id=151643, eos_token_id=151643, **kw)
+
+
+def _qwen3(**kw) -> ModelConfig:
+    return ModelConfig(model_type="qwen3", qk_norm=True, vocab_size=151936, head_dim=128,
+                       rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=40960,
+                       tie_word_embeddings=False, bos_token_id=151643, eos_token_id=151645, **kw)
+
+
+def _llama31(**kw) -> ModelConfig:
+    return ModelConfig(model_type="llama", vocab_size=128256, head_dim=128, rms_norm_eps=1e-5,
+                       rope_theta=500000.0, rope_scaling=dict(_LLAMA31_ROPE),
+                       max_position_embeddings=131072, tie_word_embeddings=False,
+                       bos_token_id=128000, eos_token_id=128001, **kw)
+
 
 PRESETS: dict[str, ModelConfig] = {
     "tiny": ModelConfig(
@@ -16,27 +55,43 @@ PRESETS: dict[str, ModelConfig] = {
         num_heads=9, num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5, rope_theta=100000.0,
         max_position_embeddings=8192, tie_word_embeddings=True,
     ),
-    "qwen2.5-0.5b": ModelConfig(
-        vocab_size=151936, hidden_size=896, intermediate_size=4864, num_layers=24,
-        num_heads=14, num_kv_heads=2, head_dim=64, model_type="qwen2", attention_bias=True,
-        rope_theta=1000000.0, max_position_embeddings=32768, tie_word_embeddings=True,
-    ),
-    "qwen2.5-1.5b": ModelConfig(
-        vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_layers=28,
-        num_heads=12, num_kv_heads=2, head_dim=128, model_type="qwen2", attention_bias=True,
-        rope_theta=1000000.0, max_position_embeddings=32768, tie_word_embeddings=True,
-    ),
-    "qwen2.5-7b": ModelConfig(
-        vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_layers=28,
-        num_heads=28, num_kv_heads=4, head_dim=128, model_type="qwen2", attention_bias=True,
-        rope_theta=1000000.0, max_position_embeddings=32768, tie_word_embeddings=False,
-    ),
+    # Llama-3 8B (no RoPE scaling, 8K context): the shapes of Llama-3.1-8B.
     "llama3-8b": ModelConfig(
         vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
         num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0,
         max_position_embeddings=8192, tie_word_embeddings=False,
     ),
+    "llama3.1-8b": _llama31(hidden_size=4096, intermediate_size=14336, num_layers=32,
+                            num_heads=32, num_kv_heads=8),
+    "llama3.1-70b": _llama31(hidden_size=8192, intermediate_size=28672, num_layers=80,
+                             num_heads=64, num_kv_heads=8),
+    "qwen2.5-0.5b": _qwen2(vocab_size=151936, hidden_size=896, intermediate_size=4864,
+                           num_layers=24, num_heads=14, num_kv_heads=2, head_dim=64,
+                           rms_norm_eps=1e-6, max_position_embeddings=32768,
+                           tie_word_embeddings=True),
+    "qwen2.5-1.5b": _qwen2(vocab_size=151936, hidden_size=1536, intermediate_size=8960,
+                           num_layers=28, num_heads=12, num_kv_heads=2, head_dim=128,
+                           rms_norm_eps=1e-6, max_position_embeddings=32768,
+                           tie_word_embeddings=True),
+    "qwen2.5-7b": _qwen2(vocab_size=152064, hidden_size=3584, intermediate_size=18944,
+                         num_layers=28, num_heads=28, num_kv_heads=4, head_dim=128,
+                         rms_norm_eps=1e-6, max_position_embeddings=131072,
+                         tie_word_embeddings=False),
+    "qwen2.5-32b": _qwen2(vocab_size=152064, hidden_size=5120, intermediate_size=27648,
+                          num_layers=64, num_heads=40, num_kv_heads=8, head_dim=128,
+                          rms_norm_eps=1e-5, max_position_embeddings=131072,
+                          tie_word_embeddings=False),
+    "qwen2.5-72b": _qwen2(vocab_size=152064, hidden_size=8192, intermediate_size=29568,
+                          num_layers=80, num_heads=64, num_kv_heads=8, head_dim=128,
+                          rms_norm_eps=1e-5, max_position_embeddings=131072,
+                          tie_word_embeddings=False),
+    "qwen3-8b": _qwen3(hidden_size=4096, intermediate_size=12288, num_layers=36, num_heads=32,
+                       num_kv_heads=8),
+    "qwen3-32b": _qwen3(hidden_size=5120, intermediate_size=25600, num_layers=64, num_heads=64,
+                        num_kv_heads=8),
 }
+
+PRESET_PREFIX = "preset:"
 
 
 def get_preset(name: str) -> ModelConfig:
@@ -44,3 +99,32 @@ def get_preset(name: str) -> ModelConfig:
     if name not in PRESETS:
         raise ValueError(f"unknown model preset {name!r}; known: {', '.join(sorted(PRESETS))}")
     return PRESETS[name]
+
+
+def preset_name(path: str) -> str | None:
+    """NAME for a model path 'preset:NAME', None for any other path."""
+    path = str(path)
+    return path[len(PRESET_PREFIX):].strip() if path.startswith(PRESET_PREFIX) else None
+
+
+def abstract_state(preset: str | ModelConfig, head: str = "causal_lm"):
+    """The parameters of a preset (or config) as an nnx State of ShapeDtypeStructs.
+
+    Nothing is allocated: the model is traced under `nnx.eval_shape`, so even a 70B preset
+    takes a moment and no memory.
+    """
+    from flax import nnx
+
+    from hfjax.models import transformer
+
+    cfg = get_preset(preset) if isinstance(preset, str) else preset
+    return nnx.state(transformer.abstract(cfg, head), nnx.Param)
+
+
+def param_bytes(preset: str | ModelConfig, head: str = "causal_lm") -> int:
+    """Total parameter bytes of a preset (or config) in its param_dtype, from abstract shapes."""
+    import jax
+    import numpy as np
+
+    leaves = jax.tree.leaves(abstract_state(preset, head))
+    return int(sum(np.prod(x.shape) * np.dtype(x.dtype).itemsize for x in leaves))

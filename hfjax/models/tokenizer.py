@@ -177,7 +177,11 @@ class Tokenizer:
                 f"no tokenizer.json in {str(path)!r}; hfjax needs a fast (tokenizers) tokenizer "
                 "file. Re-save it with transformers' AutoTokenizer(...).save_pretrained()"
             )
-        backend = tokenizers.Tokenizer.from_file(str(tokenizer_file))
+        try:
+            backend = tokenizers.Tokenizer.from_file(str(tokenizer_file))
+        except Exception as err:  # noqa: BLE001  (the tokenizers library raises plain Exception)
+            raise ValueError(f"{tokenizer_file} is damaged or not a tokenizers file ({err}); "
+                             "copy it again or re-save the tokenizer") from None
         config = _read_json(path / "tokenizer_config.json")
         special_map = _read_json(path / "special_tokens_map.json")
 
@@ -428,7 +432,10 @@ def _read_json(path: Path) -> dict[str, Any]:
     if not path.is_file():
         return {}
     with open(path, encoding="utf-8") as f:
-        return json.load(f)
+        try:
+            return json.load(f)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path} is not valid JSON ({err}); copy it again") from None
 
 
 def _write_json(path: Path, value: dict[str, Any]) -> None:
@@ -442,6 +449,10 @@ def load_tokenizer(path: str | os.PathLike[str]) -> Tokenizer:
 
     A directory without `tokenizer.json` but with exactly one `.gguf` file uses that file.
     """
+    if str(path).startswith("preset:"):
+        raise ValueError(
+            f"model path {str(path)!r} is an architecture with random weights and no tokenizer; "
+            "take the tokenizer from an HF directory or .gguf file, or from the task")
     path = Path(path)
     if path.is_file():
         if path.suffix != ".gguf":

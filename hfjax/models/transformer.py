@@ -13,6 +13,7 @@ critic) and `ScoreModel` (one scalar per sequence, a reward or cost model).
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -144,8 +145,52 @@ class Layers(nnx.Module):
         return {k: v[...] for k, v in vars(self).items() if isinstance(v, nnx.Param)}
 
 
+def matmul(x: jax.Array, w: jax.Array, dtype, out_dtype=None) -> jax.Array:
+    """x [M, K] @ w [K, N] with both operands in the compute `dtype`, result in `out_dtype`
+    (default: `dtype`).
+
+    Below float32 the products are accumulated in float32, forward and backward, and the weight
+    gradient comes back in w's dtype (the float32 master). Plain autodiff of a
+    float32-accumulating dot would hand the backward pass a float32 cotangent, and both its
+    matmuls would run in float32: the slow path on GPUs and TPUs, and for the LM head the
+    largest matmuls of the model. On XLA:CPU with AMX, bf16 x bf16 -> f32 dots of this [M, K] x
+    [K, N] form run 2-4x faster than float32, while a plain bf16 -> bf16 dot, and dots with a
+    transposed operand such as the backward pass's, run no faster than float32
+    (bench/precision_matmul.py).
+    """
+    dtype = jnp.dtype(dtype)
+    out_dtype = dtype if out_dtype is None else jnp.dtype(out_dtype)
+    if dtype == jnp.float32:
+        return (x.astype(dtype) @ w.astype(dtype)).astype(out_dtype)
+    return _low_precision_matmul(x, w, dtype, out_dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _low_precision_matmul(x, w, dtype, out_dtype):
+    return _low_precision_matmul_fwd(x, w, dtype, out_dtype)[0]
+
+
+def _low_precision_matmul_fwd(x, w, dtype, out_dtype):
+    xc, wc = x.astype(dtype), w.astype(dtype)
+    y = jnp.dot(xc, wc, preferred_element_type=jnp.float32).astype(out_dtype)
+    # Empty arrays carry the primal dtypes to the backward pass (residuals must be arrays).
+    return y, (xc, wc, jnp.empty((0,), x.dtype), jnp.empty((0,), w.dtype))
+
+
+def _low_precision_matmul_bwd(dtype, out_dtype, res, g):
+    del out_dtype
+    xc, wc, x_dtype, w_dtype = res
+    gc = g.astype(dtype)
+    dx = jnp.dot(gc, wc.T, preferred_element_type=jnp.float32).astype(x_dtype.dtype)
+    dw = jnp.dot(xc.T, gc, preferred_element_type=jnp.float32).astype(w_dtype.dtype)
+    return dx, dw
+
+
+_low_precision_matmul.defvjp(_low_precision_matmul_fwd, _low_precision_matmul_bwd)
+
+
 def _proj(cfg: ModelConfig, p, x: jax.Array, name: str, out_shape: tuple[int, ...]) -> jax.Array:
-    """x [B, T, in] times parameter `name` as one 2-D [B*T, in] x [in, out] matmul.
+    """x [B, T, in] times parameter `name` as one 2-D [B*T, in] x [in, out] `matmul`.
 
     As [B, T, D] einsums, XLA:CPU forms the weight gradients through strided transposes of
     [B, T, out] activations fused with their producers; with other jobs on the cores those made
@@ -153,8 +198,8 @@ def _proj(cfg: ModelConfig, p, x: jax.Array, name: str, out_shape: tuple[int, ..
     docs/benchmarks.md, "Peers").
     """
     B, T = x.shape[:2]
-    w = p[name].astype(cfg.jnp_dtype)
-    flat = x.reshape(B * T, -1) @ w.reshape(-1, math.prod(out_shape))
+    w = p[name].reshape(-1, math.prod(out_shape))
+    flat = matmul(x.reshape(B * T, -1), w, cfg.jnp_dtype)
     return flat.reshape(B, T, *out_shape)
 
 
@@ -332,15 +377,20 @@ class CausalLM(nnx.Module):
             self.lm_head = _param(rngs, cfg, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"))
 
     def logits(self, hidden: jax.Array) -> jax.Array:
-        """Float32 logits [..., V] from final hidden states."""
-        dt = self.config.jnp_dtype
+        """Float32 logits [..., V] from final hidden states.
+
+        The head multiplies in the compute dtype but accumulates and returns float32: with
+        bfloat16 compute, a bfloat16 result would round every logit to 8 significant bits
+        (~0.03 at logit 8) before the log-probs that enter the PPO ratio are taken.
+        """
         # A 2-D matmul, for the reason given in `_proj`.
         flat = hidden.reshape(-1, hidden.shape[-1])
         if self.config.tie_word_embeddings:
-            out = flat @ self.model.embed_tokens[...].astype(dt).T
+            w = self.model.embed_tokens[...].T
         else:
-            out = flat @ self.lm_head[...].astype(dt)
-        return out.reshape(*hidden.shape[:-1], -1).astype(jnp.float32)
+            w = self.lm_head[...]
+        out = matmul(flat, w, self.config.jnp_dtype, jnp.float32)
+        return out.reshape(*hidden.shape[:-1], -1)
 
     def __call__(self, input_ids, attention_mask=None, **kw):
         """Logits [B, T, V]; with `cache=` also returns the updated cache."""
@@ -360,7 +410,9 @@ class ValueModel(nnx.Module):
     def __call__(self, input_ids, attention_mask=None, **kw):
         hidden, _ = self.model(input_ids, attention_mask, **kw)
         w = self.score[...].astype(hidden.dtype)
-        return jnp.einsum("btd,do->bto", hidden, w)[..., 0].astype(jnp.float32)
+        # Accumulated and returned in float32, like the logits: values feed GAE directly.
+        return jnp.einsum("btd,do->bto", hidden, w,
+                          preferred_element_type=jnp.float32)[..., 0]
 
 
 class ScoreModel(nnx.Module):
@@ -382,7 +434,8 @@ class ScoreModel(nnx.Module):
         T = input_ids.shape[1]
         last = T - 1 - jnp.argmax(attention_mask[:, ::-1].astype(jnp.int32), axis=1)
         h_last = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]
-        return (h_last @ self.score[...].astype(hidden.dtype))[:, 0].astype(jnp.float32)
+        w = self.score[...].astype(hidden.dtype)
+        return jnp.dot(h_last, w, preferred_element_type=jnp.float32)[:, 0]
 
 
 HEADS = {"causal_lm": CausalLM, "value": ValueModel, "score": ScoreModel}

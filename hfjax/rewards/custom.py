@@ -4,8 +4,11 @@ The function has verl's signature `fn(data_source, solution_str, ground_truth, e
 returns a float or a dict with a "score" key. As in verl, a custom function replaces the
 built-in rewards for every data source.
 
-The loaded function carries its spec (`__hfjax_spec__`), so a reward scorer process can load
-the same file again instead of receiving the function itself.
+The controller never imports the file: `CustomReward` stands for it, checked by `check_spec`
+(the spec's form, the file exists) and carrying its spec (`__hfjax_spec__`), so that the reward
+scorer processes import the file themselves, under the reward timeout (`hfjax.rewards.pool`).
+A file that hangs or fails while importing therefore cannot hang or crash the controller. Only
+`reward.num_processes=0` (scoring in the controller) imports it here, on the first call.
 """
 
 from __future__ import annotations
@@ -32,6 +35,38 @@ def parse_spec(spec: str) -> tuple[Path, str]:
     return Path(os.path.expanduser(path)).resolve(), name
 
 
+def check_spec(spec: str) -> tuple[Path, str]:
+    """(file, function name) of `spec`, checked without importing the file: the spec's form,
+    and that the file exists; ValueError naming the problem otherwise."""
+    path, name = parse_spec(spec)
+    if not path.is_file():
+        raise ValueError(f"reward.custom_fn {spec!r}: file {path} does not exist")
+    return path, name
+
+
+class CustomReward:
+    """A custom reward function named by its spec; the file is imported on the first call in
+    this process (scorer processes load it by the spec instead, see the module docstring)."""
+
+    def __init__(self, spec: str):
+        path, name = check_spec(spec)
+        self.spec = f"{path}:{name}"
+        setattr(self, SPEC_ATTR, self.spec)
+        self.__name__ = self.__qualname__ = name
+
+    def __call__(self, data_source, solution_str, ground_truth, extra_info):
+        return load_custom_reward(self.spec)(data_source, solution_str, ground_truth, extra_info)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, CustomReward) and other.spec == self.spec
+
+    def __hash__(self) -> int:
+        return hash(self.spec)
+
+    def __repr__(self) -> str:
+        return f"CustomReward({self.spec!r})"
+
+
 @functools.cache
 def _load_module(path: Path):
     # The module gets a name derived from its path, so two files with the same base name load
@@ -51,10 +86,9 @@ def _load_module(path: Path):
 
 
 def load_custom_reward(spec: str) -> RewardFn:
-    """The function named by `spec`; ValueError naming the missing file or function."""
-    path, name = parse_spec(spec)
-    if not path.is_file():
-        raise ValueError(f"reward.custom_fn {spec!r}: file {path} does not exist")
+    """The function named by `spec`, importing its file in this process; ValueError naming the
+    missing file or function, or what importing it raised."""
+    path, name = check_spec(spec)
     try:
         module = _load_module(path)
     except ValueError:

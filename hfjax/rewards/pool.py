@@ -140,6 +140,60 @@ class RewardPool:
         refs = [reference(fn) for fn in fns]
         return self._map_processes(refs, args)
 
+    def preload(self, fn, timeout_s: float | None = None) -> None:
+        """Imports `fn` in every scorer process, starting them, before any call is made.
+
+        Each process's import must finish within `timeout_s` (default: the per-call timeout)
+        once the process is up. Raises ValueError naming the function when an import raises or
+        runs out of time (that process is ended); a no-op with num_processes=0. This is how a
+        custom reward file is checked: only the scorers import it, so a file that hangs while
+        importing ends here, in bounded time, instead of hanging the controller.
+        """
+        if self.num_processes == 0:
+            return
+        ref = reference(fn)
+        limit = self.timeout_s if timeout_s is None else float(timeout_s)
+        while len(self._procs) < self.num_processes:
+            self._procs.append(_Scorer(self._env))
+        pending: dict[int, tuple[_Scorer, int]] = {}
+        for w in self._procs:
+            rid = self._next_id
+            self._next_id += 1
+            w.send({"id": rid, "fn": list(ref)})
+            # Until the process says it is importing, it is starting up: the longer limit.
+            w.deadline = time.monotonic() + self.load_timeout_s
+            pending[w.fd] = (w, rid)
+        problem = None
+        while pending and problem is None:
+            wait = max(0.0, min(w.deadline for w, _ in pending.values()) - time.monotonic())
+            ready, _, _ = select.select(list(pending), [], [], wait)
+            for fd in ready:
+                w, rid = pending[fd]
+                msgs = w.messages()
+                if msgs is None:
+                    problem = f"its scorer process exited with code {w.proc.wait()}"
+                    break
+                for msg in (m for m in msgs if m["id"] == rid):
+                    if msg["event"] == "loading":
+                        w.deadline = time.monotonic() + limit
+                    elif msg["event"] == "loaded":
+                        del pending[fd]
+                    else:
+                        problem = msg["error"].removeprefix("loading the reward: ")
+            if problem is None and any(time.monotonic() >= w.deadline
+                                       for w, _ in pending.values()):
+                problem = (f"importing it took longer than {limit:g} s (reward.timeout_s); a "
+                           "reward file must import quickly: move slow setup into the function "
+                           "or raise reward.timeout_s")
+        if problem is not None:
+            for w, _ in pending.values():  # stuck or broken: end them, map starts fresh ones
+                w.kill()
+            self._procs = [w for w in self._procs if w.proc.poll() is None]
+            if problem.startswith("reward.custom_fn"):
+                raise ValueError(problem)
+            what = f"reward.custom_fn {ref[1]!r}" if ref[0] == "file" else f"reward {ref[-1]}"
+            raise ValueError(f"{what}: {problem}")
+
     def _map_processes(self, refs: list[FnRef], args: Sequence[tuple]) -> list[Outcome]:
         out: list[Outcome | None] = [None] * len(refs)
         todo = deque(range(len(refs)))

@@ -87,9 +87,9 @@ def resolve_reward(
     """The Reward for a row (see the module docstring for the order); ValueError naming the
     known sources when nothing matches."""
     if custom_fn:
-        from hfjax.rewards.custom import load_custom_reward
+        from hfjax.rewards.custom import CustomReward
 
-        return Reward(load_custom_reward(custom_fn))
+        return Reward(CustomReward(custom_fn))  # imported where it is called, not here
     _load_builtin()
     if style and style not in _GENERIC_STYLES and style in _STYLES:
         return _STYLES[style]

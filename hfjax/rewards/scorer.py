@@ -7,6 +7,9 @@ started with:
   measures the call and not the import;
 - then `{"id", "event": "done", "score": float}` or `{"id", "event": "error", "error": str}`.
 
+A request without "args" only imports the function: it answers `{"id", "event": "loading"}`,
+then `{"id", "event": "loaded"}` or an error (the pool's `preload`, which times the import).
+
 The function's own prints go to stderr (fd 1 is pointed there), so nothing it writes can be
 mistaken for an answer. Functions are named, never pickled. A watchdog thread ends the process
 when its parent dies, even while a reward function hangs.
@@ -78,10 +81,18 @@ def main() -> None:
     for line in sys.stdin:
         req = json.loads(line)
         rid = req["id"]
+        load_only = "args" not in req
+        if load_only:
+            send({"id": rid, "event": "loading"})  # the pool times the import from here
         try:
             fn = resolve(req["fn"])
         except BaseException as err:  # noqa: B036  (report anything, keep serving)
-            send({"id": rid, "event": "error", "error": f"loading the reward: {_describe(err)}"})
+            # A load-only request's error is shown to the user as it is (it names the file).
+            text = str(err) if load_only and isinstance(err, ValueError) else _describe(err)
+            send({"id": rid, "event": "error", "error": f"loading the reward: {text}"})
+            continue
+        if load_only:
+            send({"id": rid, "event": "loaded"})
             continue
         send({"id": rid, "event": "start"})
         try:

@@ -201,6 +201,10 @@ class ActorRollout(Reference):
             "actor/pg_clipfrac": clipfrac * weight,
             "actor/ppo_kl": ppo_kl * weight,
             "actor/pg_clipfrac_lower": clipfrac_lower * weight,
+            # The mini-batch's mean token entropy, whatever the aggregation mode: how close the
+            # policy is to uniform (hfjax.health).
+            "actor/token_entropy": core.masked_sum(jax.lax.stop_gradient(ent), mask)
+            / totals["tokens"],
         }
         if a.use_kl_loss:
             kld = losses.kl_penalty(lp, mb["ref_log_prob"], a.kl_loss_type)
@@ -238,6 +242,8 @@ class ActorRollout(Reference):
         m = self.train(self._policy_loss, batch, keys, mini=mini, micro=a.ppo_micro_batch_size,
                        epochs=a.ppo_epochs, shuffle=a.shuffle)
         m["actor/grad_norm"] = m.pop("grad_norm")
+        m["actor/nonfinite_updates"] = m.pop("nonfinite")
+        m["actor/nonfinite_params"] = m.pop("nonfinite_params")
         m.pop("loss")
         return m
 
@@ -264,7 +270,9 @@ class ActorRollout(Reference):
         keys = ["input_ids", "attention_mask", "responses", "response_mask"]
         m = self.train(self._sft_loss, batch, keys, mini=len(batch), micro=micro, epochs=1,
                        shuffle=False)
-        return {"sft/loss": m["loss"], "sft/grad_norm": m["grad_norm"]}
+        return {"sft/loss": m["loss"], "sft/grad_norm": m["grad_norm"],
+                "sft/nonfinite_updates": m["nonfinite"],
+                "sft/nonfinite_params": m["nonfinite_params"]}
 
 
 def trim_responses(out: GenerateOutput) -> GenerateOutput:

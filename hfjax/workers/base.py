@@ -100,7 +100,9 @@ class WorkerGroup:
     def train(self, loss_fn, batch: Batch, keys, *, mini: int, micro: int, epochs: int,
               shuffle: bool, normalisers=update.normalisers) -> dict[str, jax.Array]:
         """Runs `epochs` passes of micro-batched updates of `loss_fn` over mini-batches of
-        `batch`; returns the metrics averaged over the steps (device scalars, not fetched).
+        `batch`; returns the metrics averaged over the steps (device scalars, not fetched),
+        except `nonfinite` and `nonfinite_params`: the number of updates not applied, and of
+        those that left a non-finite parameter (`hfjax.engine.update`).
         `normalisers(mini_batch)` gives the totals the loss divides by (default: response
         tokens and sequences)."""
         update.check_mini_batching(len(batch), mini, micro, self.dp_size, self.name)
@@ -121,7 +123,10 @@ class WorkerGroup:
             sums = m if not sums else jax.tree.map(jnp.add, sums, m)
             count += 1
         self._train_calls += 1
-        return _divide(sums, count)
+        out = _divide(sums, count)
+        out["nonfinite"] = sums["nonfinite"]
+        out["nonfinite_params"] = sums["nonfinite_params"]
+        return out
 
     @property
     def dp_size(self) -> int:

@@ -74,7 +74,10 @@ class Critic(WorkerGroup):
         keys = ["input_ids", "attention_mask", "responses", "response_mask", "values", "returns"]
         out = self.train(self._loss, batch, keys, mini=c.ppo_mini_batch_size * self.n_samples,
                          micro=c.ppo_micro_batch_size, epochs=c.ppo_epochs, shuffle=c.shuffle)
-        out[f"{self.METRICS}/grad_norm"] = out.pop("grad_norm")
+        p = self.METRICS
+        out[f"{p}/grad_norm"] = out.pop("grad_norm")
+        out[f"{p}/nonfinite_updates"] = out.pop("nonfinite")
+        out[f"{p}/nonfinite_params"] = out.pop("nonfinite_params")
         out.pop("loss")
         return out
 

@@ -19,6 +19,7 @@ from jax.sharding import Mesh
 
 from hfjax.controller.batch import Batch
 from hfjax.controller.protocol import ON_HOST, method
+from hfjax.rewards.custom import load_custom_reward
 from hfjax.rewards.pool import ERROR, OK, TIMEOUT, RewardPool, shared_pool
 from hfjax.rewards.registry import get_reward_fn
 
@@ -65,11 +66,18 @@ class RuleReward:
         self.mesh = None  # computes on the host
         self.home = home
         self.custom_fn = custom_fn or None
-        if self.custom_fn:
-            get_reward_fn("", custom_fn=self.custom_fn)  # a bad spec fails here, not mid-run
         self.pool = pool if pool is not None else shared_pool(num_processes, timeout_s)
         self.default_weights = (float(rule_weight), float(model_weight))
         self.sources = dict(sources or {})
+        if self.custom_fn:
+            # A bad spec, or a file that fails or hangs while importing, fails here, before any
+            # work: the scorer processes import it under the timeout (the controller never
+            # does, unless it scores in-process).
+            fn = get_reward_fn("", custom_fn=self.custom_fn)
+            if self.pool.num_processes:
+                self.pool.preload(fn)
+            else:
+                load_custom_reward(self.custom_fn)
         self.failures = 0
         self.timeouts = 0
         self._since_pop = {"reward/failures": 0, "reward/timeouts": 0}

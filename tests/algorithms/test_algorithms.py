@@ -157,8 +157,8 @@ BAD = {
         r"algorithm 'drgrpo' runs with algo.norm_adv_by_std_in_grpo=False"),
     "kl-without-reference": (_set(algorithm=USER_ALGO, algo__adv_estimator="user_centered",
                                   rollout__n=4, actor__ppo_micro_batch_size=16),
-                             r"algorithm 'user_grpo_probe' has no reference model, so it cannot "
-                             r"take a KL term"),
+                             r"algorithm 'user_grpo_probe' has no reference policy, so it has "
+                             r"no KL term"),
     "reward-sources": (_set(reward__sources="hfjax/arith=rules:1"),
                        r"reward.sources item 'hfjax/arith=rules:1': write"),
 }

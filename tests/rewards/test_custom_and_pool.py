@@ -1,12 +1,16 @@
 """Custom reward loading, and the scorer pool's handling of functions that raise or hang."""
 
+import os
+import sys
 import time
 
 import pytest
 
-from hfjax.rewards.custom import load_custom_reward
+from hfjax.data import arith
+from hfjax.rewards.custom import CustomReward, load_custom_reward
 from hfjax.rewards.pool import ERROR, OK, TIMEOUT, RewardPool, reference
 from hfjax.rewards.registry import get_reward_fn
+from hfjax.workers.reward import RuleReward
 
 REWARDS = '''
 import os
@@ -60,8 +64,58 @@ def pool():
 def test_load_custom_reward(rewards_file):
     fn = load_custom_reward(f"{rewards_file}:exact")
     assert fn("d", "42", "42", None)["score"] == 1.0
-    # A custom function replaces the built-ins for every data source.
-    assert get_reward_fn("openai/gsm8k", custom_fn=f"{rewards_file}:exact") is fn
+    # A custom function replaces the built-ins for every data source; the registry names it
+    # (CustomReward) without importing it, and calling that loads the same function.
+    ref = get_reward_fn("openai/gsm8k", custom_fn=f"{rewards_file}:exact")
+    assert isinstance(ref, CustomReward) and ref("d", "42", "42", None)["score"] == 1.0
+    assert reference(ref) == reference(fn) == ("file", f"{rewards_file}:exact")
+
+
+HANGS_ON_IMPORT = """
+import os
+import time
+
+open(os.environ["MARKER"], "w").write(str(os.getpid()))
+while True:
+    time.sleep(0.05)
+
+
+def fn(data_source, solution_str, ground_truth, extra_info):
+    return 1.0
+"""
+
+
+def test_a_reward_file_that_hangs_on_import_cannot_hang_the_controller(tmp_path, monkeypatch):
+    path = tmp_path / "hangs.py"
+    path.write_text(HANGS_ON_IMPORT)
+    marker = tmp_path / "imported_by"
+    monkeypatch.setenv("MARKER", str(marker))  # the scorer processes inherit it
+    pool = RewardPool(num_processes=2, timeout_s=1.0)
+    t0 = time.monotonic()
+    with pytest.raises(ValueError, match=r"hangs.py:fn.*importing it took longer than 1 s "
+                                         r"\(reward.timeout_s\)") as err:
+        RuleReward(arith.tokenizer(), custom_fn=f"{path}:fn", pool=pool)
+    assert time.monotonic() - t0 < 30  # the timeout plus starting the scorers, not forever
+    assert "\n" not in str(err.value)
+    # A scorer imported it; this process never did.
+    assert marker.exists() and int(marker.read_text()) != os.getpid()
+    assert not [m for m in sys.modules if "hangs" in m]
+    assert pool._procs == []  # the stuck scorers were ended
+    # The pool still serves other functions afterwards.
+    out = pool.map([get_reward_fn("openai/gsm8k")], [("openai/gsm8k", "#### 7", "7", None)])
+    assert out[0].score == 1.0
+    pool.close()
+
+
+def test_a_reward_file_that_fails_on_import_is_refused_at_start(tmp_path):
+    path = tmp_path / "fails.py"
+    path.write_text("raise RuntimeError('cannot import me')\ndef fn(*a):\n    return 0.0\n")
+    pool = RewardPool(num_processes=1, timeout_s=5.0)
+    with pytest.raises(ValueError, match=r"importing .*fails.py raised RuntimeError: cannot "
+                                         r"import me"):
+        RuleReward(arith.tokenizer(), custom_fn=f"{path}:fn", pool=pool)
+    assert not [m for m in sys.modules if "fails" in m]
+    pool.close()
 
 
 @pytest.mark.parametrize(

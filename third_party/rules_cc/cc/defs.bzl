@@ -1,0 +1,29 @@
+"""The rule names that @bazel_tools loads from @rules_cc, forwarded to Bazel's native C++ rules.
+
+Bazel 4.2's own tools load these symbols even when a build has no C++ in it; hfjax builds none,
+so each forwarder only has to exist and behave like the native rule.
+"""
+
+def cc_binary(**kwargs):
+    native.cc_binary(**kwargs)
+
+def cc_import(**kwargs):
+    native.cc_import(**kwargs)
+
+def cc_library(**kwargs):
+    native.cc_library(**kwargs)
+
+def cc_proto_library(**kwargs):
+    native.cc_proto_library(**kwargs)
+
+def cc_test(**kwargs):
+    native.cc_test(**kwargs)
+
+def cc_toolchain(**kwargs):
+    native.cc_toolchain(**kwargs)
+
+def cc_toolchain_suite(**kwargs):
+    native.cc_toolchain_suite(**kwargs)
+
+def objc_library(**kwargs):
+    native.objc_library(**kwargs)
