@@ -10,6 +10,7 @@ import textwrap
 import jax
 import numpy as np
 import pytest
+from ml_collections import config_dict
 from support import tiny_rl_config
 
 from hfjax.algorithms import dapo
@@ -18,7 +19,7 @@ from hfjax.controller.batch import Batch
 from hfjax.data import arith
 from hfjax.models import save_hf, transformer
 from hfjax.rewards.registry import register_reward
-from hfjax.run_config import validate_config
+from hfjax.run_config import check_config, validate_config
 from hfjax.trainer import Trainer
 from hfjax.workers.groups import scratch_model_config
 
@@ -186,6 +187,7 @@ def test_user_algorithm_from_its_own_file():
     cfg.algorithm = USER_ALGO
     cfg.algo.adv_estimator = "user_centered"
     cfg.algo.use_kl_in_reward = False  # the algorithm has no reference model
+    cfg.probe = config_dict.ConfigDict({"mesh": "fsdp=-1"})  # a key the module declares
     trainer = with_source(Trainer(cfg), DIGITS)
     assert trainer.algo.name == "user_grpo_probe"
     pools = trainer.pools
@@ -196,6 +198,11 @@ def test_user_algorithm_from_its_own_file():
     assert "probe" in w.built_roles() and w.probe is w.roles["probe"]
     assert w.probe.mesh.devices.size == 4
     assert np.isfinite(metrics["probe/mean"]) and metrics["actor/grad_norm"] > 0
+    # A key the module does not declare is refused like any unknown key.
+    cfg.probe.meshh = "fsdp=-1"
+    with pytest.raises(ValueError, match=r"unknown config key probe.meshh; did you mean "
+                                         r"probe.mesh\?"):
+        check_config(cfg)
     # The spelling with a module path finds the same kind of registration.
     with pytest.raises(ValueError, match="cannot import module"):
         get_algorithm("tests_no_such_module:step")

@@ -1,6 +1,7 @@
 """A user's algorithm, kept outside hfjax (the tests load it by file path, as a user would with
 --config.algorithm=path/to/user_algo_module.py:step): a new role with its own Flax NNX module
-and worker group, a new advantage estimator, and a driver that uses them."""
+and worker group, a config key of its own (probe.mesh), a new advantage estimator, and a driver
+that uses them."""
 
 import jax
 import jax.numpy as jnp
@@ -12,6 +13,8 @@ from hfjax.controller.batch import Batch
 from hfjax.controller.protocol import DP_COMPUTE, method
 from hfjax.models import transformer
 from hfjax.numerics import ADV_ESTIMATORS
+from hfjax.parallel.mesh import MeshSpec
+from hfjax.run_config import Check, register_keys
 from hfjax.workers.base import WorkerGroup
 from hfjax.workers.groups import register_role
 
@@ -53,6 +56,18 @@ def build_probe(ctx):
 
 
 register_role("probe", build_probe, side="score")
+
+
+def _mesh(v):
+    try:
+        MeshSpec.parse(v)
+    except (TypeError, ValueError) as err:
+        return str(err)
+    return None
+
+
+# The role's own config section: a config may set probe.mesh (checked like any key).
+register_keys({"probe.mesh": Check(_mesh)})
 
 
 @ADV_ESTIMATORS.register("user_centered", group=True)
