@@ -69,10 +69,11 @@ def get_config() -> config_dict.ConfigDict:
     c.actor = config_dict.ConfigDict(
         dict(
             mesh="fsdp=-1",
-            # Logical-axis rules of the training layout: train | nested_train | decode
+            # Logical-axis rules of the training layout: auto | train | nested_train | decode
             # (Megatron-style). With the hybrid engine, training shards must nest inside decode
-            # shards: nested_train and decode do; train does not on fsdp alone (it says why).
-            rules="train",
+            # shards; auto picks train, or nested_train when only it nests in rollout.mesh
+            # (hfjax/engine/layout_choice.py), and says so in the log.
+            rules="auto",
             lr=1e-4,
             weight_decay=0.0,
             grad_clip=1.0,

@@ -182,7 +182,7 @@ def _corruptions() -> tuple[str, ...]:
 def _layout_rules() -> tuple[str, ...]:
     from hfjax.parallel.sharding import RULE_SETS
 
-    return tuple(RULE_SETS)
+    return ("auto", *RULE_SETS)
 
 
 def _remat_policies() -> tuple[str, ...]:

@@ -162,6 +162,11 @@ def _with_config(argv: list[str], default: str) -> list[str]:
     The config file is loaded here first, so that a missing or failing file and an override of
     a key the config does not have are UserErrors that name them.
     """
+    if any(a.startswith(("--flagfile", "-flagfile")) for a in argv[1:]):
+        # A flagfile (launch.plan writes one) may hold --config and its overrides: read them
+        # in place, so that the config is found there and defined once.
+        argv = FLAGS.read_flags_from_files(argv, force_gnu=False)
+        sys.argv[:] = argv
     index, path = _config_path(argv)
     if index < 0:
         argv = [argv[0], f"--config={default}", *argv[1:]]

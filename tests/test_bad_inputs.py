@@ -227,7 +227,7 @@ CONFIG_CASES = [
     ("sft-micro", _set(sft__micro_batch_size=48), r"sft.micro_batch_size=48 does not divide"),
     ("mesh-size", _set(actor__mesh="fsdp=0"), r"axis 'fsdp' has size 0"),
     ("mesh-axis", _set(actor__mesh="foo=2"), r"unknown axis 'foo'"),
-    ("rules", _set(actor__rules="megatron"), r"actor.rules='megatron': needs one of train"),
+    ("rules", _set(actor__rules="megatron"), r"actor.rules='megatron': needs one of auto, train"),
     ("actor-lr", _set(actor__lr=-1.0), r"actor.lr=-1.0"),
     ("epochs", _set(actor__ppo_epochs=0), r"actor.ppo_epochs=0: needs an int >= 1"),
     ("mini", _set(actor__ppo_mini_batch_size=0), r"actor.ppo_mini_batch_size=0"),

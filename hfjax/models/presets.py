@@ -38,6 +38,12 @@ def _qwen3(**kw) -> ModelConfig:
                        tie_word_embeddings=False, bos_token_id=151643, eos_token_id=151645, **kw)
 
 
+def _llama2(**kw) -> ModelConfig:
+    kw = {"rope_theta": 10000.0, "max_position_embeddings": 4096, **kw}
+    return ModelConfig(model_type="llama", vocab_size=32000, head_dim=128, rms_norm_eps=1e-5,
+                       tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, **kw)
+
+
 def _llama31(**kw) -> ModelConfig:
     return ModelConfig(model_type="llama", vocab_size=128256, head_dim=128, rms_norm_eps=1e-5,
                        rope_theta=500000.0, rope_scaling=dict(_LLAMA31_ROPE),
@@ -65,6 +71,16 @@ PRESETS: dict[str, ModelConfig] = {
                             num_heads=32, num_kv_heads=8),
     "llama3.1-70b": _llama31(hidden_size=8192, intermediate_size=28672, num_layers=80,
                              num_heads=64, num_kv_heads=8),
+    # The HybridFlow paper's model sizes (7B, 13B, 34B; Llama-2 architecture). Llama-2 has no
+    # released 34B; Code Llama 34B (a Llama-2 derivative with grouped-query attention and a
+    # 1e6 RoPE base) is the public 34B of that family.
+    "llama2-7b": _llama2(hidden_size=4096, intermediate_size=11008, num_layers=32,
+                         num_heads=32, num_kv_heads=32),
+    "llama2-13b": _llama2(hidden_size=5120, intermediate_size=13824, num_layers=40,
+                          num_heads=40, num_kv_heads=40),
+    "codellama-34b": _llama2(hidden_size=8192, intermediate_size=22016, num_layers=48,
+                             num_heads=64, num_kv_heads=8, rope_theta=1000000.0,
+                             max_position_embeddings=16384),
     "qwen2.5-0.5b": _qwen2(vocab_size=151936, hidden_size=896, intermediate_size=4864,
                            num_layers=24, num_heads=14, num_kv_heads=2, head_dim=64,
                            rms_norm_eps=1e-6, max_position_embeddings=32768,

@@ -25,7 +25,7 @@ from ml_collections import config_dict
 
 from hfjax.controller.batch import Batch
 from hfjax.controller.placement import register_role as register_placement_role
-from hfjax.engine.hybrid import engine_for
+from hfjax.engine.layout_choice import actor_rules_and_engine
 from hfjax.engine.sampler import Sampler
 from hfjax.engine.update import make_optimizer
 from hfjax.models import transformer
@@ -38,7 +38,6 @@ from hfjax.numerics.losses import (
     get_kl_controller,
 )
 from hfjax.parallel.mesh import ResourcePool
-from hfjax.parallel.sharding import layout
 from hfjax.workers.actor import ActorRollout, Reference
 from hfjax.workers.critic import CostCritic, Critic
 from hfjax.workers.reward import RuleReward, parse_source_weights
@@ -139,9 +138,10 @@ def build_actor(cfg, model: nnx.Module, pools: Mapping[str, ResourcePool], pad_i
     c = cfg
     pool = pools["actor"]
     mesh = pool.mesh(c.actor.mesh)
-    rules = c.actor.get("rules", "train")
-    # Built first so that a decode layout that cannot hold the model fails before compiling.
-    engine = engine_for(layout(mesh, rules), c.rollout, nnx.state(model))
+    # Built first so that a decode layout that cannot hold the model fails before compiling;
+    # rules "auto" pick the training rules that nest inside rollout.mesh.
+    rules, engine = actor_rules_and_engine(mesh, c.actor.get("rules", "auto"), c.rollout,
+                                           nnx.state(model))
     sampler = Sampler(model, mesh=engine.decode_mesh if engine else mesh,
                       max_prompt_len=c.data.max_prompt_length, pad_id=pad_id, rules=None,
                       param_rules=engine.decode_rules if engine else rules)

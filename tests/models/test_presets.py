@@ -15,6 +15,9 @@ from hfjax.parallel.mesh import MeshSpec
 
 # Parameter counts as published with each model (billions, rounded as the model hubs show them).
 PUBLIC_SIZES_B = {
+    "llama2-7b": 6.74,
+    "llama2-13b": 13.0,
+    "codellama-34b": 33.7,
     "llama3.1-8b": 8.03,
     "llama3.1-70b": 70.6,
     "qwen2.5-0.5b": 0.494,

@@ -1,0 +1,359 @@
+"""Calibrates the planner's simulator against measured runs on this machine.
+
+Usage: python bench/plan_calibration.py [--steps=5] [--reps=5] [--runs=default,wide,batch]
+
+1. **Device figures, measured**: the 8 simulated CPU devices' float32 and bfloat16 matmul
+   FLOP/s, memory bandwidth (a sharded elementwise pass) and all-gather bandwidth at the
+   default job's sizes, all 8 devices at once; the best of `--reps` samples, measured before
+   every run, best over the runs (other jobs on the shared cores only slow samples down).
+2. **Stage times, measured**: the default job (`python -m launch.train`, PPO on the arithmetic
+   task, colocated on 8 CPU devices, warm start skipped) and two variants (`wide`: hidden 256 /
+   MLP 768, four times the matmul FLOPs; `batch`: 256 prompts per step), `--steps` RL steps
+   each; per stage the median of the steps after the first (which compiles).
+3. **FLOPs, compiled**: a cost source that replaces the closed forms' FLOPs and HBM bytes of
+   scoring and training calls with XLA's `cost_analysis()` of the same programs compiled for
+   one device's rows (`CompiledFlops`, a `CostSource` plugged in as `Simulator(costs=...)`).
+4. **Fit**: per stage kind, measured seconds = calls x overhead + ideal seconds / efficiency,
+   where ideal seconds is the simulator's time at efficiency 1 and zero overhead from the
+   measured device figures and compiled FLOPs; least squares over the runs. Then each run is
+   predicted from a fit to the other runs (leave one out) and the error is printed.
+
+The last line is JSON: the measured device figures, the fitted factors and the errors.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    )
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from absl import app, flags  # noqa: E402
+from flax import nnx  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+from configs import ppo_arith  # noqa: E402
+from hfjax.controller import planner  # noqa: E402
+from hfjax.controller.costs import Call, CallCost, ClosedFormCosts, MeshLayout  # noqa: E402
+from hfjax.controller.simulator import Cluster, Efficiency, Simulator  # noqa: E402
+from hfjax.models import transformer  # noqa: E402
+from hfjax.parallel.mesh import MeshSpec  # noqa: E402
+from hfjax.parallel.targets import Target  # noqa: E402
+from hfjax.plan_config import plan_inputs  # noqa: E402
+
+_STEPS = flags.DEFINE_integer("steps", 5, "RL steps per run (the first compiles and is dropped)")
+_REPS = flags.DEFINE_integer("reps", 10, "repetitions of each device measurement (best)")
+_RUNS = flags.DEFINE_list("runs", ["default", "wide", "batch"], "runs to measure")
+_FROM = flags.DEFINE_string("from_json", "", "refit the measurements of an earlier run's JSON "
+                            "line (a file holding it) instead of measuring again")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RUNS = {
+    "default": {},
+    "wide": {"model.hidden_size": 256, "model.intermediate_size": 768, "model.head_dim": 64},
+    "batch": {"data.train_batch_size": 256},
+}
+KINDS = {"gen": "gen", "old_log_prob": "forward", "ref": "forward", "values": "forward",
+         "update_critic": "train", "update_actor": "train"}
+
+
+# -- 1. device figures --------------------------------------------------------------------------
+
+
+def _best_time(fn, *args, reps: int) -> float:
+    # A peak is what the device reaches when nothing else holds the cores: other jobs on this
+    # shared machine only ever slow a sample down, so the fastest sample is the estimate.
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def measure_device(reps: int) -> dict[str, float]:
+    """Per-device FLOP/s, memory and all-gather bandwidth of the 8 simulated CPU devices, at
+    the sizes of the default job's programs (a few MB per device: on a CPU, caches make small
+    programs faster than a large-array measurement would say)."""
+    mesh = MeshSpec.parse("data=8").build(jax.devices())
+    rows = NamedSharding(mesh, P("data"))
+    out = {}
+    for dtype in ("float32", "bfloat16"):
+        # One 2-D [512, 384] x [384, 384] matmul per device, as the model's projections run.
+        m, k = 512, 384
+        x = jax.device_put(jnp.ones((8 * m, k), dtype), rows)
+        w = jax.device_put(jnp.ones((8 * k, k), dtype), rows)
+        mm = jax.jit(jax.shard_map(
+            lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32), mesh=mesh,
+            in_specs=(P("data"), P("data")), out_specs=P("data")))
+        t = _best_time(mm, x, w, reps=reps)
+        out[f"{dtype}_flops"] = 2 * m * k * k / t
+    x = jax.device_put(jnp.ones((8, 2**18), jnp.float32), rows)  # 1 MB per device
+    t = _best_time(jax.jit(lambda v: v * 1.0001 + 1.0), x, reps=reps)
+    out["memory_bandwidth"] = 2 * x.nbytes / t / 8
+    gather = jax.jit(jax.shard_map(lambda v: jax.lax.all_gather(v, "data", tiled=True),
+                                   mesh=mesh, in_specs=P("data"), out_specs=P(),
+                                   check_vma=False))
+    t = _best_time(gather, x, reps=reps)
+    out["gather_bandwidth"] = 7 / 8 * x.nbytes / t  # bytes each device receives per second
+    return out
+
+
+def cpu_cluster(figures: dict[str, float]) -> Cluster:
+    """The 8 simulated devices as a Cluster of measured figures (one node)."""
+    host_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    target = Target("cpu", "8 simulated CPU devices (measured)", host_bytes // 8,
+                    figures["bfloat16_flops"], figures["memory_bandwidth"],
+                    2 * figures["gather_bandwidth"], "shared memory",
+                    "bench/plan_calibration.py")
+    return Cluster(target, 8, figures["gather_bandwidth"], "one host",
+                   f32_flops=figures["float32_flops"])
+
+
+# -- 2. measured stage times ----------------------------------------------------------------------
+
+
+def job_overrides(run: str, out_dir: str, steps: int) -> dict:
+    base = {"sft.steps": 0, "trainer.total_steps": steps, "trainer.test_freq": 0,
+            "trainer.val_before_train": False, "trainer.logger": "jsonl",
+            "trainer.plot": False, "trainer.save_freq": 0, "reward.num_processes": 0,
+            "trainer.out_dir": out_dir}
+    return {**base, **RUNS[run]}
+
+
+def measure_run(run: str, steps: int) -> dict[str, float]:
+    """Median seconds per stage over the steps after the first."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out_dir = os.path.join(tmp, "out")
+        cmd = [sys.executable, "-m", "launch.train", "--cpu_devices=8",
+               *(f"--config.{k}={v}" for k, v in job_overrides(run, out_dir, steps).items())]
+        env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+        p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=3600)
+        if p.returncode:
+            raise RuntimeError(f"run {run} failed:\n{p.stdout[-2000:]}\n{p.stderr[-3000:]}")
+        with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+            rows = [json.loads(line) for line in f if "timing_s/gen" in line]
+    rows = rows[1:]  # the first RL step compiles
+    return {s: statistics.median(r[f"timing_s/{s}"] for r in rows)
+            for s in KINDS if f"timing_s/{s}" in rows[0]} | {
+        "step": statistics.median(r["timing_s/step"] for r in rows)}
+
+
+# -- 3. compiled FLOPs ---------------------------------------------------------------------------
+
+
+class CompiledFlops(ClosedFormCosts):
+    """Closed forms, with FLOPs and HBM bytes of scoring and training calls taken from XLA's
+    cost analysis of the programs compiled for one device's rows."""
+
+    def __init__(self):
+        self._cache: dict = {}
+
+    def call(self, model, layout: MeshLayout, call: Call) -> CallCost:
+        base = super().call(model, layout, call)
+        if call.kind not in ("forward", "train") or layout.tensor != 1:
+            return base
+        rows = math.ceil((call.micro or call.rows) / layout.dp)
+        key = (repr(model.config), model.head, call.kind, rows, call.seq, call.scored)
+        if key not in self._cache:
+            self._cache[key] = _compiled(model, call.kind, rows, call.seq, call.scored)
+        flops, nbytes = self._cache[key]
+        n = (call.rows // call.micro) if call.kind == "train" and call.micro else 1
+        return CallCost(n * flops, n * nbytes, base.extra_bytes)
+
+
+def _compiled(model, kind: str, rows: int, seq: int, scored: int) -> tuple[float, float]:
+    # Unrolled layers: XLA's cost analysis counts a while loop's body once, so a scan over
+    # layers would report one layer's FLOPs.
+    cfg = model.config.replace(scan_layers=False)
+    graphdef, state = nnx.split(transformer.abstract(cfg, model.head))
+    ids = jax.ShapeDtypeStruct((rows, seq), jnp.int32)
+
+    def forward(params, input_ids):
+        m = nnx.merge(graphdef, params)
+        mask = jnp.ones_like(input_ids)
+        if model.head == "causal_lm":
+            hidden, _ = m.model(input_ids, mask)
+            logits = m.logits(hidden[:, -scored - 1:-1])
+            return jnp.sum(jax.nn.log_softmax(logits, axis=-1)[..., 0])
+        return jnp.sum(m(input_ids, mask))
+
+    fn = forward if kind == "forward" else jax.grad(forward)
+    cost = jax.jit(fn).lower(state, ids).compile().cost_analysis()
+    return float(cost["flops"]), float(cost["bytes accessed"])
+
+
+# -- 4. fit ----------------------------------------------------------------------------------------
+
+
+def ideal_stage_times(run: str, cluster: Cluster, costs) -> dict[str, tuple[float, float]]:
+    """{stage: (calls or steps, ideal seconds)} of the run's colocated plan on 8 devices at
+    efficiency 1 and zero overhead."""
+    cfg = ppo_arith.get_config()
+    for key, value in RUNS[run].items():
+        section, name = key.split(".")
+        cfg[section][name] = value
+    cfg.sft.steps = 0
+    models, host, workload = plan_inputs(cfg)
+    ideal = Efficiency(train=1, forward=1, prefill=1, hbm=1, link=1)
+    sim = Simulator(cluster, workload, ideal, costs)
+    out = {}
+    lay = MeshLayout(fsdp=8)
+    for m in models:
+        if m.role == "actor":
+            gen, _ = sim.generate(m, lay, 1, True)
+            out["gen"] = (workload.response_len, gen.seconds)
+            if workload.old_log_prob:
+                out["old_log_prob"] = (1, sim.forward(m, lay).seconds)
+            out["update_actor"] = (workload.sequences // workload.actor_mini,
+                                   sim.train(m, lay).seconds)
+        elif m.role == "critic":
+            out["values"] = (1, sim.forward(m, lay).seconds)
+            out["update_critic"] = (workload.sequences // workload.critic_mini,
+                                    sim.train(m, lay).seconds)
+        elif m.role == "ref":
+            out["ref"] = (1, sim.forward(m, lay).seconds)
+    return out
+
+
+def fit(samples: list[tuple[str, float, float, float]]) -> dict[str, tuple[float, float]]:
+    """{kind: (overhead, efficiency)} from (kind, calls, ideal, measured) samples.
+
+    Generation: measured = steps x overhead per step + ideal / efficiency. Scoring and
+    training share one overhead per program call and have an efficiency each. Least squares,
+    each sample weighted by 1 / measured (relative errors, so the largest run does not decide
+    alone); a negative overhead is dropped and the rest refitted.
+    """
+    out = {}
+    gen = [(c, i, m) for k, c, i, m in samples if k == "gen"]
+    comp = [(k, c, i, m) for k, c, i, m in samples if k != "gen"]
+    if gen:
+        x = _lstsq([[c / m, i / m] for c, i, m in gen])
+        out["gen"] = (x[0], 1 / x[1])
+    if comp:
+        kinds = sorted({k for k, *_ in comp})
+        rows = [[c / m] + [i / m if k == kind else 0.0 for kind in kinds] for k, c, i, m in comp]
+        x = _lstsq(rows)
+        for j, kind in enumerate(kinds):
+            out[kind] = (x[0], 1 / x[1 + j])
+    return out
+
+
+def _lstsq(rows: list[list[float]]) -> list[float]:
+    """Non-negative least squares by dropping the terms that come out negative (an overhead
+    below 0, or an efficiency term that would have to run time backwards) and refitting;
+    a dropped efficiency term comes back as 1e-12 (the stage's time is all overhead)."""
+    a = np.array(rows)
+    b = np.ones(len(rows))
+    keep = list(range(a.shape[1]))
+    while True:
+        y, *_ = np.linalg.lstsq(a[:, keep], b, rcond=None)
+        bad = [k for k, v in zip(keep, y) if v < 0]
+        if not bad:
+            break
+        keep = [k for k in keep if k not in bad]
+    x = [0.0] * a.shape[1]
+    for k, v in zip(keep, y):
+        x[k] = float(v)
+    return [x[0]] + [max(v, 1e-12) for v in x[1:]]
+
+
+def efficiency_from(fitted: dict[str, tuple[float, float]]) -> Efficiency:
+    """The fitted factors as an Efficiency (clipped to (0, 1]: a CPU may beat its own measured
+    matmul rate on tiny programs only through rounding)."""
+    def clip(x):
+        return max(1e-6, min(1.0, x))
+
+    gen_over, gen_eff = fitted.get("gen", (0.0, 1.0))
+    call_over, fwd_eff = fitted.get("forward", (0.0, 1.0))
+    _, tr_eff = fitted.get("train", (0.0, 1.0))
+    return Efficiency(train=clip(tr_eff), forward=clip(fwd_eff), prefill=clip(gen_eff),
+                      hbm=clip(gen_eff), link=1.0, call_overhead_s=call_over,
+                      step_overhead_s=gen_over)
+
+
+def main(argv):
+    del argv
+    t0 = time.perf_counter()
+    if _FROM.value:
+        with open(_FROM.value) as f:
+            earlier = json.loads(f.read().strip().splitlines()[-1])
+        figures, spread, measured = earlier["device"], earlier["device_spread"], {
+            r: earlier["measured"][r] for r in _RUNS.value}
+    else:
+        samples_dev = [measure_device(_REPS.value)]
+        measured = {}
+        for run in _RUNS.value:
+            measured[run] = measure_run(run, _STEPS.value)
+            samples_dev.append(measure_device(_REPS.value))
+        figures = {k: max(s[k] for s in samples_dev) for k in samples_dev[0]}
+        spread = {k: min(s[k] for s in samples_dev) / figures[k] for k in figures}
+    cluster = cpu_cluster(figures)
+    print("device spread (slowest / best sample): "
+          + ", ".join(f"{k} {v:.2f}" for k, v in spread.items()))
+    print("device (measured, per simulated device): "
+          f"f32 {figures['float32_flops'] / 1e9:.2f} GFLOP/s, bf16 "
+          f"{figures['bfloat16_flops'] / 1e9:.2f} GFLOP/s, memory "
+          f"{figures['memory_bandwidth'] / 1e9:.2f} GB/s, all-gather "
+          f"{figures['gather_bandwidth'] / 1e9:.2f} GB/s received")
+    costs = CompiledFlops()
+    closed = ClosedFormCosts()
+    ideal = {}
+    for run in _RUNS.value:
+        ideal[run] = ideal_stage_times(run, cluster, costs)
+        closed_ideal = ideal_stage_times(run, cluster, closed)
+        print(f"run {run}: measured step {measured[run]['step']:.3f} s")
+        for stage, (calls, sec) in ideal[run].items():
+            print(f"  {stage:<14} measured {measured[run][stage]:8.4f} s   ideal (compiled "
+                  f"FLOPs) {sec:9.2e} s   ideal (closed forms) {closed_ideal[stage][1]:9.2e} s   "
+                  f"calls/steps {calls}")
+    samples = [(KINDS[s], c, i, measured[r][s]) for r in ideal for s, (c, i) in ideal[r].items()]
+    fitted = fit(samples)
+    eff = efficiency_from(fitted)
+    print("fit: " + "; ".join(f"{k}: overhead {o * 1e3:.3f} ms per "
+                              f"{'step' if k == 'gen' else 'call'}, efficiency {e:.4f}"
+                              for k, (o, e) in fitted.items()))
+    errors = {}
+    for run in ideal:  # leave one run out: fit on the others, predict this one
+        rest = [s for r in ideal if r != run for s in
+                [(KINDS[st], c, i, measured[r][st]) for st, (c, i) in ideal[r].items()]]
+        if not rest:
+            continue
+        f = fit(rest)
+        pred = {st: c * f[KINDS[st]][0] + i / f[KINDS[st]][1] for st, (c, i) in ideal[run].items()}
+        total_p, total_m = sum(pred.values()), sum(measured[run][st] for st in pred)
+        errors[run] = total_p / total_m - 1
+        print(f"held out {run}: predicted stages {total_p:.3f} s vs measured {total_m:.3f} s "
+              f"({errors[run]:+.1%}); " + ", ".join(
+                  f"{st} {pred[st] / measured[run][st] - 1:+.0%}" for st in pred))
+    # The plan the fitted model makes for the default job on this machine.
+    cfg = ppo_arith.get_config()
+    cfg.sft.steps = 0
+    models, host, workload = plan_inputs(cfg)
+    result = planner.plan(models, workload, cluster, 8, host_roles=host, efficiency=eff)
+    print("plan for the default job on this machine, fitted factors: "
+          + planner.describe(result.best))
+    print(json.dumps({
+        "device": figures, "device_spread": spread, "fit": {k: {"overhead_s": o, "efficiency": e}
+                                   for k, (o, e) in fitted.items()},
+        "efficiency": eff.__dict__, "held_out_error": errors,
+        "measured": measured, "wall_s": round(time.perf_counter() - t0, 1),
+    }))
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,57 @@
+"""The actor's training rules, chosen from its meshes: with `actor.rules=auto` the layouts of
+the 3D-HybridEngine follow from `actor.mesh` and `rollout.mesh` alone.
+
+Without a decode mesh (or with the engine off) the actor trains in the standard rules, "train"
+(FSDP over `embed`, tensor parallelism over heads, mlp and vocab). With one, the engine needs
+every device's training shard to lie inside its decoding shard; the candidates are tried in
+order, "train" first (it nests whenever the decode tensor size divides the training tensor
+size: fsdp then joins the micro-DP groups), then "nested_train" (fsdp splits the dimensions
+tensor splits, so any decode tensor size dividing fsdp x tensor nests). The first that nests is
+used and logged; when none does, the LayoutError names each candidate's reason.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from absl import logging
+from jax.sharding import Mesh
+
+from hfjax.engine.hybrid import HybridEngine, LayoutError, engine_for
+from hfjax.parallel.sharding import layout
+
+AUTO = "auto"
+CANDIDATES = ("train", "nested_train")
+
+
+def actor_rules_and_engine(mesh: Mesh, rules: Any, rollout_cfg: Any,
+                           state: Any) -> tuple[Any, HybridEngine | None]:
+    """Returns (the training rules, the hybrid engine or None) for an actor on `mesh`.
+
+    `rules` is a rule-set name, a rules dict, or "auto" (choose, see the module docstring).
+    Raises LayoutError when the decode mesh cannot hold the model or no candidate nests in it.
+    """
+    if rules != AUTO:
+        return rules, engine_for(layout(mesh, rules), rollout_cfg, state)
+    spec = rollout_cfg.get("mesh", "")
+    if not rollout_cfg.get("hybrid_engine", True) or not spec:
+        return CANDIDATES[0], None
+    reasons = []
+    for candidate in CANDIDATES:
+        try:
+            engine = HybridEngine(layout(mesh, candidate), spec, state)
+        except LayoutError as err:
+            if "cannot hold the model" in str(err) or "only 'data'" in str(err):
+                raise  # the decode mesh itself is wrong: no training rules can help
+            reasons.append(f"{candidate}: {err}")
+            continue
+        logging.info("actor.rules=auto: training rules %r nest inside rollout.mesh %r on "
+                     "actor.mesh %s%s", candidate, spec, dict(mesh.shape),
+                     f" ({'; '.join(reasons)})" if reasons else "")
+        return candidate, engine
+    used = {a: n for a, n in mesh.shape.items() if n > 1}
+    raise LayoutError(
+        f"rollout.mesh {spec!r} cannot hold the training shards of the actor's mesh {used} "
+        "under any training rules "
+        f"({'; '.join(reasons)}); pick a decode tensor size that divides the actor's "
+        "fsdp x tensor size")

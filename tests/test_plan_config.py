@@ -1,0 +1,46 @@
+"""A run config as the planner sees it: models, host roles and the step's shape, and a plan as
+the flagfile launch.train reads."""
+
+from configs import grpo_arith, ppo_arith
+from hfjax.controller import planner
+from hfjax.plan_config import flagfile_lines, plan_inputs
+
+
+def test_ppo_default_inputs():
+    cfg = ppo_arith.get_config()
+    models, host, w = plan_inputs(cfg)
+    assert [(m.role, m.head, m.trainable) for m in models] == [
+        ("actor", "causal_lm", True), ("critic", "value", True), ("ref", "causal_lm", False)]
+    assert host == ("reward",)  # the rule reward
+    # 8-token prompts and 10-token responses run in the sampler's 16-token buckets.
+    assert (w.prompts, w.n, w.prompt_len, w.response_len) == (128, 1, 16, 16)
+    assert (w.actor_mini, w.actor_micro, w.critic_mini, w.critic_micro) == (64, 64, 64, 64)
+    assert w.old_log_prob  # KL in the reward reads the old log-probs
+    cfg.algo.use_kl_in_reward = False
+    models, host, w = plan_inputs(cfg)
+    assert [m.role for m in models] == ["actor", "critic"] and host == ("ref", "reward")
+    assert w.old_log_prob  # two mini-batches: the second is off-policy
+    cfg.actor.ppo_mini_batch_size = 128
+    assert not plan_inputs(cfg)[2].old_log_prob  # one update on its own samples
+
+
+def test_grpo_inputs_and_a_reward_model():
+    cfg = grpo_arith.get_config()
+    models, host, w = plan_inputs(cfg, reward_model="preset:tiny")
+    assert [m.role for m in models] == ["actor", "ref", "reward"] and host == ()
+    assert models[-1].head == "score" and not models[-1].trainable
+    assert (w.prompts, w.n, w.actor_mini, w.critic_mini) == (32, 8, 128, 0)
+
+
+def test_flagfile_puts_the_plan_after_the_users_overrides():
+    cfg = ppo_arith.get_config()
+    models, host, w = plan_inputs(cfg)
+    result = planner.plan(models, w, "cpu", 8, host_roles=host)
+    argv = ["launch.plan", "--target=cpu", "--config.trainer.total_steps=2",
+            "--config.actor.mesh=data=8"]
+    lines, missing = flagfile_lines(result.best, cfg, "configs/ppo_arith.py", argv)
+    assert lines[1] == "--config=configs/ppo_arith.py"
+    assert lines[2:4] == argv[2:]  # the user's overrides, in order, before the plan's
+    assert lines[-1] == "--config.rollout.hybrid_engine=true"
+    assert f"--config.actor.mesh={result.best.meshes()['actor']}" in lines[4:]
+    assert missing == []

@@ -1,0 +1,70 @@
+"""Plan, then run: `launch.plan` plans the default task for this machine's 8 simulated CPU
+devices and writes its config; `launch.train --flagfile` runs 2 PPO steps with it unchanged.
+Bad input to `launch.plan` ends with one clear line."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RUN = {"sft.steps": 0, "trainer.total_steps": 2, "trainer.test_freq": 0,
+       "trainer.val_before_train": False, "trainer.logger": "jsonl", "trainer.plot": False,
+       "trainer.save_freq": 0, "reward.num_processes": 0, "data.n_train": 512}
+
+
+@pytest.fixture(scope="module")
+def env():
+    e = dict(os.environ)
+    e.pop("XLA_FLAGS", None)  # the launchers set their own device counts
+    e["JAX_PLATFORMS"] = "cpu"
+    e["PYTHONPATH"] = ROOT + os.pathsep + e.get("PYTHONPATH", "")
+    return e
+
+
+def _run(args, env, timeout=900):
+    return subprocess.run([sys.executable, "-m", *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.mark.slow
+def test_plan_then_run_two_ppo_steps(tmp_path, env):
+    flagfile = tmp_path / "plan.flags"
+    out_dir = tmp_path / "run"
+    overrides = [f"--config.{k}={v}" for k, v in {**RUN, "trainer.out_dir": out_dir}.items()]
+    p = _run(["launch.plan", "--target=cpu", "--num_devices=8", f"--emit_config={flagfile}",
+              *overrides], env)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    plan = json.loads(p.stdout.strip().splitlines()[-1])
+    assert set(plan) >= {"placement", "meshes", "estimated_iteration_s", "rollout_mesh"}
+    assert sum(pool["size"] for pool in plan["placement"].values()) == 8
+    assert set(plan["meshes"]) == {"actor", "critic", "ref"}  # the reward is a rule (host)
+    lines = flagfile.read_text().splitlines()
+    placement = next(x for x in lines if x.startswith("--config.placement="))
+    assert f"--config.actor.mesh={plan['meshes']['actor']}" in lines
+    assert f"--config.rollout.mesh={plan['rollout_mesh']}" in lines
+    assert lines.index(overrides[0]) < lines.index(placement)  # the plan's settings come last
+    r = _run(["launch.train", f"--flagfile={flagfile}", "--cpu_devices=8"], env)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    result = json.loads(r.stdout.strip().splitlines()[-1])
+    assert result["step"] == 2
+    # The run used the plan's placement and actor mesh (launch.train's opening line).
+    head = next(x for x in r.stdout.splitlines() if x.startswith("hfjax: ppo on"))
+    assert placement.split("=", 1)[1] in head
+    assert f"actor mesh={plan['meshes']['actor']}" in head
+    with open(out_dir / "metrics.jsonl") as f:
+        steps = [json.loads(x) for x in f if "timing_s/update_actor" in x]
+    assert len(steps) == 2
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--num_devices=0"], "hfjax plan: num_devices=0: plan for at least one device"),
+    (["--num_devices=8", "--target=h300"], "hfjax plan: unknown target 'h300'; known targets"),
+    (["--num_devices=8", "--efficiency=train=2"], "hfjax plan: efficiency train=2"),
+])
+def test_bad_input_ends_with_one_clear_line(env, args, message):
+    p = _run(["launch.plan", *args], env, timeout=300)
+    assert p.returncode != 0
+    assert message in p.stderr.strip().splitlines()[-1]
