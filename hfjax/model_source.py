@@ -74,6 +74,6 @@ def initial_model(cfg, tokenizer, compute_dtype: str, pools: Mapping[str, Resour
                 # layout, and the actor group moves it if it chooses other rules.
                 rules = layout_choice.CANDIDATES[0]
             kw = dict(mesh=pools["actor"].mesh(c.actor.mesh), rules=rules, seed=c.seed)
-        return load_model(c.model.path, **_overrides(cfg, compute_dtype), **kw)
+        return load_model(c.model.path, head="causal_lm", **_overrides(cfg, compute_dtype), **kw)
     return transformer.build(model_config(cfg, tokenizer, compute_dtype), "causal_lm",
                              seed=c.seed)

@@ -70,8 +70,9 @@ _MEMORY_CHECK = flags.DEFINE_bool(
 # Exit status of a run (or a dry run) that does not fit in device memory.
 EXIT_DOES_NOT_FIT = 3
 
-_STAGES = ("gen", "old_log_prob", "ref", "values", "reward", "adv", "update_critic",
-           "update_actor")
+_STAGES = ("gen_greedy", "reward_greedy", "reward_greedy_model", "gen", "filter",
+           "old_log_prob", "ref", "values", "cost_values", "reward", "reward_model", "cost", "adv",
+           "update_critic", "update_cost_critic", "update_actor")
 
 
 class _Progress:

@@ -95,6 +95,9 @@ def files(tmp_path_factory):
     p["text_parquet"] = str(root / "text.parquet")
     pq.write_table(pa.table({"data_source": ["x"], "prompt": ["y"]}), root / "cols.parquet")
     p["cols_parquet"] = str(root / "cols.parquet")
+    # Preference pairs without their rejected side.
+    pq.write_table(pa.table({"prompt": ["1+1="], "chosen": ["#### 2"]}), root / "prefs.parquet")
+    p["prefs_no_rejected"] = str(root / "prefs.parquet")
 
     # A PPO run with one checkpoint (step 2), its tokenizer and metrics; a copy whose arrays
     # are damaged; a copy whose metrics.jsonl has a damaged line.
@@ -180,7 +183,9 @@ def _do(fn):
 
 
 CONFIG_CASES = [
-    ("algorithm", _set(algorithm="ppo2"), r"algorithm='ppo2': needs one of grpo, ppo"),
+    ("algorithm", _set(algorithm="ppo2"),
+     r"algorithm='ppo2': unknown algorithm 'ppo2'; known: .*grpo, .*ppo, .*or a user algorithm "
+     r"as --config.algorithm=package.module:step"),
     ("seed", _set(seed=-1), r"seed=-1: needs an int >= 0"),
     ("placement-mode", _set(placement="colocated"), r"placement='colocated': needs one of "
      r"colocate, split, standalone, a mapping"),
@@ -481,6 +486,20 @@ SUBPROCESS = [
     Case("train", ["--config.model.path=preset:llama9", "--config.trainer.out_dir={root}/d5"],
          r"model.path='preset:llama9': unknown model preset 'llama9'; known: llama3-8b",
          absent=("{root}/d5",)),
+    Case("sft", ["--cpu_devices=-1", "--config.trainer.out_dir={root}/s1"],
+         r"--cpu_devices=-1: needs an int >= 0", absent=("{root}/s1",)),
+    Case("sft", ["--config.sft.train_files={root}/none.parquet",
+                 "--config.trainer.out_dir={root}/s2"],
+         r"sft.train_files=.*none.parquet.*no such file", absent=("{root}/s2",)),
+    Case("train_rm", ["--config.model.path=", "--config.rm.train_files={prefs_no_rejected}",
+                      "--config.rm.val_files=", "--config.trainer.out_dir={root}/r1"],
+         r"missing column\(s\) rejected", watch=("{prefs_no_rejected}",),
+         absent=("{root}/r1",)),
+    Case("train_rm", ["--config.model.path=", "--config.rm.target=safety",
+                      "--config.trainer.out_dir={root}/r2"],
+         r"rm.target='safety': needs one of reward, cost", absent=("{root}/r2",)),
+    Case("train", ["--config.reward_model.path={hf}", "--config.trainer.out_dir={root}/t5"],
+         r"reward_model.path=.* has no score head", watch=("{hf}",), absent=("{root}/t5",)),
     Case("generate", ["--temperature=-1"], r"--temperature=-1.0: needs a float >= 0"),
     Case("generate", ["--model={trunc_gguf}"], r"truncated or damaged GGUF file",
          watch=("{trunc_gguf}",)),
@@ -553,7 +572,8 @@ def test_case_count():
     total = len(CONFIG_CASES) + len(FLAG_CASES) + len(FILE_CASES) + len(SUBPROCESS)
     assert total >= 60, total
     entries = {c[0] for c in FLAG_CASES} | {c.entry for c in SUBPROCESS} | {"train"}
-    assert entries == {"train", "generate", "convert", "export", "prepare_data"}
+    assert entries == {"train", "sft", "train_rm", "generate", "convert", "export",
+                       "prepare_data"}
 
 
 def test_verbose_shows_the_traceback(tmp_path):

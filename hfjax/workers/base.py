@@ -121,13 +121,15 @@ class WorkerGroup:
                 self.params)
 
     def train(self, loss_fn, batch: Batch, keys, *, mini: int, micro: int, epochs: int,
-              shuffle: bool) -> dict[str, jax.Array]:
+              shuffle: bool, normalisers=update.normalisers) -> dict[str, jax.Array]:
         """Runs `epochs` passes of micro-batched updates of `loss_fn` over mini-batches of
         `batch`; returns the metrics averaged over the steps (device scalars, not fetched),
         except `nonfinite` and `nonfinite_params`: the number of updates not applied, and of
-        those that left a non-finite parameter (`hfjax.engine.update`)."""
+        those that left a non-finite parameter (`hfjax.engine.update`).
+        `normalisers(mini_batch)` gives the totals the loss divides by (default: response
+        tokens and sequences)."""
         update.check_mini_batching(len(batch), mini, micro, self.dp_size, self.name)
-        step = self.update_program(loss_fn, mini // micro)
+        step = self.update_program(loss_fn, mini // micro, normalisers)
         sums: dict[str, jax.Array] = {}
         count = 0
         batches = update.mini_batches(batch.select(keys), mini, epochs, shuffle, self._train_calls)
@@ -142,15 +144,18 @@ class WorkerGroup:
         out["nonfinite_params"] = sums["nonfinite_params"]
         return out
 
-    def update_program(self, loss_fn, n_micro: int) -> Callable:
+    def update_program(self, loss_fn, n_micro: int,
+                       normalisers=update.normalisers) -> Callable:
         """The jitted update step `step(params, opt_state, mini_batch)` of `loss_fn` over
-        `n_micro` micro-batches (compiled once per pair; the dry run lowers the same one)."""
-        key = (loss_fn.__name__, n_micro)
+        `n_micro` micro-batches (compiled once per combination; the dry run lowers the same
+        one)."""
+        key = (loss_fn.__name__, n_micro, normalisers)
         if key not in self._programs:
-            logging.info("%s: compiling %s with %d micro-batches", self.name, *key)
+            logging.info("%s: compiling %s with %d micro-batches", self.name, loss_fn.__name__,
+                         n_micro)
             self._programs[key] = update.make_update_step(
                 loss_fn, self.optimizer, n_micro, self.param_shardings, self.opt_shardings,
-                normalisers=update.normalisers, jit=self.jit,
+                normalisers=normalisers, jit=self.jit,
             )
         return self._programs[key]
 
