@@ -29,51 +29,10 @@ _TOKENIZER = flags.DEFINE_string(
 distributed.define_flags()
 
 
-def load_actor(ckpt: str, step: int | None = None):
-    """(actor model, Restored) from a checkpoint, newest readable by default: on one device,
-    or across processes sharded over the devices of all of them."""
-    import jax
-    from flax import nnx
-
-    from hfjax.checkpoint import RunCheckpointer, locate
-    from hfjax.models import transformer
-    from hfjax.models.config import ModelConfig
-    from hfjax.parallel import sharding as shd
-    from hfjax.parallel.mesh import MeshSpec, sorted_devices
-
-    root, at = locate(ckpt)
-    graphdefs = {}
-
-    def targets(state):
-        cfg = ModelConfig(**state["model_config"])
-        graphdef, abstract = nnx.split(transformer.abstract(cfg, "causal_lm"))
-        graphdefs["actor"] = graphdef
-        if jax.process_count() == 1:
-            device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-            shardings = jax.tree.map(lambda _: device, abstract, is_leaf=shd.is_variable)
-        else:
-            # No process holds the whole model on its devices: FSDP over all of them, a
-            # dimension that does not divide kept whole.
-            mesh = MeshSpec.parse("fsdp=-1").build(sorted_devices())
-            lay = shd.layout(mesh, "train", replicate_indivisible=tuple(shd.TRAIN_RULES))
-            shardings = lay.state_shardings(abstract)
-
-        def place(var, sharding):
-            x = var.get_value()
-            return var.replace(jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding))
-
-        return {"actor_params": jax.tree.map(place, abstract, shardings,
-                                             is_leaf=shd.is_variable)}
-
-    restored = RunCheckpointer(root, read_only=True).restore_latest(
-        targets, step=step if step is not None else at)
-    return nnx.merge(graphdefs["actor"], restored.items["actor_params"]), restored
-
-
 def export(ckpt: str, out: str, step: int | None = None, tokenizer: str | None = None) -> str:
     """Writes the checkpoint's actor to `out` as an HF directory; returns out."""
     import hfjax.models as M
-    from hfjax.checkpoint import locate
+    from hfjax.checkpoint import load_actor, locate
 
     model, _ = load_actor(ckpt, step)
     root, _ = locate(ckpt)

@@ -412,7 +412,7 @@ FILE_CASES = [
 
 
 def _restore(run):
-    from launch.export import load_actor
+    from hfjax.checkpoint import load_actor
 
     return load_actor(run)
 
@@ -484,7 +484,7 @@ SUBPROCESS = [
          r"--target=h300: unknown target 'h300'; known targets: h100, h200",
          absent=("{root}/d4",)),
     Case("train", ["--config.model.path=preset:llama9", "--config.trainer.out_dir={root}/d5"],
-         r"model.path='preset:llama9': unknown model preset 'llama9'; known: llama3-8b",
+         r"model.path='preset:llama9': unknown model preset 'llama9'; known: .*llama3.1-8b",
          absent=("{root}/d5",)),
     Case("sft", ["--cpu_devices=-1", "--config.trainer.out_dir={root}/s1"],
          r"--cpu_devices=-1: needs an int >= 0", absent=("{root}/s1",)),
