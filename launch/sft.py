@@ -17,7 +17,6 @@ import json
 import os
 import time
 
-from absl import flags
 from ml_collections import config_flags
 
 from hfjax.parallel import distributed
@@ -34,21 +33,10 @@ distributed.define_flags()
 
 def main(argv):
     del argv
-    from hfjax import run_config
-
     cfg = _CONFIG.value
-    # Every setting, before JAX starts and before anything is written.
-    run_config.check_flags("sft", {"cpu_devices": flags.FLAGS.cpu_devices})
-    run_config.check_config(cfg)
-    from launch import compile_cache
-
-    compile_cache.enable(cfg.trainer.compilation_cache_dir, "trainer.compilation_cache_dir")
-    topo = distributed.initialize_from_flags()
-    distributed.check_config_meshes(cfg, topo)
+    cli.start_run("sft", cfg)
     import jax
 
-    if jax.default_backend() == "cpu":
-        jax.config.update("jax_cpu_enable_async_dispatch", False)  # see launch/train.py
     from hfjax.sft import SFTTrainer
 
     t0 = time.perf_counter()

@@ -205,29 +205,14 @@ def _memory_check(cfg, say) -> None:
 
 def main(argv):
     del argv
-    from hfjax import run_config
-
     cfg = _CONFIG.value
     t = cfg.trainer
-    # Every setting, before JAX starts and before anything is written.
-    run_config.check_flags("train", {k: flags.FLAGS[k].value
-                                     for k in run_config.FLAG_KEYS["train"]})
-    run_config.check_config(cfg)
-    if _DRY_RUN.value:
-        sys.exit(dry_run_main())
-    from launch import compile_cache
 
-    compile_cache.enable(t.compilation_cache_dir, "trainer.compilation_cache_dir")
-    # Before anything touches a JAX backend: the CPU device count, and on several hosts the
-    # jax.distributed join; then the meshes against the devices of all processes.
-    topo = distributed.initialize_from_flags()
-    distributed.check_config_meshes(cfg, topo)
-    import jax
+    def dry_run():
+        if _DRY_RUN.value:
+            sys.exit(dry_run_main())
 
-    if jax.default_backend() == "cpu":
-        # Simulated CPU devices share two cores: programs with collectives that overlap in
-        # flight can starve each other's participants, so CPU runs dispatch synchronously.
-        jax.config.update("jax_cpu_enable_async_dispatch", False)
+    topo = cli.start_run("train", cfg, before_jax=dry_run)
 
     from hfjax import metrics
     from hfjax.checkpoint import RunCheckpointer
