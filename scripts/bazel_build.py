@@ -21,7 +21,8 @@ module moves. This script derives them from the code:
 
 A string constant that is exactly the name of a first-party module or package ("launch.train" in
 `python -m launch.train`, "configs" in a path join) is a dependency too: the code runs or reads it
-at run time. A launch/ entry point named this way from a test becomes the test's `data`.
+at run time. A launch/ entry point named this way from a test becomes the test's `data`; a test
+helper's module name (a file a test hands to a subprocess by path) makes the helper a dependency.
 
 tests/test_bazel_build.py fails when the checked-in BUILD files differ from what this writes.
 """
@@ -195,7 +196,7 @@ class Sources:
                     for name in found or [module]:
                         add(name, node, True)
             elif isinstance(node, ast.Constant) and isinstance(node.value, str):
-                if self.exists(node.value):
+                if self.exists(node.value) or node.value in local:
                     add(node.value, node, False)
         return out
 

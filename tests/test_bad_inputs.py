@@ -527,11 +527,18 @@ SUBPROCESS = [
 ]
 
 
+# The entry point of each case, each named whole so that the Bazel build ships it with this
+# test (scripts/bazel_build.py makes a launch/ module named in a string a test's data).
+ENTRY_MODULES = {"train": "launch.train", "sft": "launch.sft", "train_rm": "launch.train_rm",
+                 "generate": "launch.generate", "convert": "launch.convert",
+                 "export": "launch.export", "prepare_data": "launch.prepare_data"}
+
+
 def _run_case(case: Case, files, env) -> tuple[subprocess.CompletedProcess, dict, dict]:
     args = [a.format(**files) for a in case.args]
     watch = [w.format(**files) for w in case.watch]
     before = {w: _tree(w) for w in watch}
-    p = subprocess.run([sys.executable, "-m", f"launch.{case.entry}", *args], cwd=ROOT, env=env,
+    p = subprocess.run([sys.executable, "-m", ENTRY_MODULES[case.entry], *args], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=600)
     return p, before, {w: _tree(w) for w in watch}
 

@@ -24,7 +24,9 @@ from hfjax.trainer import Trainer
 from hfjax.workers.groups import scratch_model_config
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-USER_ALGO = os.path.join(HERE, "user_algo_module.py") + ":step"
+# The helper's module name, whole, ships its file with this test in the Bazel build.
+USER_MODULE = "user_algo_module"
+USER_ALGO = os.path.join(HERE, f"{USER_MODULE}.py") + ":step"
 DIGITS = "tests/algorithms/digit_fraction"
 CONSTANT = "tests/algorithms/constant"
 

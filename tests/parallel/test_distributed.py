@@ -19,7 +19,9 @@ from hfjax.parallel.distributed import DistributedError, Topology, resolve_setti
 from launch import local_cluster
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-WORKER = os.path.join(ROOT, "tests", "parallel", "dist_worker.py")
+# The worker's module name, whole, ships its file with this test in the Bazel build.
+WORKER_MODULE = "dist_worker"
+WORKER = os.path.join(ROOT, "tests", "parallel", f"{WORKER_MODULE}.py")
 LAUNCHER_ENV = {
     dist.ENV_COORDINATOR: "127.0.0.1:1234",
     dist.ENV_NUM_PROCESSES: "2",
