@@ -353,12 +353,11 @@ def load(
     architecture with random weights from `seed`, each parameter created directly in its
     sharding. `config_overrides` change any ModelConfig field of it or of a checkpoint's config.
     """
-    overrides = {"param_dtype": dtype, "dtype": dtype, **config_overrides}
-    if (name := presets.preset_name(path)) is not None:
+    cfg = model_config(path, dtype=dtype, **config_overrides)
+    if presets.preset_name(path) is not None:
         head = head or "causal_lm"
         if head != "causal_lm" and require_head:
             raise ValueError(f"{path}: a preset has random weights, not a trained {head} head")
-        cfg = presets.get_preset(name).replace(**overrides)
         return build_sharded(cfg, head=head, mesh=mesh, rules=rules, seed=seed,
                              replicate_indivisible=replicate_indivisible)
     if str(path).endswith(".gguf"):
@@ -368,15 +367,10 @@ def load(
         if head != "causal_lm" and require_head:
             raise ValueError(f"{path}: a GGUF file holds a language model, not a {head} head")
         optional = ("score",) if head != "causal_lm" else ()
-        cfg = ModelConfig.from_hf_config(gguf_io.read_gguf_config(path), **overrides)
         tensors = gguf_io.iter_gguf_tensors(path)
     else:
-        if not os.path.isdir(path):
-            raise FileNotFoundError(f"{path}: not a directory or a .gguf file")
-        hf = _read_config(path)
-        head = head or head_of(hf)
+        head = head or head_of(_read_config(path))
         optional = ("score",) if head != "causal_lm" and not require_head else ()
-        cfg = ModelConfig.from_hf_config(hf, **overrides)
         files = _safetensor_files(path)
         _check_safetensor_headers(files, cfg, head, {"score.weight"} if optional else set())
         tensors = _iter_safetensors(files)
