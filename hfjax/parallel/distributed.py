@@ -14,10 +14,10 @@ Flags that contradict the launcher or the cluster are refused rather than silent
 
 Losing a process. JAX's coordination service (hosted by process 0) expects a heartbeat from
 every process; one that misses them for `--heartbeat_timeout_s` is declared dead and, by
-JAX's default, every other process is then terminated. `LossWatch` asks the same service which
-processes are alive (`get_live_nodes`, a barrier over the live processes) once a second, and
-reports a lost process by number before exiting with `EXIT_LOST_PROCESS`; JAX's own
-termination, whose log line also names the dead task, remains the backstop. A lost process 0
+JAX's default, every other process is then terminated. `LossWatch` keeps a heartbeat of its own
+in the same service's key-value store and, after half that time without one from a peer,
+reports the lost process by number and exits with `EXIT_LOST_PROCESS`; JAX's own termination,
+whose log line also names the dead task, remains the backstop. A lost process 0
 takes the coordination service with it: JAX then ends the other processes at once, with
 "JAX distributed service detected fatal errors".
 """
@@ -503,46 +503,75 @@ def before_error_exit(exc: BaseException) -> None:
 
 
 class LossWatch(threading.Thread):
-    """Ends this process, naming the lost one, when jax.distributed declares a process dead.
+    """Ends this process, naming the lost one, when a peer stops beating.
 
-    `get_live_nodes` is JAX's own liveness view (its coordination service's heartbeats) and
-    acts as a barrier over the live processes, so every process runs one watch; a process that
-    is busy but alive holds the others' watch up, never trips it.
+    Each process's watch bumps a counter of its own in the coordination service's key-value
+    store (`hfjax/alive/<process id>`) every `interval_s` and reads every peer's counter in the
+    same call. A peer whose counter has not moved for `lost_after_s` (half of
+    --heartbeat_timeout_s) is reported by number, before JAX's own termination at
+    --heartbeat_timeout_s, which stays the backstop. The counter is bumped by this thread, not
+    by the training loop, so a process that is compiling or waiting in a collective still
+    beats; only a process that is gone (or frozen whole) stops.
     """
+
+    PREFIX = "hfjax/alive/"
+    DONE = "done"
 
     def __init__(self, client: Any, topology: Topology, heartbeat_timeout_s: int,
                  interval_s: float = 1.0):
         super().__init__(name="hfjax-loss-watch", daemon=True)
         self.client, self.topology = client, topology
         self.heartbeat_timeout_s, self.interval_s = heartbeat_timeout_s, interval_s
+        self.lost_after_s = max(2.0, heartbeat_timeout_s / 2)
         self._stopping = threading.Event()
 
     def stop(self) -> None:
+        """Stops watching and tells the peers this process is leaving on purpose (a process
+        that ends its run first must not be reported lost by one still writing its outputs)."""
         self._stopping.set()
+        try:
+            self.client.key_value_set(f"{self.PREFIX}{self.topology.process_id}", self.DONE,
+                                      allow_overwrite=True)
+        except Exception:  # the coordinator may be gone already; nothing waits on this
+            pass
+
+    def _fail(self, message: str) -> None:
+        if not self._stopping.is_set():
+            _fail_now(message, EXIT_LOST_PROCESS)
 
     def run(self) -> None:
         me, n = self.topology.process_id, self.topology.num_processes
-        ids = list(range(n))
+        started = time.monotonic()
+        seen: dict[int, tuple[str, float]] = {}  # peer -> (its last counter, when it moved)
+        beat = 0
         while not self._stopping.is_set():
+            beat += 1
             try:
-                live = self.client.get_live_nodes(ids)
+                self.client.key_value_set(f"{self.PREFIX}{me}", str(beat), allow_overwrite=True)
+                entries = self.client.key_value_dir_get(self.PREFIX)
             except Exception as err:
-                if self._stopping.is_set():
-                    return
                 reason = str(err).splitlines()[0] if str(err) else type(err).__name__
-                _fail_now(
+                self._fail(
                     f"hfjax: process {me} of {n} lost the coordinator (process 0 at "
                     f"{self.topology.coordinator_address}): {reason}. Rerun the same command to "
-                    "resume from the last checkpoint.", EXIT_LOST_PROCESS)
-            lost = [i for i in ids if i not in live]
-            if lost and not self._stopping.is_set():
+                    "resume from the last checkpoint.")
+                return
+            now = time.monotonic()
+            for key, value in entries:
+                peer = int(key.rsplit("/", 1)[-1])
+                if seen.get(peer, (None,))[0] != value:
+                    seen[peer] = (value, now)
+            lost = [i for i in range(n) if i != me and seen.get(i, (None,))[0] != self.DONE
+                    and now - seen.get(i, (None, started))[1] > self.lost_after_s]
+            if lost:
                 which = ", ".join(map(str, lost))
-                _fail_now(
+                self._fail(
                     f"hfjax: process {me} of {n} lost process{'es' if len(lost) > 1 else ''} "
-                    f"{which}: jax.distributed heard no heartbeat from it for "
-                    f"{self.heartbeat_timeout_s} s (--heartbeat_timeout_s); it crashed, was "
-                    "killed or its host is gone. Stopping; rerun the same command to resume "
-                    "from the last checkpoint.", EXIT_LOST_PROCESS)
+                    f"{which}: no heartbeat from it for {self.lost_after_s:g} s (half of "
+                    f"--heartbeat_timeout_s={self.heartbeat_timeout_s}); it crashed, was killed "
+                    "or its host is gone. Stopping; rerun the same command to resume from the "
+                    "last checkpoint.")
+                return
             self._stopping.wait(self.interval_s)
 
 
