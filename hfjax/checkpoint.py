@@ -153,6 +153,18 @@ def locate(path: str) -> tuple[str, int | None]:
     return path, None
 
 
+def is_run(path: str) -> bool:
+    """Whether `path` is a training run's out_dir, checkpoint root or step directory (what
+    `locate` takes) rather than a model directory."""
+    if not os.path.isdir(path) or os.path.isfile(os.path.join(path, "config.json")):
+        return False
+    if os.path.isdir(os.path.join(path, "checkpoints")):
+        return True
+    if os.path.basename(os.path.normpath(path)).isdigit():
+        return os.path.isdir(os.path.join(path, TRAINER_ITEM))
+    return any(name.isdigit() for name in os.listdir(path))
+
+
 Targets = Mapping[str, Any] | Callable[[dict], Mapping[str, Any]]
 
 
@@ -466,3 +478,16 @@ def load_actor(ckpt: str, step: int | None = None):
     restored = RunCheckpointer(root, read_only=True).restore_latest(
         targets, step=step if step is not None else at)
     return nnx.merge(graphdefs["actor"], restored.items["actor_params"]), restored
+
+
+def export_hf(ckpt: str, out: str, step: int | None = None, tokenizer: str | None = None) -> str:
+    """Writes the actor of a run's checkpoint (`load_actor`) to `out` as an HF directory with
+    the run's tokenizer (`<out_dir>/tokenizer`, or `tokenizer`); returns out."""
+    import hfjax.models as M
+
+    model, _ = load_actor(ckpt, step)
+    root, _ = locate(ckpt)
+    tok_path = tokenizer or os.path.join(os.path.dirname(root), "tokenizer")
+    if not os.path.exists(tok_path):
+        raise FileNotFoundError(f"no tokenizer at {tok_path}; pass --tokenizer=DIR")
+    return M.save_hf(model, out, tokenizer=M.load_tokenizer(tok_path))

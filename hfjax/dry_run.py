@@ -57,7 +57,7 @@ import numpy as np
 from hfjax import model_source
 from hfjax.algorithms import dataflow
 from hfjax.engine.sampler import MIN_PROMPT_BUCKET, SamplingParams, bucket_size
-from hfjax.models import precision, transformer
+from hfjax.models import transformer
 from hfjax.parallel.mesh import batch_sharding
 from hfjax.run_config import validate_config
 from hfjax.workers import groups
@@ -297,7 +297,7 @@ def dry_run(cfg, *, device_memory_bytes: int | None = None, target: str | None =
     """
     algo, pools = validate_config(cfg)
     platform = platform or jax.devices()[0].platform
-    compute = precision.resolve_compute_dtype(cfg.model.dtype, platform)
+    compute = model_source.compute_dtype(cfg, platform)
     tok = model_source.task_tokenizer(cfg)
     mcfg = model_source.model_config(cfg, tok, compute)
     abstract = transformer.abstract(mcfg, "causal_lm")

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from hfjax.data import arith
 from hfjax.engine import layout_choice
 from hfjax.models import load as load_model
-from hfjax.models import load_tokenizer, presets, transformer
+from hfjax.models import load_tokenizer, precision, presets, transformer
 from hfjax.models.config import ModelConfig
 from hfjax.models.hf_io import model_config as path_model_config
 from hfjax.parallel.mesh import ResourcePool
@@ -46,6 +46,17 @@ def _overrides(cfg, compute_dtype: str) -> dict:
     m = cfg.model
     return dict(dtype=compute_dtype, param_dtype=m.get("param_dtype", "float32"),
                 scan_layers=m.scan_layers, remat_policy=m.remat_policy)
+
+
+def compute_dtype(cfg, platform: str) -> str:
+    """`model.dtype` resolved on `platform` for this run's actor
+    (`precision.resolve_compute_dtype`; for `auto` on a CPU the model's hidden size counts,
+    read from model.path's preset, .gguf header or config.json without loading weights)."""
+    m = cfg.model
+    hidden = None
+    if m.dtype == "auto" and platform == "cpu":
+        hidden = path_model_config(m.path).hidden_size if m.path else m.hidden_size
+    return precision.resolve_compute_dtype(m.dtype, platform, hidden)
 
 
 def model_config(cfg, tokenizer, compute_dtype: str) -> ModelConfig:

@@ -15,7 +15,6 @@ from hfjax.controller.costs import ModelSpec
 from hfjax.controller.simulator import Workload
 from hfjax.data import arith
 from hfjax.engine.sampler import MIN_NEW_TOKENS_BUCKET, MIN_PROMPT_BUCKET, bucket_size
-from hfjax.models import precision
 from hfjax.models.config import ModelConfig
 from hfjax.models.hf_io import model_config as path_model_config
 from hfjax.workers.groups import needs_ref
@@ -24,7 +23,7 @@ from hfjax.workers.groups import needs_ref
 def model_config(cfg, platform: str = "gpu") -> ModelConfig:
     """The actor's ModelConfig as the trainer builds it on `platform` (where `model.dtype=auto`
     resolves), without loading weights (`hfjax.model_source.model_config`)."""
-    compute = precision.resolve_compute_dtype(cfg.model.dtype, platform)
+    compute = model_source.compute_dtype(cfg, platform)
     return model_source.model_config(cfg, arith.tokenizer(), compute)
 
 

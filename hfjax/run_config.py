@@ -246,6 +246,19 @@ def _model_path(optional: bool, preset: bool = False) -> Callable[[Any], str | N
     return check
 
 
+def _model_or_run(v) -> str | None:
+    """A model (`_model_path`) or a training run's directory (launch.evaluate's --model)."""
+    if isinstance(v, str) and os.path.isdir(v) and not os.path.isfile(
+            os.path.join(v, "config.json")):
+        from hfjax.checkpoint import is_run
+
+        if is_run(v):
+            return None
+        return ("is neither an HF model directory (no config.json) nor a training run (no "
+                "checkpoints); pass a model directory, a .gguf file or a run's out_dir")
+    return _model_path(optional=True, preset=True)(v)
+
+
 def _preset_problem(path: str) -> str | None:
     from hfjax.models import presets
 
@@ -406,7 +419,7 @@ TRAIN_KEYS: dict[str, Callable[[Any], str | None]] = {
     "model.num_kv_heads": Int(1),
     "model.head_dim": Int(2),
     "model.dtype": Choice(("float32", "bfloat16", "auto"), note="compute; auto: bfloat16 on "
-                          "GPUs and TPUs, float32 on CPUs"),
+                          "GPUs, TPUs and AMX CPUs for hidden >= 512, else float32"),
     "model.param_dtype": Choice(("float32", "bfloat16"), note="master weights and optimizer "
                                 "state"),
     "model.scan_layers": Bool(),
@@ -826,6 +839,15 @@ FLAG_KEYS: dict[str, dict[str, Callable[[Any], str | None]]] = {
                                    "positive number of GiB"),
     },
     "sft": {"cpu_devices": Int(0, note="0: leave XLA_FLAGS alone")},
+    "evaluate": {
+        "cpu_devices": Int(0, note="0: leave XLA_FLAGS alone"),
+        "model": Check(_model_or_run),
+        "step": Check(lambda v: None if v is None else Int(0)(v)),
+        "data": Check(lambda v: None if v is None else _parquet_files(v)),
+        "samples": Int(1),
+        "temperature": Float(0.0, lo_open=True),
+        "limit": Int(0, note="0: every prompt"),
+    },
     "train_rm": {"cpu_devices": Int(0, note="0: leave XLA_FLAGS alone")},
     "generate": {
         "model": Check(_model_path(optional=True)),
@@ -907,9 +929,19 @@ def _some_rows(v) -> str | None:
     return None
 
 
+def _step_needs_run(v) -> str | None:
+    from hfjax.checkpoint import is_run
+
+    step, model = v.get("step"), v.get("model")
+    if step is not None and not (model and is_run(model)):
+        return f"--step={step} picks a checkpoint, but --model is not a training run"
+    return None
+
+
 FLAG_RULES: dict[str, tuple[Callable[[Mapping[str, Any]], str | None], ...]] = {
     "convert": (_convert_target,),
     "export": (_export_target,),
+    "evaluate": (_step_needs_run,),
     "prepare_data": (_some_rows,),
 }
 

@@ -26,7 +26,7 @@ from hfjax.data import arith
 from hfjax.data import sft as sft_data
 from hfjax.data.batching import sft_arrays, sft_batches
 from hfjax.data.dataset import Dataset
-from hfjax.models import precision, save_hf
+from hfjax.models import save_hf
 from hfjax.parallel.mesh import dp_size
 from hfjax.validation import generation_metrics
 from hfjax.workers import groups
@@ -139,8 +139,7 @@ class SFTTrainer:
             raise ValueError("an SFT run needs sft.train_files (SFT parquet), or data.task="
                              "'arith' for the embedded task's demonstrations")
         logging.info("SFT data: %s", self.train.summary())
-        compute_dtype = precision.resolve_compute_dtype(c.model.dtype,
-                                                        jax.devices()[0].platform)
+        compute_dtype = model_source.compute_dtype(c, jax.devices()[0].platform)
         model = model_source.initial_model(c, self.tok, compute_dtype, self.pools)
         self.actor = groups.build_actor(c, model, self.pools, self.tok.pad_id, self.tok.eos_id)
         self.reward = (groups.build_reward(c, self.tok, home=self.actor.mesh)

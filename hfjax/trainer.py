@@ -23,7 +23,6 @@ from hfjax.algorithms.registry import import_spec
 from hfjax.data.batching import prompt_batch
 from hfjax.data.dataset import Dataset
 from hfjax.metrics import MetricsLogger
-from hfjax.models import precision
 from hfjax.numerics.losses import (
     LagrangeMultiplier,
     kl_controller_from_state,
@@ -42,8 +41,7 @@ class Trainer:
     def __init__(self, cfg):
         self.cfg = cfg
         self.algo, self.pools = validate_config(cfg)
-        self.compute_dtype = precision.resolve_compute_dtype(
-            cfg.model.dtype, jax.devices()[0].platform)
+        self.compute_dtype = model_source.compute_dtype(cfg, jax.devices()[0].platform)
         self.roles = run_roles(self.algo, cfg)
         self.tok = model_source.task_tokenizer(cfg)
         self.train_data, self.test_data = self._datasets()

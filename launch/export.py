@@ -13,8 +13,6 @@ launch.export`), every process restores its shards of the actor, sharded over th
 all processes, the tensors are gathered one layer at a time and process 0 writes the directory.
 """
 
-import os
-
 from absl import flags
 
 from hfjax.parallel import distributed
@@ -29,19 +27,6 @@ _TOKENIZER = flags.DEFINE_string(
 distributed.define_flags()
 
 
-def export(ckpt: str, out: str, step: int | None = None, tokenizer: str | None = None) -> str:
-    """Writes the checkpoint's actor to `out` as an HF directory; returns out."""
-    import hfjax.models as M
-    from hfjax.checkpoint import load_actor, locate
-
-    model, _ = load_actor(ckpt, step)
-    root, _ = locate(ckpt)
-    tok_path = tokenizer or os.path.join(os.path.dirname(root), "tokenizer")
-    if not os.path.exists(tok_path):
-        raise FileNotFoundError(f"no tokenizer at {tok_path}; pass --tokenizer=DIR")
-    return M.save_hf(model, out, tokenizer=M.load_tokenizer(tok_path))
-
-
 def main(argv):
     del argv
     from hfjax import run_config
@@ -49,7 +34,9 @@ def main(argv):
     run_config.check_flags("export", {k: flags.FLAGS[k].value
                                       for k in run_config.FLAG_KEYS["export"]})
     topo = distributed.initialize_from_flags()
-    out = export(_CKPT.value, _OUT.value, _STEP.value, _TOKENIZER.value)
+    from hfjax.checkpoint import export_hf
+
+    out = export_hf(_CKPT.value, _OUT.value, _STEP.value, _TOKENIZER.value)
     if topo.process_id == 0:
         print(f"wrote {out}")
 

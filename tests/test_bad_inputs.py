@@ -1,4 +1,4 @@
-"""Bad settings and damaged inputs, across the five entry points: each must end in one line that
+"""Bad settings and damaged inputs, across the entry points: each must end in one line that
 names the problem and the fix, a non-zero exit, no traceback, and nothing written.
 
 Most cases go in-process through the checks the entry points call (`hfjax.run_config`, the
@@ -356,6 +356,14 @@ FLAG_CASES = [
      r"--tokenizer=/no/tok: no such tokenizer"),
     ("export", dict(ckpt="{run}", out="{stuff}", step=None, tokenizer=None),
      r"non-empty directory that holds no HF model"),
+    ("evaluate", dict(model="/no/such"), r"--model=/no/such: no such file or directory"),
+    ("evaluate", dict(model="{stuff}"), r"is neither an HF model directory .* nor a training run"),
+    ("evaluate", dict(model="{hf}", step=3), r"--step=3 picks a checkpoint, but --model is not"),
+    ("evaluate", dict(model="{run}", step=-1), r"--step=-1: needs an int >= 0"),
+    ("evaluate", dict(data="{root}/no.parquet"), r"--data=.*no.parquet: no such file"),
+    ("evaluate", dict(samples=0), r"--samples=0: needs an int >= 1"),
+    ("evaluate", dict(temperature=0.0), r"--temperature=0.0: needs a float > 0"),
+    ("evaluate", dict(limit=-2), r"--limit=-2: needs an int >= 0"),
     ("prepare_data", dict(n_train=-1, n_test=10, out="{root}/d", seed=0, task_config="{{}}"),
      r"--n_train=-1: needs an int >= 0"),
     ("prepare_data", dict(n_train=0, n_test=0, out="{root}/d", seed=0, task_config="{{}}"),
@@ -517,6 +525,9 @@ SUBPROCESS = [
          r"every checkpoint in .* is corrupt", watch=("{run_corrupt}",), absent=("{root}/e1",)),
     Case("export", ["--ckpt={root}/nothing", "--out={root}/e2"], r"no such directory",
          absent=("{root}/e2",)),
+    Case("evaluate", ["--model={hf}", "--samples=0"], r"--samples=0: needs an int >= 1"),
+    Case("evaluate", ["--model={stuff}"], r"is neither an HF model directory",
+         watch=("{stuff}",)),
     Case("prepare_data", ["--task=arith", "--out={root}/p1", "--task_config={{bad"],
          r"--task_config=\{{bad: is not JSON", absent=("{root}/p1",)),
     Case("prepare_data", ["--task=gsm", "--out={root}/p2"], r"--task=gsm: value should be one of",
@@ -531,7 +542,8 @@ SUBPROCESS = [
 # test (scripts/bazel_build.py makes a launch/ module named in a string a test's data).
 ENTRY_MODULES = {"train": "launch.train", "sft": "launch.sft", "train_rm": "launch.train_rm",
                  "generate": "launch.generate", "convert": "launch.convert",
-                 "export": "launch.export", "prepare_data": "launch.prepare_data"}
+                 "export": "launch.export", "prepare_data": "launch.prepare_data",
+                 "evaluate": "launch.evaluate"}
 
 
 def _run_case(case: Case, files, env) -> tuple[subprocess.CompletedProcess, dict, dict]:
@@ -580,7 +592,7 @@ def test_case_count():
     assert total >= 60, total
     entries = {c[0] for c in FLAG_CASES} | {c.entry for c in SUBPROCESS} | {"train"}
     assert entries == {"train", "sft", "train_rm", "generate", "convert", "export",
-                       "prepare_data"}
+                       "prepare_data", "evaluate"}
 
 
 def test_verbose_shows_the_traceback(tmp_path):

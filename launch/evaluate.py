@@ -1,0 +1,132 @@
+"""Held-out accuracy of a policy by generation: greedy, and pass@k with sampling.
+
+    python -m launch.evaluate --model=runs/grpo_smollm2 --data=data/gsm/test.parquet \\
+        --config=configs/grpo_smollm2.py
+    python -m launch.evaluate --model=path/to/hf_dir --data=test.parquet --samples=8
+
+`--model` is an HF directory, a `.gguf` file, or a training run (its out_dir, checkpoint root or
+one step directory): a run's newest readable checkpoint (or `--step`) is evaluated with the
+run's tokenizer. `--data` is RL parquet in verl's schema (what `launch.prepare_data` writes);
+each row is scored by its data_source's rule reward, as in training. Without `--data`, the
+embedded arithmetic task's held-out prompts are used. The config (`--config`, default
+configs/ppo_arith.py, any key overridable with `--config.KEY=VALUE`) sets the prompt and
+response lengths, the actor's mesh, the compute precision and the reward settings, so a run is
+evaluated with the settings it trained with by passing its own config.
+
+Printed per data source: greedy accuracy and, with `--samples=k` (k > 1, at `--temperature`),
+the mean accuracy of the k samples and pass@k (a prompt counts when any of its k samples
+scores 1). Sampling seeds are fixed per prompt, so two evaluations of one model agree. The last
+line is JSON.
+"""
+
+import json
+import os
+import tempfile
+import time
+
+from absl import flags
+from ml_collections import config_flags
+
+from hfjax.checkpoint import export_hf, is_run
+from hfjax.parallel import distributed
+from launch import cli
+
+DEFAULT_CONFIG = os.path.normpath(os.path.join(os.path.relpath(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__)))), "configs", "ppo_arith.py"))
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", None, f"configuration file (configs/*.py; default {DEFAULT_CONFIG})")
+_MODEL = flags.DEFINE_string(
+    "model", None, "HF directory, .gguf file, or a training run (out_dir, checkpoint root or "
+    "step directory); default: the config's model.path", )
+_STEP = flags.DEFINE_integer("step", None, "a run's checkpoint step (default: the newest)")
+_DATA = flags.DEFINE_string("data", None, "RL parquet files, comma-separated (default: the "
+                            "embedded task's held-out prompts)")
+_SAMPLES = flags.DEFINE_integer("samples", 1, "samples per prompt for pass@k (1: greedy only)")
+_TEMPERATURE = flags.DEFINE_float("temperature", 1.0, "temperature of the samples")
+_LIMIT = flags.DEFINE_integer("limit", 0, "evaluate the first N prompts only (0: all)")
+distributed.define_flags()
+
+
+def evaluate(cfg, rows, samples: int, temperature: float) -> dict[str, float]:
+    """Greedy metrics, and with samples > 1 the sampled ones, of the config's model on `rows`
+    (prompt rows with rule rewards)."""
+    import jax
+
+    from hfjax import model_source
+    from hfjax.controller.placement import resolve_placement
+    from hfjax.validation import generation_metrics
+    from hfjax.workers import groups
+
+    tok = model_source.task_tokenizer(cfg)
+    pools = resolve_placement("colocate", ("actor",), jax.devices())
+    dtype = model_source.compute_dtype(cfg, jax.devices()[0].platform)
+    model = model_source.initial_model(cfg, tok, dtype, pools)
+    actor = groups.build_actor(cfg, model, pools, tok.pad_id, tok.eos_id)
+    reward = groups.build_reward(cfg, tok, home=actor.mesh)
+    kw = dict(pad_id=tok.pad_id, max_prompt_length=cfg.data.max_prompt_length)
+    out = generation_metrics(actor, reward, rows, **kw)
+    if samples > 1:
+        out |= generation_metrics(actor, reward, rows, n=samples, temperature=temperature, **kw)
+    return out
+
+
+def prompt_rows(cfg, data: str | None, limit: int):
+    from hfjax import model_source
+    from hfjax.data.dataset import Dataset
+
+    tok = model_source.task_tokenizer(cfg)
+    if data:
+        rows = Dataset.from_parquet(data.split(","), tok, cfg.data.max_prompt_length).rows
+    else:
+        d = cfg.data
+        rows = Dataset.arith(d.n_test, cfg.seed + 10_000, d.max_prompt_length, tokenizer=tok,
+                             max_b=d.max_b).rows
+    return rows[:limit] if limit else rows
+
+
+def main(argv):
+    del argv
+    cfg = _CONFIG.value
+    model = _MODEL.value
+    run = bool(model) and is_run(model)
+    if model and not run:
+        cfg.model.path, cfg.model.tokenizer = model, ""
+    topo = cli.start_run("evaluate", cfg)
+    if run and topo.num_processes > 1:
+        raise cli.UserError(f"--model={model} is a training run; across processes, export it "
+                            "first (launch.export) and pass the HF directory")
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="hfjax-evaluate-") as tmp:
+        if run:
+            # The run's actor as an HF directory with the run's tokenizer: one loading path.
+            cfg.model.path = export_hf(model, os.path.join(tmp, "hf"), _STEP.value)
+            cfg.model.tokenizer = ""
+        rows = prompt_rows(cfg, _DATA.value, _LIMIT.value)
+        metrics = evaluate(cfg, rows, _SAMPLES.value, _TEMPERATURE.value)
+    k = _SAMPLES.value
+    result = {"model": _MODEL.value or cfg.model.path or "(from scratch)", "prompts": len(rows)}
+    labels = {"mean@1": "greedy", f"mean@{k}": f"mean@{k}", f"best@{k}": f"pass@{k}"}
+    labels["mean@1"] = "greedy"  # k = 1: greedy only
+    order = {"mean@1": 0, f"mean@{k}": 1, f"best@{k}": 2}
+
+    def rank(item):  # by source, then greedy, mean@k, pass@k
+        name = item[0]
+        return name.split("/", 1)[1].rsplit("/", 2)[0], order.get(name.rsplit("/", 1)[1], 3)
+
+    for name, value in sorted(metrics.items(), key=rank):
+        # val-core/<source>/acc/mean@n and val-aux/<source>/acc/best@n; a source may hold "/".
+        head, stat = name.rsplit("/", 1)
+        head, what = head.rsplit("/", 1)
+        if what != "acc" or stat not in labels:
+            continue
+        source, label = head.split("/", 1)[1], labels[stat]
+        result[f"{source}/{label}"] = round(value, 4)
+        if distributed.is_main_process():
+            print(f"{source}: {label} accuracy {value:.4f} on {len(rows)} prompts", flush=True)
+    result["wall_s"] = round(time.perf_counter() - t0, 1)
+    if distributed.is_main_process():
+        print(json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    cli.run(main, "evaluate", config_default=DEFAULT_CONFIG)
