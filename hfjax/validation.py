@@ -1,6 +1,7 @@
 """Held-out scoring of a policy by generation: the responses to a set of prompt rows, scored by
 the rule reward of each row's data_source (accuracy for 0/1 rewards), and by the run's
-reward and cost models when it has them. Used by RL validation and by `launch.sft`."""
+reward and cost models when it has them. Used by RL validation, `launch.sft` and
+`launch.evaluate` (`evaluate_policy`)."""
 
 from __future__ import annotations
 
@@ -46,3 +47,42 @@ def generation_metrics(actor, reward, rows: Sequence[dict], *, pad_id: int,
     for name, fn in (text_metrics or {}).items():
         metrics[f"val-aux/{name}/mean"] = float(np.mean([float(fn(t)) for t in texts]))
     return metrics
+
+
+def evaluate_policy(cfg, rows, samples: int = 1, temperature: float = 1.0) -> dict[str, float]:
+    """`generation_metrics` of the config's model (model.path, on the actor's mesh in
+    model.dtype) on prompt `rows`: greedy, and with samples > 1 also `samples` samples per
+    prompt at `temperature`. What `launch.evaluate` prints."""
+    import jax
+
+    from hfjax import model_source
+    from hfjax.controller.placement import resolve_placement
+    from hfjax.workers import groups
+
+    tok = model_source.task_tokenizer(cfg)
+    pools = resolve_placement("colocate", ("actor",), jax.devices())
+    dtype = model_source.compute_dtype(cfg, jax.devices()[0].platform)
+    model = model_source.initial_model(cfg, tok, dtype, pools)
+    actor = groups.build_actor(cfg, model, pools, tok.pad_id, tok.eos_id)
+    reward = groups.build_reward(cfg, tok, home=actor.mesh)
+    kw = dict(pad_id=tok.pad_id, max_prompt_length=cfg.data.max_prompt_length)
+    out = generation_metrics(actor, reward, rows, **kw)
+    if samples > 1:
+        out |= generation_metrics(actor, reward, rows, n=samples, temperature=temperature, **kw)
+    return out
+
+
+def heldout_rows(cfg, data: str | None = None, limit: int = 0) -> list[dict]:
+    """Prompt rows of RL parquet files `data` (comma-separated), or of the embedded task's
+    held-out set without; the first `limit` only when limit > 0."""
+    from hfjax import model_source
+    from hfjax.data.dataset import Dataset
+
+    tok = model_source.task_tokenizer(cfg)
+    if data:
+        rows = Dataset.from_parquet(data.split(","), tok, cfg.data.max_prompt_length).rows
+    else:
+        d = cfg.data
+        rows = Dataset.arith(d.n_test, cfg.seed + 10_000, d.max_prompt_length, tokenizer=tok,
+                             max_b=d.max_b).rows
+    return rows[:limit] if limit else rows

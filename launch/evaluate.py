@@ -29,6 +29,7 @@ from ml_collections import config_flags
 
 from hfjax.checkpoint import export_hf, is_run
 from hfjax.parallel import distributed
+from hfjax.validation import evaluate_policy, heldout_rows
 from launch import cli
 
 DEFAULT_CONFIG = os.path.normpath(os.path.join(os.path.relpath(os.path.dirname(os.path.dirname(
@@ -45,43 +46,6 @@ _SAMPLES = flags.DEFINE_integer("samples", 1, "samples per prompt for pass@k (1:
 _TEMPERATURE = flags.DEFINE_float("temperature", 1.0, "temperature of the samples")
 _LIMIT = flags.DEFINE_integer("limit", 0, "evaluate the first N prompts only (0: all)")
 distributed.define_flags()
-
-
-def evaluate(cfg, rows, samples: int, temperature: float) -> dict[str, float]:
-    """Greedy metrics, and with samples > 1 the sampled ones, of the config's model on `rows`
-    (prompt rows with rule rewards)."""
-    import jax
-
-    from hfjax import model_source
-    from hfjax.controller.placement import resolve_placement
-    from hfjax.validation import generation_metrics
-    from hfjax.workers import groups
-
-    tok = model_source.task_tokenizer(cfg)
-    pools = resolve_placement("colocate", ("actor",), jax.devices())
-    dtype = model_source.compute_dtype(cfg, jax.devices()[0].platform)
-    model = model_source.initial_model(cfg, tok, dtype, pools)
-    actor = groups.build_actor(cfg, model, pools, tok.pad_id, tok.eos_id)
-    reward = groups.build_reward(cfg, tok, home=actor.mesh)
-    kw = dict(pad_id=tok.pad_id, max_prompt_length=cfg.data.max_prompt_length)
-    out = generation_metrics(actor, reward, rows, **kw)
-    if samples > 1:
-        out |= generation_metrics(actor, reward, rows, n=samples, temperature=temperature, **kw)
-    return out
-
-
-def prompt_rows(cfg, data: str | None, limit: int):
-    from hfjax import model_source
-    from hfjax.data.dataset import Dataset
-
-    tok = model_source.task_tokenizer(cfg)
-    if data:
-        rows = Dataset.from_parquet(data.split(","), tok, cfg.data.max_prompt_length).rows
-    else:
-        d = cfg.data
-        rows = Dataset.arith(d.n_test, cfg.seed + 10_000, d.max_prompt_length, tokenizer=tok,
-                             max_b=d.max_b).rows
-    return rows[:limit] if limit else rows
 
 
 def main(argv):
@@ -101,8 +65,8 @@ def main(argv):
             # The run's actor as an HF directory with the run's tokenizer: one loading path.
             cfg.model.path = export_hf(model, os.path.join(tmp, "hf"), _STEP.value)
             cfg.model.tokenizer = ""
-        rows = prompt_rows(cfg, _DATA.value, _LIMIT.value)
-        metrics = evaluate(cfg, rows, _SAMPLES.value, _TEMPERATURE.value)
+        rows = heldout_rows(cfg, _DATA.value, _LIMIT.value)
+        metrics = evaluate_policy(cfg, rows, _SAMPLES.value, _TEMPERATURE.value)
     k = _SAMPLES.value
     result = {"model": _MODEL.value or cfg.model.path or "(from scratch)", "prompts": len(rows)}
     labels = {"mean@1": "greedy", f"mean@{k}": f"mean@{k}", f"best@{k}": f"pass@{k}"}

@@ -61,6 +61,8 @@ TEST_OPTIONS: dict[str, dict] = {
     "tests/models/test_hf_parity.py": {"size": "large"},
     "tests/models/test_smollm2.py": {"size": "large"},
     "tests/models/test_tokenizer.py": {"size": "large"},
+    # Two GRPO steps of SmolLM2-135M's real weights.
+    "tests/test_smollm2_grpo.py": {"size": "large"},
     # One module fixture saves the checkpoint that most of its tests restore: not sharded.
     "tests/test_checkpoint.py": {"size": "large"},
     # One module fixture runs the uninterrupted job that its tests compare with: not sharded.

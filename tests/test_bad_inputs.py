@@ -292,7 +292,8 @@ CONFIG_CASES = [
 ]
 
 
-@pytest.mark.parametrize("name", ["ppo_arith", "grpo_arith", "grpo_smollm2", "ppo_llama8b"])
+@pytest.mark.parametrize("name", [
+    "ppo_arith", "grpo_arith", "grpo_smollm2", "grpo_smollm2_arith", "ppo_llama8b"])
 def test_shipped_configs_pass(files, name):
     import importlib
 

@@ -13,7 +13,7 @@ from support import tiny_rl_config
 from hfjax.checkpoint import RunCheckpointer, export_hf, is_run
 from hfjax.rewards.registry import register_reward
 from hfjax.trainer import Trainer
-from launch.evaluate import evaluate
+from hfjax.validation import evaluate_policy
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # A score that depends on every character of a response (a barely trained model would score 0
@@ -50,7 +50,7 @@ def test_a_checkpoint_scores_what_the_run_validated(run, tmp_path):
     assert is_run(out) and is_run(os.path.join(out, "checkpoints"))
     cfg = cfg.copy_and_resolve_references()
     cfg.model.path = export_hf(out, str(tmp_path / "hf"))
-    got = evaluate(cfg, rows, samples=1, temperature=1.0)
+    got = evaluate_policy(cfg, rows)
     key = f"val-core/{SOURCE}/acc/mean@1"
     assert validated[key] > 0
     assert got[key] == validated[key]
