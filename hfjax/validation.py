@@ -72,17 +72,18 @@ def evaluate_policy(cfg, rows, samples: int = 1, temperature: float = 1.0) -> di
     return out
 
 
-def heldout_rows(cfg, data: str | None = None, limit: int = 0) -> list[dict]:
-    """Prompt rows of RL parquet files `data` (comma-separated), or of the embedded task's
-    held-out set without; the first `limit` only when limit > 0."""
+def heldout_rows(cfg, limit: int = 0) -> list[dict]:
+    """The config's held-out prompt rows: its validation parquet (data.val_files) for
+    data.task='parquet', else the embedded task's held-out set; the first `limit` only when
+    limit > 0."""
     from hfjax import model_source
     from hfjax.data.dataset import Dataset
 
     tok = model_source.task_tokenizer(cfg)
-    if data:
-        rows = Dataset.from_parquet(data.split(","), tok, cfg.data.max_prompt_length).rows
+    d = cfg.data
+    if d.task == "parquet":
+        rows = Dataset.from_parquet(d.val_files.split(","), tok, d.max_prompt_length).rows
     else:
-        d = cfg.data
         rows = Dataset.arith(d.n_test, cfg.seed + 10_000, d.max_prompt_length, tokenizer=tok,
                              max_b=d.max_b).rows
     return rows[:limit] if limit else rows

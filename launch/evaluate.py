@@ -8,7 +8,8 @@
 one step directory): a run's newest readable checkpoint (or `--step`) is evaluated with the
 run's tokenizer. `--data` is RL parquet in verl's schema (what `launch.prepare_data` writes);
 each row is scored by its data_source's rule reward, as in training. Without `--data`, the
-embedded arithmetic task's held-out prompts are used. The config (`--config`, default
+config's validation files (`data.val_files`) are used, or for the embedded arithmetic task its
+held-out prompts. The config (`--config`, default
 configs/ppo_arith.py, any key overridable with `--config.KEY=VALUE`) sets the prompt and
 response lengths, the actor's mesh, the compute precision and the reward settings, so a run is
 evaluated with the settings it trained with by passing its own config.
@@ -41,7 +42,7 @@ _MODEL = flags.DEFINE_string(
     "step directory); default: the config's model.path", )
 _STEP = flags.DEFINE_integer("step", None, "a run's checkpoint step (default: the newest)")
 _DATA = flags.DEFINE_string("data", None, "RL parquet files, comma-separated (default: the "
-                            "embedded task's held-out prompts)")
+                            "config's data.val_files, or the embedded task's held-out prompts)")
 _SAMPLES = flags.DEFINE_integer("samples", 1, "samples per prompt for pass@k (1: greedy only)")
 _TEMPERATURE = flags.DEFINE_float("temperature", 1.0, "temperature of the samples")
 _LIMIT = flags.DEFINE_integer("limit", 0, "evaluate the first N prompts only (0: all)")
@@ -55,6 +56,11 @@ def main(argv):
     run = bool(model) and is_run(model)
     if model and not run:
         cfg.model.path, cfg.model.tokenizer = model, ""
+    if _DATA.value:
+        cfg.data.task, cfg.data.val_files = "parquet", _DATA.value
+    if cfg.data.task == "parquet":
+        # Evaluation reads no training data: the config's training files need not exist here.
+        cfg.data.train_files = cfg.data.val_files
     topo = cli.start_run("evaluate", cfg)
     if run and topo.num_processes > 1:
         raise cli.UserError(f"--model={model} is a training run; across processes, export it "
@@ -65,7 +71,7 @@ def main(argv):
             # The run's actor as an HF directory with the run's tokenizer: one loading path.
             cfg.model.path = export_hf(model, os.path.join(tmp, "hf"), _STEP.value)
             cfg.model.tokenizer = ""
-        rows = heldout_rows(cfg, _DATA.value, _LIMIT.value)
+        rows = heldout_rows(cfg, _LIMIT.value)
         metrics = evaluate_policy(cfg, rows, _SAMPLES.value, _TEMPERATURE.value)
     k = _SAMPLES.value
     result = {"model": _MODEL.value or cfg.model.path or "(from scratch)", "prompts": len(rows)}

@@ -22,8 +22,12 @@ import jax  # noqa: E402
 
 from launch import compile_cache  # noqa: E402
 
-_CACHE = tempfile.mkdtemp(prefix="hfjax-tests-xla-cache-")
-atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
+# The first process of a session creates the directory (and removes it at exit); pytest-xdist's
+# workers, started after it, inherit it through the environment and share it.
+_CACHE = os.environ.get("HFJAX_TEST_XLA_CACHE")
+if not _CACHE:
+    _CACHE = os.environ["HFJAX_TEST_XLA_CACHE"] = tempfile.mkdtemp(prefix="hfjax-tests-xla-")
+    atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
 compile_cache.enable(_CACHE)
 
 jax.config.update("jax_enable_x64", False)
