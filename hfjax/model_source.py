@@ -59,6 +59,20 @@ def compute_dtype(cfg, platform: str) -> str:
     return precision.resolve_compute_dtype(m.dtype, platform, hidden)
 
 
+def policy_alone(cfg, tokenizer):
+    """The policy alone, as SFT and evaluation run it: `initial_model` in the run's compute
+    dtype, as the actor of a colocated pool over every device, on `actor.mesh`. Returns
+    (pools, actor)."""
+    import jax
+
+    from hfjax.controller.placement import resolve_placement
+    from hfjax.workers import groups
+
+    pools = resolve_placement("colocate", ("actor",), jax.devices())
+    model = initial_model(cfg, tokenizer, compute_dtype(cfg, jax.devices()[0].platform), pools)
+    return pools, groups.build_actor(cfg, model, pools, tokenizer.pad_id, tokenizer.eos_id)
+
+
 def model_config(cfg, tokenizer, compute_dtype: str) -> ModelConfig:
     """The actor's ModelConfig, without loading weights: from model.path (preset, .gguf header
     or config.json), else the scratch model that holds the task's longest prompt and response.

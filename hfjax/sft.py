@@ -21,11 +21,10 @@ from absl import logging
 
 from hfjax import health, model_source
 from hfjax.controller.batch import Batch
-from hfjax.controller.placement import resolve_placement
 from hfjax.data import arith
 from hfjax.data import sft as sft_data
 from hfjax.data.batching import sft_arrays, sft_batches
-from hfjax.data.dataset import Dataset
+from hfjax.data.dataset import task_dataset
 from hfjax.models import save_hf
 from hfjax.parallel.mesh import dp_size
 from hfjax.validation import generation_metrics
@@ -114,7 +113,6 @@ class SFTTrainer:
         if s.steps <= 0:
             raise ValueError(f"sft.steps={s.steps}: an SFT run needs at least one step")
         self.tok = model_source.task_tokenizer(c)
-        self.pools = resolve_placement("colocate", ("actor",), jax.devices())
         self.prompt_rows = []  # held-out prompts with rule rewards, for generation accuracy
         if s.get("train_files"):
             kw = dict(max_prompt_length=c.data.max_prompt_length,
@@ -124,14 +122,9 @@ class SFTTrainer:
             self.val = (sft_data.load_parquet(s.val_files.split(","), self.tok, **kw)
                         if s.get("val_files") else None)
             if c.data.task == "parquet" and c.data.val_files:
-                self.prompt_rows = Dataset.from_parquet(
-                    c.data.val_files.split(","), self.tok, c.data.max_prompt_length).rows
+                self.prompt_rows = task_dataset(c, self.tok, "test").rows
         elif c.data.task == "arith":
-            d = c.data
-            train = Dataset.arith(d.n_train, c.seed, d.max_prompt_length, tokenizer=self.tok,
-                                  max_b=d.max_b)
-            test = Dataset.arith(d.n_test, c.seed + 10_000, d.max_prompt_length,
-                                 tokenizer=self.tok, max_b=d.max_b)
+            train, test = (task_dataset(c, self.tok, s) for s in ("train", "test"))
             self.train = arith_demonstrations(c, self.tok, train.rows)
             self.val = arith_demonstrations(c, self.tok, test.rows)
             self.prompt_rows = test.rows
@@ -139,9 +132,7 @@ class SFTTrainer:
             raise ValueError("an SFT run needs sft.train_files (SFT parquet), or data.task="
                              "'arith' for the embedded task's demonstrations")
         logging.info("SFT data: %s", self.train.summary())
-        compute_dtype = model_source.compute_dtype(c, jax.devices()[0].platform)
-        model = model_source.initial_model(c, self.tok, compute_dtype, self.pools)
-        self.actor = groups.build_actor(c, model, self.pools, self.tok.pad_id, self.tok.eos_id)
+        self.pools, self.actor = model_source.policy_alone(c, self.tok)
         self.reward = (groups.build_reward(c, self.tok, home=self.actor.mesh)
                        if self.prompt_rows else None)
 

@@ -21,7 +21,7 @@ from hfjax import health, model_source, sft
 from hfjax.algorithms import dataflow
 from hfjax.algorithms.registry import import_spec
 from hfjax.data.batching import prompt_batch
-from hfjax.data.dataset import Dataset
+from hfjax.data.dataset import Dataset, task_dataset
 from hfjax.metrics import MetricsLogger
 from hfjax.numerics.losses import (
     LagrangeMultiplier,
@@ -74,19 +74,8 @@ class Trainer:
 
     def _datasets(self) -> tuple[Dataset, Dataset]:
         """(train, validation) Datasets; bad rows fail or are counted here, before compiling."""
-        c, d = self.cfg, self.cfg.data
-        if d.task == "arith":
-            make = lambda n, seed: Dataset.arith(  # noqa: E731
-                n, seed, d.max_prompt_length, tokenizer=self.tok, max_b=d.max_b)
-            return make(d.n_train, c.seed), make(d.n_test, c.seed + 10_000)
-        if d.task == "parquet":
-            kw = dict(custom_reward_fn=c.reward.custom_fn or None)
-            return (Dataset.from_parquet(d.train_files.split(","), self.tok,
-                                         d.max_prompt_length, **kw),
-                    Dataset.from_parquet(d.val_files.split(","), self.tok,
-                                         d.max_prompt_length, **kw))
-        raise ValueError(f"unknown data.task {d.task!r}; use 'arith' (built in) or 'parquet' "
-                         "(with data.train_files and data.val_files)")
+        return (task_dataset(self.cfg, self.tok, "train"),
+                task_dataset(self.cfg, self.tok, "test"))
 
     @property
     def workers(self) -> WorkerGroups:

@@ -49,41 +49,18 @@ def generation_metrics(actor, reward, rows: Sequence[dict], *, pad_id: int,
     return metrics
 
 
-def evaluate_policy(cfg, rows, samples: int = 1, temperature: float = 1.0) -> dict[str, float]:
-    """`generation_metrics` of the config's model (model.path, on the actor's mesh in
-    model.dtype) on prompt `rows`: greedy, and with samples > 1 also `samples` samples per
-    prompt at `temperature`. What `launch.evaluate` prints."""
-    import jax
-
+def evaluate_policy(cfg, tokenizer, rows, samples: int = 1,
+                    temperature: float = 1.0) -> dict[str, float]:
+    """`generation_metrics` of the config's policy (`model_source.policy_alone`) on prompt
+    `rows`: greedy, and with samples > 1 also `samples` samples per prompt at `temperature`.
+    What `launch.evaluate` prints."""
     from hfjax import model_source
-    from hfjax.controller.placement import resolve_placement
     from hfjax.workers import groups
 
-    tok = model_source.task_tokenizer(cfg)
-    pools = resolve_placement("colocate", ("actor",), jax.devices())
-    dtype = model_source.compute_dtype(cfg, jax.devices()[0].platform)
-    model = model_source.initial_model(cfg, tok, dtype, pools)
-    actor = groups.build_actor(cfg, model, pools, tok.pad_id, tok.eos_id)
-    reward = groups.build_reward(cfg, tok, home=actor.mesh)
-    kw = dict(pad_id=tok.pad_id, max_prompt_length=cfg.data.max_prompt_length)
+    _, actor = model_source.policy_alone(cfg, tokenizer)
+    reward = groups.build_reward(cfg, tokenizer, home=actor.mesh)
+    kw = dict(pad_id=tokenizer.pad_id, max_prompt_length=cfg.data.max_prompt_length)
     out = generation_metrics(actor, reward, rows, **kw)
     if samples > 1:
         out |= generation_metrics(actor, reward, rows, n=samples, temperature=temperature, **kw)
     return out
-
-
-def heldout_rows(cfg, limit: int = 0) -> list[dict]:
-    """The config's held-out prompt rows: its validation parquet (data.val_files) for
-    data.task='parquet', else the embedded task's held-out set; the first `limit` only when
-    limit > 0."""
-    from hfjax import model_source
-    from hfjax.data.dataset import Dataset
-
-    tok = model_source.task_tokenizer(cfg)
-    d = cfg.data
-    if d.task == "parquet":
-        rows = Dataset.from_parquet(d.val_files.split(","), tok, d.max_prompt_length).rows
-    else:
-        rows = Dataset.arith(d.n_test, cfg.seed + 10_000, d.max_prompt_length, tokenizer=tok,
-                             max_b=d.max_b).rows
-    return rows[:limit] if limit else rows

@@ -30,7 +30,7 @@ from ml_collections import config_flags
 
 from hfjax.checkpoint import export_hf, is_run
 from hfjax.parallel import distributed
-from hfjax.validation import evaluate_policy, heldout_rows
+from hfjax.validation import evaluate_policy
 from launch import cli
 
 DEFAULT_CONFIG = os.path.normpath(os.path.join(os.path.relpath(os.path.dirname(os.path.dirname(
@@ -71,25 +71,25 @@ def main(argv):
             # The run's actor as an HF directory with the run's tokenizer: one loading path.
             cfg.model.path = export_hf(model, os.path.join(tmp, "hf"), _STEP.value)
             cfg.model.tokenizer = ""
-        rows = heldout_rows(cfg, _LIMIT.value)
-        metrics = evaluate_policy(cfg, rows, _SAMPLES.value, _TEMPERATURE.value)
+        from hfjax.data.dataset import task_dataset
+        from hfjax.model_source import task_tokenizer
+
+        tok = task_tokenizer(cfg)
+        rows = task_dataset(cfg, tok, "test").rows
+        rows = rows[:_LIMIT.value] if _LIMIT.value else rows
+        metrics = evaluate_policy(cfg, tok, rows, _SAMPLES.value, _TEMPERATURE.value)
     k = _SAMPLES.value
     result = {"model": _MODEL.value or cfg.model.path or "(from scratch)", "prompts": len(rows)}
-    labels = {"mean@1": "greedy", f"mean@{k}": f"mean@{k}", f"best@{k}": f"pass@{k}"}
-    labels["mean@1"] = "greedy"  # k = 1: greedy only
-    order = {"mean@1": 0, f"mean@{k}": 1, f"best@{k}": 2}
-
-    def rank(item):  # by source, then greedy, mean@k, pass@k
-        name = item[0]
-        return name.split("/", 1)[1].rsplit("/", 2)[0], order.get(name.rsplit("/", 1)[1], 3)
-
-    for name, value in sorted(metrics.items(), key=rank):
-        # val-core/<source>/acc/mean@n and val-aux/<source>/acc/best@n; a source may hold "/".
-        head, stat = name.rsplit("/", 1)
-        head, what = head.rsplit("/", 1)
-        if what != "acc" or stat not in labels:
-            continue
-        source, label = head.split("/", 1)[1], labels[stat]
+    # val-core/<source>/acc/mean@n and val-aux/<source>/acc/best@n (a source may hold "/"),
+    # reported as greedy (mean@1), mean@k and pass@k, in that order per source.
+    labels = {f"mean@{k}": f"mean@{k}", f"best@{k}": f"pass@{k}", "mean@1": "greedy"}
+    order = ("greedy", f"mean@{k}", f"pass@{k}")
+    found = []
+    for name, value in metrics.items():
+        head, what, stat = name.rsplit("/", 2)
+        if what == "acc" and stat in labels:
+            found.append((head.split("/", 1)[1], labels[stat], value))
+    for source, label, value in sorted(found, key=lambda f: (f[0], order.index(f[1]))):
         result[f"{source}/{label}"] = round(value, 4)
         if distributed.is_main_process():
             print(f"{source}: {label} accuracy {value:.4f} on {len(rows)} prompts", flush=True)

@@ -11,6 +11,7 @@ import pytest
 from support import tiny_rl_config
 
 from hfjax.checkpoint import RunCheckpointer, export_hf, is_run
+from hfjax.model_source import task_tokenizer
 from hfjax.rewards.registry import register_reward
 from hfjax.trainer import Trainer
 from hfjax.validation import evaluate_policy
@@ -50,7 +51,7 @@ def test_a_checkpoint_scores_what_the_run_validated(run, tmp_path):
     assert is_run(out) and is_run(os.path.join(out, "checkpoints"))
     cfg = cfg.copy_and_resolve_references()
     cfg.model.path = export_hf(out, str(tmp_path / "hf"))
-    got = evaluate_policy(cfg, rows)
+    got = evaluate_policy(cfg, task_tokenizer(cfg), rows)
     key = f"val-core/{SOURCE}/acc/mean@1"
     assert validated[key] > 0
     assert got[key] == validated[key]
