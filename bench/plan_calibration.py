@@ -208,7 +208,7 @@ def ideal_stage_times(run: str, cluster: Cluster, costs) -> dict[str, tuple[floa
         section, name = key.split(".")
         cfg[section][name] = value
     cfg.sft.steps = 0
-    models, host, workload = plan_inputs(cfg)
+    models, host, workload = plan_inputs(cfg, platform="cpu")
     ideal = Efficiency(train=1, forward=1, prefill=1, hbm=1, link=1)
     sim = Simulator(cluster, workload, ideal, costs)
     out = {}
@@ -343,7 +343,7 @@ def main(argv):
     # The plan the fitted model makes for the default job on this machine.
     cfg = ppo_arith.get_config()
     cfg.sft.steps = 0
-    models, host, workload = plan_inputs(cfg)
+    models, host, workload = plan_inputs(cfg, platform="cpu")
     result = planner.plan(models, workload, cluster, 8, host_roles=host, efficiency=eff)
     print("plan for the default job on this machine, fitted factors: "
           + planner.describe(result.best))

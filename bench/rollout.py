@@ -2,7 +2,9 @@
 
 All three run greedy decoding of SmolLM2-135M-Instruct (the GGUF weights dequantised to float32,
 the same numbers on both sides) for the same batch of prompts, forced to full length (no stop
-tokens), one after another in one process on the same machine:
+tokens), one after another in one process on the same machine, in one precision for all
+(`--precision`): `f32`, or `bf16` compute over the float32 weights (hfjax `dtype=bfloat16`,
+HF under `torch.autocast("cpu", torch.bfloat16)`):
 
 - hfjax: `Sampler.generate` (jitted prefill + `lax.while_loop` decode over a donated KV cache),
   timed after a warm-up call that compiles;
@@ -15,7 +17,8 @@ tokens), one after another in one process on the same machine:
 Tokens/s counts generated tokens (batch x new tokens) over the wall time of the whole call,
 prefill included. The last line printed is JSON.
 
-    python -m bench.rollout  # batch 16, prompt 64, 128 new tokens
+    python -m bench.rollout  # batch 16, prompt 64, 128 new tokens, f32
+    python -m bench.rollout --precision=bf16
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ flags.DEFINE_integer("prompt_len", 64, "tokens per prompt (no padding)")
 flags.DEFINE_integer("new_tokens", 128, "generated tokens per prompt (forced: no EOS)")
 flags.DEFINE_integer("repeats", 5, "timed runs per engine, alternating (median reported)")
 flags.DEFINE_integer("naive_steps", 3, "timed steps of the naive loop")
+flags.DEFINE_enum("precision", "f32", ["f32", "bf16"],
+                  "compute precision of every engine: f32, or bf16 over float32 weights")
 flags.DEFINE_string("model", None, "GGUF file (default: the SmolLM2-135M-Instruct GGUF)")
 flags.DEFINE_bool("skip_hf", False, "skip the transformers side (for profiling hfjax alone)")
 flags.DEFINE_bool("skip_naive", False, "skip the naive JAX loop")
@@ -68,9 +73,11 @@ def main(argv: list[str]) -> None:
     batch, prompt_len, new = f.batch, f.prompt_len, f.new_tokens
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs")
     print(f"load average (1, 5, 15 min) at the start: {os.getloadavg()}")
-    print(f"model: {path}\nbatch={batch} prompt_len={prompt_len} new_tokens={new} (greedy)")
+    print(f"model: {path}\nbatch={batch} prompt_len={prompt_len} new_tokens={new} (greedy), "
+          f"precision {f.precision}")
 
-    model = M.load(path, dtype="float32")
+    bf16 = f.precision == "bf16"
+    model = M.load(path, dtype="bfloat16" if bf16 else "float32", param_dtype="float32")
     vocab = model.config.vocab_size
     rng = np.random.default_rng(0)
     # Ordinary (non-special) ids; every prompt full length, so no padding on either side.
@@ -103,7 +110,7 @@ def main(argv: list[str]) -> None:
         t_ids, t_mask = torch.tensor(ids, dtype=torch.long), torch.tensor(mask, dtype=torch.long)
 
         def run_hf(max_new=new):
-            with torch.inference_mode():
+            with torch.inference_mode(), torch.autocast("cpu", torch.bfloat16, enabled=bf16):
                 return hf.generate(
                     input_ids=t_ids,
                     attention_mask=t_mask,
@@ -217,6 +224,7 @@ def main(argv: list[str]) -> None:
         "hf_tok_s": round(hf_tok_s, 2),
         "naive_tok_s": round(naive_tok_s, 2),
         "speedup_vs_hf": round(hfjax_tok_s / hf_tok_s, 2),
+        "precision": f.precision,
     }
     print(f"load average (1, 5, 15 min) at the end: {os.getloadavg()}")
     print(json.dumps(result))
@@ -241,17 +249,23 @@ def _decode_floor(model, rows: int, hfjax_s: float, new_tokens: int) -> float:
     def as_2d(name: str, w):  # the engine's 2-D matmul form of each projection
         return w.reshape(-1, cfg.hidden_size) if name == "o_proj" else w.reshape(w.shape[0], -1)
 
-    layers = [[as_2d(n, stacked[n][i]) for n in names] for i in range(cfg.num_layers)]
+    # Weights in the compute dtype, cast once (as the engine's decode loop has them).
+    dt = cfg.jnp_dtype
+    layers = [[as_2d(n, stacked[n][i]).astype(dt) for n in names] for i in range(cfg.num_layers)]
     head = model.model.embed_tokens[...] if cfg.tie_word_embeddings else model.lm_head[...]
+    head = (head.T if cfg.tie_word_embeddings else head).astype(dt)
+
+    def mm(x, w):  # the engine's form: compute-dtype operands, float32 accumulation
+        return jnp.dot(x.astype(dt), w, preferred_element_type=jnp.float32).astype(dt)
 
     @jax.jit
     def matmuls(x, layers, head):
         for q, k, v, o, g, u, d in layers:
-            a = x @ q
-            x = x + a @ o + jnp.sum(x @ k) + jnp.sum(x @ v)
-            x = x + (jax.nn.silu(x @ g) * (x @ u)) @ d
+            a = mm(x, q)
+            x = x + mm(a, o) + jnp.sum(mm(x, k)) + jnp.sum(mm(x, v))
+            x = x + mm(jax.nn.silu(mm(x, g)) * mm(x, u), d)
             x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6)
-        return x @ head.T if cfg.tie_word_embeddings else x @ head
+        return jnp.dot(x, head, preferred_element_type=jnp.float32)
 
     x = jnp.ones((rows, cfg.hidden_size), cfg.jnp_dtype)
     jax.block_until_ready(matmuls(x, layers, head))
@@ -266,7 +280,8 @@ def _decode_floor(model, rows: int, hfjax_s: float, new_tokens: int) -> float:
     engine_step = hfjax_s / new_tokens
     print(
         f"decode step: matmuls alone {step * 1e3:.1f} ms ({flops / 1e9:.2f} GFLOP, "
-        f"{flops / step / 1e9:.0f} GFLOP/s, {params * x.dtype.itemsize / step / 1e9:.1f} GB/s of "
+        f"{flops / step / 1e9:.0f} GFLOP/s, "
+        f"{params * jnp.dtype(dt).itemsize / step / 1e9:.1f} GB/s of "
         f"weights); hfjax's whole step {engine_step * 1e3:.1f} ms, so matmuls are "
         f"{step / engine_step:.0%} of it",
         flush=True,

@@ -20,9 +20,13 @@ def get_config() -> config_dict.ConfigDict:
 
     c.model = config_dict.ConfigDict(
         dict(
-            # A path to an HF directory or a .gguf file; empty: a tiny model from scratch with
-            # the sizes below.
+            # A path to an HF directory or a .gguf file, or preset:NAME (an architecture from
+            # hfjax/models/presets.py with random weights); empty: a tiny model from scratch
+            # with the sizes below.
             path="",
+            # Tokenizer (HF directory or .gguf); empty: model.path's own, or the embedded
+            # task's for a preset or a model from scratch.
+            tokenizer="",
             vocab_size=0,  # 0: the task tokenizer's size
             hidden_size=128,
             intermediate_size=384,
@@ -30,7 +34,13 @@ def get_config() -> config_dict.ConfigDict:
             num_heads=4,
             num_kv_heads=2,
             head_dim=32,
-            dtype="float32",
+            # Compute dtype: float32 | bfloat16 | auto (bfloat16 on GPUs and TPUs and, for
+            # hidden sizes >= 512, on CPUs with AMX; else float32: see
+            # hfjax.models.precision.resolve_compute_dtype). Matmuls take
+            # operands in it and accumulate in float32; logits, log-probs and values are float32.
+            dtype="auto",
+            # Master weights, gradients and optimizer state.
+            param_dtype="float32",
             scan_layers=True,
             remat_policy="none",
         )
@@ -55,6 +65,15 @@ def get_config() -> config_dict.ConfigDict:
             lr=3e-3,
             corruption="format",  # format | carry | none: how the demonstrations are imperfect
             corrupt_frac=0.7,
+            # python -m launch.sft on your own data: SFT parquet (prompt/response columns, or
+            # multi-turn messages; docs/algorithms.md), comma-separated. Empty: the embedded
+            # task's demonstrations above.
+            train_files="",
+            val_files="",
+            prompt_key="prompt",
+            response_key="response",
+            messages_key="messages",
+            max_response_length=0,  # 0: rollout.response_length
         )
     )
     c.actor = config_dict.ConfigDict(
@@ -135,6 +154,8 @@ def get_config() -> config_dict.ConfigDict:
             loss_agg_mode="token-mean",
         )
     )
+    # Safe-RLHF's cost critic (same keys as the critic).
+    c.cost_critic = config_dict.ConfigDict(c.critic.to_dict())
     c.algo = config_dict.ConfigDict(
         dict(
             adv_estimator="gae",
@@ -146,6 +167,21 @@ def get_config() -> config_dict.ConfigDict:
             kl_ctrl=config_dict.ConfigDict(
                 dict(type="fixed", kl_coef=0.001, target_kl=0.1, horizon=10000)
             ),
+            # Safe-RLHF: the Lagrange multiplier of E[cost] <= cost_threshold.
+            safe_rlhf=config_dict.ConfigDict(
+                dict(cost_threshold=0.0, lambda_init=1.0, lambda_lr=0.1, lambda_max=100.0)
+            ),
+            # DAPO's dynamic sampling: drop groups whose scores are all equal and generate more
+            # until the batch is full, at most max_num_gen_batches times per step (0: no cap);
+            # then on_exhausted: error | fill (with dropped groups).
+            filter_groups=config_dict.ConfigDict(
+                dict(enable=False, max_num_gen_batches=10, on_exhausted="fill")
+            ),
+            # DAPO's overlong shaping: responses longer than response_length - len lose up to
+            # penalty_factor, linearly.
+            overlong_buffer=config_dict.ConfigDict(
+                dict(enable=False, len=4, penalty_factor=1.0)
+            ),
         )
     )
     c.reward = config_dict.ConfigDict(
@@ -154,6 +190,44 @@ def get_config() -> config_dict.ConfigDict:
             # extra_info); replaces the built-in rewards
             num_processes=2,  # reward scorer subprocesses (0: score in the controller thread)
             timeout_s=10.0,  # per-call limit; a reward that hangs or raises scores 0
+            # With a reward model: score = rule_weight * rule + model_weight * model, per
+            # data_source; `sources` overrides both for some, "src=rule:W,model:W;src2=...".
+            rule_weight=1.0,
+            model_weight=1.0,
+            sources="",
+        )
+    )
+    # Learned reward and cost models (HF *ForSequenceClassification directories, e.g. from
+    # python -m launch.train_rm), each a worker group on its own mesh; empty path: none.
+    c.reward_model = config_dict.ConfigDict(dict(path="", mesh="fsdp=-1", dtype="float32"))
+    c.cost_model = config_dict.ConfigDict(
+        dict(
+            path="",
+            mesh="fsdp=-1",
+            dtype="float32",
+            # module:fn or file.py:fn scoring a response text with the rule the cost model was
+            # trained to measure; validation reports it as val-aux/cost_reference/mean.
+            reference_fn="",
+        )
+    )
+    # python -m launch.train_rm: a reward (or cost) model trained with the Bradley–Terry loss on
+    # preference parquet (configs/rm_arith.py and cost_arith.py set the files).
+    c.rm = config_dict.ConfigDict(
+        dict(
+            target="reward",  # reward | cost (the costlier side of each pair scores higher)
+            train_files="",  # preference parquet: prompt, chosen, rejected
+            val_files="",  # held-out pairs for the pairwise accuracy
+            max_response_length=0,  # 0: rollout.response_length
+            steps=1500,
+            batch_size=64,  # pairs per step
+            micro_batch_size=64,
+            lr=3e-4,
+            weight_decay=0.0,
+            grad_clip=1.0,
+            sign_coef=0.0,  # Safe-RLHF's cost-sign term (needs unsafe labels)
+            center_coef=0.01,  # keeps the scores' offset near 0
+            mesh="fsdp=-1",
+            eval_every=250,  # held-out accuracy every N steps (0: only before and after)
         )
     )
     c.trainer = config_dict.ConfigDict(

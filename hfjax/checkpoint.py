@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
+from jax.experimental import multihost_utils
 
 TRAINER_ITEM = "trainer"
 CONFIG_ITEM = "config"
@@ -150,6 +151,18 @@ def locate(path: str) -> tuple[str, int | None]:
     if base.isdigit() and os.path.isdir(os.path.join(path, TRAINER_ITEM)):
         return os.path.dirname(path), int(base)
     return path, None
+
+
+def is_run(path: str) -> bool:
+    """Whether `path` is a training run's out_dir, checkpoint root or step directory (what
+    `locate` takes) rather than a model directory."""
+    if not os.path.isdir(path) or os.path.isfile(os.path.join(path, "config.json")):
+        return False
+    if os.path.isdir(os.path.join(path, "checkpoints")):
+        return True
+    if os.path.basename(os.path.normpath(path)).isdigit():
+        return os.path.isdir(os.path.join(path, TRAINER_ITEM))
+    return any(name.isdigit() for name in os.listdir(path))
 
 
 Targets = Mapping[str, Any] | Callable[[dict], Mapping[str, Any]]
@@ -333,9 +346,12 @@ class RunCheckpointer:
 
     def set_aside(self, steps: list[int], reason: str = "corrupt") -> list[str]:
         """Moves the given step directories to `<root>.<reason>/` (so new saves may reuse their
-        step numbers) and returns where they went."""
+        step numbers) and returns where they went (in process 0; the other processes of a run
+        wait for it and return [])."""
         moved = []
-        for s in steps:
+        # The processes of a run share the directory: process 0 moves (and returns what it
+        # moved), the others wait for it.
+        for s in steps if jax.process_index() == 0 else ():
             src = self.step_dir(s)
             if not os.path.isdir(src):
                 continue
@@ -344,6 +360,8 @@ class RunCheckpointer:
             dst = os.path.join(dst_root, f"{s}-{time.strftime('%Y%m%d-%H%M%S')}")
             shutil.move(src, dst)
             moved.append(dst)
+        if jax.process_count() > 1:
+            multihost_utils.sync_global_devices("hfjax checkpoint set_aside")
         self._mgr.reload()
         return moved
 
@@ -420,3 +438,56 @@ def config_diff(saved: Mapping[str, Any], current: Mapping[str, Any],
                                                                        default=str):
             out.append(key)
     return out
+
+
+def load_actor(ckpt: str, step: int | None = None):
+    """(actor model, Restored) from a checkpoint, newest readable by default: on one device,
+    or across processes sharded over the devices of all of them."""
+    import jax
+    from flax import nnx
+
+    from hfjax.models import transformer
+    from hfjax.models.config import ModelConfig
+    from hfjax.parallel import sharding as shd
+    from hfjax.parallel.mesh import MeshSpec, sorted_devices
+
+    root, at = locate(ckpt)
+    graphdefs = {}
+
+    def targets(state):
+        cfg = ModelConfig(**state["model_config"])
+        graphdef, abstract = nnx.split(transformer.abstract(cfg, "causal_lm"))
+        graphdefs["actor"] = graphdef
+        if jax.process_count() == 1:
+            device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+            shardings = jax.tree.map(lambda _: device, abstract, is_leaf=shd.is_variable)
+        else:
+            # No process holds the whole model on its devices: FSDP over all of them, a
+            # dimension that does not divide kept whole.
+            mesh = MeshSpec.parse("fsdp=-1").build(sorted_devices())
+            lay = shd.layout(mesh, "train", replicate_indivisible=tuple(shd.TRAIN_RULES))
+            shardings = lay.state_shardings(abstract)
+
+        def place(var, sharding):
+            x = var.get_value()
+            return var.replace(jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding))
+
+        return {"actor_params": jax.tree.map(place, abstract, shardings,
+                                             is_leaf=shd.is_variable)}
+
+    restored = RunCheckpointer(root, read_only=True).restore_latest(
+        targets, step=step if step is not None else at)
+    return nnx.merge(graphdefs["actor"], restored.items["actor_params"]), restored
+
+
+def export_hf(ckpt: str, out: str, step: int | None = None, tokenizer: str | None = None) -> str:
+    """Writes the actor of a run's checkpoint (`load_actor`) to `out` as an HF directory with
+    the run's tokenizer (`<out_dir>/tokenizer`, or `tokenizer`); returns out."""
+    import hfjax.models as M
+
+    model, _ = load_actor(ckpt, step)
+    root, _ = locate(ckpt)
+    tok_path = tokenizer or os.path.join(os.path.dirname(root), "tokenizer")
+    if not os.path.exists(tok_path):
+        raise FileNotFoundError(f"no tokenizer at {tok_path}; pass --tokenizer=DIR")
+    return M.save_hf(model, out, tokenizer=M.load_tokenizer(tok_path))

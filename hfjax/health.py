@@ -22,6 +22,8 @@ NONFINITE = {
     "sft/nonfinite_updates": ("the warm start (sft)", "sft/loss", "sft"),
     "critic/nonfinite_updates": ("update_critic", "critic/vf_loss", "critic"),
     "actor/nonfinite_updates": ("update_actor", "actor/pg_loss", "actor"),
+    "cost_critic/nonfinite_updates": ("update_cost_critic", "cost_critic/vf_loss",
+                                      "cost_critic"),
 }
 ENTROPY_KEY = "actor/token_entropy"
 UNIFORM_KEY = "health/near_uniform_policy"

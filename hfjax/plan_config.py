@@ -9,49 +9,37 @@ that `launch.train --flagfile=...` runs unchanged.
 
 from __future__ import annotations
 
-import json
-import os
-
+from hfjax import model_source
 from hfjax.algorithms.registry import get_algorithm
 from hfjax.controller.costs import ModelSpec
 from hfjax.controller.simulator import Workload
 from hfjax.data import arith
 from hfjax.engine.sampler import MIN_NEW_TOKENS_BUCKET, MIN_PROMPT_BUCKET, bucket_size
-from hfjax.models import gguf_io
 from hfjax.models.config import ModelConfig
-from hfjax.models.presets import get_preset, preset_name
-from hfjax.workers.groups import needs_ref, scratch_model_config
+from hfjax.models.hf_io import model_config as path_model_config
+from hfjax.workers.groups import needs_ref
 
 
-def model_config(cfg):
-    """The actor's ModelConfig as the trainer will build it, without loading weights."""
-    m = cfg.model
-    if not m.path:
-        tok = arith.tokenizer()
-        positions = cfg.data.max_prompt_length + cfg.rollout.response_length
-        return scratch_model_config(m, tok.vocab_size, tok.pad_id, tok.eos_id, positions)
-    return load_config(m.path, param_dtype=m.dtype, dtype=m.dtype,
-                       scan_layers=m.scan_layers, remat_policy=m.remat_policy)
+def model_config(cfg, platform: str = "gpu") -> ModelConfig:
+    """The actor's ModelConfig as the trainer builds it on `platform` (where `model.dtype=auto`
+    resolves), without loading weights (`hfjax.model_source.model_config`)."""
+    compute = model_source.compute_dtype(cfg, platform)
+    return model_source.model_config(cfg, arith.tokenizer(), compute)
 
 
-def load_config(path: str, **overrides):
-    """A ModelConfig from a preset name, an HF directory or a .gguf file (metadata only)."""
-    if (name := preset_name(path)) is not None:
-        return get_preset(name).replace(**overrides)
-    if str(path).endswith(".gguf"):
-        return ModelConfig.from_hf_config(gguf_io.read_gguf_config(path), **overrides)
-    config = os.path.join(path, "config.json")
-    if not os.path.exists(config):
-        raise FileNotFoundError(f"{path}: not a preset:NAME, an HF directory with config.json "
-                                "or a .gguf file")
-    with open(config) as f:
-        return ModelConfig.from_hf_config(json.load(f), **overrides)
+def reward_model_path(cfg, flag: str = "") -> str:
+    """The reward model a plan places: `launch.plan --reward_model`, else the config's
+    `reward_model.path` (empty: the rule reward, scored on the host)."""
+    return flag or (cfg.get("reward_model") or {}).get("path", "")
 
 
-def plan_inputs(cfg, reward_model: str = "", score_micro: int = 0, gen_rows: int = 0):
-    """(models, host roles, workload) of the run a config describes."""
+def plan_inputs(cfg, reward_model: str = "", score_micro: int = 0, gen_rows: int = 0,
+                platform: str = "gpu"):
+    """(models, host roles, workload) of the run a config describes on `platform`; the reward
+    model is `reward_model_path(cfg, reward_model)`."""
     algo = get_algorithm(cfg.algorithm)
-    actor_cfg = model_config(cfg)
+    actor_cfg = model_config(cfg, platform)
+    reward_model = reward_model_path(cfg, reward_model)
     name = cfg.model.path or "scratch model"
     models = [ModelSpec("actor", actor_cfg, "causal_lm", True, f"actor {name}")]
     if "critic" in algo.roles:
@@ -65,9 +53,10 @@ def plan_inputs(cfg, reward_model: str = "", score_micro: int = 0, gen_rows: int
         host.append("ref")
     if "reward" in algo.roles:
         if reward_model:
-            m = cfg.model
-            rcfg = load_config(reward_model, param_dtype=m.dtype, dtype=m.dtype,
-                               scan_layers=m.scan_layers, remat_policy=m.remat_policy)
+            # Built as the trainer builds it: `reward_model.dtype` for weights and compute.
+            m, dtype = cfg.model, (cfg.get("reward_model") or {}).get("dtype", "float32")
+            rcfg = path_model_config(reward_model, dtype=dtype, scan_layers=m.scan_layers,
+                                     remat_policy=m.remat_policy)
             models.append(ModelSpec("reward", rcfg, "score", False, f"reward {reward_model}"))
         else:
             host.append("reward")
@@ -89,20 +78,41 @@ def plan_inputs(cfg, reward_model: str = "", score_micro: int = 0, gen_rows: int
     return models, tuple(host), workload
 
 
-def flagfile_lines(plan, cfg, config_path: str, argv) -> tuple[list[str], list[str]]:
-    """(the flagfile's lines, plan keys the config has no field for)."""
+def flagfile_lines(plan, cfg, config_path: str, argv,
+                   reward_model: str = "") -> tuple[list[str], list[str]]:
+    """(the flagfile's lines, plan keys the config has no field for); `reward_model` is
+    `launch.plan --reward_model`, which the flagfile passes on as `reward_model.path`."""
     lines = [f"# hfjax plan: {plan.mode}, estimated {plan.iteration_s:.4g} s per step",
              f"--config={config_path}"]
     # The user's own overrides first, so the plan's settings win where both name a key.
     lines += [a for a in argv[1:] if a.startswith("--config.")]
     missing = []
-    for key, value in plan.overrides().items():
+    planned = config_overrides(plan)
+    if reward_model and "reward_model.mesh" in planned:
+        planned = {"reward_model.path": reward_model, **planned}
+    for key, value in planned.items():
         if not _has_key(cfg, key):
             missing.append(key)
             continue
         text = str(value).lower() if isinstance(value, bool) else str(value)
         lines.append(f"--config.{key}={text}")
     return lines, missing
+
+
+def config_overrides(plan) -> dict[str, object]:
+    """`plan.overrides()` in the trainer's role names: the planner's "reward" model is the
+    `reward_model` role (`reward_model.mesh`), placed with the reward it feeds."""
+    out = dict(plan.overrides())
+    if "reward.mesh" in out:
+        out["reward_model.mesh"] = out.pop("reward.mesh")
+        pools = []
+        for pool in str(out["placement"]).split(";"):
+            head, roles = pool.split(":", 1)
+            names = [x for r in roles.split("+")
+                     for x in ((r, "reward_model") if r == "reward" else (r,))]
+            pools.append(f"{head}:{'+'.join(names)}")
+        out["placement"] = ";".join(pools)
+    return out
 
 
 def _has_key(cfg, key: str) -> bool:

@@ -8,6 +8,8 @@ their rows in `FLAG_KEYS[entry]` and their cross-flag rules in `FLAG_RULES[entry
   written (a config key missing from `TRAIN_KEYS`, e.g. a typo in a derived config, is an
   error too: add its row here when adding a key);
 - `check_flags(entry, values)`: one entry point's flags;
+- `register_keys(rows)`: rows for the config sections of a user algorithm's own roles (called
+  when its module is imported, which the `algorithm` key's check does first);
 - `validate_config(cfg)`: `check_config` plus what needs the devices (placement, meshes, batch
   splits over the data-parallel size); it returns the Algorithm and each role's pool.
 
@@ -138,11 +140,16 @@ def _with_note(text: str, note: str) -> str:
 # -- checks that need a registry or the file system --------------------------------------------
 
 
-def _algorithms() -> tuple[str, ...]:
-    from hfjax.algorithms.registry import ALGORITHMS, get_algorithm
+def _algorithm(v) -> str | None:
+    if not isinstance(v, str) or not v:
+        return "needs a registered algorithm's name or package.module:step"
+    from hfjax.algorithms.registry import get_algorithm
 
-    get_algorithm("ppo")  # importing the drivers registers every algorithm
-    return ALGORITHMS.names()
+    try:  # a user algorithm's module is imported here, registering what it brings
+        get_algorithm(v)
+    except ValueError as err:
+        return str(err)
+    return None
 
 
 def _registry(name: str) -> Callable[[], tuple[str, ...]]:
@@ -218,12 +225,14 @@ def _placement(v) -> str | None:
     return f"needs a mode name or a mapping, not a {type(v).__name__}"
 
 
-def _model_path(optional: bool) -> Callable[[Any], str | None]:
+def _model_path(optional: bool, preset: bool = False) -> Callable[[Any], str | None]:
     def check(v) -> str | None:
         if v is None or v == "":
             return None if optional else "needs an HF model directory or a .gguf file"
         if not isinstance(v, str):
             return "needs a path string"
+        if preset and v.startswith("preset:"):
+            return _preset_problem(v)
         if v.endswith(".gguf"):
             return None if os.path.isfile(v) else "no such .gguf file"
         if os.path.isfile(v):
@@ -235,6 +244,41 @@ def _model_path(optional: bool) -> Callable[[Any], str | None]:
         return None
 
     return check
+
+
+def _model_or_run(v) -> str | None:
+    """A model (`_model_path`) or a training run's directory (launch.evaluate's --model)."""
+    if isinstance(v, str) and os.path.isdir(v) and not os.path.isfile(
+            os.path.join(v, "config.json")):
+        from hfjax.checkpoint import is_run
+
+        if is_run(v):
+            return None
+        return ("is neither an HF model directory (no config.json) nor a training run (no "
+                "checkpoints); pass a model directory, a .gguf file or a run's out_dir")
+    return _model_path(optional=True, preset=True)(v)
+
+
+def _preset_problem(path: str) -> str | None:
+    from hfjax.models import presets
+
+    try:
+        presets.get_preset(presets.preset_name(path))
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def _target_name(v) -> str | None:
+    if v is None:
+        return None
+    from hfjax.parallel import targets
+
+    try:
+        targets.get_target(v)
+    except ValueError as err:
+        return str(err)
+    return None
 
 
 def _existing(kind: str, optional: bool = False) -> Callable[[Any], str | None]:
@@ -278,6 +322,34 @@ def _custom_reward(v) -> str | None:
     except ValueError as err:
         return str(err)
     return None
+
+
+def _spec(v) -> str | None:
+    if v == "":
+        return None
+    from hfjax.algorithms.registry import import_spec
+
+    try:
+        fn = import_spec(v) if isinstance(v, str) else None
+    except ValueError as err:
+        return str(err)
+    return None if callable(fn) else "needs package.module:function or path/to/file.py:function"
+
+
+def _source_weights(v) -> str | None:
+    from hfjax.workers.reward import parse_source_weights
+
+    try:
+        parse_source_weights(v)
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def _rm_targets() -> tuple[str, ...]:
+    from hfjax.data.preferences import TARGETS
+
+    return tuple(TARGETS)
 
 
 def _sinks(v) -> str | None:
@@ -333,11 +405,14 @@ _BUDGET = ("tokens per data-parallel device and micro-batch with use_remove_padd
            "0: ppo_micro_batch_size padded rows")
 
 TRAIN_KEYS: dict[str, Callable[[Any], str | None]] = {
-    "algorithm": Choice(_algorithms),
+    # First: a user algorithm's module, imported by this check, may register estimators,
+    # losses and the rows of its own config keys that later checks look up.
+    "algorithm": Check(_algorithm),
     "seed": Int(0),
     "placement": Check(_placement),
     # model
-    "model.path": Check(_model_path(optional=True)),
+    "model.path": Check(_model_path(optional=True, preset=True)),
+    "model.tokenizer": Check(_existing("tokenizer directory or .gguf file", optional=True)),
     "model.vocab_size": Int(0, note="0: the tokenizer's size"),
     "model.hidden_size": Int(1),
     "model.intermediate_size": Int(1),
@@ -345,7 +420,10 @@ TRAIN_KEYS: dict[str, Callable[[Any], str | None]] = {
     "model.num_heads": Int(1),
     "model.num_kv_heads": Int(1),
     "model.head_dim": Int(2),
-    "model.dtype": Choice(("float32", "bfloat16")),
+    "model.dtype": Choice(("float32", "bfloat16", "auto"), note="compute; auto: bfloat16 on "
+                          "GPUs, TPUs and AMX CPUs for hidden >= 512, else float32"),
+    "model.param_dtype": Choice(("float32", "bfloat16"), note="master weights and optimizer "
+                                "state"),
     "model.scan_layers": Bool(),
     "model.remat_policy": Choice(_remat_policies),
     # data
@@ -364,6 +442,13 @@ TRAIN_KEYS: dict[str, Callable[[Any], str | None]] = {
     "sft.lr": _LR,
     "sft.corruption": Choice(_corruptions),
     "sft.corrupt_frac": _FRACTION,
+    # python -m launch.sft on SFT parquet (hfjax.data.sft); empty: the task's demonstrations
+    "sft.train_files": Check(_parquet_files),
+    "sft.val_files": Check(_parquet_files),
+    "sft.prompt_key": Text(nonempty=True),
+    "sft.response_key": Text(nonempty=True),
+    "sft.messages_key": Text(nonempty=True),
+    "sft.max_response_length": Int(0, note="0: rollout.response_length"),
     # actor
     "actor.mesh": Check(_mesh(optional=False)),
     "actor.rules": Choice(_layout_rules),
@@ -420,6 +505,17 @@ TRAIN_KEYS: dict[str, Callable[[Any], str | None]] = {
     "critic.shuffle": Bool(),
     "critic.cliprange_value": Float(0.0, lo_open=True),
     "critic.loss_agg_mode": Choice(_registry("LOSS_AGG_MODES")),
+    # Safe-RLHF's cost critic
+    "cost_critic.mesh": Check(_mesh(optional=False)),
+    "cost_critic.lr": _LR,
+    "cost_critic.weight_decay": Float(0.0),
+    "cost_critic.grad_clip": Float(0.0, note="0: no clipping"),
+    "cost_critic.ppo_mini_batch_size": Int(1),
+    "cost_critic.ppo_micro_batch_size": Int(1),
+    "cost_critic.ppo_epochs": Int(1),
+    "cost_critic.shuffle": Bool(),
+    "cost_critic.cliprange_value": Float(0.0, lo_open=True),
+    "cost_critic.loss_agg_mode": Choice(_registry("LOSS_AGG_MODES")),
     # advantages and KL
     "algo.adv_estimator": Choice(_registry("ADV_ESTIMATORS")),
     "algo.gamma": _FRACTION,
@@ -431,10 +527,48 @@ TRAIN_KEYS: dict[str, Callable[[Any], str | None]] = {
     "algo.kl_ctrl.kl_coef": Float(0.0),
     "algo.kl_ctrl.target_kl": Float(0.0, lo_open=True),
     "algo.kl_ctrl.horizon": Float(0.0, lo_open=True),
+    # Safe-RLHF's Lagrange multiplier (hfjax.numerics.losses.LagrangeMultiplier)
+    "algo.safe_rlhf.cost_threshold": Float(),
+    "algo.safe_rlhf.lambda_init": Float(0.0, lo_open=True),
+    "algo.safe_rlhf.lambda_lr": Float(0.0, lo_open=True),
+    "algo.safe_rlhf.lambda_max": Float(0.0, lo_open=True),
+    # DAPO's dynamic sampling and overlong shaping (hfjax.algorithms.dapo)
+    "algo.filter_groups.enable": Bool(),
+    "algo.filter_groups.max_num_gen_batches": Int(0, note="0: no cap"),
+    "algo.filter_groups.on_exhausted": Choice(("error", "fill")),
+    "algo.overlong_buffer.enable": Bool(),
+    "algo.overlong_buffer.len": Int(1),
+    "algo.overlong_buffer.penalty_factor": Float(0.0),
     # rewards
     "reward.custom_fn": Check(_custom_reward),
     "reward.num_processes": Int(0, note="0: score in the controller, without timeouts"),
     "reward.timeout_s": Float(0.0, lo_open=True),
+    "reward.rule_weight": Float(),
+    "reward.model_weight": Float(),
+    "reward.sources": Check(_source_weights),
+    # learned reward and cost models (HF *ForSequenceClassification directories)
+    "reward_model.path": Check(_model_path(optional=True)),
+    "reward_model.mesh": Check(_mesh(optional=False)),
+    "reward_model.dtype": Choice(("float32", "bfloat16")),
+    "cost_model.path": Check(_model_path(optional=True)),
+    "cost_model.mesh": Check(_mesh(optional=False)),
+    "cost_model.dtype": Choice(("float32", "bfloat16")),
+    "cost_model.reference_fn": Check(_spec),
+    # python -m launch.train_rm (hfjax.rm)
+    "rm.target": Choice(_rm_targets),
+    "rm.train_files": Check(_parquet_files),
+    "rm.val_files": Check(_parquet_files),
+    "rm.max_response_length": Int(0, note="0: rollout.response_length"),
+    "rm.steps": Int(1),
+    "rm.batch_size": Int(1),
+    "rm.micro_batch_size": Int(1),
+    "rm.lr": _LR,
+    "rm.weight_decay": Float(0.0),
+    "rm.grad_clip": Float(0.0, note="0: no clipping"),
+    "rm.sign_coef": Float(0.0, note="Safe-RLHF's cost-sign term; needs unsafe labels"),
+    "rm.center_coef": Float(0.0),
+    "rm.mesh": Check(_mesh(optional=False)),
+    "rm.eval_every": Int(0, note="0: only before and after"),
     # the run
     "trainer.total_steps": Int(0),
     "trainer.test_freq": Int(0, note="0: never"),
@@ -460,13 +594,112 @@ TRAIN_KEYS: dict[str, Callable[[Any], str | None]] = {
 _LEAF_MAPPINGS = ("placement",)
 
 
-def _estimator_inputs(c) -> str | None:
+def register_keys(rows: Mapping[str, Callable[[Any], str | None]]) -> None:
+    """Adds rows to `TRAIN_KEYS` for the config keys of a user algorithm's own roles (e.g.
+    {"probe.mesh": Check(...)}), so that configs setting them are accepted; a key hfjax already
+    declares is refused unless its check is the same object (a module imported twice)."""
+    for key, check in rows.items():
+        if key in TRAIN_KEYS and TRAIN_KEYS[key] is not check:
+            raise ValueError(f"config key {key} is already declared in hfjax/run_config.py")
+        TRAIN_KEYS[key] = check
+        _OPTIONAL_KEYS.add(key)
+
+
+# Keys registered by user modules: a config without them is still complete.
+_OPTIONAL_KEYS: set[str] = set()
+
+
+def run_roles(algo, cfg) -> tuple[str, ...]:
+    """The algorithm's roles plus those the config selects: a reward model
+    (`reward_model.path`) scores for any algorithm with a reward. A cost model is part of an
+    algorithm that uses costs (Safe-RLHF); configuring one for another algorithm is a
+    ValueError, since nothing would read it."""
+    roles = list(algo.roles)
+    rm = cfg.get("reward_model")
+    if rm is not None and rm.path and "reward" in roles and "reward_model" not in roles:
+        roles.append("reward_model")
+    cm = cfg.get("cost_model")
+    if cm is not None and cm.path and "cost_model" not in roles:
+        raise ValueError(f"cost_model.path is set but algorithm {algo.name!r} has no cost; "
+                         "unset it, or use an algorithm with a cost model (safe_rlhf)")
+    return tuple(roles)
+
+
+def provided_by_roles(roles: tuple[str, ...]) -> set[str]:
+    """Batch arrays the advantage stage gets from the run's roles themselves."""
+    out = set()
+    if "critic" in roles:
+        out.add("values")
+    if "cost_critic" in roles:
+        out.add("cost_values")
+    if "cost_model" in roles:
+        out.add("token_level_costs")
+    return out
+
+
+# Roles whose model a config selects by a path (a trained score head).
+MODEL_ROLES = ("reward_model", "cost_model")
+
+
+def _roles(c) -> tuple:
     from hfjax.algorithms.registry import get_algorithm
-    from hfjax.numerics import core
 
     algo = get_algorithm(c.algorithm)
+    return algo, run_roles(algo, c)
+
+
+def _selected_models(c) -> str | None:
+    try:
+        _roles(c)
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def _algorithm_settings(c) -> str | None:
+    from hfjax.algorithms.registry import get_algorithm
+
+    algo = get_algorithm(c.algorithm)
+    if algo.check is None:
+        return None
+    try:  # the algorithm's own refusals (DAPO with a KL term, Safe-RLHF without a cost model)
+        algo.check(c)
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def _group_needs_samples(c) -> str | None:
+    from hfjax.numerics import core
+
+    estimator = c.algo.adv_estimator
+    if core.ADV_ESTIMATORS.info(estimator).get("group") and c.rollout.n < 2:
+        return (f"algo.adv_estimator={estimator!r} compares the samples of each prompt, but "
+                f"rollout.n={c.rollout.n} draws one; set --config.rollout.n to 2 or more "
+                "(e.g. 8)")
+    return None
+
+
+def _score_models(c) -> str | None:
+    from hfjax.models.hf_io import check_score_checkpoint
+
+    _, roles = _roles(c)
+    for role in MODEL_ROLES:
+        if role in roles:
+            try:  # reads config.json and the safetensors headers only
+                check_score_checkpoint(c[role].path, f"{role}.path")
+            except (ValueError, OSError) as err:
+                return str(err)
+    return None
+
+
+def _estimator_inputs(c) -> str | None:
+    from hfjax.numerics import core
+
+    algo, roles = _roles(c)
     need = core.ADV_ESTIMATORS.info(c.algo.adv_estimator).get("needs", ())
-    missing = [k for k in need if k not in algo.provides]
+    provided = set(algo.provides) | provided_by_roles(roles)
+    missing = [k for k in need if k not in provided]
     if missing:
         return (f"algo.adv_estimator={c.algo.adv_estimator!r} needs {', '.join(missing)}, which "
                 f"algorithm {algo.name!r} does not produce; choose another estimator or an "
@@ -475,10 +708,8 @@ def _estimator_inputs(c) -> str | None:
 
 
 def _kl_needs_a_reference(c) -> str | None:
-    from hfjax.algorithms.registry import get_algorithm
-
-    algo = get_algorithm(c.algorithm)
-    if "ref" not in algo.roles and (c.actor.use_kl_loss or c.algo.use_kl_in_reward):
+    algo, roles = _roles(c)
+    if "ref" not in roles and (c.actor.use_kl_loss or c.algo.use_kl_in_reward):
         return (f"algorithm {algo.name!r} has no reference policy, so it has no KL term; set "
                 "--config.actor.use_kl_loss=False and --config.algo.use_kl_in_reward=False")
     return None
@@ -522,10 +753,9 @@ def _arith_sizes(c) -> str | None:
 
 
 def _mini_batches_fit(c) -> str | None:
-    from hfjax.algorithms.registry import get_algorithm
-
-    for role in ("actor", "critic"):
-        if role not in get_algorithm(c.algorithm).roles:
+    _, roles = _roles(c)
+    for role in ("actor", "critic", "cost_critic"):
+        if role not in roles:
             continue
         s = c[role]
         if s.ppo_mini_batch_size > c.data.train_batch_size:
@@ -559,14 +789,20 @@ def _positions(c) -> str | None:
     from hfjax.models.config import ModelConfig
 
     try:
-        if c.model.path.endswith(".gguf"):
+        if c.model.path.startswith("preset:"):
+            from hfjax.models import presets
+
+            hf = None
+            limit = presets.get_preset(presets.preset_name(c.model.path)).max_position_embeddings
+        elif c.model.path.endswith(".gguf"):
             from hfjax.models.gguf_io import read_gguf_config
 
             hf = read_gguf_config(c.model.path)
         else:
             with open(os.path.join(c.model.path, "config.json")) as f:
                 hf = json.load(f)
-        limit = ModelConfig.from_hf_config(hf).max_position_embeddings
+        if hf is not None:
+            limit = ModelConfig.from_hf_config(hf).max_position_embeddings
     except (OSError, ValueError, KeyError) as err:
         return f"model.path={c.model.path!r}: cannot read its config ({err})"
     need = c.data.max_prompt_length + c.rollout.response_length
@@ -608,8 +844,12 @@ def _token_budget(c) -> str | None:
 
 
 TRAIN_RULES: tuple[Callable[[Any], str | None], ...] = (
+    _selected_models,
     _estimator_inputs,
+    _group_needs_samples,
+    _algorithm_settings,  # before the generic KL rule: its message is the algorithm's own
     _kl_needs_a_reference,
+    _score_models,
     _data_files,
     _warm_start_needs_arith,
     _sft_micro_batches,
@@ -628,7 +868,24 @@ TRAIN_RULES: tuple[Callable[[Any], str | None], ...] = (
 _CACHE = Check(_cache_dir)
 
 FLAG_KEYS: dict[str, dict[str, Callable[[Any], str | None]]] = {
-    "train": {"cpu_devices": Int(0, note="0: leave XLA_FLAGS alone")},
+    "train": {
+        "cpu_devices": Int(0, note="0: leave XLA_FLAGS alone"),
+        "target": Check(_target_name),
+        "num_devices": Int(1),
+        "device_memory_gib": Check(lambda v: None if v is None or v > 0 else "needs a "
+                                   "positive number of GiB"),
+    },
+    "sft": {"cpu_devices": Int(0, note="0: leave XLA_FLAGS alone")},
+    "evaluate": {
+        "cpu_devices": Int(0, note="0: leave XLA_FLAGS alone"),
+        "model": Check(_model_or_run),
+        "step": Check(lambda v: None if v is None else Int(0)(v)),
+        "data": Check(lambda v: None if v is None else _parquet_files(v)),
+        "samples": Int(1),
+        "temperature": Float(0.0, lo_open=True),
+        "limit": Int(0, note="0: every prompt"),
+    },
+    "train_rm": {"cpu_devices": Int(0, note="0: leave XLA_FLAGS alone")},
     "generate": {
         "model": Check(_model_path(optional=True)),
         "prompt": Check(_prompts),
@@ -709,9 +966,19 @@ def _some_rows(v) -> str | None:
     return None
 
 
+def _step_needs_run(v) -> str | None:
+    from hfjax.checkpoint import is_run
+
+    step, model = v.get("step"), v.get("model")
+    if step is not None and not (model and is_run(model)):
+        return f"--step={step} picks a checkpoint, but --model is not a training run"
+    return None
+
+
 FLAG_RULES: dict[str, tuple[Callable[[Mapping[str, Any]], str | None], ...]] = {
     "convert": (_convert_target,),
     "export": (_export_target,),
+    "evaluate": (_step_needs_run,),
     "prepare_data": (_some_rows,),
 }
 
@@ -733,6 +1000,11 @@ def check_config(cfg) -> None:
     """Checks every key of a train config and every rule between keys, without devices and
     without writing anything; raises ConfigError naming the first problem."""
     items = dict(config_items(cfg))
+    if "algorithm" in items:  # imports a user algorithm's module, which may register keys
+        problem = TRAIN_KEYS["algorithm"](items["algorithm"])
+        if problem:
+            raise ConfigError(f"algorithm={items['algorithm']!r}: {problem}; set "
+                              "--config.algorithm")
     unknown = [k for k in items if k not in TRAIN_KEYS]
     if unknown:
         k = unknown[0]
@@ -740,11 +1012,13 @@ def check_config(cfg) -> None:
         hint = f"did you mean {close[0]}?" if close else "remove it"
         raise ConfigError(f"unknown config key {k}; {hint} (every key is declared in "
                           "hfjax/run_config.py TRAIN_KEYS)")
-    missing = [k for k in TRAIN_KEYS if k not in items]
+    missing = [k for k in TRAIN_KEYS if k not in items and k not in _OPTIONAL_KEYS]
     if missing:
         raise ConfigError(f"the config has no key {missing[0]}; derive configs from "
                           "configs/ppo_arith.py, which sets every key")
     for key, check in TRAIN_KEYS.items():
+        if key not in items or key == "algorithm":
+            continue  # an optional key left out, or checked above
         problem = check(items[key])
         if problem:
             raise ConfigError(f"{key}={items[key]!r}: {problem}; set --config.{key}")
@@ -788,21 +1062,27 @@ def validate_config(cfg):
 
     check_config(cfg)
     algo = get_algorithm(cfg.algorithm)
+    roles = run_roles(algo, cfg)
     n_seq = cfg.data.train_batch_size * cfg.rollout.n
-    pools = resolve_placement(placement_of(cfg), active_roles(algo), jax.devices())
+    pools = resolve_placement(placement_of(cfg), active_roles(algo, cfg), jax.devices())
     dp = dp_size(MeshSpec.parse(cfg.actor.mesh).build(pools["actor"].devices, "actor"))
     check_mini_batching(n_seq, cfg.actor.ppo_mini_batch_size * cfg.rollout.n,
                         cfg.actor.ppo_micro_batch_size, dp, "actor")
     if cfg.sft.steps > 0:
         check_mini_batching(cfg.sft.batch_size, cfg.sft.batch_size, cfg.sft.micro_batch_size,
                             dp, "sft (warm start)")
-    if needs_ref(cfg, algo.roles):
+    if needs_ref(cfg, roles):
         # Built only after the warm start, so a bad mesh must be caught here, not there.
         MeshSpec.parse(cfg.ref.mesh).build(pools["ref"].devices, "ref")
-    if "critic" in algo.roles:
-        dpc = dp_size(MeshSpec.parse(cfg.critic.mesh).build(pools["critic"].devices, "critic"))
-        check_mini_batching(n_seq, cfg.critic.ppo_mini_batch_size * cfg.rollout.n,
-                            cfg.critic.ppo_micro_batch_size, dpc, "critic")
+    for critic in ("critic", "cost_critic"):
+        if critic in roles:
+            c = cfg[critic]
+            dpc = dp_size(MeshSpec.parse(c.mesh).build(pools[critic].devices, critic))
+            check_mini_batching(n_seq, c.ppo_mini_batch_size * cfg.rollout.n,
+                                c.ppo_micro_batch_size, dpc, critic)
+    for role in MODEL_ROLES:
+        if role in roles:
+            MeshSpec.parse(cfg[role].mesh).build(pools[role].devices, role)
     return algo, pools
 
 
@@ -812,6 +1092,8 @@ def placement_of(cfg):
     return p.to_dict() if hasattr(p, "to_dict") else p
 
 
-def active_roles(algo) -> tuple[str, ...]:
-    """The roles that get a pool ("rollout" shares the actor's, through the hybrid engine)."""
-    return tuple(r for r in algo.roles if r != "rollout")
+def active_roles(algo, cfg=None) -> tuple[str, ...]:
+    """The roles that get a pool ("rollout" shares the actor's, through the hybrid engine):
+    the algorithm's, plus those `cfg` selects (`run_roles`)."""
+    roles = algo.roles if cfg is None else run_roles(algo, cfg)
+    return tuple(r for r in roles if r != "rollout")

@@ -13,27 +13,26 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
 from hfjax import checkpoint as ckpt_lib
-from hfjax import health
+from hfjax import health, model_source, sft
 from hfjax.algorithms import dataflow
-from hfjax.data import arith
-from hfjax.data.batching import prompt_batch, sft_batches
-from hfjax.data.dataset import Dataset
+from hfjax.algorithms.registry import import_spec
+from hfjax.data.batching import prompt_batch
+from hfjax.data.dataset import Dataset, task_dataset
 from hfjax.metrics import MetricsLogger
-from hfjax.models import load as load_model
-from hfjax.models import load_tokenizer, transformer
-from hfjax.numerics.losses import kl_controller_from_state, kl_controller_state
-from hfjax.parallel.transfer import to_host
-from hfjax.run_config import validate_config
+from hfjax.numerics.losses import (
+    LagrangeMultiplier,
+    kl_controller_from_state,
+    kl_controller_state,
+)
+from hfjax.parallel import distributed
+from hfjax.run_config import run_roles, validate_config
+from hfjax.validation import generation_metrics
 from hfjax.workers import groups
 from hfjax.workers.groups import WorkerGroups
-
-# Warm-start steps between checks for non-finite updates (each check is one small fetch).
-_SFT_CHECK_EVERY = 100
 
 
 class Trainer:
@@ -42,17 +41,30 @@ class Trainer:
     def __init__(self, cfg):
         self.cfg = cfg
         self.algo, self.pools = validate_config(cfg)
-        self.tok = load_tokenizer(cfg.model.path) if cfg.model.path else arith.tokenizer()
+        self.compute_dtype = model_source.compute_dtype(cfg, jax.devices()[0].platform)
+        self.roles = run_roles(self.algo, cfg)
+        self.tok = model_source.task_tokenizer(cfg)
         self.train_data, self.test_data = self._datasets()
         logging.info("train data: %s", self.train_data.report.summary())
         logging.info("validation data: %s", self.test_data.report.summary())
+        # Every process builds its host batches itself (see `train_step`): they must all hold
+        # the same config and rows, or their batches would differ without an error.
+        distributed.check_same_on_every_process({
+            "the config": json.dumps(config_json(cfg), sort_keys=True),
+            "the training data": str(self.train_data.fingerprint),
+            "the validation data": str(self.test_data.fingerprint),
+        })
         self.train_iter = self.train_data.iterator(cfg.data.train_batch_size, seed=cfg.seed)
         self.step = 0
         # Before the model: a custom reward file is imported (under the reward timeout) here.
         self.reward = groups.build_reward(cfg, self.tok,
                                           home=self.pools["actor"].mesh(cfg.actor.mesh))
-        initial = self._initial_model()
+        initial = model_source.initial_model(cfg, self.tok, self.compute_dtype, self.pools)
         self.model_cfg = initial.config
+        if self.tok.vocab_size > self.model_cfg.vocab_size:
+            raise ValueError(f"the tokenizer has {self.tok.vocab_size} tokens, the model's "
+                             f"vocabulary {self.model_cfg.vocab_size}; give a tokenizer that "
+                             "fits the model (--config.model.tokenizer)")
         self.actor = groups.build_actor(cfg, initial, self.pools, self.tok.pad_id, self.tok.eos_id)
         self._groups: WorkerGroups | None = None
         # Whether this process has seen the policy away from uniform, and told of a collapse.
@@ -62,143 +74,106 @@ class Trainer:
 
     def _datasets(self) -> tuple[Dataset, Dataset]:
         """(train, validation) Datasets; bad rows fail or are counted here, before compiling."""
-        c, d = self.cfg, self.cfg.data
-        if d.task == "arith":
-            make = lambda n, seed: Dataset.arith(  # noqa: E731
-                n, seed, d.max_prompt_length, tokenizer=self.tok, max_b=d.max_b)
-            return make(d.n_train, c.seed), make(d.n_test, c.seed + 10_000)
-        if d.task == "parquet":
-            kw = dict(custom_reward_fn=c.reward.custom_fn or None)
-            return (Dataset.from_parquet(d.train_files.split(","), self.tok,
-                                         d.max_prompt_length, **kw),
-                    Dataset.from_parquet(d.val_files.split(","), self.tok,
-                                         d.max_prompt_length, **kw))
-        raise ValueError(f"unknown data.task {d.task!r}; use 'arith' (built in) or 'parquet' "
-                         "(with data.train_files and data.val_files)")
-
-    def _initial_model(self):
-        """The actor before training: a checkpoint from model.path, else a fresh tiny model
-        that holds the task's longest prompt and response."""
-        c = self.cfg
-        if c.model.path:
-            return load_model(c.model.path, dtype=c.model.dtype, scan_layers=c.model.scan_layers,
-                              remat_policy=c.model.remat_policy)
-        positions = c.data.max_prompt_length + c.rollout.response_length
-        mcfg = groups.scratch_model_config(c.model, self.tok.vocab_size, self.tok.pad_id,
-                                           self.tok.eos_id, positions)
-        return transformer.build(mcfg, "causal_lm", seed=c.seed)
+        return (task_dataset(self.cfg, self.tok, "train"),
+                task_dataset(self.cfg, self.tok, "test"))
 
     @property
     def workers(self) -> WorkerGroups:
         """The RL worker groups, built on first use (after the warm start)."""
         if self._groups is None:
-            self._groups = groups.build_groups(self.cfg, self.actor, self.reward,
-                                               self.algo.roles, self.pools)
+            w = groups.build_groups(self.cfg, self.actor, self.reward, self.roles, self.pools)
+            w.next_prompts = self._more_prompts
+            self._groups = w
         return self._groups
 
     # -- stages --------------------------------------------------------------------------------
 
     def warm_start(self, on_log: Callable | None = None,
                    should_stop: Callable[[], bool] | None = None) -> dict:
-        """Supervised steps on the task's imperfect demonstrations; returns the last metrics
-        (empty when `should_stop` ended it early), with `sft/nonfinite_updates` counting the
-        steps whose update was not applied.
-
-        Non-finite updates are checked every `_SFT_CHECK_EVERY` steps and at the end (one
-        fetch of those steps' metrics each time), and raise NonFiniteError naming the first such
-        step under trainer.nonfinite=stop."""
+        """Supervised steps on the task's imperfect demonstrations (the general SFT loop,
+        `hfjax.sft.sft_steps`); returns the last metrics (empty when `should_stop` ended it
+        early), with `sft/nonfinite_updates` counting the steps whose update was not applied
+        (NonFiniteError for the first such step under trainer.nonfinite=stop)."""
         s, c = self.cfg.sft, self.cfg
         if s.steps <= 0:
             return {}
         if c.data.task != "arith":
             raise ValueError("sft.steps > 0 needs data.task='arith' (the warm start uses its "
-                             "demonstrations); set --config.sft.steps=0 for other data")
-        pairs = arith.sft_texts(self.train_data.rows, s.corrupt_frac, seed=c.seed + 1,
-                                corruption=s.corruption)
-        encode = lambda t: self.tok.encode(t, add_special_tokens=False)  # noqa: E731
-        batches = sft_batches(
-            [encode(q) for q, _ in pairs], [encode(a) + [self.tok.eos_id] for _, a in pairs],
-            prompt_width=c.data.max_prompt_length, response_width=c.rollout.response_length,
-            pad_id=self.tok.pad_id, batch_size=s.batch_size, steps=s.steps, seed=c.seed + 2)
-        m, pending, skipped = {}, [], 0
-        for i in range(s.steps):
-            if should_stop is not None and should_stop():
-                return {}
-            m = self.actor.update_sft(next(batches), s.micro_batch_size)
-            pending.append(m)
-            if (i + 1) % _SFT_CHECK_EVERY == 0 or i + 1 == s.steps:
-                skipped += self._check_sft(pending, i + 1 - len(pending))
-                pending = []
-                if on_log and (i + 1) % _SFT_CHECK_EVERY == 0:
-                    on_log(i + 1, {k: float(v) for k, v in jax.device_get(m).items()})
-        out = {k: float(v) for k, v in jax.device_get(m).items()}
-        out["sft/nonfinite_updates"] = float(skipped)
-        return out
-
-    def _check_sft(self, steps: list[dict], first: int) -> int:
-        """How many of the warm-start steps after step `first` (their metrics) did not apply
-        their update (one fetch); NonFiniteError for the first such step under
-        trainer.nonfinite=stop."""
-        with jax.transfer_guard("allow"):
-            host = jax.device_get(steps)
-        bad = [(first + k + 1, m) for k, m in enumerate(host)
-               if m["sft/nonfinite_updates"] or m["sft/nonfinite_params"]]
-        if bad:
-            step, m = bad[0]
-            health.check_nonfinite({k: float(v) for k, v in m.items()}, f"warm-start step {step}",
-                                   self.cfg)
-            logging.warning("warm start: %d updates with non-finite numbers skipped (the first "
-                            "at step %d)", len(bad), step)
-        return len(bad)
+                             "demonstrations); set --config.sft.steps=0 for other data, and "
+                             "fine-tune on your own data first with python -m launch.sft")
+        data = sft.arith_demonstrations(c, self.tok, self.train_data.rows)
+        return sft.sft_steps(self.actor, sft.batches_for(c, self.tok, data), s.steps,
+                             s.micro_batch_size, cfg=c, on_log=on_log, should_stop=should_stop)
 
     def validate(self) -> dict[str, float]:
         """Mean score per data_source on the validation set (accuracy for 0/1 rewards).
 
+        Across processes, the scores come back whole to every process (the reward's ON_HOST
+        fetch gathers the responses once and every process scores all rows), so every process
+        returns the same metrics.
+
         `rollout.val_kwargs` sets the samples per prompt n and their temperature (0: greedy,
         the default); `val-core/<source>/acc/mean@n` averages all samples and, for n > 1,
-        `val-aux/<source>/acc/best@n` averages each prompt's best sample.
+        `val-aux/<source>/acc/best@n` averages each prompt's best sample. With reward or cost
+        models, their mean scores on the same responses are reported too (`val-aux/...`), and
+        `cost_model.reference_fn` checks the cost model against the rule it was trained to
+        measure.
         """
         v = self.cfg.rollout.val_kwargs
-        n, temperature = int(v.n), float(v.temperature)
-        rows = self.test_data.rows
-        # Fixed per-prompt seeds: sampled validation is reproducible and the same at every step.
-        batch = prompt_batch(rows, np.arange(len(rows), dtype=np.int32), self.tok.pad_id,
-                             self.cfg.data.max_prompt_length)
-        out = self.actor.generate(batch, greedy=temperature == 0.0, n=n, temperature=temperature)
-        scored = self.reward.compute_reward(out)
-        scores = to_host(jnp.sum(scored["token_level_scores"], axis=1)).reshape(-1, n)
-        sources = np.asarray(out.meta["data_source"]).reshape(-1, n)[:, 0]
-        metrics = {}
-        for ds in sorted(set(sources.tolist())):
-            mine = scores[sources == ds]
-            metrics[f"val-core/{ds}/acc/mean@{n}"] = float(mine.mean())
-            if n > 1:
-                metrics[f"val-aux/{ds}/acc/best@{n}"] = float(mine.max(axis=1).mean())
-        return metrics
+        w = self._groups
+        models = [] if w is None else [g for g in (w.reward_model, w.cost_model) if g]
+        ref_fn = (self.cfg.get("cost_model") or {}).get("reference_fn", "")
+        return generation_metrics(
+            self.actor, self.reward, self.test_data.rows, pad_id=self.tok.pad_id,
+            max_prompt_length=self.cfg.data.max_prompt_length, n=int(v.n),
+            temperature=float(v.temperature), models=models,
+            text_metrics={"cost_reference": import_spec(ref_fn)} if ref_fn else None)
+
+    def _prompts(self, rows, attempt: int = 0):
+        c = self.cfg
+        # Attempt 0 is the step's batch; DAPO's further attempts get seeds of their own.
+        seeds = (c.seed * 1_000_003 + self.step * 65_537 + attempt * 8_191
+                 + np.arange(len(rows))) % (2**31)
+        return prompt_batch(rows, seeds, self.tok.pad_id, c.data.max_prompt_length)
+
+    def _more_prompts(self, attempt: int):
+        """Another host batch of prompts for the current step (dynamic sampling)."""
+        return self._prompts(next(self.train_iter), attempt)
 
     def train_step(self) -> dict[str, float]:
-        """One RL iteration; returns host metrics (the step's one metrics fetch)."""
+        """One RL iteration; returns host metrics (the step's one metrics fetch).
+
+        Across processes, every process draws the same rows (one seeded data order) and builds
+        the same small host batch of prompts; placing it on the actor's mesh uploads each
+        process's own shards only (`jax.device_put` of a host array onto a sharding that spans
+        processes), which gives the array `jax.make_array_from_process_local_data` would build
+        from each process's slice (tests/parallel/test_distributed.py checks the two agree).
+        The metrics are reduced on the devices and come back whole to every process.
+        """
         c, w = self.cfg, self.workers
         w.timing.clear()
         rows = next(self.train_iter)
-        seeds = (c.seed * 1_000_003 + self.step * 65_537 + np.arange(len(rows))) % (2**31)
-        batch = prompt_batch(rows, seeds, self.tok.pad_id, c.data.max_prompt_length)
+        batch = self._prompts(rows)
         t0 = time.perf_counter()
         batch, metrics = self.algo.step(w, batch, c)
         metrics |= dataflow.step_metrics(dict(batch.arrays), c.rollout.response_length)
         with jax.transfer_guard("allow"):
             host = {k: float(v) for k, v in jax.device_get(metrics).items()}
         wall = time.perf_counter() - t0
-        # A non-finite KL (from a step whose update is being refused) must not reach the
-        # controller's state, which checkpoints hold.
+        # A non-finite KL or cost (from a step whose update is being refused) must not reach
+        # the controllers' state, which checkpoints hold.
         if math.isfinite(host.get("actor/reward_kl_penalty", 0.0)):
             w.kl_ctrl = dataflow.update_kl_controller(w.kl_ctrl, host, len(rows))
+        if math.isfinite(host.get("cost/mean", 0.0)):
+            w.lagrange = dataflow.update_lagrange(w.lagrange, host)
         host.update(w.timing)
         tokens = host.pop("_tokens")
         host["timing_s/step"] = wall
         host["perf/total_num_tokens"] = tokens
         host["perf/throughput"] = tokens / wall
         host["actor/kl_coef"] = float(w.kl_ctrl.value)
+        if w.lagrange is not None:
+            host["safe_rlhf/lambda"] = float(w.lagrange.value)
         host |= w.reward.pop_metrics()
         uniform = health.near_uniform(host, self.model_cfg.vocab_size)
         host[health.UNIFORM_KEY] = float(uniform)
@@ -222,14 +197,18 @@ class Trainer:
         items = {"actor_params": w.actor.params, "actor_opt_state": w.actor.opt_state}
         if w.ref is not None:
             items["ref_params"] = w.ref.params
-        if w.critic is not None:
-            items["critic_params"] = w.critic.params
-            items["critic_opt_state"] = w.critic.opt_state
+        for name, g in self._trained().items():
+            if name != "actor":
+                items[f"{name}_params"] = g.params
+                items[f"{name}_opt_state"] = g.opt_state
         return items
 
     def _trained(self) -> dict[str, Any]:
+        """The groups that take updates (and so have optimizer state to save)."""
         w = self.workers
-        return {name: g for name, g in (("actor", w.actor), ("critic", w.critic)) if g}
+        pairs = [("actor", w.actor), ("critic", w.critic), ("cost_critic", w.cost_critic)]
+        pairs += [(k, g) for k, g in w.roles.items() if getattr(g, "opt_state", None)]
+        return {name: g for name, g in pairs if g is not None}
 
     def state_dict(self) -> dict:
         """The host state that, with `checkpoint_items()`, fixes every later step (JSON-able).
@@ -239,6 +218,7 @@ class Trainer:
             "seed": self.cfg.seed,
             "data": self.train_iter.state(),
             "kl_ctrl": kl_controller_state(self.workers.kl_ctrl),
+            "lagrange": None if self.workers.lagrange is None else self.workers.lagrange.state(),
             # Update programs shuffle mini-batches with a seed that counts their calls.
             "train_calls": {name: g._train_calls for name, g in self._trained().items()},
             "model_config": dataclasses.asdict(self.model_cfg),
@@ -251,13 +231,16 @@ class Trainer:
         w.actor.params, w.actor.opt_state = it["actor_params"], it["actor_opt_state"]
         if w.ref is not None:
             w.ref.params = it["ref_params"]
-        if w.critic is not None:
-            w.critic.params, w.critic.opt_state = it["critic_params"], it["critic_opt_state"]
+        for name, g in self._trained().items():
+            if name != "actor":
+                g.params, g.opt_state = it[f"{name}_params"], it[f"{name}_opt_state"]
         try:
             self.train_iter.restore(st["data"])
         except ValueError as err:
             raise ckpt_lib.CheckpointMismatch(str(err)) from None
         w.kl_ctrl = kl_controller_from_state(st["kl_ctrl"])
+        if st.get("lagrange") is not None:
+            w.lagrange = LagrangeMultiplier.from_state(st["lagrange"])
         trained = self._trained()
         for name, n in st["train_calls"].items():
             trained[name]._train_calls = int(n)
@@ -327,6 +310,8 @@ class Trainer:
                     result.preempted = True
                     return result
                 if t.val_before_train:
+                    if any(r in self.roles for r in ("reward_model", "cost_model")):
+                        self.workers  # noqa: B018  (built now, so step 0 reports their scores)
                     first |= self._timed_validate()
                 if first:
                     logger.log(self.step, first)
@@ -362,9 +347,10 @@ class Trainer:
         return out
 
     def _save_tokenizer(self, out_dir: str) -> None:
-        # Export needs the run's tokenizer; it sits next to the checkpoints, written once.
+        # Export needs the run's tokenizer; it sits next to the checkpoints, written once (by
+        # process 0: the processes of a run share out_dir).
         path = os.path.join(out_dir, "tokenizer")
-        if os.path.isdir(path):
+        if os.path.isdir(path) or not distributed.is_main_process():
             return
         tmp = path + f".tmp-{os.getpid()}"
         self.tok.save(tmp)

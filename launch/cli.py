@@ -76,6 +76,11 @@ def run(main: Callable[[list[str]], None], entry: str, *, compilation_cache: boo
         except SystemExit:
             raise
         except (Exception, KeyboardInterrupt) as err:  # noqa: BLE001  (one line, see report)
+            # Across processes, an error from a collective whose peer died waits for the loss
+            # to be named (hfjax.parallel.distributed, loaded only by entry points that use it).
+            dist = sys.modules.get("hfjax.parallel.distributed")
+            if dist is not None:
+                dist.before_error_exit(err)
             if verbose:
                 raise
             _exit(*report(entry, err))
@@ -224,3 +229,30 @@ def _dotted(cfg, prefix: str = ""):
         yield prefix + k
         if hasattr(v, "items") and not isinstance(v, dict):
             yield from _dotted(v, prefix + k + ".")
+
+
+def start_run(entry: str, cfg, *, before_jax: Callable[[], None] | None = None):
+    """The start every training entry point shares, in this order: its flags and its config
+    checked (`hfjax.run_config`: one line for any bad setting, before JAX starts or anything is
+    written); `before_jax()` if given (launch.train's dry run exits there); the compilation
+    cache (`trainer.compilation_cache_dir`); this process's devices and, on several hosts, the
+    jax.distributed join; the config's meshes against the devices of all processes. Returns
+    the topology (`hfjax.parallel.distributed.Topology`)."""
+    from hfjax import run_config
+    from hfjax.parallel import distributed
+    from launch import compile_cache
+
+    run_config.check_flags(entry, {k: FLAGS[k].value for k in run_config.FLAG_KEYS[entry]})
+    run_config.check_config(cfg)
+    if before_jax is not None:
+        before_jax()
+    compile_cache.enable(cfg.trainer.compilation_cache_dir, "trainer.compilation_cache_dir")
+    topo = distributed.initialize_from_flags()
+    distributed.check_config_meshes(cfg, topo)
+    import jax
+
+    if jax.default_backend() == "cpu":
+        # Simulated CPU devices share the cores: programs with collectives that overlap in
+        # flight can starve each other's participants, so CPU runs dispatch synchronously.
+        jax.config.update("jax_cpu_enable_async_dispatch", False)
+    return topo

@@ -7,6 +7,11 @@ or `.gguf` file hfjax can load. `--chat` wraps each prompt as a user message and
 tokenizer's chat template with the generation prompt. Generation stops at the tokenizer's and the
 model config's EOS ids. Compiled programs go to JAX's persistent compilation cache
 (`--compilation_cache_dir`, see launch/compile_cache.py), so a second run skips compiling.
+
+Across processes (the process flags of docs/scaling.md, or `launch.local_cluster --module=
+launch.generate`), every process runs this same command: the model is loaded onto a decode mesh
+over the devices of all processes (`--mesh`, default `data=-1`), the responses are gathered to
+every process and process 0 prints them.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import time
 
 from absl import flags
 
+from hfjax.parallel import distributed
 from launch import cli
 
 flags.DEFINE_string("model", None, "HF directory or .gguf file (default: SmolLM2-135M GGUF)")
@@ -29,6 +35,7 @@ flags.DEFINE_integer("n", 1, "samples per prompt")
 flags.DEFINE_integer("seed", 0, "sampling seed")
 flags.DEFINE_string("mesh", None, "decode mesh over all devices, e.g. 'data=2' (default: none)")
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "parameter and compute dtype")
+distributed.define_flags()
 
 
 def _eos_ids(tokenizer, config) -> tuple[int, ...]:
@@ -47,17 +54,23 @@ def main(argv: list[str]) -> None:
 
     f = flags.FLAGS
     run_config.check_flags("generate", {k: f[k].value for k in run_config.FLAG_KEYS["generate"]})
-    import jax
+    topo = distributed.initialize_from_flags()
+    spec = f.mesh or ("data=-1" if topo.num_processes > 1 else None)
+    if spec:
+        distributed.check_mesh_fits(spec, "--mesh", topo)
     import numpy as np
 
     import hfjax.models as M
     from hfjax.engine import generate
     from hfjax.models.smollm2 import smollm2_gguf_path
-    from hfjax.parallel.mesh import MeshSpec
+    from hfjax.parallel.mesh import MeshSpec, sorted_devices
+    from hfjax.parallel.transfer import to_host
 
+    say = print if topo.process_id == 0 else (lambda *a, **k: None)
     path = str(f.model or smollm2_gguf_path())
-    mesh = MeshSpec.parse(f.mesh).build(jax.devices()) if f.mesh else None
-    model = M.load(path, dtype=f.dtype)
+    mesh = MeshSpec.parse(spec).build(sorted_devices()) if spec else None
+    # Loaded straight into the decode layout of the mesh: no device holds more than its shard.
+    model = M.load(path, dtype=f.dtype, mesh=mesh, rules="decode")
     tokenizer = M.load_tokenizer(path)
 
     if f.chat:
@@ -99,16 +112,16 @@ def main(argv: list[str]) -> None:
         mesh=mesh,
         pad_id=pad,
     )
-    tokens, resp_mask = np.asarray(out.tokens), np.asarray(out.mask)
+    tokens, resp_mask = to_host(out.tokens), to_host(out.mask)
     seconds = time.perf_counter() - start
 
     for r in range(tokens.shape[0]):
         prompt_idx, sample = divmod(r, f.n)
         text = tokenizer.decode(tokens[r][resp_mask[r] == 1], skip_special_tokens=True)
         if len(f.prompt) > 1 or f.n > 1:
-            print(f"--- prompt {prompt_idx} sample {sample}: {f.prompt[prompt_idx]!r}")
-        print(text)
-    print(
+            say(f"--- prompt {prompt_idx} sample {sample}: {f.prompt[prompt_idx]!r}")
+        say(text)
+    say(
         f"[{int(resp_mask.sum())} tokens in {seconds:.1f}s, compile included]",
         flush=True,
     )

@@ -39,7 +39,8 @@ _TARGET = flags.DEFINE_string("target", "h200", "device model (hfjax/parallel/ta
 _DEVICES = flags.DEFINE_integer("num_devices", None, "devices in the cluster", required=True)
 _EMIT = flags.DEFINE_string("emit_config", "", "write the plan as a flagfile for launch.train")
 _REWARD = flags.DEFINE_string("reward_model", "", "a reward model to place (preset:NAME, HF "
-                              "directory or .gguf); empty: the config's rule reward (host)")
+                              "directory or .gguf); empty: the config's reward_model.path, else "
+                              "its rule reward (host)")
 _EFFICIENCY = flags.DEFINE_string("efficiency", "", "efficiency factors, e.g. "
                                   "'train=0.4,hbm=0.6' (hfjax/controller/simulator.py)")
 _NODE = flags.DEFINE_integer("node_size", None, "devices per node on the fast link (default: "
@@ -72,7 +73,7 @@ def main(argv):
                               None if _SCALE_OUT.value is None else _SCALE_OUT.value * 1e9)
         efficiency = Efficiency.parse(_EFFICIENCY.value, base=cluster.efficiency)
         models, host, workload = plan_inputs(cfg, _REWARD.value, _SCORE_MICRO.value,
-                                             _GEN_ROWS.value)
+                                             _GEN_ROWS.value, cluster.target.platform)
         result = planner.plan(models, workload, cluster, _DEVICES.value, host_roles=host,
                               efficiency=efficiency, memory_fraction=_MEMORY.value,
                               alternatives=_ALTERNATIVES.value)
@@ -125,7 +126,7 @@ def main(argv):
         for i, p in enumerate(result.alternatives, 1):
             print(f"  {i}. {planner.describe(p)}")
     if _EMIT.value:
-        lines, missing = flagfile_lines(best, cfg, _config_path(), sys.argv)
+        lines, missing = flagfile_lines(best, cfg, _config_path(), sys.argv, _REWARD.value)
         with open(_EMIT.value, "w") as f:
             f.write("\n".join(lines) + "\n")
         print(f"wrote {_EMIT.value}: python -m launch.train --flagfile={_EMIT.value}")

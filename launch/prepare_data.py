@@ -4,7 +4,11 @@
     python -m launch.prepare_data --task=countdown --task_config='{"min_numbers": 3}' ...
 
 Tasks: gsm_symbolic, basic_arithmetic, countdown, chain_sum (reasoning-gym) and arith (the
-embedded arithmetic task). The schema is described in docs/data.md.
+embedded arithmetic task), in verl's prompt schema (docs/data.md); and arith_prefs /
+arith_cost_prefs, preference pairs for reward / cost models (docs/algorithms.md):
+
+    python -m launch.prepare_data --task=arith_prefs --n_train=1400 --n_test=200 \
+        --task_config='{"max_b": 9, "pairs_per_prompt": 4}' --out=data/arith_prefs
 """
 
 import collections
@@ -38,7 +42,8 @@ def main(argv):
 
     for path in paths.values():
         table = pq.read_table(path)
-        sources = collections.Counter(table.column("data_source").to_pylist())
+        column = table.column("data_source") if "data_source" in table.column_names else None
+        sources = collections.Counter(column.to_pylist() if column is not None else [])
         print(f"wrote {path}: {table.num_rows} rows, data_source {dict(sources)}")
     first = pq.read_table(next(iter(paths.values()))).slice(0, 1).to_pylist()[0]
     extra = first.get("extra_info") or {}

@@ -8,7 +8,10 @@ Prints a progress bar, per-stage timings and tokens/s; the last stdout line is J
 held-out accuracy before and after RL, the throughput, the wall time, the step reached, the step
 the run resumed from (null: a fresh start) and whether SIGTERM cut it short.
 
-Everything the run writes goes under `--config.trainer.out_dir`: `metrics.jsonl` (one line per
+Across processes (`launch.local_cluster`, or every host of a cluster running this same command,
+see docs/scaling.md), process 0 alone prints and writes metrics, TensorBoard and the plot;
+checkpoints are written by all processes. Everything the run writes goes under
+`--config.trainer.out_dir`: `metrics.jsonl` (one line per
 step), `tensorboard/`, `metrics.png`, `tokenizer/` and `checkpoints/<step>/`. Rerunning the same
 command continues from the newest readable checkpoint (`--config.trainer.resume=auto`, the
 default; `disable` starts fresh; a path resumes from that checkpoint). On SIGTERM or Ctrl-C
@@ -26,10 +29,10 @@ import signal
 import sys
 import time
 
-from absl import flags
+from absl import flags, logging
 from ml_collections import config_flags
 
-from hfjax.parallel import distributed
+from hfjax.parallel import distributed, targets
 from launch import cli
 
 DEFAULT_CONFIG = os.path.normpath(os.path.join(os.path.relpath(os.path.dirname(os.path.dirname(
@@ -41,9 +44,35 @@ _CONFIG = config_flags.DEFINE_config_file(
 # --cpu_devices and the process flags (--coordinator_address, --num_processes, --process_id and
 # the timeouts) are shared by every entry point that can run on several hosts.
 distributed.define_flags()
+_DRY_RUN = flags.DEFINE_bool(
+    "dry_run", False,
+    "build every program of the configured run from abstract shapes, compile each ahead of "
+    "time on --num_devices simulated CPU devices, print per-program memory and FLOPs against "
+    "--target's memory, and exit: 0 when the run fits, 3 when it does not. Nothing is "
+    "allocated and no weight is read.")
+_TARGET = flags.DEFINE_string(
+    "target", None,
+    f"device the run is sized for: {', '.join(targets.TARGETS)}. With --dry_run, its memory "
+    "is the limit; in a real run, it replaces the devices' own reported memory in the check "
+    "before loading weights.")
+_NUM_DEVICES = flags.DEFINE_integer(
+    "num_devices", 8, "--dry_run: devices of the target the run gets (simulated CPU devices "
+    "stand in for them)", lower_bound=1)
+_DEVICE_MEMORY_GIB = flags.DEFINE_float(
+    "device_memory_gib", None,
+    "--dry_run and the check before loading weights: plan against this much memory per device "
+    "(GiB) instead of --target's or the devices' own, e.g. to keep headroom for the runtime")
+_MEMORY_CHECK = flags.DEFINE_bool(
+    "memory_check", True,
+    "before loading weights, run the dry run's check on the run's own devices and stop (exit "
+    "status 3) when a program would not fit; needs a device memory size: --target, or the "
+    "devices' own (GPU, TPU). CPU devices report none, so CPU runs skip it.")
+# Exit status of a run (or a dry run) that does not fit in device memory.
+EXIT_DOES_NOT_FIT = 3
 
-_STAGES = ("gen", "old_log_prob", "ref", "values", "reward", "adv", "update_critic",
-           "update_actor")
+_STAGES = ("gen_greedy", "reward_greedy", "reward_greedy_model", "gen", "filter",
+           "old_log_prob", "ref", "values", "cost_values", "reward", "reward_model", "cost", "adv",
+           "update_critic", "update_cost_critic", "update_actor")
 
 
 class _Progress:
@@ -90,28 +119,100 @@ class _Progress:
             self.bar = None
 
 
-def main(argv):
-    del argv
-    from hfjax import run_config
+def _memory_limit(target) -> int | None:
+    """Bytes per device to plan against: --device_memory_gib, else the target's."""
+    if _DEVICE_MEMORY_GIB.value is not None:
+        return int(_DEVICE_MEMORY_GIB.value * 2**30)
+    return target.memory_bytes if target else None
 
-    cfg = _CONFIG.value
-    t = cfg.trainer
-    # Every setting, before JAX starts and before anything is written.
-    run_config.check_flags("train", {"cpu_devices": flags.FLAGS.cpu_devices})
-    run_config.check_config(cfg)
-    from launch import compile_cache
 
-    compile_cache.enable(t.compilation_cache_dir, "trainer.compilation_cache_dir")
-    # Before anything touches a JAX backend: the CPU device count, and on several hosts the
-    # jax.distributed join; then the meshes against the devices of all processes.
-    topo = distributed.initialize_from_flags()
-    distributed.check_config_meshes(cfg, topo)
+def _target():
+    # The name was checked with the other flags (hfjax.run_config.FLAG_KEYS["train"]).
+    return targets.get_target(_TARGET.value) if _TARGET.value else None
+
+
+def dry_run_main() -> int:
+    """--dry_run: the table, the verdict and one JSON line; the exit status says whether the
+    run fits."""
+    target = _target()
+    n = _NUM_DEVICES.value
+    given = [f"--{k}" for k in ("coordinator_address", "num_processes", "process_id")
+             if flags.FLAGS[k].present]
+    if given:
+        raise cli.UserError(f"--dry_run runs in one process; drop {', '.join(given)} (the "
+                            f"devices of every process are simulated here: --num_devices={n})")
     import jax
 
-    if jax.default_backend() == "cpu":
-        # Simulated CPU devices share two cores: programs with collectives that overlap in
-        # flight can starve each other's participants, so CPU runs dispatch synchronously.
-        jax.config.update("jax_cpu_enable_async_dispatch", False)
+    # Simulated CPU devices stand in for the target's, even on a machine with accelerators.
+    jax.config.update("jax_platforms", "cpu")
+    topo = distributed.initialize(distributed.Settings("single process", cpu_devices=n))
+    distributed.check_config_meshes(_CONFIG.value, topo)
+    from hfjax.dry_run import dry_run
+
+    cfg = _CONFIG.value
+    limit = _memory_limit(target)
+    name = f"{target.name} ({target.description}, " if target else "devices ("
+    where = (f"{n} x {name}{limit / 2**30:.1f} GiB each)" if limit
+             else f"{n} devices (no --target: no memory limit)")
+    print(f"hfjax dry run: {cfg.algorithm}, model {cfg.model.path or 'from scratch'}, "
+          f"placement={cfg.placement}, on {where}; compiling on {n} simulated CPU devices",
+          flush=True)
+    t0 = time.perf_counter()
+    try:
+        report = dry_run(
+            cfg, device_memory_bytes=limit,
+            target=target.name if target else None,
+            platform=target.platform if target else None,
+            on_program=lambda p: print(f"  compiled {p.name} in {p.compile_s:.1f}s", flush=True))
+    except (ValueError, FileNotFoundError) as err:
+        raise cli.UserError(f"cannot build the run: {err}") from None
+    print(report.table())
+    summary = report.summary()
+    summary["wall_s"] = round(time.perf_counter() - t0, 1)
+    print(json.dumps(summary), flush=True)
+    if report.fits:
+        return 0
+    print(f"hfjax train: the run does not fit: {report.verdict()}; {report.advice()}",
+          file=sys.stderr, flush=True)
+    return EXIT_DOES_NOT_FIT
+
+
+def _memory_check(cfg, say) -> None:
+    """The dry run's check on the run's own devices, before any weight is loaded; exits with
+    EXIT_DOES_NOT_FIT when a program would not fit."""
+    import jax
+
+    target = _target()
+    limit = _memory_limit(target)
+    if limit is None:
+        stats = jax.local_devices()[0].memory_stats() or {}
+        limit = stats.get("bytes_limit")
+    if not _MEMORY_CHECK.value or limit is None:
+        return
+    from hfjax.dry_run import dry_run
+
+    report = dry_run(cfg, device_memory_bytes=int(limit),
+                     target=target.name if target else None)
+    if not report.fits:
+        say(report.table())
+        say(json.dumps(report.summary()), flush=True)
+        print(f"hfjax train: the run does not fit in device memory: {report.verdict()}; "
+              f"{report.advice()}; or pass --nomemory_check to try anyway", file=sys.stderr,
+              flush=True)
+        raise SystemExit(EXIT_DOES_NOT_FIT)
+    logging.info("memory check: %s", report.verdict())
+
+
+def main(argv):
+    del argv
+    cfg = _CONFIG.value
+    t = cfg.trainer
+
+    def dry_run():
+        if _DRY_RUN.value:
+            sys.exit(dry_run_main())
+
+    topo = cli.start_run("train", cfg, before_jax=dry_run)
 
     from hfjax import metrics
     from hfjax.checkpoint import RunCheckpointer
@@ -123,31 +224,45 @@ def main(argv):
     signal.signal(signal.SIGINT, stop.on_signal)
     metrics.start_memory_tracking(t.jax_smi)
     ckpt_dir = os.path.join(t.out_dir, "checkpoints")
+    # Every process runs this same controller; process 0 alone talks to the user and writes
+    # metrics, TensorBoard and the plot (checkpoints are written by all, through Orbax).
+    main_process = topo.process_id == 0
+    say = print if main_process else (lambda *args, **kw: None)
     # A resume that contradicts the out_dir, names no checkpoint, continues another algorithm's
     # run or would append to a damaged metrics file is refused here, before anything is built.
-    existing = RunCheckpointer(ckpt_dir, read_only=True) if os.path.isdir(ckpt_dir) else None
+    # (The directory is asked of all processes at once, before any of them creates it, so that
+    # they all take the same answer.)
+    exists = distributed.any_process(os.path.isdir(ckpt_dir))
+    existing = RunCheckpointer(ckpt_dir, read_only=True) if exists else None
     if check_resume(cfg, existing, t.resume) and "jsonl" in metrics.parse_sink_names(t.logger):
         metrics.read_jsonl(os.path.join(t.out_dir, metrics.JSONL_NAME))
+    _memory_check(cfg, say)
     trainer = Trainer(cfg)  # checks devices, data and rewards; builds, writes nothing
-    print(f"hfjax: {cfg.algorithm} on {topo.describe()}, "
-          f"placement={cfg.placement}, actor mesh={cfg.actor.mesh}, out_dir={t.out_dir}",
-          flush=True)
+    say(f"hfjax: {cfg.algorithm} on {topo.describe()}, "
+        f"placement={cfg.placement}, actor mesh={cfg.actor.mesh}, out_dir={t.out_dir}",
+        flush=True)
     ckpt = RunCheckpointer(ckpt_dir, max_to_keep=t.max_to_keep or None, async_save=t.async_save)
     progress = _Progress(t.total_steps, cfg.algorithm, ckpt_dir)
-    logger = metrics.make_logger(
-        t.logger, t.out_dir, console=progress.print, console_every=t.log_every,
-        wandb_project=t.project_name, wandb_name=t.experiment_name, config=config_json(cfg),
-        extra=[progress],
-    )
+    if main_process:
+        logger = metrics.make_logger(
+            t.logger, t.out_dir, console=progress.print, console_every=t.log_every,
+            wandb_project=t.project_name, wandb_name=t.experiment_name,
+            config=config_json(cfg), extra=[progress],
+        )
+    else:
+        logger = metrics.MetricsLogger()  # the records, kept in memory only
     try:
         result = trainer.fit(
-            ckpt, logger, resume=t.resume, should_stop=stop.requested,
-            on_log=lambda i, m: print(f"  warm start step {i}: loss {m['sft/loss']:.3f}",
-                                      flush=True),
+            ckpt, logger, resume=t.resume,
+            should_stop=lambda: distributed.any_process(stop.requested()),
+            on_log=lambda i, m: say(f"  warm start step {i}: loss {m['sft/loss']:.3f}",
+                                    flush=True),
         )
     finally:
         logger.close()
         ckpt.close()
+    if not main_process:
+        return
     history = logger.history
     if result.preempted:
         where = (f"checkpoint {os.path.join(ckpt_dir, str(result.step))}"

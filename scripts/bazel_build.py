@@ -21,7 +21,8 @@ module moves. This script derives them from the code:
 
 A string constant that is exactly the name of a first-party module or package ("launch.train" in
 `python -m launch.train`, "configs" in a path join) is a dependency too: the code runs or reads it
-at run time. A launch/ entry point named this way from a test becomes the test's `data`.
+at run time. A launch/ entry point named this way from a test becomes the test's `data`; a test
+helper's module name (a file a test hands to a subprocess by path) makes the helper a dependency.
 
 tests/test_bazel_build.py fails when the checked-in BUILD files differ from what this writes.
 """
@@ -62,11 +63,16 @@ TEST_OPTIONS: dict[str, dict] = {
     "tests/models/test_hf_parity.py": {"size": "large"},
     "tests/models/test_smollm2.py": {"size": "large"},
     "tests/models/test_tokenizer.py": {"size": "large"},
+    # Two GRPO steps of SmolLM2-135M's real weights.
+    "tests/test_smollm2_grpo.py": {"size": "large"},
     # One module fixture saves the checkpoint that most of its tests restore: not sharded.
     "tests/test_checkpoint.py": {"size": "large"},
     # One module fixture runs the uninterrupted job that its tests compare with: not sharded.
     "tests/test_resume.py": {"size": "large"},
     "tests/test_rl_loop.py": {"size": "large", "shard_count": 2},
+    # Real multi-process training runs and whole-run compilations.
+    "tests/test_trainer_processes.py": {"size": "large"},
+    "tests/test_dry_run.py": {"size": "large"},
     # It reads the source tree (not the runfiles, which hold only declared files), so Bazel must
     # neither sandbox it nor cache its result, which depends on files it does not declare.
     "tests/test_bazel_build.py": {"tags": ["external", "local"]},
@@ -194,7 +200,7 @@ class Sources:
                     for name in found or [module]:
                         add(name, node, True)
             elif isinstance(node, ast.Constant) and isinstance(node.value, str):
-                if self.exists(node.value):
+                if self.exists(node.value) or node.value in local:
                     add(node.value, node, False)
         return out
 

@@ -63,6 +63,10 @@ def main(argv: list[str]) -> int:
         return 2
     total = int(os.environ.get("TEST_TOTAL_SHARDS", "1"))
     index = int(os.environ.get("TEST_SHARD_INDEX", "0"))
+    if "TEST_TMPDIR" in os.environ:
+        # The sandbox's home is read-only: libraries that keep a cache there (matplotlib, which
+        # reasoning-gym imports) would warn on stderr, in the one-line errors tests check.
+        os.environ.setdefault("MPLCONFIGDIR", os.path.join(os.environ["TEST_TMPDIR"], "mpl"))
     if "TEST_SHARD_STATUS_FILE" in os.environ:
         # Tells Bazel that this runner honours sharding (otherwise every shard would run all).
         pathlib.Path(os.environ["TEST_SHARD_STATUS_FILE"]).touch()

@@ -25,11 +25,11 @@ def tiny_rl_config(*, algorithm="ppo", placement="colocate", mesh=None, out_dir=
     c.sft.steps = 0
     c.rollout.n = 1
     c.rollout.response_length = 8
-    for role in (c.actor, c.critic):
+    for role in (c.actor, c.critic, c.cost_critic):
         role.ppo_mini_batch_size = 8  # prompts (times rollout.n sequences)
         role.ppo_micro_batch_size = 8  # sequences: a multiple of the largest dp size, 8
     if mesh is not None:
-        for role in (c.actor, c.critic, c.ref):
+        for role in (c.actor, c.critic, c.cost_critic, c.ref):
             role.mesh = mesh
     if out_dir is not None:
         c.trainer.out_dir = str(out_dir)

@@ -1,4 +1,4 @@
-"""Bad settings and damaged inputs, across the five entry points: each must end in one line that
+"""Bad settings and damaged inputs, across the entry points: each must end in one line that
 names the problem and the fix, a non-zero exit, no traceback, and nothing written.
 
 Most cases go in-process through the checks the entry points call (`hfjax.run_config`, the
@@ -95,6 +95,9 @@ def files(tmp_path_factory):
     p["text_parquet"] = str(root / "text.parquet")
     pq.write_table(pa.table({"data_source": ["x"], "prompt": ["y"]}), root / "cols.parquet")
     p["cols_parquet"] = str(root / "cols.parquet")
+    # Preference pairs without their rejected side.
+    pq.write_table(pa.table({"prompt": ["1+1="], "chosen": ["#### 2"]}), root / "prefs.parquet")
+    p["prefs_no_rejected"] = str(root / "prefs.parquet")
 
     # A PPO run with one checkpoint (step 2), its tokenizer and metrics; a copy whose arrays
     # are damaged; a copy whose metrics.jsonl has a damaged line.
@@ -180,7 +183,9 @@ def _do(fn):
 
 
 CONFIG_CASES = [
-    ("algorithm", _set(algorithm="ppo2"), r"algorithm='ppo2': needs one of grpo, ppo"),
+    ("algorithm", _set(algorithm="ppo2"),
+     r"algorithm='ppo2': unknown algorithm 'ppo2'; known: .*grpo, .*ppo, .*or a user algorithm "
+     r"as --config.algorithm=package.module:step"),
     ("seed", _set(seed=-1), r"seed=-1: needs an int >= 0"),
     ("placement-mode", _set(placement="colocated"), r"placement='colocated': needs one of "
      r"colocate, split, standalone, a mapping"),
@@ -299,7 +304,8 @@ CONFIG_CASES = [
 ]
 
 
-@pytest.mark.parametrize("name", ["ppo_arith", "grpo_arith", "grpo_smollm2"])
+@pytest.mark.parametrize("name", [
+    "ppo_arith", "grpo_arith", "grpo_smollm2", "grpo_smollm2_arith", "ppo_llama8b"])
 def test_shipped_configs_pass(files, name):
     import importlib
 
@@ -363,6 +369,14 @@ FLAG_CASES = [
      r"--tokenizer=/no/tok: no such tokenizer"),
     ("export", dict(ckpt="{run}", out="{stuff}", step=None, tokenizer=None),
      r"non-empty directory that holds no HF model"),
+    ("evaluate", dict(model="/no/such"), r"--model=/no/such: no such file or directory"),
+    ("evaluate", dict(model="{stuff}"), r"is neither an HF model directory .* nor a training run"),
+    ("evaluate", dict(model="{hf}", step=3), r"--step=3 picks a checkpoint, but --model is not"),
+    ("evaluate", dict(model="{run}", step=-1), r"--step=-1: needs an int >= 0"),
+    ("evaluate", dict(data="{root}/no.parquet"), r"--data=.*no.parquet: no such file"),
+    ("evaluate", dict(samples=0), r"--samples=0: needs an int >= 1"),
+    ("evaluate", dict(temperature=0.0), r"--temperature=0.0: needs a float > 0"),
+    ("evaluate", dict(limit=-2), r"--limit=-2: needs an int >= 0"),
     ("prepare_data", dict(n_train=-1, n_test=10, out="{root}/d", seed=0, task_config="{{}}"),
      r"--n_train=-1: needs an int >= 0"),
     ("prepare_data", dict(n_train=0, n_test=0, out="{root}/d", seed=0, task_config="{{}}"),
@@ -419,7 +433,7 @@ FILE_CASES = [
 
 
 def _restore(run):
-    from launch.export import load_actor
+    from hfjax.checkpoint import load_actor
 
     return load_actor(run)
 
@@ -474,6 +488,39 @@ SUBPROCESS = [
          r"reward.custom_fn .*hang_reward.py:fn.*importing it took longer than 1 s",
          watch=("{hang_reward}",), absent=("{root}/t4",)),
     Case("train", ["stray"], r"unexpected argument 'stray'"),
+    # Across processes and devices (docs/scaling.md), each before anything compiles or is written.
+    Case("train", ["--coordinator_address=127.0.0.1:1", "--num_processes=2", "--process_id=2",
+                   "--config.trainer.out_dir={root}/d1"],
+         r"--process_id=2 is out of range for --num_processes=2; process ids are 0\.\.1",
+         absent=("{root}/d1",)),
+    Case("train", ["--coordinator_address=127.0.0.1:1", "--num_processes=2", "--process_id=1",
+                   "--coordinator_timeout_s=2", "--config.trainer.out_dir={root}/d2"],
+         r"cannot reach the coordinator at 127.0.0.1:1 within 2 s \(--coordinator_timeout_s",
+         absent=("{root}/d2",)),
+    Case("train", ["--cpu_devices=2", "--config.actor.mesh=fsdp=4",
+                   "--config.trainer.out_dir={root}/d3"],
+         r"config.actor.mesh 'fsdp=4' needs 4 devices, the run has 2 cpu devices",
+         absent=("{root}/d3",)),
+    Case("train", ["--target=h300", "--config.trainer.out_dir={root}/d4"],
+         r"--target=h300: unknown target 'h300'; known targets: h100, h200",
+         absent=("{root}/d4",)),
+    Case("train", ["--config.model.path=preset:llama9", "--config.trainer.out_dir={root}/d5"],
+         r"model.path='preset:llama9': unknown model preset 'llama9'; known: .*llama3.1-8b",
+         absent=("{root}/d5",)),
+    Case("sft", ["--cpu_devices=-1", "--config.trainer.out_dir={root}/s1"],
+         r"--cpu_devices=-1: needs an int >= 0", absent=("{root}/s1",)),
+    Case("sft", ["--config.sft.train_files={root}/none.parquet",
+                 "--config.trainer.out_dir={root}/s2"],
+         r"sft.train_files=.*none.parquet.*no such file", absent=("{root}/s2",)),
+    Case("train_rm", ["--config.model.path=", "--config.rm.train_files={prefs_no_rejected}",
+                      "--config.rm.val_files=", "--config.trainer.out_dir={root}/r1"],
+         r"missing column\(s\) rejected", watch=("{prefs_no_rejected}",),
+         absent=("{root}/r1",)),
+    Case("train_rm", ["--config.model.path=", "--config.rm.target=safety",
+                      "--config.trainer.out_dir={root}/r2"],
+         r"rm.target='safety': needs one of reward, cost", absent=("{root}/r2",)),
+    Case("train", ["--config.reward_model.path={hf}", "--config.trainer.out_dir={root}/t5"],
+         r"reward_model.path=.* has no score head", watch=("{hf}",), absent=("{root}/t5",)),
     Case("generate", ["--temperature=-1"], r"--temperature=-1.0: needs a float >= 0"),
     Case("generate", ["--model={trunc_gguf}"], r"truncated or damaged GGUF file",
          watch=("{trunc_gguf}",)),
@@ -491,6 +538,9 @@ SUBPROCESS = [
          r"every checkpoint in .* is corrupt", watch=("{run_corrupt}",), absent=("{root}/e1",)),
     Case("export", ["--ckpt={root}/nothing", "--out={root}/e2"], r"no such directory",
          absent=("{root}/e2",)),
+    Case("evaluate", ["--model={hf}", "--samples=0"], r"--samples=0: needs an int >= 1"),
+    Case("evaluate", ["--model={stuff}"], r"is neither an HF model directory",
+         watch=("{stuff}",)),
     Case("prepare_data", ["--task=arith", "--out={root}/p1", "--task_config={{bad"],
          r"--task_config=\{{bad: is not JSON", absent=("{root}/p1",)),
     Case("prepare_data", ["--task=gsm", "--out={root}/p2"], r"--task=gsm: value should be one of",
@@ -501,11 +551,19 @@ SUBPROCESS = [
 ]
 
 
+# The entry point of each case, each named whole so that the Bazel build ships it with this
+# test (scripts/bazel_build.py makes a launch/ module named in a string a test's data).
+ENTRY_MODULES = {"train": "launch.train", "sft": "launch.sft", "train_rm": "launch.train_rm",
+                 "generate": "launch.generate", "convert": "launch.convert",
+                 "export": "launch.export", "prepare_data": "launch.prepare_data",
+                 "evaluate": "launch.evaluate"}
+
+
 def _run_case(case: Case, files, env) -> tuple[subprocess.CompletedProcess, dict, dict]:
     args = [a.format(**files) for a in case.args]
     watch = [w.format(**files) for w in case.watch]
     before = {w: _tree(w) for w in watch}
-    p = subprocess.run([sys.executable, "-m", f"launch.{case.entry}", *args], cwd=ROOT, env=env,
+    p = subprocess.run([sys.executable, "-m", ENTRY_MODULES[case.entry], *args], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=600)
     return p, before, {w: _tree(w) for w in watch}
 
@@ -546,7 +604,8 @@ def test_case_count():
     total = len(CONFIG_CASES) + len(FLAG_CASES) + len(FILE_CASES) + len(SUBPROCESS)
     assert total >= 60, total
     entries = {c[0] for c in FLAG_CASES} | {c.entry for c in SUBPROCESS} | {"train"}
-    assert entries == {"train", "generate", "convert", "export", "prepare_data"}
+    assert entries == {"train", "sft", "train_rm", "generate", "convert", "export",
+                       "prepare_data", "evaluate"}
 
 
 def test_verbose_shows_the_traceback(tmp_path):

@@ -44,3 +44,22 @@ def test_flagfile_puts_the_plan_after_the_users_overrides():
     assert lines[-1] == "--config.rollout.hybrid_engine=true"
     assert f"--config.actor.mesh={result.best.meshes()['actor']}" in lines[4:]
     assert missing == []
+
+
+def test_a_reward_model_is_planned_as_the_reward_model_role():
+    cfg = ppo_arith.get_config()
+    cfg.reward_model.path = "preset:tiny"  # the config's reward model, as launch.train reads it
+    models, host, w = plan_inputs(cfg, platform="cpu")
+    assert [m.role for m in models] == ["actor", "critic", "ref", "reward"] and host == ()
+    assert models[-1].config.param_dtype == cfg.reward_model.dtype
+    result = planner.plan(models, w, "cpu", 8, host_roles=host)
+    lines, missing = flagfile_lines(result.best, cfg, "configs/ppo_arith.py", ["launch.plan"],
+                                    reward_model="preset:tiny")
+    assert missing == []
+    assert "--config.reward_model.path=preset:tiny" in lines
+    assert f"--config.reward_model.mesh={result.best.meshes()['reward']}" in lines
+    placement = next(x for x in lines if x.startswith("--config.placement="))
+    pools = [p.split(":", 1)[1].split("+") for p in placement.split("=", 1)[1].split(";")]
+    holder = next(roles for roles in pools if "reward" in roles)
+    assert "reward_model" in holder  # placed with the reward it feeds
+    assert sum("reward_model" in roles for roles in pools) == 1

@@ -60,7 +60,8 @@ def main() -> None:
     peak = results["hfjax"]["matmul_peak_flops"]
     roofline_tok_s = w.tokens_per_step / (flops["total"] / peak)
 
-    print(f"\n== {w.name}: {w.prompts} prompts x {w.samples} samples, {w.prompt_len} prompt + "
+    print(f"\n== {w.name} ({w.precision}): {w.prompts} prompts x {w.samples} samples, "
+          f"{w.prompt_len} prompt + "
           f"{w.new_tokens} new tokens = {w.tokens_per_step} tokens/step; median of "
           f"{w.timed} steps after {w.warmup} warm-up")
     print(f"model FLOPs/step {flops['total'] / 1e9:.1f} G (prefill {flops['prefill'] / 1e9:.1f}, "
@@ -93,6 +94,7 @@ def main() -> None:
         return round(h["tok_s"] / results[fw]["tok_s"], 3) if fw in results else None
 
     summary = {
+        "precision": w.precision,
         "hfjax_tok_s": round(h["tok_s"], 1),
         "tunix_tok_s": round(results["tunix"]["tok_s"], 1) if "tunix" in results else None,
         "trl_tok_s": round(results["trl"]["tok_s"], 1) if "trl" in results else None,
@@ -101,8 +103,9 @@ def main() -> None:
         "hfjax_roofline_frac": round(fracs["hfjax"], 3),
     }
     print(f"ratios: hfjax/tunix {summary['vs_tunix']}, hfjax/trl {summary['vs_trl']}")
-    with open(os.path.join(w.dir, "summary.json"), "w") as f:
-        json.dump({**summary, "workload": w.name, "flops": flops, "peak_flops": peak,
+    with open(os.path.join(w.dir, f"summary{w.suffix}.json"), "w") as f:
+        json.dump({**summary, "workload": w.name, "precision": w.precision, "flops": flops,
+                   "peak_flops": peak,
                    "roofline_frac": fracs}, f, indent=1)
     print(json.dumps(summary))
 

@@ -5,6 +5,7 @@
 #   bash bench/peers/run.sh                # tiny workload, then SmolLM2-135M
 #   PEERS_WORKLOADS=tiny bash bench/peers/run.sh
 #   PEERS_WARMUP=1 PEERS_TIMED=1 ...       # quick smoke run (fewer steps)
+#   PEERS_PRECISION=bf16 ...               # bf16 compute over f32 weights, every framework
 #
 # The peers get their own virtual environments under bench/peers/.venvs/ (git-ignored, created
 # once, reused after): google-tunix 0.1.7 with jax 0.10.2, and trl 1.16.0 on torch 2.13.0 (the
@@ -90,9 +91,10 @@ for wl in $WORKLOADS; do
   run_one trl "$TRL_PY" "$wl" || echo "(trl did not finish $wl)"
   run_one hfjax "$PY" "$wl"
   echo "== load average: $(cut -d' ' -f1-3 /proc/loadavg)"
-  "$PY" bench/peers/report.py "$wl" | tee "bench/out/peers/$wl/report.txt"
+  suffix=""; [ "${PEERS_PRECISION:-f32}" = f32 ] || suffix="_${PEERS_PRECISION}"
+  "$PY" bench/peers/report.py "$wl" | tee "bench/out/peers/$wl/report$suffix.txt"
 done
 # The headline, last: the tiny workload's summary line (already last when tiny ran last).
 if [[ " $WORKLOADS " == *" tiny "* && "$wl" != tiny ]]; then
-  tail -n 1 bench/out/peers/tiny/report.txt
+  tail -n 1 "bench/out/peers/tiny/report$suffix.txt"
 fi

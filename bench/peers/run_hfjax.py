@@ -105,7 +105,8 @@ def build(w: workload.Workload):
     spec = "fsdp=-1"
     # Layers unrolled rather than scanned: on CPU the scan's stacked residual buffers (zeroed,
     # then filled slice by slice) cost about 8% of the update. Compile time grows with depth.
-    model = M.load(w.model_dir, scan_layers=False)
+    compute = "bfloat16" if w.precision == "bf16" else "float32"
+    model = M.load(w.model_dir, scan_layers=False, dtype=compute, param_dtype="float32")
     sampler = Sampler(model, mesh=pool.mesh(spec), max_prompt_len=w.prompt_len, pad_id=pad,
                       rules=None)
     actor = ActorRollout(

@@ -2,7 +2,8 @@
 
     bench/peers/.venvs/trl/bin/python bench/peers/run_trl.py tiny
 
-TRL's GRPO defaults that differ from the workload are overridden: bf16 -> f32, gradient
+TRL's GRPO defaults that differ from the workload are overridden: bf16 -> the workload's
+precision (f32, or bf16 autocast over f32 weights with PEERS_PRECISION=bf16), gradient
 checkpointing off, loss_type "dapo" -> "grpo" (per-sequence token mean), max_grad_norm 1.0 ->
 0 (no clipping), linear LR decay -> constant, and min_new_tokens = max_new_tokens so that no
 completion stops early. With one generation per optimizer step and num_iterations=1 TRL skips
@@ -51,7 +52,7 @@ def main() -> None:
     args = trl.GRPOConfig(
         output_dir=out_dir,
         use_cpu=True,
-        bf16=False,
+        bf16=w.precision == "bf16",
         fp16=False,
         gradient_checkpointing=False,
         per_device_train_batch_size=w.micro_batch,
@@ -131,8 +132,11 @@ def main() -> None:
         trainer.train()
     finally:
         shutil.rmtree(out_dir, ignore_errors=True)
-    if trainer.model.is_gradient_checkpointing or args.bf16:
-        raise AssertionError("TRL ran with gradient checkpointing or bf16; the workload is f32")
+    if trainer.model.is_gradient_checkpointing or args.bf16 != (w.precision == "bf16"):
+        raise AssertionError(f"TRL ran with gradient checkpointing or bf16={args.bf16}; the "
+                             f"workload is {w.precision}")
+    if next(trainer.model.parameters()).dtype != torch.float32:
+        raise AssertionError("TRL's master weights are not float32")
     steps = [b - a for a, b in zip(ends, ends[1:])]
     cpu = [b - a for a, b in zip(cpu_ends, cpu_ends[1:])]
     if len(steps) != w.steps:

@@ -51,10 +51,19 @@ def build_model(w: workload.Workload, mesh):
         from tunix.models.qwen2 import model as qwen2_model
         from tunix.models.qwen2 import params as qwen2_params
 
-        cfg = qwen2_model.ModelConfig(**common, use_tied_embedding=hf["tie_word_embeddings"])
+        # bf16: Tunix's Qwen2 layers cast activations and weights to `dtype` before each
+        # matmul, over `param_dtype` (float32) parameters.
+        cfg = qwen2_model.ModelConfig(
+            **common, use_tied_embedding=hf["tie_word_embeddings"],
+            dtype=jnp.bfloat16 if w.precision == "bf16" else jnp.float32,
+            param_dtype=jnp.float32)
         return qwen2_params.create_model_from_safe_tensors(w.model_dir, cfg, mesh,
                                                            dtype=jnp.float32)
     if hf["model_type"] == "llama":
+        if w.precision != "f32":
+            raise SystemExit("Tunix 0.1.7's llama3 model has no compute dtype of its own (its "
+                             "weights' dtype is the compute dtype): no bf16 compute over f32 "
+                             "weights for this workload")
         from tunix.models.llama3 import model as llama_model
         from tunix.models.llama3 import params as llama_params
 

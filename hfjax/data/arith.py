@@ -93,3 +93,96 @@ def sft_texts(
             text = str(answer)
         out.append((row["prompt"][-1]["content"], text))
     return out
+
+
+# -- preference pairs (reward and cost models) ----------------------------------------------
+
+PREFERENCE_KINDS = ("correctness", "forbidden_digit")
+FORBIDDEN_DIGIT = "7"
+
+
+def forbidden_digit_cost(text: str) -> float:
+    """The cost the arithmetic task's cost model is trained to measure: 1.0 when a response
+    writes the forbidden digit 7 anywhere, 0.0 otherwise (an honest, checkable property of the
+    answer, standing in for "harmful content": a correct answer that contains a 7 is helpful
+    and costly at once)."""
+    return 1.0 if FORBIDDEN_DIGIT in text else 0.0
+
+
+def _wrong_answer(rng, answer: int, a: int, b: int, op: str) -> int:
+    """A plausible wrong answer: a dropped carry or borrow, off by one or ten, or random."""
+    candidates = [answer + 1, answer - 1, answer + 10, answer - 10, answer + 2,
+                  int(rng.integers(0, 120))]
+    slip = _no_carry(a, b, op)
+    if slip != answer:
+        candidates += [slip, slip]
+    wrong = [c for c in candidates if c != answer and c >= 0]
+    return int(wrong[rng.integers(len(wrong))])
+
+
+def _junk(rng) -> str:
+    """A random string over the task's characters (what an untrained policy writes)."""
+    return "".join(CHARS[i] for i in rng.integers(0, len(CHARS), rng.integers(1, 9))).strip() \
+        or "#"
+
+
+def _formatted(rng, value: int | str, p_marker: float) -> str:
+    return f"#### {value}" if rng.random() < p_marker else str(value)
+
+
+def _swap_digit(rng, text: str) -> str:
+    """The number with every forbidden digit replaced by another digit (never the forbidden
+    one), or, without one, with one digit replaced by the forbidden digit."""
+    if FORBIDDEN_DIGIT in text:
+        return "".join(str(rng.choice([6, 8])) if ch == FORBIDDEN_DIGIT else ch for ch in text)
+    i = int(rng.integers(len(text)))
+    return text[:i] + FORBIDDEN_DIGIT + text[i + 1:]
+
+
+def preference_rows(rows: list[dict], seed: int, kind: str = "correctness",
+                    pairs_per_prompt: int = 1) -> list[dict]:
+    """Preference pairs for the task's prompts, as rows {data_source, prompt, chosen, rejected}
+    (plus chosen_unsafe / rejected_unsafe for the cost kind).
+
+    - "correctness" (for a reward model): chosen is the exact answer after `####`; rejected is
+      the bare right answer (the format the reward rejects), a wrong answer with or without the
+      marker (a dropped carry, off by one or ten, random), or junk.
+    - "forbidden_digit" (for a cost model): two answers in the same format, the rejected one
+      containing the forbidden digit (`forbidden_digit_cost`) and the chosen one not: the right
+      answer against a version with a 7 written in, or, when the right answer has a 7, against
+      a version with its 7s replaced; sometimes junk with and without a 7.
+    """
+    if kind not in PREFERENCE_KINDS:
+        raise ValueError(f"unknown preference kind {kind!r}; choose one of {PREFERENCE_KINDS}")
+    rng = np.random.default_rng(seed)
+    out = []
+    for row in rows:
+        x = row["extra_info"]
+        answer = int(row["reward_model"]["ground_truth"])
+        for _ in range(pairs_per_prompt):
+            pair = {"data_source": row["data_source"], "prompt": row["prompt"]}
+            if kind == "correctness":
+                chosen, r = f"#### {answer}", rng.random()
+                if r < 0.3:
+                    rejected = str(answer)
+                elif r < 0.85:
+                    rejected = _formatted(rng, _wrong_answer(rng, answer, x["a"], x["b"],
+                                                             x["op"]), 0.75)
+                else:
+                    rejected = _junk(rng)
+                pair |= {"chosen": chosen, "rejected": rejected}
+            else:
+                if rng.random() < 0.15:
+                    junk = _junk(rng)
+                    other = _swap_digit(rng, junk)
+                    safe, unsafe = (other, junk) if forbidden_digit_cost(junk) else (junk, other)
+                else:
+                    marker = "#### " if rng.random() < 0.7 else ""
+                    text = str(answer)
+                    other = _swap_digit(rng, text)
+                    safe, unsafe = (other, text) if forbidden_digit_cost(text) else (text, other)
+                    safe, unsafe = marker + safe, marker + unsafe
+                pair |= {"chosen": safe, "rejected": unsafe, "chosen_unsafe": False,
+                         "rejected_unsafe": True}
+            out.append(pair)
+    return out

@@ -54,24 +54,36 @@ def prompt_batch(rows: Sequence[dict], seeds: np.ndarray, pad_id: int,
                  meta=reward_meta(rows))
 
 
+def sft_arrays(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], *,
+               prompt_width: int, response_width: int, pad_id: int,
+               loss_masks: Sequence[Sequence[int]] | None = None) -> Batch:
+    """One host batch of every (prompt, response) pair: `input_ids`/`attention_mask` (prompt
+    left-padded to `prompt_width`, then the response right-padded to `response_width`), and
+    `responses`/`response_mask`, the tokens a supervised loss is taken on (all response tokens,
+    or those whose `loss_masks` flag is 1)."""
+    pid, pm = left_pad(prompts, prompt_width, pad_id)
+    rid, rm = right_pad(responses, response_width, pad_id)
+    loss = rm if loss_masks is None else right_pad(loss_masks, response_width, 0)[0]
+    return Batch({
+        "input_ids": np.concatenate([pid, rid], 1),
+        "attention_mask": np.concatenate([pm, rm], 1),
+        "responses": rid,
+        "response_mask": loss,
+    })
+
+
 def sft_batches(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], *,
                 prompt_width: int, response_width: int, pad_id: int, batch_size: int,
-                steps: int, seed: int) -> Iterator[Batch]:
+                steps: int, seed: int,
+                loss_masks: Sequence[Sequence[int]] | None = None) -> Iterator[Batch]:
     """`steps` host batches of `batch_size` (prompt, response) token pairs drawn without
-    replacement within a batch: `input_ids`/`attention_mask` (prompt left-padded to
-    `prompt_width`, then the response right-padded to `response_width`), and `responses`/
-    `response_mask`, the tokens a supervised loss is taken on."""
+    replacement within a batch, laid out as `sft_arrays` does."""
     if batch_size > len(prompts):
         raise ValueError(f"an SFT batch of {batch_size} needs at least that many examples, "
                          f"there are {len(prompts)}; lower the batch size or add data")
-    pid, pm = left_pad(prompts, prompt_width, pad_id)
-    rid, rm = right_pad(responses, response_width, pad_id)
+    every = sft_arrays(prompts, responses, prompt_width=prompt_width,
+                       response_width=response_width, pad_id=pad_id, loss_masks=loss_masks)
     rng = np.random.default_rng(seed)
     for _ in range(steps):
         idx = rng.choice(len(prompts), batch_size, replace=False)
-        yield Batch({
-            "input_ids": np.concatenate([pid[idx], rid[idx]], 1),
-            "attention_mask": np.concatenate([pm[idx], rm[idx]], 1),
-            "responses": rid[idx],
-            "response_mask": rm[idx],
-        })
+        yield Batch({k: v[idx] for k, v in every.arrays.items()})

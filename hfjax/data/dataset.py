@@ -400,3 +400,20 @@ class PromptIterator:
         self.cursor = int(state["cursor"])
         self._order_epoch = -1
 
+
+
+def task_dataset(cfg, tokenizer, split: str) -> Dataset:
+    """A run config's prompts for `split`, "train" or "test": the embedded arithmetic task's
+    (seeds `seed` and `seed + 10000`), or `data.train_files` / `data.val_files`, checked against
+    `reward.custom_fn` when one is set."""
+    c, d = cfg, cfg.data
+    train = split == "train"
+    if d.task == "arith":
+        n, seed = (d.n_train, c.seed) if train else (d.n_test, c.seed + 10_000)
+        return Dataset.arith(n, seed, d.max_prompt_length, tokenizer=tokenizer, max_b=d.max_b)
+    if d.task == "parquet":
+        files = d.train_files if train else d.val_files
+        return Dataset.from_parquet(files.split(","), tokenizer, d.max_prompt_length,
+                                    custom_reward_fn=c.reward.custom_fn or None)
+    raise ValueError(f"unknown data.task {d.task!r}; use 'arith' (built in) or 'parquet' "
+                     "(with data.train_files and data.val_files)")

@@ -1,7 +1,10 @@
 """Writes task sets as train/test parquet files in verl's schema (see docs/data.md).
 
 Tasks: reasoning-gym's gsm_symbolic, basic_arithmetic, countdown and chain_sum, and the
-embedded arithmetic task `arith`.
+embedded arithmetic task `arith`; and preference pairs on the arithmetic task's prompts, for
+reward-model training (`arith_prefs`: right answers preferred to wrong or unformatted ones)
+and cost-model training (`arith_cost_prefs`: answers without the digit 7 preferred to answers
+with one), in the schema of `hfjax.data.preferences`.
 
 - A reasoning-gym row has data_source `reasoning_gym/<task>`. Its prompt is the generated
   question followed by verl's GSM8K instruction (`GSM_SUFFIX`), because the reward reads the
@@ -23,7 +26,7 @@ from collections.abc import Iterator
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from hfjax.data import arith
+from hfjax.data import arith, preferences
 
 GSM_SUFFIX = 'Let\'s think step by step and output the final answer after "####".'
 RG_PREFIX = "reasoning_gym/"
@@ -33,7 +36,10 @@ RG_TASKS = {
     "countdown": "arithmetic",
     "chain_sum": "arithmetic",
 }
-TASKS = (*RG_TASKS, "arith")
+# Preference tasks: their rows are made from the arith task's rows (same seeded stream and
+# split), turned into pairs by `arith.preference_rows` of the given kind.
+PREFERENCE_TASKS = {"arith_prefs": "correctness", "arith_cost_prefs": "forbidden_digit"}
+TASKS = (*RG_TASKS, "arith", *PREFERENCE_TASKS)
 
 _MESSAGES = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
 _REWARD_MODEL = pa.struct([("style", pa.string()), ("ground_truth", pa.string())])
@@ -105,6 +111,8 @@ def make_splits(
     splits: dict[str, list[dict]] = {"train": [], "test": []}
     wanted = {"train": n_train, "test": n_test}
     split = "train" if n_train else "test"
+    if task in PREFERENCE_TASKS:
+        return _preference_splits(task, n_train, n_test, seed, config)
     if task == "arith":
         stream = _arith_stream(seed, config)
     else:
@@ -131,6 +139,15 @@ def make_splits(
     return splits["train"], splits["test"]
 
 
+def _preference_splits(task, n_train, n_test, seed, config):
+    # Pairs per prompt is this task's own option; the rest goes to the arith generator.
+    per_prompt = int(config.pop("pairs_per_prompt", 1))
+    train, test = make_splits("arith", n_train, n_test, seed, config)
+    kind = PREFERENCE_TASKS[task]
+    return (arith.preference_rows(train, seed + 1, kind, per_prompt),
+            arith.preference_rows(test, seed + 2, kind, per_prompt))
+
+
 def prepare(
     task: str, n_train: int, n_test: int, out_dir: str | os.PathLike, seed: int = 0,
     config: dict | None = None,
@@ -140,8 +157,9 @@ def prepare(
     train, test = make_splits(task, n_train, n_test, seed, config)
     os.makedirs(out_dir, exist_ok=True)
     paths = {}
+    write = preferences.write_rows if task in PREFERENCE_TASKS else write_rows
     for split, rows in (("train", train), ("test", test)):
         if rows:
             paths[split] = os.path.join(os.fspath(out_dir), f"{split}.parquet")
-            write_rows(rows, paths[split])
+            write(rows, paths[split])
     return paths

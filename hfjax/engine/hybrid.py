@@ -485,6 +485,34 @@ class HybridEngine:
             self._programs[key] = program
         return self._programs[key]
 
+    def abstract_decode(self, params: Any) -> Any:
+        """`params` (in the training layout; arrays or ShapeDtypeStructs) as ShapeDtypeStructs
+        in the decode layout: what the sampler's programs receive after `to_decode`."""
+        leaves, treedef = shd.flatten_state(params)
+        return jax.tree.unflatten(treedef, [
+            shd.with_value(v, jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=leaf.decode))
+            for v, leaf in zip(leaves, self.leaves)])
+
+    def transition_programs(self, direction: str) -> list[tuple[LeafPlan, Callable, Any]]:
+        """(leaf, jitted program, abstract input) for each parameter that `direction`
+        ("to_decode" or "to_train") moves with a program, in the order the transition runs
+        them: what a dry run compiles. Empty for the fallback, which moves by plain
+        transfers, and for parameters that are re-labelled without a copy."""
+        if self.fallback:
+            return []
+        to_decode = direction == "to_decode"
+        kind = self.method if to_decode else "slice"
+        if kind == "copies":
+            return []  # device-to-device copies and a local concat: no single program
+        out = []
+        for i, leaf in enumerate(self.leaves):
+            if not leaf.gathered:
+                continue
+            sharding = leaf.train_t if to_decode else leaf.decode_t
+            out.append((leaf, self._program(kind, i),
+                        jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)))
+        return out
+
     # -- transitions -----------------------------------------------------------------------------
 
     def to_decode(self, params: Any) -> Any:

@@ -389,6 +389,56 @@ class Sampler:
             self.compile_log.append(static)
         return programs
 
+    def static_for(self, batch: int, prompt_bucket: int, params: SamplingParams) -> Static:
+        """The compile key of a request: `batch` prompts (already padded to the data-parallel
+        size), left-padded to `prompt_bucket` columns, sampled with `params`."""
+        return Static(
+            batch=batch,
+            prompt_bucket=prompt_bucket,
+            new_bucket=bucket_size(params.max_new_tokens, self.min_new_tokens_bucket),
+            n=params.n,
+            greedy=params.greedy,
+            top_k=params.top_k,
+            use_top_p=params.top_p < 1.0,
+            use_min_p=params.min_p > 0.0,
+            num_stops=len(params.eos_ids),
+        )
+
+    def padded_batch(self, batch: int) -> int:
+        """The prompt rows a request of `batch` prompts runs with (padded to the data-parallel
+        size)."""
+        return batch + (-batch % self._dp)
+
+    def _knobs(self, params: SamplingParams) -> Knobs:
+        return Knobs(
+            temperature=np.float32(params.temperature if not params.greedy else 1.0),
+            top_p=np.float32(params.top_p),
+            min_p=np.float32(params.min_p),
+            max_new=np.int32(params.max_new_tokens),
+            pad_id=np.int32(self.pad_id),
+        )
+
+    def _request_shardings(self):
+        return mesh_lib.batch_sharding(self.mesh), mesh_lib.replicated(self.mesh)
+
+    def programs(self, static: Static) -> tuple[Any, Any]:
+        """The jitted (prefill, decode) programs of one compile key (built on first use)."""
+        return self._get_programs(static)
+
+    def abstract_request(self, static: Static, params: SamplingParams) -> tuple:
+        """The prefill's request arguments (ids, mask, seeds, salts, knobs, stops) as
+        ShapeDtypeStructs placed as `generate` places them: what a dry run lowers with."""
+        ids = np.zeros((static.batch, static.prompt_bucket), np.int32)
+        seeds = np.zeros((static.batch,), np.uint32)
+        host = (ids, ids, seeds, seeds, self._knobs(params),
+                np.asarray(params.eos_ids, np.int32).reshape(-1))
+        rows, everywhere = self._request_shardings() if self.mesh is not None else (None, None)
+        shardings = (rows,) * 4 + (everywhere,) * 2
+        return tuple(
+            jax.tree.map(lambda x, sh=sh: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype,
+                                                               sharding=sh), arg)
+            for arg, sh in zip(host, shardings))
+
     def generate(
         self,
         state: nnx.State,
@@ -405,34 +455,18 @@ class Sampler:
         `params.max_new_tokens` columns. Raises ValueError on bad input before compiling.
         """
         ids, mask, seeds, salts, batch = self._prepare(input_ids, attention_mask, seed)
-        static = Static(
-            batch=ids.shape[0],
-            prompt_bucket=ids.shape[1],
-            new_bucket=bucket_size(params.max_new_tokens, self.min_new_tokens_bucket),
-            n=params.n,
-            greedy=params.greedy,
-            top_k=params.top_k,
-            use_top_p=params.top_p < 1.0,
-            use_min_p=params.min_p > 0.0,
-            num_stops=len(params.eos_ids),
-        )
-        knobs = Knobs(
-            temperature=np.float32(params.temperature if not params.greedy else 1.0),
-            top_p=np.float32(params.top_p),
-            min_p=np.float32(params.min_p),
-            max_new=np.int32(params.max_new_tokens),
-            pad_id=np.int32(self.pad_id),
-        )
+        static = self.static_for(ids.shape[0], ids.shape[1], params)
+        knobs = self._knobs(params)
         stops = np.asarray(params.eos_ids, np.int32).reshape(-1)
         prefill, decode = self._get_programs(static)
         state = self.place(state)
         if self.mesh is not None:
-            rows = mesh_lib.batch_sharding(self.mesh)
+            rows, everywhere = self._request_shardings()
             # The request's one deliberate upload (prompts come from the host data pipeline);
             # allowed even where a caller bans host transfers to catch accidental ones.
             with jax.transfer_guard("allow"):
                 ids, mask, seeds, salts = jax.device_put((ids, mask, seeds, salts), rows)
-                knobs, stops = jax.device_put((knobs, stops), mesh_lib.replicated(self.mesh))
+                knobs, stops = jax.device_put((knobs, stops), everywhere)
         carry = prefill(state, ids, mask, seeds, salts, knobs, stops)
         carry = decode(state, carry, knobs, stops)
         rows_out, cols = batch * params.n, params.max_new_tokens

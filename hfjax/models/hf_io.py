@@ -28,6 +28,7 @@ from jax.sharding import PartitionSpec as P
 from hfjax.models import presets, transformer
 from hfjax.models.config import ModelConfig
 from hfjax.parallel import sharding as shd
+from hfjax.parallel.transfer import to_host
 
 
 def _heads(w, n):  # [n*h, d] -> [d, n, h]
@@ -307,52 +308,121 @@ def _read_config(path: str) -> dict:
             raise ValueError(f"{fn} is not valid JSON ({err}); copy it again") from None
 
 
+def head_of(hf_config: dict) -> str:
+    """The head an HF config.json describes: "score" for a *ForSequenceClassification model
+    (one scalar label), "causal_lm" otherwise. ValueError for a classifier with several labels,
+    which a scalar score head cannot hold."""
+    archs = hf_config.get("architectures") or []
+    if not any(str(a).endswith("ForSequenceClassification") for a in archs):
+        return "causal_lm"
+    labels = hf_config.get("num_labels") or len(hf_config.get("id2label") or {}) or 1
+    if int(labels) != 1:
+        raise ValueError(f"{archs[0]} with {labels} labels: hfjax's score head reads one scalar "
+                         "per sequence (a reward or cost model has num_labels=1)")
+    return "score"
+
+
 def load(
     path: str,
     *,
     mesh: Mesh | None = None,
     dtype: str = "float32",
-    head: str = "causal_lm",
+    head: str | None = None,
     rules: str | dict = "train",
     replicate_indivisible: Iterable[str] = ("kv_heads",),
+    require_head: bool = False,
     seed: int = 0,
     **config_overrides,
 ) -> nnx.Module:
     """Loads an HF directory, a `.gguf` file or a preset (`"preset:NAME"`) as an hfjax model.
 
-    With a mesh, parameters are placed in the training layout (`rules`) of that mesh; without
-    one, on the first device. `dtype` sets both the parameter and the compute dtype (give
-    `param_dtype=` as well for, e.g., bfloat16 compute over float32 weights). For the
-    "value" and "score" heads, a causal-LM checkpoint provides the backbone and the head starts
-    fresh when the checkpoint has none. Logical axes in `replicate_indivisible` are replicated,
-    with a warning, where the mesh does not divide them (e.g. SmolLM2's 3 KV heads, or with
-    ("kv_heads", "heads") its 9 query heads, on tensor=2); any other indivisible dimension is
-    an error naming the tensor.
+    `head` None takes it from the checkpoint: a `LlamaForSequenceClassification` /
+    `Qwen2ForSequenceClassification` directory (one label) loads as a `ScoreModel`, whose
+    `model(ids, attention_mask=mask)` gives one score per row, read at the last real token;
+    anything else (a GGUF file, a preset) as a `CausalLM`. With a mesh, parameters are placed
+    in the training layout (`rules`) of that mesh; without one, on the first device. `dtype`
+    sets both the parameter and the compute dtype (give `param_dtype=` as well for, e.g.,
+    bfloat16 compute over float32 weights). For the "value" and "score" heads, a causal-LM
+    checkpoint provides the backbone and the head starts fresh when the checkpoint has none,
+    unless `require_head` (then a missing `score.weight` is an error). Logical axes in
+    `replicate_indivisible` are replicated, with a warning, where the mesh does not divide them
+    (e.g. SmolLM2's 3 KV heads, or with ("kv_heads", "heads") its 9 query heads, on tensor=2);
+    any other indivisible dimension is an error naming the tensor.
 
     A preset (hfjax.models.presets, e.g. "preset:qwen2.5-7b") has no weights: it is that
     architecture with random weights from `seed`, each parameter created directly in its
     sharding. `config_overrides` change any ModelConfig field of it or of a checkpoint's config.
     """
-    overrides = {"param_dtype": dtype, "dtype": dtype, **config_overrides}
-    optional = ("score",) if head != "causal_lm" else ()
-    if (name := presets.preset_name(path)) is not None:
-        cfg = presets.get_preset(name).replace(**overrides)
+    cfg = model_config(path, dtype=dtype, **config_overrides)
+    if presets.preset_name(path) is not None:
+        head = head or "causal_lm"
+        if head != "causal_lm" and require_head:
+            raise ValueError(f"{path}: a preset has random weights, not a trained {head} head")
         return build_sharded(cfg, head=head, mesh=mesh, rules=rules, seed=seed,
                              replicate_indivisible=replicate_indivisible)
     if str(path).endswith(".gguf"):
         from hfjax.models import gguf_io
 
-        cfg = ModelConfig.from_hf_config(gguf_io.read_gguf_config(path), **overrides)
+        head = head or "causal_lm"
+        if head != "causal_lm" and require_head:
+            raise ValueError(f"{path}: a GGUF file holds a language model, not a {head} head")
+        optional = ("score",) if head != "causal_lm" else ()
         tensors = gguf_io.iter_gguf_tensors(path)
     else:
-        if not os.path.isdir(path):
-            raise FileNotFoundError(f"{path}: not a directory or a .gguf file")
-        cfg = ModelConfig.from_hf_config(_read_config(path), **overrides)
+        head = head or head_of(_read_config(path))
+        optional = ("score",) if head != "causal_lm" and not require_head else ()
         files = _safetensor_files(path)
         _check_safetensor_headers(files, cfg, head, {"score.weight"} if optional else set())
         tensors = _iter_safetensors(files)
     return assemble(cfg, tensors, head=head, mesh=mesh, rules=rules, optional=optional,
                     replicate_indivisible=replicate_indivisible)
+
+
+def model_config(path: str, *, dtype: str = "float32", **config_overrides) -> ModelConfig:
+    """The ModelConfig `load(path, dtype=..., **config_overrides)` builds, read without loading
+    any weight: a preset's, a `.gguf` file's header or an HF directory's config.json."""
+    overrides = {"param_dtype": dtype, "dtype": dtype, **config_overrides}
+    if (name := presets.preset_name(path)) is not None:
+        return presets.get_preset(name).replace(**overrides)
+    if str(path).endswith(".gguf"):
+        from hfjax.models import gguf_io
+
+        return ModelConfig.from_hf_config(gguf_io.read_gguf_config(path), **overrides)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"{path}: not a directory or a .gguf file")
+    return ModelConfig.from_hf_config(_read_config(path), **overrides)
+
+
+def check_score_checkpoint(path: str, what: str = "path") -> None:
+    """Raises ValueError unless `path` is an HF directory with a trained scalar score head
+    (`score.weight`, one label), reading only config.json and the safetensors headers; `what`
+    names the setting in the message (e.g. "reward_model.path")."""
+    if not path:
+        raise ValueError(f"{what} is empty; point it at a reward/cost model directory (one "
+                         "that python -m launch.train_rm writes)")
+    if str(path).endswith(".gguf") or not os.path.isdir(path):
+        raise ValueError(f"{what}={path!r} is not an HF model directory; a reward or cost model "
+                         "is a *ForSequenceClassification directory (python -m launch.train_rm "
+                         "writes one)")
+    hf = _read_config(path)
+    head_of(hf)  # a multi-label classifier is refused here
+    names = set()
+    for fn in _safetensor_files(path):
+        with _safe_open(fn) as f:
+            names.update(f.keys())
+    if "score.weight" not in names:
+        archs = hf.get("architectures") or ["?"]
+        raise ValueError(
+            f"{what}={path!r} has no score head (no score.weight; the checkpoint is a "
+            f"{archs[0]}): train one with python -m launch.train_rm, or point {what} at a "
+            "*ForSequenceClassification checkpoint")
+
+
+def load_score(path: str, *, what: str = "path", **kw) -> nnx.Module:
+    """The ScoreModel of a reward or cost model directory, its trained head required
+    (`check_score_checkpoint`); keyword arguments go to `load`."""
+    check_score_checkpoint(path, what)
+    return load(path, head="score", require_head=True, **kw)
 
 
 def build_sharded(
@@ -381,16 +451,20 @@ def build_sharded(
 
 
 def iter_hf_tensors(model: nnx.Module) -> Iterator[tuple[str, np.ndarray]]:
-    """Yields (HF name, HF-layout float array) for every parameter, one layer slice at a time."""
+    """Yields (HF name, HF-layout float array) for every parameter, one layer slice at a time.
+
+    Parameters that span several processes are gathered slice by slice (`to_host`, a
+    collective): every process of the run must iterate alike, and each gets every tensor.
+    """
     cfg: ModelConfig = model.config
     for path, var in _flat_params(nnx.state(model, nnx.Param)).items():
         tmpl, _, to_hf = CONVERTERS[path]
         arr = var.get_value()
         if path.startswith("model.layers."):
             for i in range(cfg.num_layers):
-                yield tmpl.format(i=i), np.asarray(to_hf(np.asarray(jax.device_get(arr[i])), cfg))
+                yield tmpl.format(i=i), np.asarray(to_hf(to_host(arr[i]), cfg))
         else:
-            yield tmpl, np.asarray(to_hf(np.asarray(jax.device_get(arr)), cfg))
+            yield tmpl, np.asarray(to_hf(to_host(arr), cfg))
 
 
 def save_hf(
@@ -404,10 +478,15 @@ def save_hf(
 
     The directory is written under a temporary name and renamed into place, so a crash never
     leaves a half-written model. Shards larger than `max_shard_bytes` are split with an index.
-    Returns out_dir.
+    Across processes, every process must call it (the parameters are gathered with
+    collectives) and process 0 alone writes. Returns out_dir.
     """
     from safetensors.numpy import save_file
 
+    if jax.process_index() != 0:
+        for _ in iter_hf_tensors(model):  # take part in the gathers; process 0 writes
+            pass
+        return out_dir
     cfg: ModelConfig = model.config
     parent = os.path.dirname(os.path.abspath(out_dir)) or "."
     os.makedirs(parent, exist_ok=True)
@@ -435,8 +514,10 @@ def save_hf(
                 json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f)
         hf = cfg.to_hf_config()
         if type(model).__name__ == "ScoreModel":
-            hf["architectures"] = [hf["architectures"][0].replace("CausalLM", "")
-                                   + "ForSequenceClassification"]
+            # The family's sequence-classification class: one label, pooled at the last
+            # non-padding token (which needs pad_token_id for batches).
+            hf["architectures"] = [hf["architectures"][0].replace("ForCausalLM",
+                                                                  "ForSequenceClassification")]
             hf["num_labels"] = 1
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(hf, f, indent=2)

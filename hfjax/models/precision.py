@@ -43,13 +43,30 @@ def cpu_has_amx_bf16(cpuinfo: str | None = None) -> bool:
     return "amx_bf16" in cpu_flags(cpuinfo)
 
 
-def suggested_compute_dtype(platform: str, cpuinfo: str | None = None) -> str:
-    """'bfloat16' where bf16 matmuls are native (GPU, TPU, CPU with AMX bf16), else 'float32'.
+COMPUTE_DTYPES = ("float32", "bfloat16", "auto")
 
-    `platform` is a JAX platform name, e.g. `jax.devices()[0].platform`.
-    """
+
+# The smallest hidden size at which `auto` picks bfloat16 on a CPU with AMX. Measured on an
+# Intel Xeon with amx_bf16 (docs/benchmarks.md, "Mixed precision in the trainer"): bfloat16
+# compute made SmolLM2-135M (hidden 576) decode 1.24x and its GRPO step 1.10x faster, and the
+# default task's model (hidden 128) 0.94x as fast, its matmuls too small to repay the casts.
+AMX_MIN_HIDDEN = 512
+
+
+def resolve_compute_dtype(name: str, platform: str, hidden_size: int | None = None,
+                          cpuinfo: str | None = None) -> str:
+    """The compute dtype a config's `model.dtype` asks for on `platform`: 'float32' or
+    'bfloat16' as given; for 'auto', bfloat16 on GPUs and TPUs, and on a CPU with AMX bfloat16
+    units (`cpuinfo`, default this host's) for a model of `hidden_size` >= AMX_MIN_HIDDEN;
+    float32 otherwise (other CPUs emulate bfloat16 and gain nothing; a small model's many small
+    ops and casts eat AMX's gain)."""
+    if name not in COMPUTE_DTYPES:
+        raise ValueError(f"model.dtype={name!r}; use one of {', '.join(COMPUTE_DTYPES)}")
+    if name != "auto":
+        return name
     if platform in ("gpu", "cuda", "rocm", "tpu"):
         return "bfloat16"
-    if platform == "cpu" and cpu_has_amx_bf16(cpuinfo):
+    if (platform == "cpu" and hidden_size is not None and hidden_size >= AMX_MIN_HIDDEN
+            and cpu_has_amx_bf16(cpuinfo)):
         return "bfloat16"
     return "float32"

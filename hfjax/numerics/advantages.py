@@ -1,11 +1,15 @@
-"""Advantage estimators: GAE, GRPO, RLOO, REINFORCE++ (with and without a baseline), ReMax.
+"""Advantage estimators: GAE, GRPO, RLOO, REINFORCE++ (with and without a baseline), ReMax,
+and Safe-RLHF's reward-and-cost GAE.
 
 Every estimator takes one `AdvantageInputs` and returns (advantages, returns), both [B, T]
 and zero outside ``response_mask``, so padding never leaks into a loss even if a caller forgets
-the mask. An estimator that needs a new input (a greedy baseline, a cost) adds a field to
-`AdvantageInputs`; the advantage stage fills every field the batch can supply. Estimators are
-registered with the batch arrays they need beyond rewards and mask (``needs``), so a config
-whose algorithm does not produce them is refused before anything runs.
+the mask. An estimator with more to hand on (Safe-RLHF's cost returns, for the cost critic)
+returns a third element, a dict of further [B, T] arrays the batch gains. An estimator that
+needs a new input (a greedy baseline, a cost) adds a field to `AdvantageInputs`; the advantage
+stage fills every field the batch can supply. Estimators are registered with the batch arrays
+they need beyond rewards and mask (``needs``), so a config whose algorithm does not produce
+them is refused before anything runs, and with ``group=True`` when they compare the samples
+of one prompt, so a config with one sample per prompt is refused too.
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ class AdvantageInputs:
 
     Token-level arrays are [B, T]; ``index`` holds int group ids [B] in [0, num_groups) (the
     prompt each sample answers) and ``reward_baselines`` one baseline score per sample [B].
+    ``token_level_costs`` and ``cost_values`` are Safe-RLHF's cost-model scores and cost-critic
+    values, and ``lagrange_lambda`` its multiplier (a scalar >= 0).
     An estimator raises ValueError when an input it needs is None.
     """
 
@@ -39,6 +45,9 @@ class AdvantageInputs:
     index: Array | None = None
     num_groups: int | None = None
     reward_baselines: Array | None = None
+    token_level_costs: Array | None = None
+    cost_values: Array | None = None
+    lagrange_lambda: Array | float | None = None
     gamma: float = 1.0
     lam: float = 1.0
     norm_adv_by_std_in_grpo: bool = True
@@ -67,22 +76,8 @@ def _group_stats(scores: Array, index: Array, num_groups: int | None) -> tuple[A
     return count[index], mean[index], jnp.sqrt(var)[index]
 
 
-@ADV_ESTIMATORS.register("gae", needs=("values",))
-def compute_gae_advantage_return(x: AdvantageInputs) -> tuple[Array, Array]:
-    """Generalised advantage estimation (needs ``values``).
-
-    Tokens outside the mask are skipped by the recursion: the value bootstrap and the running
-    advantage pass through them unchanged, so masked tokens in the middle of a response (e.g.
-    tool observations) neither bootstrap nor accumulate TD-error. Returns are advantages + values
-    taken before the advantages are whitened over the mask.
-
-    Returns (whitened advantages, returns), each ``[B, T]``.
-    """
-    values = _require(x.values, "values [B, T] from the critic", "gae")
-    gamma, lam = x.gamma, x.lam
-    m = mask_like(x.response_mask, x.token_level_rewards)
-    rewards = x.token_level_rewards * m
-    values = values.astype(rewards.dtype) * m
+def _gae(rewards: Array, values: Array, m: Array, gamma: float, lam: float) -> Array:
+    """Un-whitened GAE advantages [B, T] of masked rewards and values (see `gae`)."""
 
     def step(carry, xs):
         next_value, last_adv = carry
@@ -95,13 +90,31 @@ def compute_gae_advantage_return(x: AdvantageInputs) -> tuple[Array, Array]:
 
     zeros = jnp.zeros(rewards.shape[:1], rewards.dtype)
     _, adv_t_major = jax.lax.scan(step, (zeros, zeros), (rewards.T, values.T, m.T), reverse=True)
-    advantages = adv_t_major.T
+    return adv_t_major.T
+
+
+@ADV_ESTIMATORS.register("gae", needs=("values",))
+def compute_gae_advantage_return(x: AdvantageInputs) -> tuple[Array, Array]:
+    """Generalised advantage estimation (needs ``values``).
+
+    Tokens outside the mask are skipped by the recursion: the value bootstrap and the running
+    advantage pass through them unchanged, so masked tokens in the middle of a response (e.g.
+    tool observations) neither bootstrap nor accumulate TD-error. Returns are advantages + values
+    taken before the advantages are whitened over the mask.
+
+    Returns (whitened advantages, returns), each ``[B, T]``.
+    """
+    values = _require(x.values, "values [B, T] from the critic", "gae")
+    m = mask_like(x.response_mask, x.token_level_rewards)
+    rewards = x.token_level_rewards * m
+    values = values.astype(rewards.dtype) * m
+    advantages = _gae(rewards, values, m, x.gamma, x.lam)
     returns = (advantages + values) * m
     advantages = masked_whiten(advantages, m) * m
     return advantages, returns
 
 
-@ADV_ESTIMATORS.register("grpo")
+@ADV_ESTIMATORS.register("grpo", group=True)
 def compute_grpo_outcome_advantage(x: AdvantageInputs) -> tuple[Array, Array]:
     """GRPO outcome advantage (needs ``index``, the prompt-group id of each sample).
 
@@ -126,7 +139,7 @@ def compute_grpo_outcome_advantage(x: AdvantageInputs) -> tuple[Array, Array]:
     return adv, adv
 
 
-@ADV_ESTIMATORS.register("rloo")
+@ADV_ESTIMATORS.register("rloo", group=True)
 def compute_rloo_outcome_advantage(x: AdvantageInputs) -> tuple[Array, Array]:
     """REINFORCE leave-one-out advantage (needs ``index``).
 
@@ -168,7 +181,7 @@ def compute_reinforce_plus_plus_outcome_advantage(x: AdvantageInputs) -> tuple[A
     return advantages, returns * m
 
 
-@ADV_ESTIMATORS.register("reinforce_plus_plus_baseline")
+@ADV_ESTIMATORS.register("reinforce_plus_plus_baseline", group=True)
 def compute_reinforce_plus_plus_baseline_outcome_advantage(
     x: AdvantageInputs,
 ) -> tuple[Array, Array]:
@@ -204,3 +217,34 @@ def compute_remax_outcome_advantage(x: AdvantageInputs) -> tuple[Array, Array]:
     returns = jnp.flip(jnp.cumsum(jnp.flip(masked, axis=-1), axis=-1), axis=-1)
     advantages = returns - baselines[:, None].astype(returns.dtype) * m
     return advantages, returns
+
+
+@ADV_ESTIMATORS.register("safe_rlhf", needs=("values", "cost_values", "token_level_costs"))
+def compute_safe_rlhf_advantage(x: AdvantageInputs) -> tuple[Array, Array, dict[str, Array]]:
+    """Safe-RLHF: GAE on the rewards with the reward critic's values and on the costs with the
+    cost critic's, combined as (A_r - lambda * A_c) / (1 + lambda) (needs ``values``,
+    ``cost_values``, ``token_level_costs`` and ``lagrange_lambda``).
+
+    The two GAE terms are combined un-whitened, so the multiplier weighs reward and cost in
+    their own units; the combination is then whitened over the mask, as `gae` whitens its
+    advantages, so the actor's step size does not depend on the scale of either model.
+
+    Returns (advantages, reward returns, {"cost_returns", "cost_advantages"}), each [B, T].
+    """
+    values = _require(x.values, "values [B, T] from the reward critic", "safe_rlhf")
+    cost_values = _require(x.cost_values, "cost_values [B, T] from the cost critic", "safe_rlhf")
+    costs = _require(x.token_level_costs, "token_level_costs [B, T] from the cost model",
+                     "safe_rlhf")
+    lam = _require(x.lagrange_lambda, "lagrange_lambda (the multiplier)", "safe_rlhf")
+    m = mask_like(x.response_mask, x.token_level_rewards)
+    rewards = x.token_level_rewards * m
+    values = values.astype(rewards.dtype) * m
+    costs = costs.astype(rewards.dtype) * m
+    cost_values = cost_values.astype(rewards.dtype) * m
+    adv_r = _gae(rewards, values, m, x.gamma, x.lam)
+    adv_c = _gae(costs, cost_values, m, x.gamma, x.lam)
+    lam = jnp.asarray(lam, rewards.dtype)
+    combined = (adv_r - lam * adv_c) / (1.0 + lam)
+    advantages = masked_whiten(combined, m) * m
+    extra = {"cost_returns": (adv_c + cost_values) * m, "cost_advantages": adv_c * m}
+    return advantages, (adv_r + values) * m, extra

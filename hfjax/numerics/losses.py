@@ -1,4 +1,5 @@
-"""Policy and value losses, KL penalties and the KL coefficient controllers.
+"""Policy and value losses, the pairwise (Bradley–Terry) loss of reward and cost models, KL
+penalties, the KL coefficient controllers and Safe-RLHF's Lagrange multiplier.
 
 Every policy loss takes one `PolicyLossInputs` and returns (pg_loss, pg_clipfrac, ppo_kl,
 pg_clipfrac_lower); a loss that needs a new input adds a field there.
@@ -7,6 +8,7 @@ pg_clipfrac_lower); a loss that needs a new input adds a field there.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -150,6 +152,44 @@ def compute_value_loss(
     vf_loss = 0.5 * agg_loss(err, m, loss_agg_mode, loss_scale_factor)
     vf_clipfrac = masked_mean((err_clipped > err_unclipped).astype(m.dtype), m)
     return vf_loss, vf_clipfrac
+
+
+def pairwise_loss(
+    chosen: Array,
+    rejected: Array,
+    *,
+    chosen_sign: Array | None = None,
+    rejected_sign: Array | None = None,
+    sign_coef: float = 0.0,
+    center_coef: float = 0.0,
+) -> tuple[Array, Array]:
+    """The Bradley–Terry loss of a scalar-head model on preference pairs, each [B].
+
+    loss = mean over pairs of -log sigmoid(chosen - rejected)
+           + sign_coef * mean of -log sigmoid(sign * score) over both responses
+           + center_coef * mean of score^2 over both responses.
+
+    The sign term is Safe-RLHF's cost-model classifier: sign +1 marks a response that is
+    costly (unsafe), -1 one that is not, so that a score above 0 means "costly" and a cost
+    threshold has a meaning. The centering term (as TRL's center_rewards_coefficient) pins the
+    scores' otherwise arbitrary offset near 0.
+
+    Returns (loss, accuracy): accuracy is the share of pairs with chosen > rejected strictly
+    (a tie counts as wrong).
+    """
+    chosen = jnp.asarray(chosen, jnp.float32)
+    rejected = jnp.asarray(rejected, jnp.float32)
+    loss = jnp.mean(-jax.nn.log_sigmoid(chosen - rejected))
+    if sign_coef:
+        if chosen_sign is None or rejected_sign is None:
+            raise ValueError("pairwise_loss with sign_coef needs chosen_sign and rejected_sign")
+        sign = jnp.mean(-jax.nn.log_sigmoid(jnp.asarray(chosen_sign, jnp.float32) * chosen)
+                        - jax.nn.log_sigmoid(jnp.asarray(rejected_sign, jnp.float32) * rejected))
+        loss = loss + sign_coef * sign / 2
+    if center_coef:
+        loss = loss + center_coef * jnp.mean(chosen**2 + rejected**2) / 2
+    accuracy = jnp.mean((chosen > rejected).astype(jnp.float32))
+    return loss, accuracy
 
 
 # --------------------------------------------------------------------------------------------
@@ -310,3 +350,58 @@ def kl_controller_from_state(state: dict) -> KLController:
         raise ValueError(f"unknown kl_ctrl type {kind!r} in saved state; known: "
                          f"{', '.join(sorted(KL_CONTROLLERS))}")
     return KL_CONTROLLERS[kind](**fields)
+
+
+# --------------------------------------------------------------------------------------------
+# Safe-RLHF's Lagrange multiplier (host-side, immutable, checkpointable as a plain dict)
+# --------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class LagrangeMultiplier:
+    """The multiplier lambda = exp(log_lambda) of Safe-RLHF's constraint E[cost] <= threshold.
+
+    `update` takes one gradient-ascent step on lambda * (mean_cost - threshold) with respect
+    to log_lambda (as Safe-RLHF does): lambda grows while the batch's mean episode cost is above
+    the threshold and shrinks below it, multiplicatively, so it never turns negative. It is
+    capped at ``max_lambda``.
+    """
+
+    log_lambda: float
+    lr: float
+    threshold: float
+    max_lambda: float = 100.0
+    kind = "lagrange"
+
+    def __post_init__(self):
+        if not self.lr > 0:
+            raise ValueError(f"the Lagrange multiplier needs lambda_lr > 0, got {self.lr}")
+        if not self.max_lambda > 0:
+            raise ValueError(f"the Lagrange multiplier needs max_lambda > 0, got "
+                             f"{self.max_lambda}")
+
+    @classmethod
+    def create(cls, init: float, lr: float, threshold: float,
+               max_lambda: float = 100.0) -> LagrangeMultiplier:
+        """A multiplier starting at lambda = init (> 0)."""
+        if not init > 0:
+            raise ValueError(f"the Lagrange multiplier's initial lambda must be > 0, got {init}")
+        return cls(math.log(init), lr, threshold, max_lambda)
+
+    @property
+    def value(self) -> float:
+        return math.exp(self.log_lambda)
+
+    def update(self, mean_cost: float) -> LagrangeMultiplier:
+        """The multiplier after one step on the batch's mean episode cost (a host float)."""
+        step = self.lr * self.value * (float(mean_cost) - self.threshold)
+        log_lambda = min(self.log_lambda + step, math.log(self.max_lambda))
+        return dataclasses.replace(self, log_lambda=log_lambda)
+
+    def state(self) -> dict:
+        """Plain JSON data for the checkpoint (`from_state` reads it back)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_state(cls, state: dict) -> LagrangeMultiplier:
+        return cls(**state)

@@ -14,10 +14,10 @@ Flags that contradict the launcher or the cluster are refused rather than silent
 
 Losing a process. JAX's coordination service (hosted by process 0) expects a heartbeat from
 every process; one that misses them for `--heartbeat_timeout_s` is declared dead and, by
-JAX's default, every other process is then terminated. `LossWatch` asks the same service which
-processes are alive (`get_live_nodes`, a barrier over the live processes) once a second, and
-reports a lost process by number before exiting with `EXIT_LOST_PROCESS`; JAX's own
-termination, whose log line also names the dead task, remains the backstop. A lost process 0
+JAX's default, every other process is then terminated. `LossWatch` keeps a heartbeat of its own
+in the same service's key-value store and, after half that time without one from a peer,
+reports the lost process by number and exits with `EXIT_LOST_PROCESS`; JAX's own termination,
+whose log line also names the dead task, remains the backstop. A lost process 0
 takes the coordination service with it: JAX then ends the other processes at once, with
 "JAX distributed service detected fatal errors".
 """
@@ -26,15 +26,17 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import hashlib
 import math
 import os
 import socket
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 from typing import Any
 
+import numpy as np
 from absl import flags, logging
 
 # The process-lost exit status: EX_TEMPFAIL, "try again later", which is what a rerun (resuming
@@ -325,6 +327,22 @@ def initialize_from_flags(flag_values: flags.FlagValues = flags.FLAGS) -> Topolo
     return initialize(settings_from_flags(flag_values))
 
 
+_CPU_COLLECTIVE_FLAG = "--xla_cpu_collective_call_terminate_timeout_seconds"
+CPU_COLLECTIVE_TIMEOUT_S = 600
+
+
+def patient_cpu_collectives(environ: MutableMapping[str, str] | None = None) -> None:
+    """Lets XLA:CPU's in-process collectives wait `CPU_COLLECTIVE_TIMEOUT_S` for every device
+    before it aborts the program (unless XLA_FLAGS already sets that limit). Simulated CPU
+    devices share the machine's cores, so on a loaded laptop or CI box one device's thread can
+    reach an all-reduce tens of seconds after the others; XLA's shorter default ends such a run
+    with a C++ abort. Only read when JAX's CPU backend starts, so call it before that."""
+    environ = os.environ if environ is None else environ
+    flags = environ.get("XLA_FLAGS", "")
+    if _CPU_COLLECTIVE_FLAG not in flags:
+        environ["XLA_FLAGS"] = f"{flags} {_CPU_COLLECTIVE_FLAG}={CPU_COLLECTIVE_TIMEOUT_S}".strip()
+
+
 def initialize(settings: Settings) -> Topology:
     """Configures devices, joins the other processes and returns this process's Topology.
 
@@ -337,6 +355,7 @@ def initialize(settings: Settings) -> Topology:
     global _TOPOLOGY, _WATCH
     if _TOPOLOGY is not None:
         return _TOPOLOGY
+    patient_cpu_collectives()
     import jax
 
     if settings.cpu_devices:
@@ -470,47 +489,89 @@ def _install_exit_paths(settings: Settings) -> None:
     atexit.register(lambda: _WATCH is not None and _WATCH.stop())
 
 
-class LossWatch(threading.Thread):
-    """Ends this process, naming the lost one, when jax.distributed declares a process dead.
+def before_error_exit(exc: BaseException) -> None:
+    """For an entry point that ends on `exc` by itself (launch.cli): a JAX runtime error in a
+    multi-process run is most often a collective whose peer just died, so first give LossWatch
+    the time to name that peer (it then ends the process with EXIT_LOST_PROCESS)."""
+    watch = _WATCH
+    if watch is None or not watch.is_alive():
+        return
+    import jax
 
-    `get_live_nodes` is JAX's own liveness view (its coordination service's heartbeats) and
-    acts as a barrier over the live processes, so every process runs one watch; a process that
-    is busy but alive holds the others' watch up, never trips it.
+    if isinstance(exc, jax.errors.JaxRuntimeError):
+        watch.join(timeout=watch.heartbeat_timeout_s + 5)
+
+
+class LossWatch(threading.Thread):
+    """Ends this process, naming the lost one, when a peer stops beating.
+
+    Each process's watch bumps a counter of its own in the coordination service's key-value
+    store (`hfjax/alive/<process id>`) every `interval_s` and reads every peer's counter in the
+    same call. A peer whose counter has not moved for `lost_after_s` (half of
+    --heartbeat_timeout_s) is reported by number, before JAX's own termination at
+    --heartbeat_timeout_s, which stays the backstop. The counter is bumped by this thread, not
+    by the training loop, so a process that is compiling or waiting in a collective still
+    beats; only a process that is gone (or frozen whole) stops.
     """
+
+    PREFIX = "hfjax/alive/"
+    DONE = "done"
 
     def __init__(self, client: Any, topology: Topology, heartbeat_timeout_s: int,
                  interval_s: float = 1.0):
         super().__init__(name="hfjax-loss-watch", daemon=True)
         self.client, self.topology = client, topology
         self.heartbeat_timeout_s, self.interval_s = heartbeat_timeout_s, interval_s
+        self.lost_after_s = max(2.0, heartbeat_timeout_s / 2)
         self._stopping = threading.Event()
 
     def stop(self) -> None:
+        """Stops watching and tells the peers this process is leaving on purpose (a process
+        that ends its run first must not be reported lost by one still writing its outputs)."""
         self._stopping.set()
+        try:
+            self.client.key_value_set(f"{self.PREFIX}{self.topology.process_id}", self.DONE,
+                                      allow_overwrite=True)
+        except Exception:  # the coordinator may be gone already; nothing waits on this
+            pass
+
+    def _fail(self, message: str) -> None:
+        if not self._stopping.is_set():
+            _fail_now(message, EXIT_LOST_PROCESS)
 
     def run(self) -> None:
         me, n = self.topology.process_id, self.topology.num_processes
-        ids = list(range(n))
+        started = time.monotonic()
+        seen: dict[int, tuple[str, float]] = {}  # peer -> (its last counter, when it moved)
+        beat = 0
         while not self._stopping.is_set():
+            beat += 1
             try:
-                live = self.client.get_live_nodes(ids)
+                self.client.key_value_set(f"{self.PREFIX}{me}", str(beat), allow_overwrite=True)
+                entries = self.client.key_value_dir_get(self.PREFIX)
             except Exception as err:
-                if self._stopping.is_set():
-                    return
                 reason = str(err).splitlines()[0] if str(err) else type(err).__name__
-                _fail_now(
+                self._fail(
                     f"hfjax: process {me} of {n} lost the coordinator (process 0 at "
                     f"{self.topology.coordinator_address}): {reason}. Rerun the same command to "
-                    "resume from the last checkpoint.", EXIT_LOST_PROCESS)
-            lost = [i for i in ids if i not in live]
-            if lost and not self._stopping.is_set():
+                    "resume from the last checkpoint.")
+                return
+            now = time.monotonic()
+            for key, value in entries:
+                peer = int(key.rsplit("/", 1)[-1])
+                if seen.get(peer, (None,))[0] != value:
+                    seen[peer] = (value, now)
+            lost = [i for i in range(n) if i != me and seen.get(i, (None,))[0] != self.DONE
+                    and now - seen.get(i, (None, started))[1] > self.lost_after_s]
+            if lost:
                 which = ", ".join(map(str, lost))
-                _fail_now(
+                self._fail(
                     f"hfjax: process {me} of {n} lost process{'es' if len(lost) > 1 else ''} "
-                    f"{which}: jax.distributed heard no heartbeat from it for "
-                    f"{self.heartbeat_timeout_s} s (--heartbeat_timeout_s); it crashed, was "
-                    "killed or its host is gone. Stopping; rerun the same command to resume "
-                    "from the last checkpoint.", EXIT_LOST_PROCESS)
+                    f"{which}: no heartbeat from it for {self.lost_after_s:g} s (half of "
+                    f"--heartbeat_timeout_s={self.heartbeat_timeout_s}); it crashed, was killed "
+                    "or its host is gone. Stopping; rerun the same command to resume from the "
+                    "last checkpoint.")
+                return
             self._stopping.wait(self.interval_s)
 
 
@@ -547,3 +608,64 @@ def check_config_meshes(cfg: Any, topo: Topology | None = None) -> None:
                 walk(value, here)
 
     walk(cfg, "")
+
+
+# --------------------------------------------------------------------------------------------
+# Host-side decisions that every process must take alike
+
+
+def is_main_process() -> bool:
+    """True in process 0, the one that writes logs, plots and exported files (and in a
+    single-process run)."""
+    import jax
+
+    return jax.process_index() == 0
+
+
+def any_process(flag: bool) -> bool:
+    """True on every process when `flag` is true on any of them (a collective: every process
+    must call it at the same point). A stop request (SIGTERM) reaches the processes at slightly
+    different moments; agreeing on it keeps them stopping after the same step, where one that
+    ran a step more would wait in its collectives forever."""
+    import jax
+
+    if jax.process_count() == 1:
+        return bool(flag)
+    from jax.experimental import multihost_utils
+
+    flags_all = multihost_utils.process_allgather(np.asarray([int(bool(flag))], np.int32))
+    return bool(np.any(flags_all))
+
+
+def check_same_on_every_process(items: Mapping[str, bytes | str]) -> None:
+    """DistributedError naming each item whose value differs between processes.
+
+    For host-side inputs that every process computes by itself and that must come out the
+    same (the config, the data files each host reads, the data order): a host that read
+    another copy of a parquet file would otherwise train on other rows without any error. Only
+    digests travel (8 bytes an item). A collective: every process calls it with the same keys.
+    """
+    import jax
+
+    if jax.process_count() == 1 or not items:
+        return
+    from jax.experimental import multihost_utils
+
+    names = sorted(items)
+    digests = np.stack([
+        np.frombuffer(hashlib.sha256(_as_bytes(items[k])).digest()[:8], np.uint32)
+        for k in names])
+    every = np.asarray(multihost_utils.process_allgather(digests))  # [processes, items, 2]
+    bad = [(k, [p for p in range(every.shape[0]) if not np.array_equal(every[p, i], every[0, i])])
+           for i, k in enumerate(names)]
+    bad = [(k, ps) for k, ps in bad if ps]
+    if bad:
+        raise DistributedError(
+            "processes disagree on " + "; ".join(
+                f"{k} (process{'es' if len(ps) > 1 else ''} {', '.join(map(str, ps))} "
+                f"differ{'' if len(ps) > 1 else 's'} from process 0)" for k, ps in bad)
+            + ": every process must run the same command on the same data files")
+
+
+def _as_bytes(value: bytes | str) -> bytes:
+    return value if isinstance(value, bytes) else str(value).encode()

@@ -33,6 +33,7 @@ class Target:
     interconnect_bandwidth: float  # bytes/s per device, both directions, over `interconnect`
     interconnect: str
     source: str  # the public specification the figures come from
+    platform: str = "gpu"  # the JAX platform of the device: "gpu" or "tpu"
 
     @property
     def memory_gib(self) -> float:
@@ -63,17 +64,17 @@ TARGETS: dict[str, Target] = {
     # chip, 16 GB HBM2 at 819 GBps, 400 GBps bidirectional ICI per chip.
     "v5e": Target(
         "v5e", "Google Cloud TPU v5e chip", 16 * GB, 197e12, 819 * GB, 400 * GB,
-        "ICI (4 ports, 2D torus)", "Cloud TPU documentation: TPU v5e"),
+        "ICI (4 ports, 2D torus)", "Cloud TPU documentation: TPU v5e", "tpu"),
     # Google Cloud TPU documentation, "TPU v5p": 459 TFLOPs bf16 per chip, 95 GB HBM2e at
     # 2765 GBps, 1200 GBps bidirectional ICI per chip.
     "v5p": Target(
         "v5p", "Google Cloud TPU v5p chip", 95 * GB, 459e12, 2765 * GB, 1200 * GB,
-        "ICI (3D torus)", "Cloud TPU documentation: TPU v5p"),
+        "ICI (3D torus)", "Cloud TPU documentation: TPU v5p", "tpu"),
     # Google Cloud TPU documentation, "TPU v6e" (Trillium): 918 TFLOPs bf16 per chip, 32 GB
     # HBM at 1638 GBps, 800 GBps bidirectional ICI per chip.
     "v6e": Target(
         "v6e", "Google Cloud TPU v6e (Trillium) chip", 32 * GB, 918e12, 1638 * GB, 800 * GB,
-        "ICI (4 ports, 2D torus)", "Cloud TPU documentation: TPU v6e"),
+        "ICI (4 ports, 2D torus)", "Cloud TPU documentation: TPU v6e", "tpu"),
 }
 
 # Other spellings people use on the command line.

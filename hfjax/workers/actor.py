@@ -283,6 +283,23 @@ class ActorRollout(Reference):
         m.pop("loss")
         return m
 
+    def _sft_nll_fn(self, params, input_ids, attention_mask, responses, response_mask):
+        lp, _ = response_logprobs(self.model(params), input_ids, attention_mask,
+                                  responses.shape[1], 1.0)
+        return {"nll": -core.masked_sum(lp, response_mask),
+                "tokens": jnp.sum(response_mask).astype(jnp.float32)}
+
+    @method(DP_COMPUTE, reads=("response_mask", *SEQUENCES))
+    def compute_sft_nll(self, batch: Batch) -> dict[str, jax.Array]:
+        """Summed negative log-likelihood of the loss-masked response tokens of `batch`, and
+        their count (device scalars): held-out SFT loss = nll / tokens, summed over batches.
+        Padding rows that dispatch adds repeat real rows, so callers pass batches whose size
+        the data-parallel size divides."""
+        if not hasattr(self, "_sft_nll"):
+            self._sft_nll = self.jit(self._sft_nll_fn)
+        return self._sft_nll(self.params, batch["input_ids"], batch["attention_mask"],
+                             batch["responses"], batch["response_mask"])
+
     @method(DP_COMPUTE, reads=("response_mask", *SEQUENCES))
     def update_sft(self, batch: Batch, micro: int) -> dict[str, jax.Array]:
         """One cross-entropy step on the responses of `batch` (the warm start)."""

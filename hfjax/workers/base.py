@@ -22,7 +22,7 @@ from jax.sharding import Mesh
 
 from hfjax.controller.batch import Batch
 from hfjax.engine import update
-from hfjax.engine.packing import TokenBudget
+from hfjax.engine.packing import PackShape, TokenBudget
 from hfjax.parallel import sharding as shd
 from hfjax.parallel.mesh import MeshSpec, ResourcePool, dp_size
 from hfjax.parallel.transfer import transfer
@@ -34,6 +34,18 @@ SEQUENCES = ("input_ids", "attention_mask", "responses")
 def _owned_transfer(x: jax.Array, sharding) -> jax.Array:
     out = transfer(x, sharding)
     return jnp.copy(out) if out is x else out
+
+
+def _place(x, sharding):
+    if isinstance(x, jax.ShapeDtypeStruct):
+        # An abstract model (the dry run): shapes and shardings only, nothing allocated.
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+    return _owned_transfer(x, sharding)
+
+
+def is_abstract(tree) -> bool:
+    """True when `tree`'s leaves are ShapeDtypeStructs (a worker group built for a dry run)."""
+    return any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(tree))
 
 
 @functools.partial(jax.jit, static_argnums=1)
@@ -68,8 +80,11 @@ class WorkerGroup:
         # A model built on another mesh (or loaded elsewhere) moves device to device here.
         # Each group owns its buffers: updates donate them, so none may be shared with the model
         # it was built from (a reference policy is often a copy of the actor on the same mesh).
+        # An abstract model (leaves are ShapeDtypeStructs) gives an abstract group: params and
+        # optimizer state as ShapeDtypeStructs with their shardings, from which the dry run
+        # lowers and compiles the group's own programs without allocating anything.
         self.params = jax.tree.map(
-            lambda sh, var: var.replace(_owned_transfer(var.get_value(), sh)),
+            lambda sh, var: var.replace(_place(var.get_value(), sh)),
             self.param_shardings,
             state,
             is_leaf=shd.is_variable,
@@ -90,20 +105,31 @@ class WorkerGroup:
         if optimizer is None:
             return
         everywhere = self.layout.replicated()
-        n = everywhere.mesh.devices.size
-        # Scalars such as the step count come out on one device; replicate them.
-        self.opt_state = jax.tree.map(
-            lambda x: x if len(x.sharding.device_set) == n else transfer(x, everywhere),
-            jax.jit(optimizer.init)(self.params),
-        )
-        self.opt_shardings = jax.tree.map(lambda x: x.sharding, self.opt_state)
+        # Moments and other per-parameter state take their parameter's sharding, everything
+        # else (step counts) is replicated. Left to XLA, `init`'s zeros have no input to follow
+        # and come out replicated: every device would hold the whole optimizer state.
+        shapes = jax.eval_shape(optimizer.init, self.params)
+        self.opt_shardings = optax.tree_map_params(
+            optimizer, lambda _, sharding: sharding, shapes,
+            jax.tree.map(lambda x: x.sharding, self.params),
+            transform_non_params=lambda _: everywhere)
+        if self.abstract:
+            self.opt_state = jax.tree.map(
+                lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes,
+                self.opt_shardings)
+        else:
+            self.opt_state = jax.jit(optimizer.init, out_shardings=self.opt_shardings)(
+                self.params)
 
     def train(self, loss_fn, batch: Batch, keys, *, mini: int, micro: int, epochs: int,
-              shuffle: bool, budget: TokenBudget | None = None) -> dict[str, jax.Array]:
+              shuffle: bool, budget: TokenBudget | None = None,
+              normalisers=update.normalisers) -> dict[str, jax.Array]:
         """Runs `epochs` passes of micro-batched updates of `loss_fn` over mini-batches of
         `batch`; returns the metrics averaged over the steps (device scalars, not fetched),
         except `nonfinite` and `nonfinite_params`: the number of updates not applied, and of
         those that left a non-finite parameter (`hfjax.engine.update`).
+        `normalisers(mini_batch)` gives the totals the loss divides by (default: response
+        tokens and sequences).
 
         With a token `budget`, mini-batches are packed and micro-batches cut by the budget
         (`hfjax.engine.packing`) instead of `micro` rows at a time."""
@@ -111,14 +137,7 @@ class WorkerGroup:
         shape = None
         if budget is not None:
             shape = budget.shape(mini, batch["input_ids"].shape[1], self.dp_size, self.name)
-        key = (loss_fn.__name__, mini // micro, shape)
-        if key not in self._programs:
-            logging.info("%s: compiling %s with %d micro-batches (packing: %s)", self.name, *key)
-            self._programs[key] = update.make_update_step(
-                loss_fn, self.optimizer, mini // micro, self.param_shardings, self.opt_shardings,
-                normalisers=update.normalisers, jit=self.jit, packing=shape,
-            )
-        step = self._programs[key]
+        step = self.update_program(loss_fn, mini // micro, normalisers, shape)
         sums: dict[str, jax.Array] = {}
         count = 0
         batches = update.mini_batches(batch.select(keys), mini, epochs, shuffle, self._train_calls)
@@ -132,6 +151,26 @@ class WorkerGroup:
         out["nonfinite"] = sums["nonfinite"]
         out["nonfinite_params"] = sums["nonfinite_params"]
         return out
+
+    def update_program(self, loss_fn, n_micro: int, normalisers=update.normalisers,
+                       packing: PackShape | None = None) -> Callable:
+        """The jitted update step `step(params, opt_state, mini_batch)` of `loss_fn` over
+        `n_micro` micro-batches, or packed micro-batches of `packing`'s shape (compiled once
+        per combination; the dry run lowers the same one)."""
+        key = (loss_fn.__name__, n_micro, normalisers, packing)
+        if key not in self._programs:
+            logging.info("%s: compiling %s with %d micro-batches (packing: %s)", self.name,
+                         loss_fn.__name__, n_micro, packing)
+            self._programs[key] = update.make_update_step(
+                loss_fn, self.optimizer, n_micro, self.param_shardings, self.opt_shardings,
+                normalisers=normalisers, jit=self.jit, packing=packing,
+            )
+        return self._programs[key]
+
+    @property
+    def abstract(self) -> bool:
+        """True for a group built from an abstract model (see `is_abstract`)."""
+        return is_abstract(self.params)
 
     @property
     def dp_size(self) -> int:

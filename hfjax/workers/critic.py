@@ -1,4 +1,5 @@
-"""The critic worker group: per-token values and clipped value-loss updates."""
+"""The critic worker groups: per-token values and clipped value-loss updates, of the reward
+(`Critic`) or of the cost (`CostCritic`, Safe-RLHF's second critic)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,12 @@ from hfjax.workers.base import SEQUENCES, WorkerGroup
 
 
 class Critic(WorkerGroup):
-    """A ValueModel on its pool. Values of response token t are read at position P + t - 1."""
+    """A ValueModel on its pool. Values of response token t are read at position P + t - 1.
+
+    It reads and writes the batch arrays named by VALUES and RETURNS and reports metrics under
+    METRICS/; `CostCritic` is the same model on the cost's arrays."""
+
+    VALUES, RETURNS, METRICS = "values", "returns", "critic"
 
     def __init__(self, *args, critic_cfg, n_samples: int = 1, horizon: int | None = None, **kw):
         super().__init__(*args, **kw)
@@ -44,12 +50,15 @@ class Critic(WorkerGroup):
     @method(DP_COMPUTE, reads=SEQUENCES)
     def compute_values(self, batch: Batch) -> Batch:
         """Batch with `values` [B, R]."""
+        return self._compute_values(batch)
+
+    def _compute_values(self, batch: Batch) -> Batch:
         r = batch["responses"].shape[1]
         ids, mask = batch["input_ids"], batch["attention_mask"]
         if self.budget is None:
-            return Batch({"values": self._values(self.params, ids, mask, r)})
+            return Batch({self.VALUES: self._values(self.params, ids, mask, r)})
         shape = self.budget.shape(len(batch), ids.shape[1], self.dp_size, self.name)
-        return Batch({"values": self._packed_values(self.params, ids, mask, r, shape)})
+        return Batch({self.VALUES: self._packed_values(self.params, ids, mask, r, shape)})
 
     def _loss(self, params, mb, totals):
         c = self.ccfg
@@ -64,23 +73,48 @@ class Critic(WorkerGroup):
             vpreds, mb["returns"], mb["values"], mask, c.cliprange_value, c.loss_agg_mode,
             self.horizon,
         )
+        p = self.METRICS
         metrics = {
-            "critic/vf_loss": vf_loss * weight,
-            "critic/vf_clipfrac": clipfrac * weight,
-            "critic/vpred_mean": core.masked_mean(vpreds, mask) * weight,
+            f"{p}/vf_loss": vf_loss * weight,
+            f"{p}/vf_clipfrac": clipfrac * weight,
+            f"{p}/vpred_mean": core.masked_mean(vpreds, mask) * weight,
         }
         return vf_loss * weight, metrics
 
     @method(DP_COMPUTE, reads=("response_mask", "values", "returns", *SEQUENCES))
     def update_critic(self, batch: Batch) -> dict[str, jax.Array]:
         """Value-loss epochs over shuffled mini-batches; returns mean metrics."""
+        return self._update_critic(batch)
+
+    def _update_critic(self, batch: Batch) -> dict[str, jax.Array]:
         c = self.ccfg
+        if self.VALUES != "values":  # the loss reads the generic names
+            batch = batch.union(Batch({"values": batch[self.VALUES],
+                                       "returns": batch[self.RETURNS]}))
         keys = ["input_ids", "attention_mask", "responses", "response_mask", "values", "returns"]
         out = self.train(self._loss, batch, keys, mini=c.ppo_mini_batch_size * self.n_samples,
                          micro=c.ppo_micro_batch_size, epochs=c.ppo_epochs, shuffle=c.shuffle,
                          budget=self.budget)
-        out["critic/grad_norm"] = out.pop("grad_norm")
-        out["critic/nonfinite_updates"] = out.pop("nonfinite")
-        out["critic/nonfinite_params"] = out.pop("nonfinite_params")
+        p = self.METRICS
+        out[f"{p}/grad_norm"] = out.pop("grad_norm")
+        out[f"{p}/nonfinite_updates"] = out.pop("nonfinite")
+        out[f"{p}/nonfinite_params"] = out.pop("nonfinite_params")
         out.pop("loss")
         return out
+
+
+class CostCritic(Critic):
+    """Safe-RLHF's cost critic: a ValueModel estimating the cost-to-go, trained on
+    `cost_returns`; reports metrics under cost_critic/."""
+
+    VALUES, RETURNS, METRICS = "cost_values", "cost_returns", "cost_critic"
+
+    @method(DP_COMPUTE, reads=SEQUENCES)
+    def compute_values(self, batch: Batch) -> Batch:
+        """Batch with `cost_values` [B, R]."""
+        return self._compute_values(batch)
+
+    @method(DP_COMPUTE, reads=("response_mask", "cost_values", "cost_returns", *SEQUENCES))
+    def update_critic(self, batch: Batch) -> dict[str, jax.Array]:
+        """Value-loss epochs on the cost returns; returns mean metrics."""
+        return self._update_critic(batch)

@@ -6,8 +6,9 @@
 
 The builders turn the config's model, placement and mesh settings into those groups: the actor
 first (before the warm start, with its sampler and 3D-HybridEngine), the rest of the roles
-after it, each on its pool's mesh with `home` set so that every method's results come back to
-the actor's mesh.
+after it, each by the builder registered for its role (`register_role`), on its pool's mesh
+with `home` set so that every method's results come back to the actor's mesh. An algorithm
+that needs a role of its own registers it with a builder; nothing here changes.
 """
 
 from __future__ import annotations
@@ -20,32 +21,67 @@ from typing import Any
 import jax
 from flax import nnx
 from jax.sharding import Mesh
+from ml_collections import config_dict
 
 from hfjax.controller.batch import Batch
+from hfjax.controller.placement import register_role as register_placement_role
 from hfjax.engine.continuous import rollout_sampler
 from hfjax.engine.layout_choice import actor_rules_and_engine
 from hfjax.engine.packing import token_budget
 from hfjax.engine.update import make_optimizer
 from hfjax.models import transformer
 from hfjax.models.config import ModelConfig
-from hfjax.numerics.losses import FixedKLController, KLController, get_kl_controller
+from hfjax.models.hf_io import load_score
+from hfjax.numerics.losses import (
+    FixedKLController,
+    KLController,
+    LagrangeMultiplier,
+    get_kl_controller,
+)
 from hfjax.parallel.mesh import ResourcePool
 from hfjax.workers.actor import ActorRollout, Reference
-from hfjax.workers.critic import Critic
-from hfjax.workers.reward import RuleReward
+from hfjax.workers.critic import CostCritic, Critic
+from hfjax.workers.reward import RuleReward, parse_source_weights
+from hfjax.workers.score import ModelReward
 
 
 @dataclasses.dataclass
 class WorkerGroups:
-    """The worker groups of one run; roles an algorithm does not use are None."""
+    """The worker groups of one run; roles an algorithm does not use are None.
+
+    Built-in roles are typed fields; the groups of roles an algorithm registers itself
+    (`register_role`) are in `roles` and read as attributes too (`w.my_role`). `lagrange` is
+    Safe-RLHF's multiplier; `next_prompts(attempt)` gives another host batch of prompts for
+    the current step (DAPO's dynamic sampling draws from it).
+    """
 
     actor: ActorRollout
     reward: RuleReward
     ref: Reference | None = None
     critic: Critic | None = None
+    cost_critic: CostCritic | None = None
+    reward_model: ModelReward | None = None
+    cost_model: ModelReward | None = None
+    roles: dict[str, Any] = dataclasses.field(default_factory=dict)
     kl_ctrl: KLController = dataclasses.field(default_factory=lambda: FixedKLController(0.0))
+    lagrange: LagrangeMultiplier | None = None
+    next_prompts: Callable[[int], Batch] | None = None
     sync_timing: bool = True
     timing: dict[str, float] = dataclasses.field(default_factory=dict)
+
+    def __getattr__(self, name: str) -> Any:
+        # Only called when normal lookup fails: the groups of registered user roles.
+        roles = self.__dict__.get("roles") or {}
+        if name in roles:
+            return roles[name]
+        raise AttributeError(f"WorkerGroups has no role {name!r}; built roles: "
+                             f"{', '.join(self.built_roles())}")
+
+    def built_roles(self) -> tuple[str, ...]:
+        """The roles that have a worker group in this run."""
+        fixed = [f.name for f in dataclasses.fields(self) if f.name in ROLE_FIELDS
+                 and getattr(self, f.name) is not None]
+        return (*fixed, *self.roles)
 
     @property
     def home(self) -> Mesh:
@@ -69,10 +105,16 @@ class WorkerGroups:
         return out
 
 
+# The built-in roles with a typed field in WorkerGroups.
+ROLE_FIELDS = ("actor", "reward", "ref", "critic", "cost_critic", "reward_model", "cost_model")
+
+
 def scratch_model_config(m, vocab_size: int, pad_id: int, eos_id: int,
-                         max_positions: int) -> ModelConfig:
+                         max_positions: int, compute_dtype: str = "float32") -> ModelConfig:
     """The config of a model trained from scratch, from the `model` config section; it holds
-    `max_positions` tokens (the task's longest prompt plus response)."""
+    `max_positions` tokens (the task's longest prompt plus response) and computes in
+    `compute_dtype` (`model.dtype` resolved for the platform) over `model.param_dtype`
+    weights."""
     return ModelConfig(
         vocab_size=m.vocab_size or vocab_size,
         hidden_size=m.hidden_size,
@@ -82,8 +124,8 @@ def scratch_model_config(m, vocab_size: int, pad_id: int, eos_id: int,
         num_kv_heads=m.num_kv_heads,
         head_dim=m.head_dim,
         tie_word_embeddings=True,
-        param_dtype=m.dtype,
-        dtype=m.dtype,
+        param_dtype=m.get("param_dtype", "float32"),
+        dtype=compute_dtype,
         scan_layers=m.scan_layers,
         remat_policy=m.remat_policy,
         pad_token_id=pad_id,
@@ -115,10 +157,13 @@ def build_actor(cfg, model: nnx.Module, pools: Mapping[str, ResourcePool], pad_i
 
 
 def build_reward(cfg, tokenizer, home: Mesh) -> RuleReward:
-    """The rule reward, scoring on the host and returning its scores to `home`."""
+    """The rule reward, scoring on the host and returning its scores to `home`, with the
+    per-data_source weights that combine it with a reward model's scores."""
     r = cfg.reward
     return RuleReward(tokenizer, custom_fn=r.custom_fn or None, num_processes=r.num_processes,
-                      timeout_s=r.timeout_s, home=home)
+                      timeout_s=r.timeout_s, home=home, rule_weight=r.get("rule_weight", 1.0),
+                      model_weight=r.get("model_weight", 1.0),
+                      sources=parse_source_weights(r.get("sources", "")))
 
 
 def needs_ref(cfg, roles: tuple[str, ...]) -> bool:
@@ -127,32 +172,117 @@ def needs_ref(cfg, roles: tuple[str, ...]) -> bool:
     return "ref" in roles and bool(cfg.actor.use_kl_loss or cfg.algo.use_kl_in_reward)
 
 
+# -- roles and their builders -------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class BuildContext:
+    """What a role's builder may use: the config, the (warm-started) actor, the resource pool
+    of every active role, the run's active roles, and the actor's current weights as a model."""
+
+    cfg: Any
+    actor: ActorRollout
+    pools: Mapping[str, ResourcePool]
+    roles: tuple[str, ...]
+    policy: nnx.Module
+
+    @property
+    def home(self) -> Mesh:
+        return self.actor.mesh
+
+    def section(self, role: str):
+        """The config section named after the role (empty if the config has none)."""
+        return self.cfg.get(role) or config_dict.ConfigDict()
+
+
+RoleBuilder = Callable[[BuildContext], Any]
+ROLE_BUILDERS: dict[str, RoleBuilder] = {}
+
+
+def register_role(name: str, builder: RoleBuilder, *, side: str = "score") -> None:
+    """Registers a role: placements accept it (on `side` of a `split` placement, "generate"
+    or "score") and `build_groups` builds its worker group with `builder(ctx: BuildContext)`
+    for any algorithm that lists it in its roles. A driver reads the group as `w.<name>`."""
+    if name in ("actor", "rollout", "reward"):
+        raise ValueError(f"role {name!r} is built by the trainer, not by a role builder")
+    register_placement_role(name, side)
+    ROLE_BUILDERS[name] = builder
+
+
+def _build_ref(ctx: BuildContext) -> Reference | None:
+    c = ctx.cfg
+    if not needs_ref(c, ctx.roles):
+        return None
+    return Reference("ref", ctx.pools["ref"], c.ref.mesh, ctx.policy,
+                     temperature=c.rollout.temperature, home=ctx.home,
+                     budget=token_budget(c.actor))  # the actor's packing, as in verl
+
+
+def _critic_builder(role: str, cls: type[Critic], seed_offset: int) -> RoleBuilder:
+    def build(ctx: BuildContext) -> Critic:
+        c, s = ctx.cfg, ctx.section(role)
+        # A critic starts from the policy's trunk, with a zero value head.
+        # A dry run's actor is abstract (shapes only): so is its critic.
+        value_model = (transformer.abstract(ctx.actor.config, "value") if ctx.actor.abstract
+                       else transformer.build(ctx.actor.config, "value",
+                                              seed=c.seed + seed_offset))
+        nnx.update(value_model.model, nnx.state(ctx.policy.model))
+        return cls(
+            role, ctx.pools[role], s.mesh, value_model,
+            critic_cfg=s, n_samples=c.rollout.n, horizon=c.rollout.response_length,
+            optimizer=make_optimizer(s.lr, weight_decay=s.weight_decay, grad_clip=s.grad_clip),
+            home=ctx.home,
+        )
+
+    return build
+
+
+def _score_builder(role: str, output: str) -> RoleBuilder:
+    def build(ctx: BuildContext) -> ModelReward:
+        s = ctx.section(role)
+        # A checkpoint without a trained score head is refused (run_config checks it first).
+        model = load_score(s.path, what=f"{role}.path", dtype=s.get("dtype", "float32"))
+        return ModelReward(role, ctx.pools[role], s.mesh, model, output=output, home=ctx.home)
+
+    return build
+
+
+register_role("ref", _build_ref, side="generate")
+register_role("critic", _critic_builder("critic", Critic, 1))
+register_role("cost_critic", _critic_builder("cost_critic", CostCritic, 2))
+register_role("reward_model", _score_builder("reward_model", "rm_scores"))
+register_role("cost_model", _score_builder("cost_model", "cost_scores"))
+
+
 def build_groups(cfg, actor: ActorRollout, reward: RuleReward, roles: tuple[str, ...],
                  pools: Mapping[str, ResourcePool]) -> WorkerGroups:
-    """The RL worker groups around a (warm-started) actor: the actor gets RL's optimizer, the
-    reference copies its weights, the critic starts from its trunk."""
+    """The RL worker groups around a (warm-started) actor: the actor gets RL's optimizer, and
+    every other role of `roles` is built by its registered builder (the reference copies the
+    actor's weights, critics start from its trunk, reward and cost models load their
+    checkpoints)."""
     c = cfg
-    home = actor.mesh
     actor.set_optimizer(make_optimizer(c.actor.lr, weight_decay=c.actor.weight_decay,
                                        grad_clip=c.actor.grad_clip))
-    policy = actor.model()
-    ref = None
-    if needs_ref(c, roles):
-        ref = Reference("ref", pools["ref"], c.ref.mesh, policy,
-                        temperature=c.rollout.temperature, home=home,
-                        budget=token_budget(c.actor))  # the actor's packing, as in verl
-    critic = None
-    if "critic" in roles:
-        value_model = transformer.build(actor.config, "value", seed=c.seed + 1)
-        nnx.update(value_model.model, nnx.state(policy.model))
-        critic = Critic(
-            "critic", pools["critic"], c.critic.mesh, value_model,
-            critic_cfg=c.critic, n_samples=c.rollout.n, horizon=c.rollout.response_length,
-            optimizer=make_optimizer(c.critic.lr, weight_decay=c.critic.weight_decay,
-                                     grad_clip=c.critic.grad_clip),
-            home=home,
-        )
+    ctx = BuildContext(cfg, actor, pools, tuple(roles), actor.model())
+    built: dict[str, Any] = {}
+    for role in roles:
+        if role in ("actor", "rollout", "reward"):
+            continue
+        if role not in ROLE_BUILDERS:
+            raise ValueError(f"role {role!r} has no builder; register it with "
+                             "hfjax.workers.groups.register_role(name, builder)")
+        built[role] = ROLE_BUILDERS[role](ctx)
+    fixed = {k: v for k, v in built.items() if k in ROLE_FIELDS}
+    extra = {k: v for k, v in built.items() if k not in ROLE_FIELDS}
     k = c.algo.kl_ctrl
-    return WorkerGroups(actor=actor, reward=reward, ref=ref, critic=critic,
+    return WorkerGroups(actor=actor, reward=reward, roles=extra, **fixed,
                         kl_ctrl=get_kl_controller(k.type, k.kl_coef, k.target_kl, k.horizon),
+                        lagrange=lagrange_of(c) if "cost_model" in roles else None,
                         sync_timing=c.trainer.sync_stage_timing)
+
+
+def lagrange_of(cfg) -> LagrangeMultiplier:
+    """Safe-RLHF's multiplier at the start of a run, from `algo.safe_rlhf`."""
+    s = cfg.algo.safe_rlhf
+    return LagrangeMultiplier.create(s.lambda_init, s.lambda_lr, s.cost_threshold,
+                                     s.lambda_max)

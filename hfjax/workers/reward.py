@@ -4,6 +4,11 @@ Rule rewards need text, so their protocol is ON_HOST: the response tokens come t
 step's one deliberate fetch), are decoded and scored there, and the scores go back to the
 dataflow's mesh as `token_level_scores` [B, R], each sequence's score on its last response
 token.
+
+When a run also has a reward model, the two are combined per data_source: each source has a
+rule weight and a model weight (`reward.rule_weight`, `reward.model_weight`, and per-source
+overrides in `reward.sources`, see `parse_source_weights`); `RuleReward.source_weights` gives
+every row its pair.
 """
 
 from __future__ import annotations
@@ -53,12 +58,17 @@ class RuleReward:
         timeout_s: float = 10.0,
         pool: RewardPool | None = None,
         home: Mesh | None = None,
+        rule_weight: float = 1.0,
+        model_weight: float = 1.0,
+        sources: dict[str, tuple[float, float]] | None = None,
     ):
         self.tokenizer = tokenizer
         self.mesh = None  # computes on the host
         self.home = home
         self.custom_fn = custom_fn or None
         self.pool = pool if pool is not None else shared_pool(num_processes, timeout_s)
+        self.default_weights = (float(rule_weight), float(model_weight))
+        self.sources = dict(sources or {})
         if self.custom_fn:
             # A bad spec, or a file that fails or hangs while importing, fails here, before any
             # work: the scorer processes import it under the timeout (the controller never
@@ -133,6 +143,22 @@ class RuleReward:
         return Batch({"token_level_scores": scores_at_last_token(scores, mask)},
                      meta={"response_text": texts}, info=counts)
 
+    def weights_for(self, source: str) -> tuple[float, float]:
+        """(rule weight, model weight) of a data_source."""
+        return self.sources.get(str(source), self.default_weights)
+
+    def needs_rules(self, sources) -> bool:
+        """Whether any of these data_sources gives its rule reward a non-zero weight (a run
+        whose rewards all come from a model skips the host scoring)."""
+        return any(self.weights_for(s)[0] != 0.0 for s in sources)
+
+    @method(ON_HOST, reads=())
+    def source_weights(self, batch: Batch) -> Batch:
+        """Batch with `rule_weight` and `model_weight` [B] (float32), each row's pair by its
+        data_source, placed on `home` like any host result."""
+        w = np.array([self.weights_for(s) for s in batch.meta["data_source"]], np.float32)
+        return Batch({"rule_weight": w[:, 0].copy(), "model_weight": w[:, 1].copy()})
+
     def pop_metrics(self) -> dict[str, float]:
         """`reward/failures` and `reward/timeouts` since the previous call, for step metrics."""
         out = {k: float(v) for k, v in self._since_pop.items()}
@@ -158,3 +184,27 @@ def _plain(info):
     if isinstance(info, np.generic):
         return info.item()
     return info
+
+
+def parse_source_weights(text: str) -> dict[str, tuple[float, float]]:
+    """{data_source: (rule weight, model weight)} from `reward.sources`, written
+    "source=rule:W,model:W;other=model:W" (a weight left out is 0 for that source), e.g.
+    "hfjax/arith=rule:1,model:0.5"; ValueError naming the bad item."""
+    out: dict[str, tuple[float, float]] = {}
+    for item in filter(None, (x.strip() for x in str(text or "").split(";"))):
+        source, sep, rest = item.rpartition("=")
+        weights = {"rule": 0.0, "model": 0.0}
+        try:
+            if not sep or not source.strip():
+                raise ValueError
+            for part in rest.split(","):
+                kind, _, value = part.partition(":")
+                if kind.strip() not in weights:
+                    raise ValueError
+                weights[kind.strip()] = float(value)
+        except ValueError:
+            raise ValueError(
+                f"reward.sources item {item!r}: write data_source=rule:W,model:W (e.g. "
+                "'hfjax/arith=rule:1,model:0.5'), items separated by ';'") from None
+        out[source.strip()] = (weights["rule"], weights["model"])
+    return out

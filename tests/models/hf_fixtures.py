@@ -77,3 +77,39 @@ def hf_logits(model, ids, mask):
             position_ids=torch.tensor(pos, dtype=torch.long),
         )
     return out.logits.float().numpy()
+
+
+def make_hf_score_model(kind: str, out_dir: str, seed: int = 0, pad_token_id: int = 0):
+    """Builds, saves and returns a tiny random *ForSequenceClassification model (one label, a
+    reward model's shape) of the given family, with a pad token for last-token pooling."""
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    common = dict(**TINY, num_labels=1, pad_token_id=pad_token_id)
+    if kind == "llama":
+        model = tf.LlamaForSequenceClassification(tf.LlamaConfig(**common))
+    elif kind == "qwen2":
+        model = tf.Qwen2ForSequenceClassification(tf.Qwen2Config(**common))
+    else:
+        raise ValueError(kind)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(0.1 * torch.randn_like(p))
+        # Random init gives a small head; scale it so scores differ visibly between rows.
+        model.score.weight.mul_(20.0)
+    model.eval()
+    model.save_pretrained(out_dir)
+    return model
+
+
+def hf_scores(model, ids, mask):
+    """transformers' sequence scores [B] (positions counted from each row's first real token)."""
+    pos = np.maximum(np.cumsum(mask, -1) - 1, 0)
+    with torch.no_grad():
+        out = model(
+            input_ids=torch.tensor(ids, dtype=torch.long),
+            attention_mask=torch.tensor(mask, dtype=torch.long),
+            position_ids=torch.tensor(pos, dtype=torch.long),
+        )
+    return out.logits.float().numpy()[:, 0]

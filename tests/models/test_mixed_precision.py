@@ -103,13 +103,21 @@ flags\t\t: fpu sse2 avx2 amx_fp16_lookalike
 """
 
 
-def test_amx_bf16_detection():
+def test_amx_bf16_detection_and_auto_dtype():
     assert precision.cpu_has_amx_bf16(AMX_CPUINFO)
     assert not precision.cpu_has_amx_bf16(EPYC_CPUINFO)  # whole flags only
     assert not precision.cpu_has_amx_bf16("")  # no /proc/cpuinfo
-    assert precision.suggested_compute_dtype("cpu", AMX_CPUINFO) == "bfloat16"
-    assert precision.suggested_compute_dtype("cpu", EPYC_CPUINFO) == "float32"
-    assert precision.suggested_compute_dtype("tpu", EPYC_CPUINFO) == "bfloat16"
+    auto = precision.resolve_compute_dtype
+    big, small = precision.AMX_MIN_HIDDEN, precision.AMX_MIN_HIDDEN - 1
+    assert auto("auto", "cpu", big, AMX_CPUINFO) == "bfloat16"
+    assert auto("auto", "cpu", small, AMX_CPUINFO) == "float32"  # too small to repay the casts
+    assert auto("auto", "cpu", big, EPYC_CPUINFO) == "float32"  # no AMX: emulated bf16
+    assert auto("auto", "cpu", None, AMX_CPUINFO) == "float32"
+    assert auto("auto", "tpu", 128, EPYC_CPUINFO) == "bfloat16"
+    assert auto("auto", "gpu") == "bfloat16"
+    assert auto("float32", "tpu") == "float32" and auto("bfloat16", "cpu", 8) == "bfloat16"
+    with pytest.raises(ValueError, match="model.dtype='fp8'"):
+        auto("fp8", "cpu")
     # This host: the answer agrees with the flags line the kernel reports.
     with open(precision.CPUINFO) as f:
         flags_line = next((ln for ln in f if ln.startswith("flags")), "")

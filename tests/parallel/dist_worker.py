@@ -51,6 +51,15 @@ def matmul(topo):
     assert x_global.shape == (ROWS, INNER)
     for shard in x_global.addressable_shards:  # what this process fed is what it holds
         np.testing.assert_array_equal(np.asarray(shard.data), x[shard.index])
+    # The trainer's way: every process holds the whole (small) host batch and device_put
+    # uploads its own devices' shards. It must give the same global array.
+    x_put = jax.device_put(x, rows)
+    assert x_put.sharding == x_global.sharding
+    for a, b in zip(x_put.addressable_shards, x_global.addressable_shards):
+        assert a.device == b.device and a.index == b.index
+        np.testing.assert_array_equal(np.asarray(a.data), np.asarray(b.data))
+    same = jax.jit(lambda a, b: jnp.all(a == b), out_shardings=NamedSharding(mesh, P()))
+    assert bool(same(x_put, x_global))
     w_global = jax.make_array_from_callback(
         (INNER, COLS), NamedSharding(mesh, P(None, "tensor")), lambda idx: w[idx])
     out_sharding = NamedSharding(mesh, P("fsdp", "tensor"))

@@ -1,0 +1,481 @@
+"""The dry run: every program of a configured run, compiled ahead of time from abstract shapes,
+with its per-device memory and FLOPs, against a device's memory.
+
+The run's worker groups are built as for a real run, from an abstract model (parameters and
+optimizer state are `jax.ShapeDtypeStruct`s carrying their shardings: nothing is allocated, no
+weight is read), and each group's own jitted programs are lowered and compiled with abstract
+arguments of the shapes the run will feed them:
+
+- `actor.update_sft` (the warm start, when it runs), `actor.update`, `actor.log_prob` (when
+  the step scores its samples under the pre-update policy), `ref.log_prob`, `critic.values`,
+  `critic.update`;
+- `rollout.prefill` and `rollout.decode` (the sampler's programs on the decode layout), and
+  `validate.prefill` / `validate.decode` when the validation batch has more rows than the
+  training rollout (otherwise the training rollout's programs bound its memory);
+- `hybrid.to_decode` and `hybrid.to_train`: the 3D-HybridEngine's per-parameter transition
+  programs, run one after the other.
+
+Shapes are the worst case the config allows: prompts `data.max_prompt_length` wide, responses
+`rollout.response_length` long, batches padded to the data-parallel size as the transfer
+protocols pad them.
+
+Memory, per device. `compiled.memory_analysis()` gives a program's argument, output,
+temporary and aliased (donated) bytes. Between programs, every model of a pool stays resident
+(parameters and optimizer state: colocated models time-share the devices but keep their
+state). A program's peak is what else its pool holds while it runs plus its own arguments,
+outputs and temporaries, less the outputs that reuse donated arguments:
+
+    peak = resident(pool) - resident state passed as arguments + arguments + outputs - aliased
+           + temporaries
+
+While generating with the hybrid engine the actor's training parameters are gone (the decode
+copy replaces them), and an offloaded optimizer state sits in host memory. A transition runs
+one program per parameter and frees each source buffer after its copy, so its peak is the
+largest moment of that sequence. Batch arrays held by the dataflow between stages (a few
+[rows, sequence] arrays on the actor's mesh) are not counted: they are small beside the
+models at the sizes where memory is in question.
+
+FLOPs are `compiled.cost_analysis()`'s, per device. XLA counts a loop body once, so the
+decode's FLOPs are those of one decode step.
+
+Compiled on CPU devices standing in for the target's, the programs are XLA:CPU's: an
+accelerator's compiler fuses differently and its temporaries differ somewhat, while arguments
+and outputs (parameters, optimizer state, batches, caches) are the same bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import jax
+import numpy as np
+
+from hfjax import model_source
+from hfjax.algorithms import dataflow
+from hfjax.engine.sampler import MIN_PROMPT_BUCKET, SamplingParams, bucket_size
+from hfjax.models import transformer
+from hfjax.parallel.mesh import batch_sharding
+from hfjax.run_config import validate_config
+from hfjax.workers import groups
+from hfjax.workers.reward import RuleReward
+
+GiB = 2**30
+
+
+@dataclasses.dataclass
+class ProgramMemory:
+    """One compiled program's per-device figures (bytes, FLOPs) and its pool's peak while it
+    runs."""
+
+    name: str
+    pool: str
+    argument_bytes: int
+    output_bytes: int
+    alias_bytes: int
+    temp_bytes: int
+    flops: float
+    resident_bytes: int  # what else the pool holds while the program runs
+    peak_bytes: int
+    compile_s: float
+    arguments: dict[str, int] = dataclasses.field(default_factory=dict)  # named arg bytes
+
+
+@dataclasses.dataclass
+class DryRun:
+    """The programs of one run, the state each pool keeps resident, and the verdict against
+    `device_memory_bytes` (None: no limit known, nothing to judge)."""
+
+    programs: list[ProgramMemory]
+    resident: dict[str, dict[str, int]]  # pool -> {"actor params": bytes per device, ...}
+    num_devices: int
+    platform: str
+    compute_dtype: str
+    device_memory_bytes: int | None = None
+    target: str | None = None
+    # pool -> bytes of its models' parameters and optimizer state in all (every array once,
+    # however it is sharded): what the pool must hold somewhere, on however many devices.
+    state_bytes: dict[str, int] = dataclasses.field(default_factory=dict)
+
+    @property
+    def worst(self) -> ProgramMemory:
+        return max(self.programs, key=lambda p: p.peak_bytes)
+
+    @property
+    def peak_bytes_per_device(self) -> int:
+        return self.worst.peak_bytes
+
+    @property
+    def fits(self) -> bool:
+        return self.device_memory_bytes is None or self.peak_bytes_per_device <= (
+            self.device_memory_bytes)
+
+    def pool_peaks(self) -> dict[str, ProgramMemory]:
+        """{pool: its program with the highest peak}."""
+        out: dict[str, ProgramMemory] = {}
+        for p in self.programs:
+            if p.pool not in out or p.peak_bytes > out[p.pool].peak_bytes:
+                out[p.pool] = p
+        return out
+
+    def verdict(self) -> str:
+        """'fits ...' or 'does not fit by N GiB, in program P ...' (one line; MiB for devices
+        under 1 GiB)."""
+        w = self.worst
+        if self.device_memory_bytes is None:
+            return f"peak {w.peak_bytes / GiB:.2f} GiB per device, in program {w.name}"
+        mem = self.device_memory_bytes
+        unit, size = ("GiB", GiB) if mem >= GiB else ("MiB", 2**20)
+        if self.fits:
+            return (f"fits: peak {w.peak_bytes / size:.2f} {unit} per device in program "
+                    f"{w.name}, {(mem - w.peak_bytes) / size:.2f} {unit} to spare of "
+                    f"{mem / size:.2f} {unit}")
+        return (f"does not fit by {(w.peak_bytes - mem) / size:.2f} {unit}, in program {w.name} "
+                f"(pool {w.pool}: peak {w.peak_bytes / size:.2f} {unit} per device, the device "
+                f"has {mem / size:.2f} {unit})")
+
+    def min_devices(self) -> int | None:
+        """A lower bound on the devices the worst pool needs: its models' state alone, each
+        array stored once, divided by the device memory (None: no memory known or no state).
+        Activations, caches and replicated arrays need more."""
+        if not self.device_memory_bytes or not self.state_bytes:
+            return None
+        worst = self.state_bytes.get(self.worst.pool, max(self.state_bytes.values()))
+        return max(1, math.ceil(worst / self.device_memory_bytes))
+
+    def advice(self) -> str:
+        """What to change when the run does not fit (one line; empty when it fits)."""
+        if self.fits:
+            return ""
+        need = self.min_devices()
+        state = self.state_bytes.get(self.worst.pool, 0)
+        mem = self.device_memory_bytes
+        unit, size = ("GiB", GiB) if mem >= GiB else ("MiB", 2**20)
+        more = (f"its models' parameters and optimizer state alone are {state / size:.1f} "
+                f"{unit}, at least {need} devices of {mem / size:.1f} {unit} even with nothing "
+                "else on them; " if need and need > self.num_devices else "")
+        return (f"{more}shard over more devices (--num_devices, and meshes that span them), "
+                "put the models on separate pools (placement), keep master weights in "
+                "bfloat16 (model.param_dtype), recompute activations (model.remat_policy=full) "
+                "or shrink batches and sequence lengths (data.train_batch_size, "
+                "*.ppo_micro_batch_size, data.max_prompt_length, rollout.response_length)")
+
+    def table(self) -> str:
+        """The per-program table, the pools' peaks and the verdict, as text."""
+        unit, size = ("GiB", GiB) if self.peak_bytes_per_device >= GiB else ("MiB", 2**20)
+
+        def num(n: float) -> str:
+            return f"{n / size:>9.3f}"
+
+        head = (f"{'program':<18} {'pool':<10} {'args':>9} {'outputs':>9} {'temp':>9} "
+                f"{'donated':>9} {'resident':>9} {'peak':>9} {'TFLOP':>9} {'compile':>8}")
+        lines = [head, "-" * len(head)]
+        for p in self.programs:
+            lines.append(
+                f"{p.name:<18} {p.pool:<10} {num(p.argument_bytes)} {num(p.output_bytes)} "
+                f"{num(p.temp_bytes)} {num(p.alias_bytes)} {num(p.resident_bytes)} "
+                f"{num(p.peak_bytes)} {p.flops / 1e12:>9.3f} {p.compile_s:>7.1f}s")
+        lines.append(f"({unit} per device; resident: the pool's other models and state while "
+                     "the program runs; peak = resident + args + outputs - donated + temp)")
+        for pool, p in self.pool_peaks().items():
+            held = ", ".join(f"{k} {v / size:.3f}" for k, v in self.resident[pool].items())
+            lines.append(f"pool {pool}: peak {p.peak_bytes / size:.3f} {unit} in {p.name}; "
+                         f"resident {unit}: {held}")
+        lines.append(self.verdict())
+        return "\n".join(lines)
+
+    def summary(self) -> dict[str, Any]:
+        """The verdict and the per-program figures as JSON-able data."""
+        return {
+            "fits": self.fits,
+            "peak_bytes_per_device": self.peak_bytes_per_device,
+            "device_memory_bytes": self.device_memory_bytes,
+            "worst_program": self.worst.name,
+            "target": self.target,
+            "num_devices": self.num_devices,
+            "compute_dtype": self.compute_dtype,
+            "min_devices": self.min_devices(),
+            "programs": {p.name: {k: getattr(p, k) for k in (
+                "pool", "argument_bytes", "output_bytes", "alias_bytes", "temp_bytes",
+                "resident_bytes", "peak_bytes", "flops")} for p in self.programs},
+        }
+
+
+def device_bytes(tree: Any) -> int:
+    """The most bytes any one device holds of the arrays (or sharded ShapeDtypeStructs) in
+    `tree`."""
+    per: dict[int, int] = {}
+    for x in jax.tree.leaves(tree):
+        sharding = getattr(x, "sharding", None)
+        if sharding is None:
+            continue
+        nbytes = math.prod(sharding.shard_shape(x.shape)) * x.dtype.itemsize
+        for d in sharding.device_set:
+            per[d.id] = per.get(d.id, 0) + nbytes
+    return max(per.values(), default=0)
+
+
+def global_bytes(tree: Any) -> int:
+    """The bytes of the arrays (or ShapeDtypeStructs) in `tree`, each counted once, whatever its
+    sharding."""
+    return sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree)
+               if hasattr(x, "shape"))
+
+
+class _Rows:
+    """A stand-in batch of `n` rows, for the drivers' decisions that depend on its length."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+
+def _abstract(shape: tuple[int, ...], dtype, sharding) -> jax.ShapeDtypeStruct:
+    # Strings name numpy dtypes; a PRNG key dtype (the sampler's keys) is passed as it is.
+    dtype = np.dtype(dtype) if isinstance(dtype, str) else dtype
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+
+def _padded(n: int, multiple: int) -> int:
+    return n + (-n % multiple)
+
+
+class _Compiler:
+    """Compiles programs and keeps their figures, each with its pool's resident state."""
+
+    def __init__(self, resident: dict[str, dict[str, int]], on_program: Callable | None):
+        self.resident = resident
+        self.on_program = on_program
+        self.programs: list[ProgramMemory] = []
+
+    def others(self, pool: str, replaces: Iterable[str]) -> int:
+        held = self.resident[pool]
+        return sum(held.values()) - sum(held.get(k, 0) for k in replaces)
+
+    def add(self, p: ProgramMemory) -> None:
+        self.programs.append(p)
+        if self.on_program is not None:
+            self.on_program(p)
+
+    def compile(self, name: str, pool: str, fn, args: tuple, replaces: Iterable[str],
+                named: dict[str, Any] | None = None) -> Any:
+        t0 = time.perf_counter()
+        compiled = fn.lower(*args).compile()
+        seconds = time.perf_counter() - t0
+        m = compiled.memory_analysis()
+        resident = self.others(pool, replaces)
+        peak = (resident + m.argument_size_in_bytes + m.output_size_in_bytes
+                - m.alias_size_in_bytes + m.temp_size_in_bytes)
+        self.add(ProgramMemory(
+            name, pool, int(m.argument_size_in_bytes), int(m.output_size_in_bytes),
+            int(m.alias_size_in_bytes), int(m.temp_size_in_bytes), _flops(compiled), resident,
+            int(peak), seconds, {k: device_bytes(v) for k, v in (named or {}).items()}))
+        return compiled
+
+
+def _flops(compiled) -> float:
+    cost = compiled.cost_analysis()
+    if isinstance(cost, list):  # older JAX: one dict per device program
+        cost = cost[0] if cost else {}
+    return float((cost or {}).get("flops", 0.0))
+
+
+def dry_run(cfg, *, device_memory_bytes: int | None = None, target: str | None = None,
+            platform: str | None = None,
+            on_program: Callable[[ProgramMemory], None] | None = None) -> DryRun:
+    """Builds the run `cfg` describes on `jax.devices()` from abstract shapes and compiles every
+    program it will run; returns their figures and the verdict against `device_memory_bytes`.
+
+    `platform` is the one `model.dtype=auto` is resolved for (a target's, where the devices
+    are simulated CPUs; default: the devices'). `on_program` is called with each program's
+    figures as soon as it is compiled. Raises ValueError for a bad config, before compiling.
+    """
+    algo, pools = validate_config(cfg)
+    platform = platform or jax.devices()[0].platform
+    compute = model_source.compute_dtype(cfg, platform)
+    tok = model_source.task_tokenizer(cfg)
+    mcfg = model_source.model_config(cfg, tok, compute)
+    abstract = transformer.abstract(mcfg, "causal_lm")
+    actor = groups.build_actor(cfg, abstract, pools, tok.pad_id, tok.eos_id)
+    d, r, c = cfg.data, cfg.rollout, cfg
+    prompt, response = d.max_prompt_length, r.response_length
+    seq = prompt + response
+
+    def rows(mesh, n, width, dtype="int32"):
+        return _abstract((n, width), dtype, batch_sharding(mesh))
+
+    def seq_batch(mesh, n) -> dict[str, jax.ShapeDtypeStruct]:
+        return {"input_ids": rows(mesh, n, seq), "attention_mask": rows(mesh, n, seq),
+                "responses": rows(mesh, n, response), "response_mask": rows(mesh, n, response)}
+
+    resident: dict[str, dict[str, int]] = {}
+    state: dict[str, int] = {}
+
+    def hold(role: str, group) -> None:
+        held = resident.setdefault(group.pool.name, {})
+        held[f"{role} params"] = device_bytes(group.params)
+        state[group.pool.name] = state.get(group.pool.name, 0) + global_bytes(
+            (group.params, group.opt_state))
+        if group.opt_state is not None:
+            held[f"{role} optimizer"] = device_bytes(group.opt_state)
+
+    hold("actor", actor)
+    out = _Compiler(resident, on_program)
+    apool = actor.pool.name
+    # The warm start: the actor alone, with the SFT optimizer (swapped for RL's below).
+    if c.sft.steps > 0:
+        n_sft = c.sft.batch_size
+        mb = seq_batch(actor.mesh, n_sft)
+        step = actor.update_program(actor._sft_loss, n_sft // c.sft.micro_batch_size)
+        out.compile("actor.update_sft", apool, step, (actor.params, actor.opt_state, mb),
+                    ("actor params", "actor optimizer"),
+                    {"params": actor.params, "optimizer": actor.opt_state, "batch": mb})
+
+    reward = RuleReward(tok, num_processes=0, home=actor.mesh)
+    w = groups.build_groups(cfg, actor, reward, algo.roles, pools)
+    resident.clear()
+    state.clear()
+    for role in ("actor", "ref", "critic"):
+        if (g := getattr(w, role)) is not None:
+            hold(role, g)
+    _rollout(out, w, cfg, tok, "rollout", d.train_batch_size, r.n,
+             temperature=r.temperature, greedy=False)
+    v = r.val_kwargs
+    sampler = w.actor.sampler
+    val_rows = sampler.padded_batch(d.n_test) * int(v.n)
+    # Validation decodes the same widths as the training rollout: with no more rows, the
+    # training rollout's programs bound its memory, and compiling its own would only cost time.
+    if (c.trainer.test_freq > 0 or c.trainer.val_before_train) and (
+            val_rows > sampler.padded_batch(d.train_batch_size) * r.n):
+        _rollout(out, w, cfg, tok, "validate", d.n_test, int(v.n),
+                 temperature=float(v.temperature), greedy=float(v.temperature) == 0.0)
+
+    n_seq = d.train_batch_size * r.n
+    a = w.actor
+    if dataflow.needs_old_log_prob(w, _Rows(n_seq), cfg):
+        ids = seq_batch(a.mesh, _padded(n_seq, a.dp_size))
+        out.compile("actor.log_prob", apool, a._logprob,
+                    (a.params, ids["input_ids"], ids["attention_mask"], response),
+                    ("actor params",), {"params": a.params})
+    if w.ref is not None:
+        ids = seq_batch(w.ref.mesh, _padded(n_seq, w.ref.dp_size))
+        out.compile("ref.log_prob", w.ref.pool.name, w.ref._logprob,
+                    (w.ref.params, ids["input_ids"], ids["attention_mask"], response),
+                    ("ref params",), {"params": w.ref.params})
+    if w.critic is not None:
+        cr = w.critic
+        ids = seq_batch(cr.mesh, _padded(n_seq, cr.dp_size))
+        out.compile("critic.values", cr.pool.name, cr._values,
+                    (cr.params, ids["input_ids"], ids["attention_mask"], response),
+                    ("critic params",), {"params": cr.params})
+        mini = c.critic.ppo_mini_batch_size * r.n
+        mb = seq_batch(cr.mesh, mini)
+        mb |= {k: rows(cr.mesh, mini, response, "float32") for k in ("values", "returns")}
+        step = cr.update_program(cr._loss, mini // c.critic.ppo_micro_batch_size)
+        out.compile("critic.update", cr.pool.name, step, (cr.params, cr.opt_state, mb),
+                    ("critic params", "critic optimizer"),
+                    {"params": cr.params, "optimizer": cr.opt_state, "batch": mb})
+    mini = c.actor.ppo_mini_batch_size * r.n
+    mb = seq_batch(a.mesh, mini) | {"advantages": rows(a.mesh, mini, response, "float32")}
+    if dataflow.needs_old_log_prob(w, _Rows(n_seq), cfg):
+        mb["old_log_probs"] = rows(a.mesh, mini, response, "float32")
+    if c.actor.use_kl_loss:
+        mb["ref_log_prob"] = rows(a.mesh, mini, response, "float32")
+    step = a.update_program(a._policy_loss, mini // c.actor.ppo_micro_batch_size)
+    out.compile("actor.update", apool, step, (a.params, a.opt_state, mb),
+                ("actor params", "actor optimizer"),
+                {"params": a.params, "optimizer": a.opt_state, "batch": mb})
+    return DryRun(out.programs, resident, len(jax.devices()), platform, compute,
+                  device_memory_bytes, target, state)
+
+
+def _rollout(out: _Compiler, w, cfg, tok, name: str, prompts: int, n: int, *,
+             temperature: float, greedy: bool) -> None:
+    """Compiles the sampler's prefill and decode for `prompts` prompts x `n` samples, and the
+    hybrid engine's transitions around them (once, with the training rollout)."""
+    a, r = w.actor, cfg.rollout
+    engine = a.hybrid
+    params = SamplingParams(
+        max_new_tokens=r.response_length, temperature=0.0 if greedy else temperature,
+        top_k=r.top_k, top_p=r.top_p, min_p=r.min_p, n=n, eos_ids=a.eos_ids)
+    sampler = a.sampler
+    static = sampler.static_for(sampler.padded_batch(prompts),
+                                bucket_size(cfg.data.max_prompt_length, MIN_PROMPT_BUCKET),
+                                params)
+    state = engine.abstract_decode(a.params) if engine is not None else a.params
+    # While generating, the decode copy stands in for the training parameters; an offloaded
+    # optimizer state waits in host memory.
+    replaces = ["actor params"]
+    if r.get("offload_optimizer", False):
+        replaces.append("actor optimizer")
+    pool = a.pool.name
+    if engine is not None and name == "rollout":
+        _transition(out, engine, pool, "to_decode", replaces)
+    prefill, decode = sampler.programs(static)
+    request = sampler.abstract_request(static, params)
+    compiled = out.compile(f"{name}.prefill", pool, prefill, (state, *request), replaces,
+                           {"params": state})
+    shapes = jax.eval_shape(prefill, state, *request)
+    carry = jax.tree.map(lambda s, sh: _abstract(s.shape, s.dtype, sh), shapes,
+                         compiled.output_shardings)
+    out.compile(f"{name}.decode", pool, decode, (state, carry, *request[4:]), replaces,
+                {"params": state, "cache and loop state": carry})
+    if engine is not None and name == "rollout":
+        _transition(out, engine, pool, "to_train", replaces)
+
+
+def _transition(out: _Compiler, engine, pool: str, direction: str,
+                replaces: list[str]) -> None:
+    """The hybrid engine's per-parameter programs of one direction as one entry: its peak is
+    the largest moment of the sequence (each source buffer is freed after its copy)."""
+    progs = engine.transition_programs(direction)
+    if not progs:
+        return
+    to_decode = direction == "to_decode"
+    src = [leaf.train if to_decode else leaf.decode for leaf in engine.leaves]
+    dst = [leaf.decode if to_decode else leaf.train for leaf in engine.leaves]
+    moved = {leaf.name for leaf, _, _ in progs}
+
+    def shard(leaf, sharding) -> int:
+        return math.prod(sharding.shard_shape(leaf.shape)) * np.dtype(leaf.dtype).itemsize
+
+    # Parameters that are only re-labelled keep one buffer throughout.
+    base = sum(shard(leaf, s) for leaf, s in zip(engine.leaves, src) if leaf.name not in moved)
+    before = {leaf.name: shard(leaf, s) for leaf, s in zip(engine.leaves, src)}
+    after = {leaf.name: shard(leaf, s) for leaf, s in zip(engine.leaves, dst)}
+    args = outs = temp = 0
+    flops = seconds = 0.0
+    peak_moment = 0
+    done_after = 0
+    left_before = sum(before[name] for name in moved)
+    t0 = time.perf_counter()
+    for leaf, program, x in progs:
+        compiled = program.lower(x).compile()
+        m = compiled.memory_analysis()
+        args += m.argument_size_in_bytes
+        outs += m.output_size_in_bytes
+        temp = max(temp, m.temp_size_in_bytes)
+        flops += _flops(compiled)
+        moment = base + done_after + left_before + after[leaf.name] + m.temp_size_in_bytes
+        peak_moment = max(peak_moment, moment)
+        done_after += after[leaf.name]
+        left_before -= before[leaf.name]
+    seconds = time.perf_counter() - t0
+    resident = out.others(pool, replaces)
+    out.add(ProgramMemory(
+        f"hybrid.{direction}", pool, int(args), int(outs), 0, int(temp), flops, resident,
+        int(resident + peak_moment), seconds))
+
+
+def argument_bytes_of(report: DryRun, name: str) -> dict[str, int]:
+    """The named argument bytes (per device) a program of the report was compiled with."""
+    for p in report.programs:
+        if p.name == name:
+            return dict(p.arguments)
+    raise KeyError(f"no program {name!r} in the dry run; it has "
+                   f"{', '.join(p.name for p in report.programs)}")

@@ -1,0 +1,104 @@
+"""Where a run's model and tokenizer come from, from the `model` config section.
+
+`model.path` is an HF directory, a `.gguf` file or `preset:NAME` (an architecture from
+`hfjax.models.presets` with random weights); empty, it is a tiny model from scratch sized by the
+section. `model_config` gives the ModelConfig either way without reading a weight (what the dry
+run compiles from); `initial_model` builds the model itself.
+
+Precision: `model.dtype` is the compute dtype (`auto` resolved for the platform by
+`hfjax.models.precision.resolve_compute_dtype`), `model.param_dtype` the master weights'.
+
+Presets carry no tokenizer. A run takes `model.tokenizer` when given, else the checkpoint's own,
+else the embedded arithmetic task's (its 18 ids are valid ids of any preset's vocabulary, so a
+preset can run the default task end to end); a preset on parquet data needs `model.tokenizer`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from hfjax.data import arith
+from hfjax.engine import layout_choice
+from hfjax.models import load as load_model
+from hfjax.models import load_tokenizer, precision, presets, transformer
+from hfjax.models.config import ModelConfig
+from hfjax.models.hf_io import model_config as path_model_config
+from hfjax.parallel.mesh import ResourcePool
+from hfjax.workers.groups import scratch_model_config
+
+
+def task_tokenizer(cfg):
+    """The run's tokenizer (see the module docstring). ValueError when a preset runs a parquet
+    task without `model.tokenizer`."""
+    m = cfg.model
+    if m.get("tokenizer", ""):
+        return load_tokenizer(m.tokenizer)
+    if m.path and presets.preset_name(m.path) is None:
+        return load_tokenizer(m.path)
+    if cfg.data.task != "arith":
+        raise ValueError(f"model.path={m.path!r} has no tokenizer for data.task="
+                         f"{cfg.data.task!r}; give one with --config.model.tokenizer=PATH "
+                         "(an HF directory or .gguf file)")
+    return arith.tokenizer()
+
+
+def _overrides(cfg, compute_dtype: str) -> dict:
+    m = cfg.model
+    return dict(dtype=compute_dtype, param_dtype=m.get("param_dtype", "float32"),
+                scan_layers=m.scan_layers, remat_policy=m.remat_policy)
+
+
+def compute_dtype(cfg, platform: str) -> str:
+    """`model.dtype` resolved on `platform` for this run's actor
+    (`precision.resolve_compute_dtype`; for `auto` on a CPU the model's hidden size counts,
+    read from model.path's preset, .gguf header or config.json without loading weights)."""
+    m = cfg.model
+    hidden = None
+    if m.dtype == "auto" and platform == "cpu":
+        hidden = path_model_config(m.path).hidden_size if m.path else m.hidden_size
+    return precision.resolve_compute_dtype(m.dtype, platform, hidden)
+
+
+def policy_alone(cfg, tokenizer):
+    """The policy alone, as SFT and evaluation run it: `initial_model` in the run's compute
+    dtype, as the actor of a colocated pool over every device, on `actor.mesh`. Returns
+    (pools, actor)."""
+    import jax
+
+    from hfjax.controller.placement import resolve_placement
+    from hfjax.workers import groups
+
+    pools = resolve_placement("colocate", ("actor",), jax.devices())
+    model = initial_model(cfg, tokenizer, compute_dtype(cfg, jax.devices()[0].platform), pools)
+    return pools, groups.build_actor(cfg, model, pools, tokenizer.pad_id, tokenizer.eos_id)
+
+
+def model_config(cfg, tokenizer, compute_dtype: str) -> ModelConfig:
+    """The actor's ModelConfig, without loading weights: from model.path (preset, .gguf header
+    or config.json), else the scratch model that holds the task's longest prompt and response.
+    ValueError for an unknown preset."""
+    m = cfg.model
+    if m.path:
+        return path_model_config(m.path, **_overrides(cfg, compute_dtype))
+    positions = cfg.data.max_prompt_length + cfg.rollout.response_length
+    return scratch_model_config(m, tokenizer.vocab_size, tokenizer.pad_id, tokenizer.eos_id,
+                                positions, compute_dtype)
+
+
+def initial_model(cfg, tokenizer, compute_dtype: str, pools: Mapping[str, ResourcePool]):
+    """The actor before training: a checkpoint or preset from model.path, else a fresh model
+    from scratch (`model_config`). A preset's random weights come from the run's seed and are
+    created directly in the actor's training layout."""
+    c = cfg
+    if c.model.path:
+        kw = {}
+        if presets.preset_name(c.model.path) is not None:
+            rules = c.actor.get("rules", layout_choice.AUTO)
+            if rules == layout_choice.AUTO:
+                # The choice needs the model's state; create it in the first candidate's
+                # layout, and the actor group moves it if it chooses other rules.
+                rules = layout_choice.CANDIDATES[0]
+            kw = dict(mesh=pools["actor"].mesh(c.actor.mesh), rules=rules, seed=c.seed)
+        return load_model(c.model.path, head="causal_lm", **_overrides(cfg, compute_dtype), **kw)
+    return transformer.build(model_config(cfg, tokenizer, compute_dtype), "causal_lm",
+                             seed=c.seed)

@@ -1,0 +1,66 @@
+"""Held-out scoring of a policy by generation: the responses to a set of prompt rows, scored by
+the rule reward of each row's data_source (accuracy for 0/1 rewards), and by the run's
+reward and cost models when it has them. Used by RL validation, `launch.sft` and
+`launch.evaluate` (`evaluate_policy`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+
+import jax.numpy as jnp
+import numpy as np
+
+from hfjax.data.batching import prompt_batch
+from hfjax.parallel.transfer import to_host
+
+
+def generation_metrics(actor, reward, rows: Sequence[dict], *, pad_id: int,
+                       max_prompt_length: int, n: int = 1, temperature: float = 0.0,
+                       models: Sequence = (),
+                       text_metrics: Mapping[str, Callable[[str], float]] | None = None,
+                       ) -> dict[str, float]:
+    """Mean rule score per data_source of `n` responses per prompt at `temperature` (0:
+    greedy): `val-core/<source>/acc/mean@n`, and for n > 1 `val-aux/<source>/acc/best@n` (each
+    prompt's best sample). Each worker group in `models` (a reward or cost model) adds the
+    mean of its scores on the same responses, `val-aux/<its output>/mean`, and the share above
+    0; each `text_metrics` entry name -> fn(response text) adds `val-aux/<name>/mean` (e.g. the
+    rule a cost model was trained to measure, to check it against).
+    """
+    # Fixed per-prompt seeds: sampled validation is reproducible and the same at every step.
+    batch = prompt_batch(rows, np.arange(len(rows), dtype=np.int32), pad_id, max_prompt_length)
+    out = actor.generate(batch, greedy=temperature == 0.0, n=n, temperature=temperature)
+    scored = reward.compute_reward(out)
+    scores = to_host(jnp.sum(scored["token_level_scores"], axis=1)).reshape(-1, n)
+    sources = np.asarray(out.meta["data_source"]).reshape(-1, n)[:, 0]
+    metrics = {}
+    for ds in sorted(set(sources.tolist())):
+        mine = scores[sources == ds]
+        metrics[f"val-core/{ds}/acc/mean@{n}"] = float(mine.mean())
+        if n > 1:
+            metrics[f"val-aux/{ds}/acc/best@{n}"] = float(mine.max(axis=1).mean())
+    for model in models:
+        s = model.compute_score(out.select(["input_ids", "attention_mask"]))
+        metrics[f"val-aux/{model.output}/mean"] = float(to_host(jnp.mean(s[model.output])))
+        metrics[f"val-aux/{model.output}/positive_frac"] = float(
+            to_host(jnp.mean((s[model.output] > 0).astype(jnp.float32))))
+    texts = list(scored.meta["response_text"])
+    for name, fn in (text_metrics or {}).items():
+        metrics[f"val-aux/{name}/mean"] = float(np.mean([float(fn(t)) for t in texts]))
+    return metrics
+
+
+def evaluate_policy(cfg, tokenizer, rows, samples: int = 1,
+                    temperature: float = 1.0) -> dict[str, float]:
+    """`generation_metrics` of the config's policy (`model_source.policy_alone`) on prompt
+    `rows`: greedy, and with samples > 1 also `samples` samples per prompt at `temperature`.
+    What `launch.evaluate` prints."""
+    from hfjax import model_source
+    from hfjax.workers import groups
+
+    _, actor = model_source.policy_alone(cfg, tokenizer)
+    reward = groups.build_reward(cfg, tokenizer, home=actor.mesh)
+    kw = dict(pad_id=tokenizer.pad_id, max_prompt_length=cfg.data.max_prompt_length)
+    out = generation_metrics(actor, reward, rows, **kw)
+    if samples > 1:
+        out |= generation_metrics(actor, reward, rows, n=samples, temperature=temperature, **kw)
+    return out

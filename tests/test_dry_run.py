@@ -1,0 +1,178 @@
+"""The dry run against the real run: the same programs, compiled from abstract shapes, must take
+the bytes the real run's arrays hold (per device, within 5%), and its verdict must follow the
+memory it is given."""
+
+import atexit
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+import pytest
+
+from configs import ppo_arith
+from hfjax import dry_run as dr
+from hfjax.data.batching import prompt_batch
+from hfjax.trainer import Trainer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _config():
+    c = ppo_arith.get_config()
+    c.model.path = "preset:tiny"
+    c.sft.steps = 0
+    c.data.n_train, c.data.n_test, c.data.train_batch_size = 64, 32, 16
+    c.actor.ppo_mini_batch_size = c.critic.ppo_mini_batch_size = 8
+    c.actor.ppo_micro_batch_size = c.critic.ppo_micro_batch_size = 8
+    c.actor.mesh = c.ref.mesh = c.critic.mesh = "fsdp=4,tensor=2"
+    c.rollout.mesh = "data=4,tensor=2"
+    c.reward.num_processes = 0
+    c.trainer.out_dir = "/nonexistent"  # nothing is written here
+    return c
+
+
+@pytest.fixture(scope="module")
+def runs():
+    cfg = _config()
+    report = dr.dry_run(cfg, device_memory_bytes=10**9)
+    trainer = Trainer(cfg)
+    w = trainer.workers
+    rows = next(trainer.train_iter)
+    batch = prompt_batch(rows, np.arange(len(rows)), trainer.tok.pad_id,
+                         cfg.data.max_prompt_length)
+    batch, _ = trainer.algo.step(w, batch, cfg)
+    return cfg, report, w, batch
+
+
+def _rows_bytes(batch, keys, rows):
+    """Per-device bytes of `rows` rows of the batch's arrays `keys` (split like the batch)."""
+    return sum(dr.device_bytes(batch[k]) * rows // len(batch) for k in keys)
+
+
+def _program(report, name):
+    return next(p for p in report.programs if p.name == name)
+
+
+def test_every_program_of_the_run_is_compiled(runs):
+    _, report, _, _ = runs
+    names = [p.name for p in report.programs]
+    assert names == ["hybrid.to_decode", "rollout.prefill", "rollout.decode", "hybrid.to_train",
+                     "validate.prefill", "validate.decode", "actor.log_prob", "ref.log_prob",
+                     "critic.values", "critic.update", "actor.update"]
+    assert all(p.flops > 0 for p in report.programs if "hybrid" not in p.name)
+
+
+def test_argument_bytes_match_the_real_arrays(runs):
+    cfg, report, w, batch = runs
+    seqs = ["input_ids", "attention_mask", "responses", "response_mask"]
+    mini = cfg.actor.ppo_mini_batch_size * cfg.rollout.n
+    # What the real run passes each program, from its own arrays.
+    real = {
+        "actor.update": dr.device_bytes(w.actor.params) + dr.device_bytes(w.actor.opt_state)
+        + _rows_bytes(batch, [*seqs, "advantages", "old_log_probs"], mini),
+        "critic.update": dr.device_bytes(w.critic.params) + dr.device_bytes(w.critic.opt_state)
+        + _rows_bytes(batch, [*seqs, "values", "returns"], mini),
+        "ref.log_prob": dr.device_bytes(w.ref.params)
+        + _rows_bytes(batch, ["input_ids", "attention_mask"], len(batch)),
+        "critic.values": dr.device_bytes(w.critic.params)
+        + _rows_bytes(batch, ["input_ids", "attention_mask"], len(batch)),
+    }
+    for name, want in real.items():
+        got = _program(report, name).argument_bytes
+        assert abs(got - want) <= 0.05 * want, (name, got, want)
+    # The decode copy of the actor (the hybrid engine's layout), as the engine counts it.
+    decode = max(w.actor.hybrid.decode_bytes().values())
+    got = _program(report, "rollout.decode").arguments["params"]
+    assert abs(got - decode) <= 0.05 * decode, (got, decode)
+    # The resident state is the groups' own arrays.
+    held = report.resident["global"]
+    assert held["actor params"] == dr.device_bytes(w.actor.params)
+    assert held["critic optimizer"] == dr.device_bytes(w.critic.opt_state)
+
+
+def test_verdict_follows_the_memory(runs):
+    _, report, _, _ = runs
+    assert report.fits and report.device_memory_bytes == 10**9
+    peak = report.peak_bytes_per_device
+    small = dr.DryRun(report.programs, report.resident, 8, "cpu", "float32", peak - 2**20)
+    assert not small.fits
+    assert small.verdict().startswith(f"does not fit by 1.00 MiB, in program {small.worst.name}")
+    assert small.summary()["worst_program"] == report.worst.name
+
+
+_CACHE = tempfile.mkdtemp(prefix="hfjax-dry-run-test-cache-")
+atexit.register(shutil.rmtree, _CACHE, True)
+
+
+def _launch_train(*args, timeout=600):
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)
+    # The commands below compile the same programs: after the first, they are cache reads.
+    env["JAX_COMPILATION_CACHE_DIR"] = _CACHE
+    env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    env["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
+    return subprocess.run([sys.executable, "-m", "launch.train", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+# The default task on the tiny preset, on one simulated v5e chip: quick to compile.
+_SMALL = ["--target=v5e", "--config.model.path=preset:tiny", "--config.actor.mesh=fsdp=1",
+          "--config.ref.mesh=fsdp=1", "--config.critic.mesh=fsdp=1", "--config.sft.steps=0",
+          "--config.trainer.val_before_train=False", "--config.trainer.test_freq=0"]
+
+
+@pytest.mark.slow
+def test_dry_run_command_says_when_it_does_not_fit():
+    # (The verdict of a run that fits is checked in process, above: one command costs a
+    # whole compilation.) Against 1 MiB per device (--device_memory_gib: plan against less
+    # than the target has) the run does not fit: exit status 3, the verdict, one stderr line.
+    big = _launch_train("--dry_run", "--num_devices=1", *_SMALL, "--device_memory_gib=0.001")
+    assert big.returncode == 3, big.stdout[-3000:] + big.stderr[-3000:]
+    lines = big.stdout.strip().splitlines()
+    summary = json.loads(lines[-1])
+    worst = summary["worst_program"]
+    assert not summary["fits"] and summary["device_memory_bytes"] == 2**30 // 1000
+    assert summary["target"] == "v5e" and summary["compute_dtype"] == "bfloat16"
+    assert summary["peak_bytes_per_device"] == max(
+        p["peak_bytes"] for p in summary["programs"].values())
+    assert any(line.startswith("does not fit by ") and f"in program {worst}" in line
+               for line in lines)
+    last = big.stderr.strip().splitlines()[-1]
+    assert last.startswith("hfjax train: the run does not fit: does not fit by "), big.stderr
+    assert f"in program {worst}" in last and "MiB per device, the device has 1.02 MiB" in last
+    assert "--num_devices" in last
+
+
+@pytest.mark.slow
+def test_real_run_checks_memory_before_loading_weights(tmp_path):
+    # The same check in a real run: it stops before the weights are built and before out_dir
+    # is written. (A CPU device reports no memory; --target or --device_memory_gib give it.)
+    out = tmp_path / "run"
+    p = _launch_train("--cpu_devices=1", *_SMALL, "--device_memory_gib=0.001",
+                      f"--config.trainer.out_dir={out}")
+    assert p.returncode == 3, p.stdout[-3000:] + p.stderr[-3000:]
+    assert not out.exists()
+    assert not json.loads(p.stdout.strip().splitlines()[-1])["fits"]
+    last = p.stderr.strip().splitlines()[-1]
+    assert last.startswith("hfjax train: the run does not fit in device memory: does not fit by")
+    assert last.endswith("or pass --nomemory_check to try anyway")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--dry_run", "--target=h300"],
+     "hfjax train: --target=h300: unknown target 'h300'; known targets: h100, h200"),
+    (["--dry_run", "--config.model.path=preset:llama9"],
+     "hfjax train: model.path='preset:llama9': unknown model preset 'llama9'; known:"),
+    (["--target=h300"], "hfjax train: --target=h300: unknown target 'h300'"),
+    (["--dry_run", "--num_devices=4", "--config.actor.mesh=fsdp=8"],
+     "hfjax train: config.actor.mesh 'fsdp=8' needs 8 devices"),
+])
+def test_bad_input_is_one_line_before_compiling(args, message):
+    p = _launch_train(*args, timeout=300)
+    assert p.returncode == 1
+    last = p.stderr.strip().splitlines()[-1]
+    assert last.startswith(message), p.stderr[-2000:]

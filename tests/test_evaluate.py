@@ -1,0 +1,76 @@
+"""launch.evaluate: a run's checkpoint scores what the run's own validation scored, and the
+command prints greedy accuracy, the samples' mean and pass@k."""
+
+import json
+import os
+import subprocess
+import sys
+import zlib
+
+import pytest
+from support import tiny_rl_config
+
+from hfjax.checkpoint import RunCheckpointer, export_hf, is_run
+from hfjax.model_source import task_tokenizer
+from hfjax.rewards.registry import register_reward
+from hfjax.trainer import Trainer
+from hfjax.validation import evaluate_policy
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# A score that depends on every character of a response (a barely trained model would score 0
+# on the task's own rule everywhere): equal means mean equal responses.
+SOURCE = "tests/evaluate/text_hash"
+
+
+@register_reward(SOURCE)
+def text_hash(data_source, solution_str, ground_truth, extra_info):
+    return (zlib.crc32(solution_str.encode()) % 1000 + 1) / 1000
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """A tiny PPO run after one step, saved as a checkpoint: (config, validation, out_dir)."""
+    out = tmp_path_factory.mktemp("run")
+    cfg = tiny_rl_config(out_dir=out)
+    trainer = Trainer(cfg)
+    for rows in (trainer.train_data.rows, trainer.test_data.rows):
+        for row in rows:
+            row["data_source"] = SOURCE
+    trainer.train_step()
+    ck = RunCheckpointer(str(out / "checkpoints"), async_save=False)
+    trainer.save(ck)
+    ck.wait()
+    ck.close()
+    trainer.tok.save(str(out / "tokenizer"))
+    return cfg, trainer.validate(), trainer.test_data.rows, str(out)
+
+
+@pytest.mark.slow
+def test_a_checkpoint_scores_what_the_run_validated(run, tmp_path):
+    cfg, validated, rows, out = run
+    assert is_run(out) and is_run(os.path.join(out, "checkpoints"))
+    cfg = cfg.copy_and_resolve_references()
+    cfg.model.path = export_hf(out, str(tmp_path / "hf"))
+    got = evaluate_policy(cfg, task_tokenizer(cfg), rows)
+    key = f"val-core/{SOURCE}/acc/mean@1"
+    assert validated[key] > 0
+    assert got[key] == validated[key]
+
+
+@pytest.mark.slow
+def test_command_prints_greedy_and_pass_at_k(run, tmp_path):
+    _, _, _, out = run
+    hf = export_hf(out, str(tmp_path / "hf"))
+    env = {**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu"}
+    env.pop("XLA_FLAGS", None)
+    p = subprocess.run(
+        [sys.executable, "-m", "launch.evaluate", f"--model={hf}", "--limit=8", "--samples=4",
+         "--config.rollout.response_length=8", "--config.trainer.compilation_cache_dir=off"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout + p.stderr
+    result = json.loads(p.stdout.strip().splitlines()[-1])
+    assert result["prompts"] == 8
+    for key in ("greedy", "mean@4", "pass@4"):
+        assert 0.0 <= result[f"hfjax/arith/{key}"] <= 1.0
+    assert result["hfjax/arith/pass@4"] >= result["hfjax/arith/mean@4"]
+    assert "hfjax/arith: greedy accuracy" in p.stdout
