@@ -512,6 +512,8 @@ TRAIN_KEYS: dict[str, Callable[[Any], str | None]] = {
     "cost_critic.grad_clip": Float(0.0, note="0: no clipping"),
     "cost_critic.ppo_mini_batch_size": Int(1),
     "cost_critic.ppo_micro_batch_size": Int(1),
+    "cost_critic.use_remove_padding": Bool(),
+    "cost_critic.ppo_max_token_len_per_gpu": Int(0, note=_BUDGET),
     "cost_critic.ppo_epochs": Int(1),
     "cost_critic.shuffle": Bool(),
     "cost_critic.cliprange_value": Float(0.0, lo_open=True),
@@ -832,8 +834,10 @@ def _slot_cache(c) -> str | None:
 
 def _token_budget(c) -> str | None:
     need = c.data.max_prompt_length + c.rollout.response_length
-    for role in ("actor", "critic"):
-        s = c[role]
+    for role in ("actor", "critic", "cost_critic"):
+        s = c.get(role)
+        if s is None:
+            continue
         budget = s.ppo_max_token_len_per_gpu
         if s.use_remove_padding and budget and budget < need:
             return (f"{role}.ppo_max_token_len_per_gpu={budget} tokens is smaller than one "

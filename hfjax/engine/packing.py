@@ -11,13 +11,16 @@ restart at 0 in each segment, which are exactly the positions the padded row giv
 (`positions_from_mask`). So every real token sees the same keys at the same RoPE positions as
 in the padded batch, and its log-prob, value and gradient are the same up to float rounding.
 
-**Shapes are static, the count is not.** A packed row is as wide as the batch's padded rows
-(W = P + R: any sequence fits in one row, and attention, which is dense over a row, costs per
-token what it costs padded). A micro-batch is G = dp * (budget // W) packed rows: `budget`
-tokens per data-parallel device (verl's `ppo_max_token_len_per_gpu`). The buffers hold the
-worst case (one sequence per row); how many micro-batches are in use depends on the lengths and
-is decided on device, so the micro-batch loop is a `lax.while_loop` with that trip count. No
-length goes to the host and the program compiles once per (batch, W) shape.
+**Shapes are static, the count is not.** A micro-batch is one packed row per data-parallel
+device, `budget` tokens wide (verl's `ppo_max_token_len_per_gpu`, rounded down to the attention
+block). A sequence is never split across rows, so a row wastes at most the end that no waiting
+sequence fits in. Attention inside a row is banded (`hfjax.models.transformer.banded_attention`):
+a token only sees its own segment, at most S = P + R tokens (the padded rows' width, the
+`span`), so a wide row costs per token what a padded row of S columns does, not its width.
+The buffers hold the worst case (every sequence S tokens long); how many micro-batches are in
+use depends on the lengths and is decided on device, so the micro-batch loop is a
+`lax.while_loop` with that trip count. No length goes to the host and the program compiles once
+per (batch, S) shape.
 
 **Placement.** Sequences are placed first-fit in decreasing length order (`plan`), computed on
 device by a scan over the sequences; the rows a placement uses are a prefix of the buffer, and
@@ -45,35 +48,39 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from hfjax.models import transformer
 from hfjax.parallel import sharding as shd
 
 
 class PackShape(NamedTuple):
     """Static sizes of a packed batch."""
 
-    width: int  # W: columns of a packed row (the padded rows' width)
-    rows: int  # G: packed rows per micro-batch (a multiple of the data-parallel size)
-    micro: int  # micro-batches the buffers hold (the worst case: one sequence per row)
+    width: int  # W: columns of a packed row
+    rows: int  # G: packed rows per micro-batch (one per data-parallel device)
+    micro: int  # micro-batches the buffers hold (the worst case: every sequence `span` long)
+    span: int  # S: the longest a sequence can be (the padded rows' width, P + R)
 
     @property
     def buffer_rows(self) -> int:
         return self.rows * self.micro
 
 
-def pack_shape(n_seqs: int, width: int, budget: int, dp: int, who: str = "packing") -> PackShape:
-    """The static sizes for `n_seqs` padded rows of `width` columns, `budget` tokens per
+def pack_shape(n_seqs: int, span: int, budget: int, dp: int, who: str = "packing") -> PackShape:
+    """The static sizes for `n_seqs` padded rows of `span` columns, `budget` tokens per
     data-parallel device and micro-batch, over `dp` devices.
 
     Raises ValueError when one sequence does not fit in the budget (before compiling).
     """
-    if budget < width:
+    if budget < span:
         raise ValueError(
             f"{who}: a token budget of {budget} per device is smaller than one sequence "
-            f"({width} tokens: prompt + response columns); raise ppo_max_token_len_per_gpu to "
+            f"({span} tokens: prompt + response columns); raise ppo_max_token_len_per_gpu to "
             f"at least data.max_prompt_length + rollout.response_length"
         )
-    rows = dp * (budget // width)
-    return PackShape(width=width, rows=rows, micro=max(1, math.ceil(n_seqs / rows)))
+    chunk = transformer.band_chunk(span)
+    width = max(span, budget // chunk * chunk)  # whole attention blocks
+    rows_needed = math.ceil(n_seqs / (width // span))  # every sequence `span` long
+    return PackShape(width=width, rows=dp, micro=max(1, math.ceil(rows_needed / dp)), span=span)
 
 
 class Placement(NamedTuple):
@@ -159,14 +166,19 @@ def next_tokens(ids: jax.Array) -> jax.Array:
     return jnp.concatenate([ids[:, 1:], ids[:, :1]], axis=1)
 
 
-def per_token(fn: Callable[[Packed], Any], packed: Packed, where: Placement) -> Any:
-    """`fn` (a packed micro-batch -> [G, W, ...] arrays) over the micro-batches in use,
-    collected into [micro * G, W, ...] buffers (rows of unused micro-batches hold zeros)."""
-    out_shape = jax.eval_shape(fn, micro_batch(packed, jnp.int32(0)))
+PerToken = Callable[[Packed, int], Any]
+"""A per-token pass: (packed rows [G, W], span) -> [G, W, ...] arrays; `span` (static) is the
+longest a segment can be, for the model's `segment_span`."""
+
+
+def per_token(fn: PerToken, packed: Packed, where: Placement, span: int) -> Any:
+    """`fn` over the micro-batches in use, collected into [micro * G, W, ...] buffers (rows of
+    unused micro-batches hold zeros)."""
+    out_shape = jax.eval_shape(lambda rows: fn(rows, span), micro_batch(packed, jnp.int32(0)))
     first = jax.tree.map(lambda s: jnp.zeros((packed.ids.shape[0],) + s.shape, s.dtype), out_shape)
 
     def body(i, acc):
-        out = fn(micro_batch(packed, i))
+        out = fn(micro_batch(packed, i), span)
         return jax.tree.map(lambda a, o: jax.lax.dynamic_update_index_in_dim(a, o, i, 0), acc, out)
 
     acc = jax.lax.fori_loop(0, where.n_micro, body, first)
@@ -183,23 +195,23 @@ def packed_batch(input_ids: jax.Array, attention_mask: jax.Array, response_len: 
     return packed, where, row, col
 
 
-def response_values(per_token_fn: Callable[[Packed], Any], mb: dict[str, jax.Array]) -> Any:
-    """Inside a loss: `per_token_fn` (packed rows -> [G, W] arrays) on micro-batch
-    `mb["packed"]`, read back at the mini-batch's response tokens [B, R]; 0 where
-    `mb["response_mask"]` (cut to this micro-batch's sequences) is 0."""
+def response_values(per_token_fn: PerToken, mb: dict[str, jax.Array]) -> Any:
+    """Inside a loss: `per_token_fn` on micro-batch `mb["packed"]`, read back at the
+    mini-batch's response tokens [B, R]; 0 where `mb["response_mask"]` (cut to this
+    micro-batch's sequences) is 0."""
     mask = mb["response_mask"] > 0
-    out = per_token_fn(mb["packed"])
+    out = per_token_fn(mb["packed"], mb["input_ids"].shape[1])
     return jax.tree.map(
         lambda v: jnp.where(mask, unpack(v, mb["resp_row"], mb["resp_col"], mb["first_row"]), 0),
         out)
 
 
-def forward(per_token_fn: Callable[[Packed], Any], input_ids: jax.Array,
-            attention_mask: jax.Array, response_len: int, shape: PackShape) -> Any:
-    """A scoring pass on packed rows: `per_token_fn` (packed rows -> [G, W] arrays) over the
-    micro-batches in use, read back at the response tokens [B, R] (0 on response padding)."""
+def forward(per_token_fn: PerToken, input_ids: jax.Array, attention_mask: jax.Array,
+            response_len: int, shape: PackShape) -> Any:
+    """A scoring pass on packed rows: `per_token_fn` over the micro-batches in use, read back
+    at the response tokens [B, R] (0 on response padding)."""
     packed, where, row, col = packed_batch(input_ids, attention_mask, response_len, shape)
-    out = per_token(per_token_fn, packed, where)
+    out = per_token(per_token_fn, packed, where, shape.span)
     mask = attention_mask[:, -response_len:] > 0
     return jax.tree.map(lambda v: jnp.where(mask, v[row, col], 0), out)
 
@@ -245,9 +257,9 @@ class TokenBudget:
     tokens: int
     rows: int
 
-    def shape(self, n_seqs: int, width: int, dp: int, who: str) -> PackShape:
-        budget = self.tokens or max(1, self.rows // dp) * width
-        return pack_shape(n_seqs, width, budget, dp, who)
+    def shape(self, n_seqs: int, span: int, dp: int, who: str) -> PackShape:
+        budget = self.tokens or max(1, self.rows // dp) * span
+        return pack_shape(n_seqs, span, budget, dp, who)
 
 
 def token_budget(section: Any) -> TokenBudget | None:

@@ -254,8 +254,82 @@ def attend(q: jax.Array, keys_t: jax.Array, values: jax.Array, valid: jax.Array)
     return jnp.einsum("bkqs,bksh->bkqh", probs, values).reshape(B, K, G, T, H)
 
 
-def _block(cfg: ModelConfig, rope, p, h, mask, cache_kv, cache_index):
-    """One decoder layer. p holds this layer's arrays; cache_kv is (k, v) slots or None.
+def _heads(cfg: ModelConfig, q: jax.Array) -> jax.Array:
+    """q [B, T, N, H] -> [B, K, G, T, H]: the G query heads that read kv head k, stacked."""
+    B, T, N, H = q.shape
+    K = cfg.num_kv_heads
+    return jnp.transpose(q.reshape(B, T, K, N // K, H), (0, 2, 3, 1, 4))
+
+
+def dense_attention(cfg: ModelConfig, mask: jax.Array):
+    """Attention over every key of the row (or cache) where `mask` [B, 1, T, S] allows:
+    (q [B, T, N, H], k, v [B, S, K, H]) -> [B, T, N, H]."""
+
+    def fn(q, k, v):
+        B, T, N, H = q.shape
+        out = attend(_heads(cfg, q), jnp.transpose(k, (0, 2, 3, 1)), jnp.swapaxes(v, 1, 2),
+                     mask[:, :, None])
+        return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(B, T, N, H)
+
+    return fn
+
+
+def band_chunk(span: int) -> int:
+    """Query block of `banded_attention` for segments of at most `span` tokens."""
+    return min(BAND_CHUNK, span)
+
+
+BAND_CHUNK = 128
+
+
+def uses_band(width: int, span: int) -> bool:
+    """Whether packed rows of `width` columns holding segments of at most `span` tokens are
+    attended by blocks (`banded_attention`) rather than over the whole row."""
+    c = band_chunk(span)
+    return width % c == 0 and width > span + c
+
+
+def banded_attention(cfg: ModelConfig, segment_ids: jax.Array, span: int):
+    """Attention in packed rows whose segments are at most `span` tokens long: a query can only
+    see keys of its own segment, so at most `span - 1` columns back. The row is cut into
+    blocks of C = `band_chunk(span)` queries and each block attends to its own keys and the
+    ceil(span / C) blocks before it, so the cost per token is that of span + C keys whatever
+    the row's width (dense attention over a row of W columns costs W keys per token).
+    Same results as `dense_attention` with the segment mask: every key outside the window is
+    masked there anyway."""
+    B, T = segment_ids.shape
+    C = band_chunk(span)
+    back = -(-span // C)
+    nb = T // C
+    window = (back + 1) * C
+
+    def windows(x):  # [B, T, ...] -> [B, nb, window, ...]: block i's keys, blocks i-back..i
+        pad = [(0, 0), (back * C, 0)] + [(0, 0)] * (x.ndim - 2)
+        xp = jnp.pad(x, pad).reshape(B, nb + back, C, *x.shape[2:])
+        return jnp.concatenate([xp[:, j : j + nb] for j in range(back + 1)], axis=2)
+
+    seg_q = segment_ids.reshape(B, nb, C)
+    seg_k = windows(segment_ids)  # the left padding is segment 0: never a real token's
+    # Key w of block i is column i*C - back*C + w; query c is column i*C + c.
+    causal = jnp.arange(window)[None, :] <= jnp.arange(C)[:, None] + back * C  # [C, window]
+    valid = (seg_q[..., :, None] == seg_k[..., None, :]) & causal  # [B, nb, C, window]
+    valid = valid.reshape(B * nb, 1, 1, C, window)
+
+    def fn(q, k, v):
+        _, _, N, H = q.shape
+        K = cfg.num_kv_heads
+        qb = _heads(cfg, q.reshape(B * nb, C, N, H))  # [B*nb, K, G, C, H]
+        kw = windows(k).reshape(B * nb, window, K, H)
+        vw = windows(v).reshape(B * nb, window, K, H)
+        out = attend(qb, jnp.transpose(kw, (0, 2, 3, 1)), jnp.swapaxes(vw, 1, 2), valid)
+        return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(B, T, N, H)
+
+    return fn
+
+
+def _block(cfg: ModelConfig, rope, p, h, attention, cache_kv, cache_index):
+    """One decoder layer. p holds this layer's arrays; `attention(q, k, v)` is
+    `dense_attention` or `banded_attention`; cache_kv is (k, v) slots or None.
 
     Returns (new hidden, new (k, v) slots or None).
     """
@@ -268,12 +342,7 @@ def _block(cfg: ModelConfig, rope, p, h, mask, cache_kv, cache_index):
         cv = jax.lax.dynamic_update_slice_in_dim(cv, v.astype(cv.dtype), cache_index, axis=1)
         new_kv = (ck, cv)
         k, v = ck.astype(dt), cv.astype(dt)
-    B, T, N, H = q.shape
-    K = cfg.num_kv_heads
-    heads = jnp.transpose(q.reshape(B, T, K, N // K, H), (0, 2, 3, 1, 4))
-    out = attend(heads, jnp.transpose(k, (0, 2, 3, 1)), jnp.swapaxes(v, 1, 2), mask[:, :, None])
-    attn = jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(B, T, N, H)
-    return layer_output(cfg, p, h, attn), new_kv
+    return layer_output(cfg, p, h, attention(q, k, v)), new_kv
 
 
 class Backbone(nnx.Module):
@@ -307,6 +376,7 @@ class Backbone(nnx.Module):
         cache: KVCache | None = None,
         cache_index: jax.Array | int = 0,
         segment_ids: jax.Array | None = None,
+        segment_span: int | None = None,
     ) -> tuple[jax.Array, KVCache | None]:
         """Final hidden states [B, T, D] and the updated cache (None without a cache).
 
@@ -318,7 +388,8 @@ class Backbone(nnx.Module):
 
         Packed rows (`hfjax.engine.packing`, no cache): `segment_ids` [B, T] number the
         sequences laid end to end in a row (0 on padding) and `positions` restart at 0 in each;
-        a token attends only to earlier tokens of its own segment.
+        a token attends only to earlier tokens of its own segment. With `segment_span`, the
+        most tokens a segment has, wide rows are attended by blocks (`banded_attention`).
         """
         cfg = self.config
         B, T = input_ids.shape
@@ -335,17 +406,20 @@ class Backbone(nnx.Module):
             positions = positions_from_mask(attention_mask)
         q_slot = jnp.arange(T)[:, None] + (0 if cache is None else cache_index)
         causal = jnp.arange(key_valid.shape[1])[None, :] <= q_slot  # [T, S]
-        mask = causal[None] & key_valid[:, None, :]  # [B, T, S]
-        if segment_ids is not None:
-            mask = mask & (segment_ids[:, :, None] == segment_ids[:, None, :])
-        mask = mask[:, None]  # [B, 1, T, S]
+        if segment_ids is not None and segment_span and uses_band(T, segment_span):
+            attention = banded_attention(cfg, segment_ids, segment_span)
+        else:
+            mask = causal[None] & key_valid[:, None, :]  # [B, T, S]
+            if segment_ids is not None:
+                mask = mask & (segment_ids[:, :, None] == segment_ids[:, None, :])
+            attention = dense_attention(cfg, mask[:, None])  # [B, 1, T, S]
 
         h = self.embed(input_ids)
         rope = rope_tables(positions, rope_inv_freq(cfg), cfg.jnp_dtype, key_valid.shape[1])
         params = self.layers.arrays()
 
         def layer(h, p, kv):
-            return _block(cfg, rope, p, h, mask, kv, cache_index)
+            return _block(cfg, rope, p, h, attention, kv, cache_index)
 
         if cfg.remat_policy != "none":
             layer = jax.checkpoint(layer, policy=_REMAT[cfg.remat_policy])

@@ -46,11 +46,11 @@ def response_logprobs(model, input_ids, attention_mask, response_len: int, tempe
     return core.logprobs_from_logits(logits, labels), core.entropy_from_logits(logits)
 
 
-def packed_logprobs(model, packed: packing.Packed, temperature: float):
+def packed_logprobs(model, packed: packing.Packed, span: int, temperature: float):
     """(log-probs, entropy) [G, W] of every packed position's next token in its row, logits
     divided by temperature (`hfjax.engine.packing`: only response positions are read)."""
     hidden, _ = model.model(packed.ids, None, positions=packed.positions,
-                            segment_ids=packed.segments)
+                            segment_ids=packed.segments, segment_span=span)
     logits = model.logits(hidden) / temperature
     labels = packing.next_tokens(packed.ids)
     return core.logprobs_from_logits(logits, labels), core.entropy_from_logits(logits)
@@ -77,8 +77,9 @@ class Reference(WorkerGroup):
         )
 
     def _packed_fn(self, params):
-        """Packed rows -> (log-probs, entropy) [G, W] under `params`."""
-        return lambda rows: packed_logprobs(self.model(params), rows, self.temperature)
+        """(packed rows, span) -> (log-probs, entropy) [G, W] under `params`."""
+        return lambda rows, span: packed_logprobs(self.model(params), rows, span,
+                                                  self.temperature)
 
     def _packed_logprob_fn(self, params, input_ids, attention_mask, response_len, shape):
         return packing.forward(self._packed_fn(params), input_ids, attention_mask,

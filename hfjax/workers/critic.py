@@ -38,10 +38,10 @@ class Critic(WorkerGroup):
         return values[:, -response_len - 1 : -1]
 
     def _packed_fn(self, params):
-        """Packed rows -> values [G, W] under `params`."""
+        """(packed rows, span) -> values [G, W] under `params`."""
         model = self.model(params)
-        return lambda rows: model(rows.ids, None, positions=rows.positions,
-                                  segment_ids=rows.segments)
+        return lambda rows, span: model(rows.ids, None, positions=rows.positions,
+                                        segment_ids=rows.segments, segment_span=span)
 
     def _packed_values_fn(self, params, input_ids, attention_mask, response_len, shape):
         return packing.forward(self._packed_fn(params), input_ids, attention_mask,

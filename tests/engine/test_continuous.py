@@ -277,7 +277,7 @@ def test_max_new_tokens_must_be_positive(max_new):
 
     c = ppo_arith.get_config()
     c.rollout.mode, c.rollout.response_length = "continuous", max_new
-    with pytest.raises(ValueError, match=f"max_new_tokens={max_new}"):
+    with pytest.raises(ValueError, match=f"rollout.response_length={max_new}: needs an int >= 1"):
         validate_config(c)
 
 

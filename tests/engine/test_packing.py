@@ -59,11 +59,13 @@ def test_layout_matches_a_loop_over_the_sequences():
     batch = padded_batch(1)
     mask = batch["attention_mask"]
     shape = packing.pack_shape(B, P + R, budget=2 * (P + R), dp=2)
-    assert shape == packing.PackShape(width=P + R, rows=4, micro=4)
+    # One row per device and micro-batch, as wide as the budget; the buffers hold the worst
+    # case, every sequence P + R tokens long (2 per row).
+    assert shape == packing.PackShape(width=2 * (P + R), rows=2, micro=4, span=P + R)
     where = packing.plan(mask, shape)
     packed = packing.pack(batch["input_ids"], mask, where, shape)
     row, start = np.asarray(where.row), np.asarray(where.start)
-    ids, seg, pos = (np.asarray(x).reshape(-1, P + R) for x in packed)
+    ids, seg, pos = (np.asarray(x).reshape(-1, shape.width) for x in packed)
     filled = np.zeros(ids.shape, bool)
     for i in range(B):
         real = batch["input_ids"][i][mask[i] > 0]
@@ -113,11 +115,47 @@ def _twin(model):
     return nnx.merge(*nnx.split(jax.tree.map(lambda x: x.copy(), model)))
 
 
+def test_banded_attention_equals_the_dense_segment_mask(model):
+    """Rows wide enough for blocks (`uses_band`): the same hidden states and gradients as
+    attention over the whole row with the segment mask."""
+    rng = np.random.default_rng(5)
+    span, width = P + R, 6 * (P + R)
+    assert transformer.uses_band(width, span)
+    seg = np.zeros((2, width), np.int32)
+    pos = np.zeros((2, width), np.int32)
+    for b in range(2):
+        col, s = 0, 1
+        while (n := int(rng.integers(1, span + 1))) <= width - col - 3:  # 3 columns stay empty
+            seg[b, col : col + n], pos[b, col : col + n] = s, np.arange(n)
+            col, s = col + n, s + 1
+    ids = rng.integers(1, CFG.vocab_size, seg.shape).astype(np.int32) * (seg > 0)
+    real = seg > 0
+    graphdef, state = nnx.split(model)
+
+    def hidden(state, span):
+        h, _ = nnx.merge(graphdef, state).model(ids, None, positions=pos, segment_ids=seg,
+                                                  segment_span=span)
+        return h
+
+    np.testing.assert_allclose(np.asarray(hidden(state, span))[real],
+                               np.asarray(hidden(state, None))[real], rtol=1e-5, atol=1e-6)
+    grads = [jax.grad(lambda st, sp=sp: (hidden(st, sp) * real[..., None]).sum())(state)
+             for sp in (span, None)]
+    scale = max(float(np.abs(x).max()) for x in jax.tree.leaves(grads[1]))
+    for a, b in zip(jax.tree.leaves(grads[0]), jax.tree.leaves(grads[1])):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-6 * scale)
+
+
+# Budgets: two sequences' worth (rows attended whole) and six (banded attention).
+BUDGETS = {"2seq": 2 * (P + R), "6seq": 6 * (P + R)}
+
+
+@pytest.mark.parametrize("budget", list(BUDGETS))
 @pytest.mark.parametrize("mesh", list(MESHES), ids=list(MESHES))
-def test_log_probs_and_entropy_equal_the_padded_ones(model, mesh):
+def test_log_probs_and_entropy_equal_the_padded_ones(model, mesh, budget):
     batch = padded_batch(2)
     padded = _actor(MESHES[mesh], _acfg("token-mean", None), model)
-    packed = _actor(MESHES[mesh], _acfg("token-mean", 2 * (P + R)), model)
+    packed = _actor(MESHES[mesh], _acfg("token-mean", BUDGETS[budget]), model)
     want = padded.compute_log_prob(batch)
     got = packed.compute_log_prob(batch)
     m = batch["response_mask"] > 0
@@ -132,7 +170,8 @@ def test_log_probs_and_entropy_equal_the_padded_ones(model, mesh):
 # docstring of hfjax.engine.packing).
 GRAD_CASES = [(mode, B * (P + R)) for mode in ("token-mean", "seq-mean-token-sum",
                                                 "seq-mean-token-mean", "seq-mean-token-sum-norm")]
-GRAD_CASES += [("token-mean", 2 * (P + R)), ("seq-mean-token-mean", 2 * (P + R))]
+GRAD_CASES += [("token-mean", 2 * (P + R)), ("seq-mean-token-mean", 2 * (P + R)),
+               ("token-mean", 6 * (P + R))]
 
 
 @pytest.mark.parametrize("mode, budget", GRAD_CASES)
@@ -167,14 +206,16 @@ def test_policy_loss_and_gradients_equal_the_padded_ones(model, mode, budget):
 
 # On 1 device the same losses and gradients are checked above; here the whole update program
 # (mini-batches, the while loop, the optimizer) on the multi-device mesh.
+@pytest.mark.parametrize("budget", list(BUDGETS))
 @pytest.mark.parametrize("mesh", ["dp4tp2"])
-def test_actor_and_critic_updates_equal_the_padded_ones(model, mesh):
+def test_actor_and_critic_updates_equal_the_padded_ones(model, mesh, budget):
     """One optimizer step each through update_actor / update_critic (several micro-batches in
     both layouts), then the same parameters and metrics."""
     batch = padded_batch(4)
     spec = MESHES[mesh]
-    actors = [_actor(spec, _acfg("token-mean", budget, micro=8), _twin(model))
-              for budget in (None, 2 * (P + R))]
+    tokens = BUDGETS[budget]
+    actors = [_actor(spec, _acfg("token-mean", b, micro=8), _twin(model))
+              for b in (None, tokens)]
     metrics = [a.update_actor(batch) for a in actors]
     for k in ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm"):
         np.testing.assert_allclose(float(metrics[1][k]), float(metrics[0][k]), rtol=1e-4, err_msg=k)
@@ -185,7 +226,7 @@ def test_actor_and_critic_updates_equal_the_padded_ones(model, mesh):
     for remove_padding in (False, True):
         c = ppo_arith.get_config().critic
         c.ppo_mini_batch_size, c.ppo_micro_batch_size, c.shuffle = B, 8, False
-        c.use_remove_padding, c.ppo_max_token_len_per_gpu = remove_padding, 2 * (P + R)
+        c.use_remove_padding, c.ppo_max_token_len_per_gpu = remove_padding, tokens
         value_model = transformer.build(CFG, "value", seed=4)  # the same weights each time
         critics.append(Critic("critic", _pool(spec), spec, value_model, critic_cfg=c, horizon=R,
                               optimizer=update.make_optimizer(1e-2, grad_clip=0.0)))
