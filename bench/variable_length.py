@@ -24,6 +24,14 @@ prompt counted once per sample) plus real response tokens, stop token included: 
 counted. Both sides produce the same tokens (checked and printed). The last line is JSON.
 
     python -m bench.variable_length  # 16 prompts x 8 samples, 256 new tokens
+
+A trained policy has another length mix than the untuned one (RL shortens responses): give its
+exported HF directory (`python -m launch.export`) with `--model`, and another prompt set with
+`--task` / `--task_config`, e.g. the chain_sum recipe's:
+
+    python -m bench.variable_length --model=runs/grpo_smollm2_arith/hf --task=chain_sum \
+        --task_config='{"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2}' \
+        --max_new=128
 """
 
 from __future__ import annotations
@@ -47,7 +55,11 @@ flags.DEFINE_list("refill_every", ["8"], "continuous batching: decode steps betw
 flags.DEFINE_integer("repeats", 3, "timed runs per side, alternating (median reported)")
 flags.DEFINE_integer("seed", 0, "data seed and base of the per-prompt sampling seeds")
 flags.DEFINE_string("dtype", "float32", "model weights and compute dtype")
-flags.DEFINE_string("model", None, "GGUF file (default: the SmolLM2-135M-Instruct GGUF)")
+flags.DEFINE_string("model", None, "a .gguf file or an HF directory, e.g. a trained run exported "
+                    "by launch.export (default: the SmolLM2-135M-Instruct GGUF)")
+flags.DEFINE_string("task", "gsm_symbolic", "the prompts: a task of launch.prepare_data")
+flags.DEFINE_string("task_config", "{}", "the task's generator options, JSON (as "
+                    "launch.prepare_data's --task_config)")
 flags.DEFINE_bool("static", True, "run the static side (needed for speedup_vs_static)")
 flags.DEFINE_integer("bin", 32, "width of the length histogram's bins, in tokens")
 flags.DEFINE_bool("train", True, "add the training stages (padded on static, packed on continuous)")
@@ -162,7 +174,7 @@ def load_workload(f, tok) -> Workload:
     from hfjax.data.dataset import render_prompt
     from hfjax.data.prepare import make_splits
 
-    rows, _ = make_splits("gsm_symbolic", f.prompts, 0, seed=f.seed)
+    rows, _ = make_splits(f.task, f.prompts, 0, seed=f.seed, config=json.loads(f.task_config))
     prompts = [render_prompt(tok, r["prompt"]) for r in rows]
     width = max(map(len, prompts))
     ids = np.zeros((len(prompts), width), np.int32)
@@ -217,7 +229,7 @@ def main(argv: list[str]) -> None:
     w = load_workload(f, tok)
     prompt_lens = w.mask.sum(axis=1)
     print(
-        f"model: {path} ({f.dtype})\n{f.prompts} gsm_symbolic prompts x {f.n} samples, "
+        f"model: {path} ({f.dtype})\n{f.prompts} {f.task} prompts x {f.n} samples, "
         f"prompt tokens {prompt_lens.min()}-{prompt_lens.max()} (mean {prompt_lens.mean():.1f}),"
         f" temperature 1, stop at EOS ({w.eos}), cap {f.max_new} new tokens"
     )

@@ -169,11 +169,15 @@ def array_bytes(arrays: Iterable[jax.Array]) -> dict[int, int]:
     Counts what is actually allocated (deleted arrays count 0), and counts a buffer shared by
     several arrays (zero-copy views) once.
     """
+    arrays = [x for x in arrays if isinstance(x, jax.Array) and not x.is_deleted()]
+    # Wait for pending results here, where the wait releases the GIL: reading the buffer pointer
+    # of an array still being computed waits holding it, and if a lost peer leaves a collective
+    # unfinished that wait never ends and starves this process's other threads (LossWatch,
+    # which would report the lost process).
+    jax.block_until_ready(arrays)
     seen: set[tuple[int, int]] = set()
     out: dict[int, int] = {}
     for x in arrays:
-        if not isinstance(x, jax.Array) or x.is_deleted():
-            continue
         for shard in x.addressable_shards:
             data = shard.data
             key = (shard.device.id, data.unsafe_buffer_pointer())
