@@ -360,12 +360,14 @@ def dry_run(cfg, *, device_memory_bytes: int | None = None, target: str | None =
     if dataflow.needs_old_log_prob(w, _Rows(n_seq), cfg):
         ids = seq_batch(a.mesh, _padded(n_seq, a.dp_size))
         out.compile("actor.log_prob", apool, a._logprob,
-                    (a.params, ids["input_ids"], ids["attention_mask"], response),
+                    (a.params, ids["input_ids"], ids["attention_mask"], response,
+                     a.scoring_micro_batches(ids["input_ids"].shape[0])),
                     ("actor params",), {"params": a.params})
     if w.ref is not None:
         ids = seq_batch(w.ref.mesh, _padded(n_seq, w.ref.dp_size))
         out.compile("ref.log_prob", w.ref.pool.name, w.ref._logprob,
-                    (w.ref.params, ids["input_ids"], ids["attention_mask"], response),
+                    (w.ref.params, ids["input_ids"], ids["attention_mask"], response,
+                     w.ref.scoring_micro_batches(ids["input_ids"].shape[0])),
                     ("ref params",), {"params": w.ref.params})
     if w.critic is not None:
         cr = w.critic

@@ -48,6 +48,26 @@ def strided_micro_batches(x: jax.Array, n_micro: int) -> jax.Array:
     return jnp.swapaxes(x.reshape((b // n_micro, n_micro) + x.shape[1:]), 0, 1)
 
 
+def in_micro_batches(fn: Callable, n_micro: int, *arrays: jax.Array) -> Any:
+    """`fn(*arrays)` computed over `n_micro` strided micro-batches of the arrays' rows (rows
+    i::n_micro, as the update takes them), one after another, with the outputs put back in row
+    order: a scoring pass whose working set (e.g. [rows, positions, vocabulary] logits) is that
+    of one micro-batch. n_micro = 1: one pass."""
+    if n_micro == 1:
+        return fn(*arrays)
+    out = jax.lax.map(lambda xs: fn(*xs),
+                      tuple(strided_micro_batches(x, n_micro) for x in arrays))
+    return jax.tree.map(lambda y: jnp.swapaxes(y, 0, 1).reshape((-1,) + y.shape[2:]), out)
+
+
+def scoring_micro_batches(rows: int, micro_rows: int) -> int:
+    """How many micro-batches a scoring pass over `rows` takes: rows / micro_rows when that
+    divides evenly into several, else 1 (one pass)."""
+    if micro_rows <= 0 or rows <= micro_rows or rows % micro_rows:
+        return 1
+    return rows // micro_rows
+
+
 def make_update_step(
     loss_fn: LossFn,
     optimizer: optax.GradientTransformation,

@@ -28,7 +28,7 @@ from hfjax.engine.sampler import (
     SamplingParams,
     bucket_size,
 )
-from hfjax.engine.update import share_of_normaliser
+from hfjax.engine.update import in_micro_batches, scoring_micro_batches, share_of_normaliser
 from hfjax.numerics import core, losses
 from hfjax.numerics.losses import PolicyLossInputs
 from hfjax.parallel import reshard
@@ -60,21 +60,28 @@ class Reference(WorkerGroup):
     """A frozen copy of the policy that scores responses (KL anchor).
 
     `budget`: score packed rows, cut into micro-batches by this token budget
-    (`hfjax.engine.packing`); None: the padded batch in one pass.
+    (`hfjax.engine.packing`); None: padded rows, `micro_rows` at a time (0: the whole batch in
+    one pass).
     """
 
     def __init__(self, *args, temperature: float = 1.0,
-                 budget: packing.TokenBudget | None = None, **kw):
+                 budget: packing.TokenBudget | None = None, micro_rows: int = 0, **kw):
         super().__init__(*args, **kw)
         self.temperature = temperature
         self.budget = budget
-        self._logprob = self.jit(self._logprob_fn, static_argnums=(3,))
+        self.micro_rows = int(micro_rows)
+        self._logprob = self.jit(self._logprob_fn, static_argnums=(3, 4))
         self._packed_logprob = self.jit(self._packed_logprob_fn, static_argnums=(3, 4))
 
-    def _logprob_fn(self, params, input_ids, attention_mask, response_len):
-        return response_logprobs(
-            self.model(params), input_ids, attention_mask, response_len, self.temperature
-        )
+    def _logprob_fn(self, params, input_ids, attention_mask, response_len, n_micro=1):
+        model = self.model(params)
+        return in_micro_batches(
+            lambda ids, mask: response_logprobs(model, ids, mask, response_len, self.temperature),
+            n_micro, input_ids, attention_mask)
+
+    def scoring_micro_batches(self, rows: int) -> int:
+        """Micro-batches of this group's padded log-prob pass over `rows` sequences."""
+        return scoring_micro_batches(rows, self.micro_rows)
 
     def _packed_fn(self, params):
         """(packed rows, span) -> (log-probs, entropy) [G, W] under `params`."""
@@ -89,7 +96,7 @@ class Reference(WorkerGroup):
         r = batch["responses"].shape[1]
         ids, mask = batch["input_ids"], batch["attention_mask"]
         if self.budget is None:
-            return self._logprob(self.params, ids, mask, r)
+            return self._logprob(self.params, ids, mask, r, self.scoring_micro_batches(len(ids)))
         shape = self.budget.shape(len(batch), ids.shape[1], self.dp_size, self.name)
         return self._packed_logprob(self.params, ids, mask, r, shape)
 
@@ -120,7 +127,8 @@ class ActorRollout(Reference):
     def __init__(self, *args, sampler: Sampler, actor_cfg: Any, rollout_cfg: Any,
                  eos_ids: tuple[int, ...] = (), hybrid: HybridEngine | None = None, **kw):
         super().__init__(*args, temperature=rollout_cfg.temperature,
-                         budget=packing.token_budget(actor_cfg), **kw)
+                         budget=packing.token_budget(actor_cfg),
+                         micro_rows=actor_cfg.ppo_micro_batch_size, **kw)
         self.sampler = sampler
         self.eos_ids = tuple(eos_ids)
         self.acfg = actor_cfg

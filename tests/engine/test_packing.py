@@ -165,6 +165,20 @@ def test_log_probs_and_entropy_equal_the_padded_ones(model, mesh, budget):
     assert (np.asarray(got["old_log_probs"])[~m] == 0).all()
 
 
+@pytest.mark.parametrize("mesh", list(MESHES), ids=list(MESHES))
+def test_padded_log_probs_in_micro_batches_equal_one_pass(model, mesh):
+    """The padded scoring pass takes ppo_micro_batch_size rows at a time (strided, as the
+    update): the same log-probs and entropy as the whole batch in one pass."""
+    batch = padded_batch(6)
+    one = _actor(MESHES[mesh], _acfg("token-mean", None, micro=B), model)
+    four = _actor(MESHES[mesh], _acfg("token-mean", None, micro=4), model)
+    assert (one.scoring_micro_batches(B), four.scoring_micro_batches(B)) == (1, 4)
+    want, got = one.compute_log_prob(batch), four.compute_log_prob(batch)
+    for key in ("old_log_probs", "entropys"):
+        np.testing.assert_allclose(np.asarray(got[key]), np.asarray(want[key]), rtol=1e-6,
+                                   atol=1e-6)
+
+
 # (mode, token budget): one micro-batch for every mode; several (budget of 2 padded rows per
 # device) for the modes whose mini-batch loss does not depend on the grouping (module
 # docstring of hfjax.engine.packing).
