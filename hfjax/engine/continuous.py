@@ -209,11 +209,7 @@ class ContinuousSampler(Sampler):
             admit_rows=admit,
             refill_every=self.refill_every,
             drain=tuple(drain),
-            greedy=params.greedy,
-            top_k=params.top_k,
-            use_top_p=params.top_p < 1.0,
-            use_min_p=params.min_p > 0.0,
-            num_stops=len(params.eos_ids),
+            **params.selection_key(),
         )
 
     def _get_run(self, plan: Plan) -> Any:

@@ -25,6 +25,8 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from hfjax.models.config import ModelConfig
 from hfjax.models.transformer import (
@@ -36,6 +38,7 @@ from hfjax.models.transformer import (
     rope_inv_freq,
     rope_tables,
 )
+from hfjax.parallel import mesh as mesh_lib
 
 
 class LayerCache(NamedTuple):
@@ -58,6 +61,16 @@ def split_layers(model) -> list[dict[str, jax.Array]]:
         # values and reads half the bytes per step with bfloat16 compute over float32 weights.
         stacked = {k: v.astype(cfg.jnp_dtype) for k, v in stacked.items()}
     return [{k: v[i] for k, v in stacked.items()} for i in range(cfg.num_layers)]
+
+
+def cache_and_row_shardings(mesh: Mesh, cfg: ModelConfig) -> tuple[NamedSharding, NamedSharding]:
+    """(a decode cache layer's sharding, a per-row array's sharding) on `mesh`: rows over the
+    data-parallel axes, kv-heads over `tensor` when it divides them."""
+    rows = mesh_lib.batch_spec(mesh)
+    row_axis = rows[0] if len(rows) else None
+    tp = mesh.shape.get("tensor", 1)
+    kv_axis = "tensor" if tp > 1 and cfg.num_kv_heads % tp == 0 else None
+    return NamedSharding(mesh, P(row_axis, kv_axis)), NamedSharding(mesh, P(row_axis))
 
 
 def cache_from_prefill(cache: KVCache, n: int, new_slots: int) -> tuple[LayerCache, ...]:

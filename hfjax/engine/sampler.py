@@ -51,7 +51,13 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from hfjax.engine.decode import LayerCache, cache_from_prefill, decode_step, split_layers
+from hfjax.engine.decode import (
+    LayerCache,
+    cache_and_row_shardings,
+    cache_from_prefill,
+    decode_step,
+    split_layers,
+)
 from hfjax.engine.sampling import (
     GenerateOutput,
     Knobs,
@@ -124,12 +130,7 @@ def _record(c: _Carry, tok: jax.Array, lp: jax.Array, stops: jax.Array, knobs: K
 
 def _carry_shardings(mesh: Mesh, cfg: ModelConfig) -> _Carry:
     """NamedShardings of the loop state: rows over (data, fsdp), kv-heads over tensor."""
-    rows = mesh_lib.batch_spec(mesh)
-    row_axis = rows[0] if len(rows) else None
-    tp = mesh.shape.get("tensor", 1)
-    kv_axis = "tensor" if tp > 1 and cfg.num_kv_heads % tp == 0 else None
-    layer = NamedSharding(mesh, P(row_axis, kv_axis))
-    row = NamedSharding(mesh, P(row_axis))
+    layer, row = cache_and_row_shardings(mesh, cfg)
     return _Carry(
         t=NamedSharding(mesh, P()),
         cache=tuple(LayerCache(layer, layer) for _ in range(cfg.num_layers)),
@@ -397,11 +398,7 @@ class Sampler:
             prompt_bucket=prompt_bucket,
             new_bucket=bucket_size(params.max_new_tokens, self.min_new_tokens_bucket),
             n=params.n,
-            greedy=params.greedy,
-            top_k=params.top_k,
-            use_top_p=params.top_p < 1.0,
-            use_min_p=params.min_p > 0.0,
-            num_stops=len(params.eos_ids),
+            **params.selection_key(),
         )
 
     def padded_batch(self, batch: int) -> int:

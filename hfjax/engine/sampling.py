@@ -78,6 +78,11 @@ class SamplingParams:
         """True when decoding takes the argmax (temperature 0)."""
         return self.temperature == 0.0
 
+    def selection_key(self) -> dict:
+        """The fields of a compile key that `select_tokens`' program depends on."""
+        return dict(greedy=self.greedy, top_k=self.top_k, use_top_p=self.top_p < 1.0,
+                    use_min_p=self.min_p > 0.0, num_stops=len(self.eos_ids))
+
 
 class GenerateOutput(NamedTuple):
     """Responses of a batch; row b * n + j is sample j of prompt b.

@@ -17,11 +17,16 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from hfjax.engine.decode import LayerCache, cache_from_prefill, decode_step, split_layers
+from hfjax.engine.decode import (
+    LayerCache,
+    cache_and_row_shardings,
+    cache_from_prefill,
+    decode_step,
+    split_layers,
+)
 from hfjax.engine.sampling import GenerateOutput, Knobs, select_tokens
 from hfjax.models.config import ModelConfig
 from hfjax.models.transformer import KVCache, positions_from_mask
-from hfjax.parallel import mesh as mesh_lib
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,12 +119,7 @@ class _Shardings(NamedTuple):
 def run_shardings(mesh: Mesh, cfg: ModelConfig) -> _Shardings:
     """Slots and staged prompts split over the data-parallel axes, kv-heads over `tensor` when
     it divides them (as the static engine's cache); everything else replicated."""
-    rows = mesh_lib.batch_spec(mesh)
-    row_axis = rows[0] if len(rows) else None
-    tp = mesh.shape.get("tensor", 1)
-    kv_axis = "tensor" if tp > 1 and cfg.num_kv_heads % tp == 0 else None
-    layer = NamedSharding(mesh, P(row_axis, kv_axis))
-    row = NamedSharding(mesh, P(row_axis))
+    layer, row = cache_and_row_shardings(mesh, cfg)
     cache = tuple(LayerCache(layer, layer) for _ in range(cfg.num_layers))
     slots = _Slots(cache, *([row] * (len(_Slots._fields) - 1)))
     return _Shardings(slots, _Stage(NamedSharding(mesh, P()), cache, row), row)
