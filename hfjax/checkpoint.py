@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging as logging_std
 import os
 import shutil
 import sys
@@ -366,12 +367,27 @@ class RunCheckpointer:
         return moved
 
 
+class _AbandonedReadFilter(logging_std.Filter):
+    """Drops asyncio's "Task exception was never retrieved" report for Orbax's read tasks: when
+    one array of a restore fails, the restore gives up and the other arrays' reads, failing
+    the same way, are left unawaited; asyncio logs each when it is collected. The first
+    failure is what the restore reports (and the fallback warning names it)."""
+
+    def filter(self, record: logging_std.LogRecord) -> bool:
+        message = record.getMessage()
+        return not ("never retrieved" in message and "deserialize" in message)
+
+
 def _quiet_closed_loop_callbacks() -> None:
     """When a restore fails part way, tensorstore reads still in flight complete later and
     call back into the event loop Orbax has closed by then; Python reports each as an
-    unraisable "RuntimeError: Event loop is closed" traceback. They are harmless (the restore
-    was abandoned and the fallback reads afresh), so they are dropped, counted at debug level;
-    every other unraisable error still goes to the previous hook."""
+    unraisable "RuntimeError: Event loop is closed" traceback, and asyncio each unawaited
+    failed read as "Task exception was never retrieved". They are harmless (the restore was
+    abandoned and the fallback reads afresh), so they are dropped, counted at debug level;
+    every other unraisable error or asyncio report still goes where it went."""
+    asyncio_log = logging_std.getLogger("asyncio")
+    if not any(isinstance(f, _AbandonedReadFilter) for f in asyncio_log.filters):
+        asyncio_log.addFilter(_AbandonedReadFilter())
     previous = sys.unraisablehook
     if getattr(previous, "_hfjax_closed_loop_filter", False):
         return
