@@ -199,12 +199,18 @@ def get_config() -> config_dict.ConfigDict:
     )
     # Learned reward and cost models (HF *ForSequenceClassification directories, e.g. from
     # python -m launch.train_rm), each a worker group on its own mesh; empty path: none.
-    c.reward_model = config_dict.ConfigDict(dict(path="", mesh="fsdp=-1", dtype="float32"))
+    # use_remove_padding: score packed rows (real tokens only) in micro-batches of
+    # forward_max_token_len_per_gpu tokens per data-parallel device (0: the whole batch's).
+    c.reward_model = config_dict.ConfigDict(
+        dict(path="", mesh="fsdp=-1", dtype="float32", use_remove_padding=False,
+             forward_max_token_len_per_gpu=0))
     c.cost_model = config_dict.ConfigDict(
         dict(
             path="",
             mesh="fsdp=-1",
             dtype="float32",
+            use_remove_padding=False,
+            forward_max_token_len_per_gpu=0,
             # module:fn or file.py:fn scoring a response text with the rule the cost model was
             # trained to measure; validation reports it as val-aux/cost_reference/mean.
             reference_fn="",

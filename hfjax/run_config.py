@@ -403,6 +403,8 @@ _LR = Float(0.0, note="0 freezes the model")
 _CLIP = Float(0.0)
 _BUDGET = ("tokens per data-parallel device and micro-batch with use_remove_padding; "
            "0: ppo_micro_batch_size padded rows")
+_FORWARD_BUDGET = ("tokens per data-parallel device and micro-batch of the scoring pass with "
+                   "use_remove_padding; 0: the whole batch")
 
 TRAIN_KEYS: dict[str, Callable[[Any], str | None]] = {
     # First: a user algorithm's module, imported by this check, may register estimators,
@@ -552,9 +554,13 @@ TRAIN_KEYS: dict[str, Callable[[Any], str | None]] = {
     "reward_model.path": Check(_model_path(optional=True)),
     "reward_model.mesh": Check(_mesh(optional=False)),
     "reward_model.dtype": Choice(("float32", "bfloat16")),
+    "reward_model.use_remove_padding": Bool(),
+    "reward_model.forward_max_token_len_per_gpu": Int(0, note=_FORWARD_BUDGET),
     "cost_model.path": Check(_model_path(optional=True)),
     "cost_model.mesh": Check(_mesh(optional=False)),
     "cost_model.dtype": Choice(("float32", "bfloat16")),
+    "cost_model.use_remove_padding": Bool(),
+    "cost_model.forward_max_token_len_per_gpu": Int(0, note=_FORWARD_BUDGET),
     "cost_model.reference_fn": Check(_spec),
     # python -m launch.train_rm (hfjax.rm)
     "rm.target": Choice(_rm_targets),
@@ -834,16 +840,20 @@ def _slot_cache(c) -> str | None:
 
 def _token_budget(c) -> str | None:
     need = c.data.max_prompt_length + c.rollout.response_length
-    for role in ("actor", "critic", "cost_critic"):
+    for role, key, zero in (("actor", "ppo_max_token_len_per_gpu", "ppo_micro_batch_size"),
+                            ("critic", "ppo_max_token_len_per_gpu", "ppo_micro_batch_size"),
+                            ("cost_critic", "ppo_max_token_len_per_gpu", "ppo_micro_batch_size"),
+                            ("reward_model", "forward_max_token_len_per_gpu", None),
+                            ("cost_model", "forward_max_token_len_per_gpu", None)):
         s = c.get(role)
-        if s is None:
+        if s is None or key not in s:
             continue
-        budget = s.ppo_max_token_len_per_gpu
+        budget = s[key]
         if s.use_remove_padding and budget and budget < need:
-            return (f"{role}.ppo_max_token_len_per_gpu={budget} tokens is smaller than one "
-                    f"sequence (data.max_prompt_length + rollout.response_length = {need}); set "
-                    f"--config.{role}.ppo_max_token_len_per_gpu={need} or more, or 0 "
-                    f"({role}.ppo_micro_batch_size padded rows' worth)")
+            zero = f"{role}.{zero} padded rows' worth" if zero else "the whole batch's tokens"
+            return (f"{role}.{key}={budget} tokens is smaller than one sequence "
+                    f"(data.max_prompt_length + rollout.response_length = {need}); set "
+                    f"--config.{role}.{key}={need} or more, or 0 ({zero})")
     return None
 
 

@@ -261,6 +261,12 @@ CONFIG_CASES = [
     ("token-budget", _set(actor__use_remove_padding=True, actor__ppo_max_token_len_per_gpu=10),
      r"actor.ppo_max_token_len_per_gpu=10 tokens is smaller than one sequence "
      r"\(data.max_prompt_length \+ rollout.response_length = 18\)"),
+    ("rm-budget", _set(reward_model__use_remove_padding=True,
+                       reward_model__forward_max_token_len_per_gpu=12),
+     r"reward_model.forward_max_token_len_per_gpu=12 tokens is smaller than one sequence "
+     r"\(data.max_prompt_length \+ rollout.response_length = 18\); set "
+     r"--config.reward_model.forward_max_token_len_per_gpu=18 or more, or 0 \(the whole "
+     r"batch's tokens\)"),
     ("critic-budget", _set(critic__ppo_max_token_len_per_gpu=-1),
      r"critic.ppo_max_token_len_per_gpu=-1: needs an int >= 0"),
     ("cliprange", _set(critic__cliprange_value=0.0), r"critic.cliprange_value=0.0"),

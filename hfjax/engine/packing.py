@@ -111,11 +111,14 @@ def plan(attention_mask: jax.Array, shape: PackShape) -> Placement:
 
 
 class Packed(NamedTuple):
-    """Packed rows [micro, G, W]: token ids, segment ids (0 on padding) and positions."""
+    """Packed rows [micro, G, W]: token ids, segment ids (0 on padding), positions, and which
+    positions' outputs are read (`scored`: every real token, or with `packed_batch` only
+    those that predict a response token)."""
 
     ids: jax.Array
     segments: jax.Array
     positions: jax.Array
+    scored: jax.Array
 
 
 def pack(input_ids: jax.Array, attention_mask: jax.Array, where: Placement,
@@ -134,7 +137,9 @@ def pack(input_ids: jax.Array, attention_mask: jax.Array, where: Placement,
         out = out.reshape(shape.micro, shape.rows, shape.width)
         return shd.constrain(out, (None, "batch", None))
 
-    return Packed(scatter(input_ids.astype(jnp.int32)), scatter(seg), scatter(pos))
+    segments = scatter(seg)
+    return Packed(scatter(input_ids.astype(jnp.int32)), segments, scatter(pos),
+                  (segments > 0).astype(jnp.int32))
 
 
 def micro_batch(packed: Packed, i: jax.Array) -> Packed:
@@ -166,6 +171,53 @@ def next_tokens(ids: jax.Array) -> jax.Array:
     return jnp.concatenate([ids[:, 1:], ids[:, :1]], axis=1)
 
 
+# Columns of one pass of a head over the scored positions (`on_scored`).
+HEAD_CHUNK = 128
+
+
+def on_scored(head: Callable[..., Any], scored: jax.Array, *columns: jax.Array,
+              chunk: int = HEAD_CHUNK) -> Any:
+    """`head(*columns)` at the positions `scored` [G, W] marks, 0 elsewhere: a pytree of [G, W]
+    arrays from per-position inputs `columns` ([G, W, ...] each; `head` maps [G, C, ...]
+    inputs to [G, C] outputs).
+
+    Each row's scored positions are moved to its front (in column order) and the head runs on
+    `chunk` columns at a time while any row still has scored positions there: the chunks past
+    the fullest row's count are skipped (`lax.cond`, also in the backward pass). An LM head
+    over a packed row's prompt tokens, whose outputs nobody reads, is most of what this
+    saves. Under a gradient each chunk's head is recomputed in the backward pass
+    (`jax.checkpoint`) rather than its [G, C, V] logits kept: on the CPU that is the faster
+    of the two (bench/packed_update.py)."""
+    g, w = scored.shape
+    c = min(chunk, w)
+    n = -(-w // c)
+    order = jnp.argsort(scored == 0, axis=1, stable=True)  # scored columns first
+    count = jnp.max(jnp.sum(scored > 0, axis=1))
+
+    def chunks(x):  # [G, W, ...] -> [n, G, c, ...] in `order`
+        x = jnp.take_along_axis(x, order.reshape(order.shape + (1,) * (x.ndim - 2)), axis=1)
+        x = jnp.pad(x, [(0, 0), (0, n * c - w)] + [(0, 0)] * (x.ndim - 2))
+        return jnp.moveaxis(x.reshape((g, n, c) + x.shape[2:]), 1, 0)
+
+    xs = [chunks(x) for x in columns]
+    out_shape = jax.eval_shape(head, *(x[0] for x in xs))
+
+    def body(_, inputs):
+        j, *cols = inputs
+        return None, jax.lax.cond(
+            j * c < count, lambda: jax.checkpoint(head)(*cols),
+            lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), out_shape))
+
+    _, out = jax.lax.scan(body, None, (jnp.arange(n), *xs))
+    back = jnp.argsort(order, axis=1)  # column -> its place in `order`
+
+    def unchunk(y):  # [n, G, c] -> [G, W] in column order, 0 where not scored
+        y = jnp.moveaxis(y, 0, 1).reshape(g, n * c)[:, :w]
+        return jnp.where(scored > 0, jnp.take_along_axis(y, back, axis=1), 0)
+
+    return jax.tree.map(unchunk, out)
+
+
 PerToken = Callable[[Packed, int], Any]
 """A per-token pass: (packed rows [G, W], span) -> [G, W, ...] arrays; `span` (static) is the
 longest a segment can be, for the model's `segment_span`."""
@@ -192,7 +244,12 @@ def packed_batch(input_ids: jax.Array, attention_mask: jax.Array, response_len: 
     where = plan(attention_mask, shape)
     packed = pack(input_ids, attention_mask, where, shape)
     row, col = response_index(attention_mask, where, response_len, shape)
-    return packed, where, row, col
+    # Only the positions that predict a real response token are read. `max`: a padding
+    # column's clipped index may repeat a real one.
+    real = (attention_mask[:, -response_len:] > 0).astype(jnp.int32)
+    scored = jnp.zeros((shape.buffer_rows, shape.width), jnp.int32).at[row, col].max(real)
+    scored = shd.constrain(scored.reshape(packed.scored.shape), (None, "batch", None))
+    return packed._replace(scored=scored), where, row, col
 
 
 def response_values(per_token_fn: PerToken, mb: dict[str, jax.Array]) -> Any:
@@ -214,6 +271,18 @@ def forward(per_token_fn: PerToken, input_ids: jax.Array, attention_mask: jax.Ar
     out = per_token(per_token_fn, packed, where, shape.span)
     mask = attention_mask[:, -response_len:] > 0
     return jax.tree.map(lambda v: jnp.where(mask, v[row, col], 0), out)
+
+
+def last_tokens(per_token_fn: PerToken, input_ids: jax.Array, attention_mask: jax.Array,
+                shape: PackShape) -> Any:
+    """A pass on packed rows read back at each sequence's last real token [B] (a reward or
+    cost model's score; the packed position of the padded row's last 1 in `attention_mask`)."""
+    where = plan(attention_mask, shape)
+    packed = pack(input_ids, attention_mask, where, shape)
+    out = per_token(per_token_fn, packed, where, shape.span)
+    length = jnp.sum(attention_mask.astype(jnp.int32), axis=1)
+    col = jnp.clip(where.start + length - 1, 0, shape.width - 1)
+    return jax.tree.map(lambda v: v[where.row, col], out)
 
 
 def accumulate_grads(loss_fn: Callable, params: Any, batch: dict[str, jax.Array], totals: dict,
@@ -255,17 +324,21 @@ class TokenBudget:
     (`ppo_micro_batch_size` sequences over the devices), the padded micro-batch's size."""
 
     tokens: int
-    rows: int
+    rows: int  # 0: the whole batch's rows
 
     def shape(self, n_seqs: int, span: int, dp: int, who: str) -> PackShape:
-        budget = self.tokens or max(1, self.rows // dp) * span
+        budget = self.tokens or max(1, (self.rows or n_seqs) // dp) * span
         return pack_shape(n_seqs, span, budget, dp, who)
 
 
 def token_budget(section: Any) -> TokenBudget | None:
-    """The packing setting of an actor or critic config section; None: padded batches
-    (`use_remove_padding` off)."""
+    """The packing setting of a config section; None: padded batches (`use_remove_padding`
+    off). Trained roles (actor, critics) read `ppo_max_token_len_per_gpu` and fall back to
+    `ppo_micro_batch_size` padded rows' worth; forward-only ones (reward and cost models) read
+    `forward_max_token_len_per_gpu` and fall back to the whole batch's padded tokens."""
     if not section.get("use_remove_padding", False):
         return None
+    if "forward_max_token_len_per_gpu" in section:
+        return TokenBudget(int(section.forward_max_token_len_per_gpu), 0)
     return TokenBudget(int(section.get("ppo_max_token_len_per_gpu", 0)),
                        int(section.ppo_micro_batch_size))

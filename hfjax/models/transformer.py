@@ -520,8 +520,17 @@ class ScoreModel(nnx.Module):
         T = input_ids.shape[1]
         last = T - 1 - jnp.argmax(attention_mask[:, ::-1].astype(jnp.int32), axis=1)
         h_last = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]
+        return self._head(h_last)
+
+    def token_scores(self, input_ids, attention_mask=None, **kw):
+        """The score head at every position [B, T] (float32): a packed row's sequences are
+        each read at their own last token (`hfjax.engine.packing.score`)."""
+        hidden, _ = self.model(input_ids, attention_mask, **kw)
+        return self._head(hidden)
+
+    def _head(self, hidden):
         w = self.score[...].astype(hidden.dtype)
-        return jnp.dot(h_last, w, preferred_element_type=jnp.float32)[:, 0]
+        return jnp.dot(hidden, w, preferred_element_type=jnp.float32)[..., 0]
 
 
 HEADS = {"causal_lm": CausalLM, "value": ValueModel, "score": ScoreModel}

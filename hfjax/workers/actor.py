@@ -47,13 +47,17 @@ def response_logprobs(model, input_ids, attention_mask, response_len: int, tempe
 
 
 def packed_logprobs(model, packed: packing.Packed, span: int, temperature: float):
-    """(log-probs, entropy) [G, W] of every packed position's next token in its row, logits
-    divided by temperature (`hfjax.engine.packing`: only response positions are read)."""
+    """(log-probs, entropy) [G, W] of each scored packed position's next token in its row (0
+    elsewhere), logits divided by temperature; only the scored positions (those predicting
+    response tokens) go through the LM head (`hfjax.engine.packing.on_scored`)."""
     hidden, _ = model.model(packed.ids, None, positions=packed.positions,
                             segment_ids=packed.segments, segment_span=span)
-    logits = model.logits(hidden) / temperature
-    labels = packing.next_tokens(packed.ids)
-    return core.logprobs_from_logits(logits, labels), core.entropy_from_logits(logits)
+
+    def head(h, labels):
+        logits = model.logits(h) / temperature
+        return core.logprobs_from_logits(logits, labels), core.entropy_from_logits(logits)
+
+    return packing.on_scored(head, packed.scored, hidden, packing.next_tokens(packed.ids))
 
 
 class Reference(WorkerGroup):

@@ -243,7 +243,8 @@ def _score_builder(role: str, output: str) -> RoleBuilder:
         s = ctx.section(role)
         # A checkpoint without a trained score head is refused (run_config checks it first).
         model = load_score(s.path, what=f"{role}.path", dtype=s.get("dtype", "float32"))
-        return ModelReward(role, ctx.pools[role], s.mesh, model, output=output, home=ctx.home)
+        return ModelReward(role, ctx.pools[role], s.mesh, model, output=output, home=ctx.home,
+                           budget=token_budget(s))
 
     return build
 

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 from hfjax.controller.batch import Batch
 from hfjax.controller.protocol import DP_COMPUTE, method
+from hfjax.engine import packing
 from hfjax.models.transformer import ScoreModel
 from hfjax.numerics import losses
 from hfjax.workers.base import WorkerGroup
@@ -38,7 +39,8 @@ class ModelReward(WorkerGroup):
     """
 
     def __init__(self, name: str, pool, mesh_spec, model, *, output: str = "rm_scores",
-                 sign_coef: float = 0.0, center_coef: float = 0.0, **kw):
+                 sign_coef: float = 0.0, center_coef: float = 0.0,
+                 budget: packing.TokenBudget | None = None, **kw):
         if not isinstance(model, ScoreModel):
             raise ValueError(f"{name}: a {type(model).__name__} has no score head; load the "
                              "checkpoint with hfjax.models.load(path, head='score')")
@@ -46,16 +48,31 @@ class ModelReward(WorkerGroup):
         self.output = output
         self.sign_coef = float(sign_coef)
         self.center_coef = float(center_coef)
+        # Packed rows cut by a token budget (`hfjax.engine.packing`); None: padded batches.
+        self.budget = budget
         self._score = self.jit(self._score_fn)
+        self._packed_score = self.jit(self._packed_score_fn, static_argnums=(3,))
 
     def _score_fn(self, params, input_ids, attention_mask):
         return self.model(params)(input_ids, attention_mask)
 
+    def _packed_score_fn(self, params, input_ids, attention_mask, shape):
+        model = self.model(params)
+
+        def per_token(rows, span):
+            return model.token_scores(rows.ids, None, positions=rows.positions,
+                                      segment_ids=rows.segments, segment_span=span)
+
+        return packing.last_tokens(per_token, input_ids, attention_mask, shape)
+
     @method(DP_COMPUTE, reads=("input_ids", "attention_mask"))
     def compute_score(self, batch: Batch) -> Batch:
         """Batch with the scores [B] under `self.output`, read at each row's last real token."""
-        return Batch({self.output: self._score(self.params, batch["input_ids"],
-                                               batch["attention_mask"])})
+        ids, mask = batch["input_ids"], batch["attention_mask"]
+        if self.budget is None:
+            return Batch({self.output: self._score(self.params, ids, mask)})
+        shape = self.budget.shape(len(batch), ids.shape[1], self.dp_size, self.name)
+        return Batch({self.output: self._packed_score(self.params, ids, mask, shape)})
 
     def _pair_loss(self, params, mb, totals):
         n = mb["chosen_ids"].shape[0]

@@ -317,10 +317,12 @@ def test_safe_rlhf_step(score_dirs):
     cfg.reward_model.path, cfg.cost_model.path = rm, cost
     cfg.reward.rule_weight = 0.0
     cfg.cost_model.reference_fn = "hfjax.data.arith:forbidden_digit_cost"
-    s = cfg.algo.safe_rlhf
+    cfg.cost_model.use_remove_padding = True  # the cost model scores packed rows, the reward
+    s = cfg.algo.safe_rlhf  # model padded ones
     s.cost_threshold, s.lambda_init, s.lambda_lr = 0.0, 1.0, 0.5
     trainer = Trainer(cfg)
     assert trainer.pools["cost_critic"] is trainer.pools["critic"]  # the scoring side
+    assert trainer.workers.cost_model.budget and trainer.workers.reward_model.budget is None
     m = trainer.train_step()
     w = trainer.workers
     assert {"critic", "cost_critic", "reward_model", "cost_model"} <= set(w.built_roles())

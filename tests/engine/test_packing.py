@@ -1,5 +1,5 @@
-"""Packed training batches against padded ones: the same log-probs, values, losses and
-gradients (within float32 rounding), on 1 device and on a data=2,fsdp=2,tensor=2 mesh.
+"""Packed training batches against padded ones: the same log-probs, values, reward-model scores,
+losses and gradients (within float32 rounding), on 1 device and on a data=2,fsdp=2,tensor=2 mesh.
 
 The references are the padded computations, which test_hf_parity.py and test_rl_loop.py check
 against HF transformers and NumPy; the packing layout itself is checked against a loop over the
@@ -9,6 +9,7 @@ of them.
 """
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -21,6 +22,7 @@ from hfjax.models.config import ModelConfig
 from hfjax.parallel.mesh import ResourcePool
 from hfjax.workers.actor import ActorRollout
 from hfjax.workers.critic import Critic
+from hfjax.workers.score import ModelReward
 
 P, R, B = 8, 12, 16
 CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
@@ -65,7 +67,7 @@ def test_layout_matches_a_loop_over_the_sequences():
     where = packing.plan(mask, shape)
     packed = packing.pack(batch["input_ids"], mask, where, shape)
     row, start = np.asarray(where.row), np.asarray(where.start)
-    ids, seg, pos = (np.asarray(x).reshape(-1, shape.width) for x in packed)
+    ids, seg, pos, scored = (np.asarray(x).reshape(-1, shape.width) for x in packed)
     filled = np.zeros(ids.shape, bool)
     for i in range(B):
         real = batch["input_ids"][i][mask[i] > 0]
@@ -75,10 +77,63 @@ def test_layout_matches_a_loop_over_the_sequences():
         assert (seg[row[i], cols] == i + 1).all() and not filled[row[i], cols].any()
         filled[row[i], cols] = True
     assert (seg[~filled] == 0).all()  # nothing else is written
+    np.testing.assert_array_equal(scored, filled)  # every real token's output is read
     used = int(filled.any(axis=1).sum())
     assert filled.any(axis=1)[:used].all()  # the rows in use are a prefix
     assert used < B  # rows hold several sequences
     assert int(where.n_micro) == -(-used // shape.rows) > 1
+
+
+def test_scored_positions_are_those_that_predict_response_tokens():
+    batch = padded_batch(1)
+    mask = batch["attention_mask"]
+    shape = packing.pack_shape(B, P + R, budget=3 * (P + R), dp=2)
+    packed, where, row, col = packing.packed_batch(batch["input_ids"], mask, R, shape)
+    scored = np.asarray(packed.scored).reshape(-1, shape.width)
+    want = np.zeros_like(scored)
+    row, start = np.asarray(where.row), np.asarray(where.start)
+    for i in range(B):
+        plen, rlen = int(mask[i, :P].sum()), int(mask[i, P:].sum())
+        want[row[i], start[i] + plen - 1 : start[i] + plen + rlen - 1] = 1
+    np.testing.assert_array_equal(scored, want)
+
+
+@pytest.mark.parametrize("chunk", [4, 7, 128])
+def test_a_head_on_the_scored_positions_equals_it_on_all(chunk):
+    """`on_scored`: the same outputs and gradients at the scored positions as the head over
+    every position, zeros elsewhere; chunks past the fullest row's count are skipped."""
+    rng = np.random.default_rng(7)
+    g, w, d = 3, 21, 5
+    scored = (rng.random((g, w)) < 0.4).astype(np.int32)
+    scored[2] = 0  # a row with nothing scored
+    x = rng.normal(size=(g, w, d)).astype(np.float32)
+    labels = rng.integers(0, d, (g, w)).astype(np.int32)
+    runs = []
+
+    def head(h, lab, k):
+        jax.debug.callback(lambda: runs.append(1))  # runs only when the chunk is computed
+        lp = jax.nn.log_softmax(h * k, axis=-1)
+        return jnp.take_along_axis(lp, lab[..., None], axis=-1)[..., 0], jnp.sum(h * h, -1)
+
+    def on_scored(k):
+        return packing.on_scored(lambda h, lab: head(h, lab, k), jnp.asarray(scored), x, labels,
+                                 chunk=chunk)
+
+    got = jax.block_until_ready(on_scored(1.5))
+    jax.effects_barrier()
+    # Chunks computed: those holding the fullest row's scored positions, no more.
+    assert len(runs) == -(-int(scored.sum(1).max()) // chunk)
+    if chunk == 4:
+        assert len(runs) < -(-w // chunk)  # some were skipped
+    want = head(x, labels, 1.5)
+    m = scored > 0
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(np.asarray(a)[m], np.asarray(b)[m], rtol=1e-6)
+        assert (np.asarray(a)[~m] == 0).all()
+    grad = jax.grad(lambda k: sum(jnp.sum(o) for o in on_scored(k)))(1.5)
+    want_grad = jax.grad(
+        lambda k: sum(jnp.sum(jnp.where(m, o, 0)) for o in head(x, labels, k)))(1.5)
+    np.testing.assert_allclose(float(grad), float(want_grad), rtol=1e-5)
 
 
 def test_a_budget_below_one_sequence_is_refused():
@@ -252,6 +307,29 @@ def test_actor_and_critic_updates_equal_the_padded_ones(model, mesh, budget):
         np.testing.assert_allclose(float(metrics[1][k]), float(metrics[0][k]), rtol=1e-4, err_msg=k)
     for a, b in zip(jax.tree.leaves(critics[1].params), jax.tree.leaves(critics[0].params)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5)
+
+
+# The whole batch's tokens (0), two sequences' worth and six (banded attention).
+SCORE_BUDGETS = {"whole": 0, **BUDGETS}
+
+
+@pytest.mark.parametrize("budget", list(SCORE_BUDGETS))
+@pytest.mark.parametrize("mesh", list(MESHES), ids=list(MESHES))
+def test_reward_model_scores_equal_the_padded_ones(mesh, budget):
+    """A reward model scores each sequence at its last real token, packed or padded."""
+    batch = padded_batch(5)
+    spec = MESHES[mesh]
+    scores = []
+    for remove_padding in (False, True):
+        s = ppo_arith.get_config().reward_model
+        s.use_remove_padding = remove_padding
+        s.forward_max_token_len_per_gpu = SCORE_BUDGETS[budget]
+        rm = ModelReward("reward_model", _pool(spec), spec,
+                         transformer.build(CFG, "score", seed=6), budget=packing.token_budget(s))
+        assert (rm.budget is None) != remove_padding
+        scores.append(np.asarray(rm.compute_score(batch)["rm_scores"]))
+    assert scores[0].shape == (B,) and np.abs(scores[0]).max() > 1e-3  # a head that is not zero
+    np.testing.assert_allclose(scores[1], scores[0], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.slow
