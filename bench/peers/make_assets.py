@@ -2,6 +2,7 @@
 
     python bench/peers/make_assets.py tiny      # in the TRL venv: torch + transformers
     python bench/peers/make_assets.py smollm2   # after launch.convert wrote <dir>/model
+    python bench/peers/make_assets.py smollm2_natural  # hfjax's python (reasoning_gym), ditto
 
 tiny: a Qwen2ForCausalLM drawn by transformers' own initialiser under torch.manual_seed(0)
 (f32, one model.safetensors), a word-level tokenizer "<pad> <eos> <unk> t3 ... t1023" saved as
@@ -10,8 +11,16 @@ tokenizer.json + tokenizer_config.json, and 16 prompts of 32 random words.
 smollm2: 8 prompts of 32 tokens, BOS then 31 tokens drawn from SmolLM2's vocabulary among those
 that are a space and a lowercase word, kept only when the text tokenizes back to those ids.
 
+smollm2_natural: 8 reasoning-gym gsm_symbolic questions (seed 0), each with hfjax's GSM
+instruction to end with the answer after "####" (`hfjax.data.prepare.make_splits`, the rows
+the GRPO recipe trains on), rendered as text by SmolLM2's own chat template with the
+generation prompt: the default system turn, the user turn, then `<|im_start|>assistant\n`.
+The text starts with `<|im_start|>`, SmolLM2's BOS, so Tunix's BOS prepending (which drops a
+duplicate) leaves the ids as they are.
+
 prompts.json holds each prompt's text and its token ids; every runner checks that its own
-tokenization of the text gives these ids.
+tokenization of the text gives these ids. The assets follow the workload's defaults: the
+PEERS_PROMPTS / PEERS_NEW_TOKENS debug overrides only cut what the runners read.
 """
 
 from __future__ import annotations
@@ -109,14 +118,35 @@ def make_smollm2(w: workload.Workload) -> None:
     _write_prompts(w, texts, ids)
 
 
+def make_natural(w: workload.Workload) -> None:
+    from transformers import PreTrainedTokenizerFast
+
+    from hfjax.data.prepare import make_splits
+
+    tok = PreTrainedTokenizerFast.from_pretrained(w.model_dir)
+    if not tok.chat_template:
+        raise SystemExit(f"{w.model_dir}: the tokenizer has no chat template")
+    rows, _ = make_splits("gsm_symbolic", w.prompts, 0, seed=w.seed)
+    texts = [tok.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=False)
+             for r in rows]
+    ids = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+    for t, row in zip(texts, ids):
+        # TRL tokenizes with special tokens on, hfjax with them off; both must give `row`, and
+        # the row must start with BOS for Tunix (module docstring).
+        if tok(t)["input_ids"] != row or row[0] != tok.bos_token_id:
+            raise AssertionError(f"{t[:60]!r}...: ids differ with special tokens, or no BOS")
+    _write_prompts(w, texts, ids)
+
+
 def main() -> None:
     name = sys.argv[1]
-    w = workload.get(name)
-    if os.path.exists(os.path.join(w.dir, "prompts.json")):
+    workload.get(name)  # checks the name
+    w = workload.WORKLOADS[name]
+    if os.path.exists(w.prompts_path):
         print(f"{w.dir}: assets already there")
         return
     os.makedirs(w.dir, exist_ok=True)
-    {"tiny": make_tiny, "smollm2": make_smollm2}[name](w)
+    {"tiny": make_tiny, "smollm2": make_smollm2, "smollm2_natural": make_natural}[name](w)
     print(f"{w.dir}: wrote model, tokenizer and {w.prompts} prompts")
 
 

@@ -4,7 +4,9 @@
 #
 #   bash bench/peers/run.sh                # tiny workload, then SmolLM2-135M
 #   PEERS_WORKLOADS=tiny bash bench/peers/run.sh
+#   PEERS_WORKLOADS=smollm2_natural ...    # SmolLM2 on gsm_symbolic chat prompts, EOS stop
 #   PEERS_WARMUP=1 PEERS_TIMED=1 ...       # quick smoke run (fewer steps)
+#   PEERS_PROMPTS=2 PEERS_NEW_TOKENS=16 ...  # debug run: fewer prompts, fewer new tokens
 #   PEERS_PRECISION=bf16 ...               # bf16 compute over f32 weights, every framework
 #
 # The peers get their own virtual environments under bench/peers/.venvs/ (git-ignored, created
@@ -63,12 +65,18 @@ make_venvs() {
 }
 
 make_assets() {  # $1: workload
-  if [ "$1" = smollm2 ] && [ ! -f bench/out/peers/smollm2/model/model.safetensors ]; then
-    local gguf
-    gguf=$("$PY" -c "from hfjax.models.smollm2 import smollm2_gguf_path as p; print(p())")
-    "$PY" -m launch.convert --src="$gguf" --dst=bench/out/peers/smollm2/model 2>/dev/null
-  fi
-  "$TRL_PY" bench/peers/make_assets.py "$1"
+  case "$1" in smollm2 | smollm2_natural)
+    if [ ! -f "bench/out/peers/$1/model/model.safetensors" ]; then
+      local gguf
+      gguf=$("$PY" -c "from hfjax.models.smollm2 import smollm2_gguf_path as p; print(p())")
+      "$PY" -m launch.convert --src="$gguf" --dst="bench/out/peers/$1/model" 2>/dev/null
+    fi
+  esac
+  case "$1" in
+    # Natural-length prompts come from reasoning_gym and hfjax's task rows: hfjax's Python.
+    *_natural) "$PY" bench/peers/make_assets.py "$1" ;;
+    *) "$TRL_PY" bench/peers/make_assets.py "$1" ;;
+  esac
 }
 
 run_one() {  # $1: framework, $2: python, $3: workload

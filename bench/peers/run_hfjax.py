@@ -7,6 +7,15 @@ classes the trainer builds (an `ActorRollout` with its KV-cache `Sampler`, no re
 one change of parts: the reward, "fraction of even token ids", is a jitted function of the
 response tokens on the device instead of the text-decoding `RuleReward`.
 
+On natural lengths (`smollm2_natural`) the actor is built as hfjax's trainer builds it for
+such a run (`hfjax.workers.groups.build_actor`): responses stop at the tokenizer's EOS, the
+prompts go in left-padded with their prompt_mask, and the two features for real tokens only
+are on: continuous batching (`rollout.mode="continuous"`, the config defaults: one slot per
+sample, refills every 8 steps, with the drain) and packed training batches
+(`actor.use_remove_padding`, a token budget of `ppo_micro_batch_size` padded rows' worth).
+`PEERS_HFJAX_LAYOUT=padded` runs the same workload on the static engine and padded batches
+instead (its result then goes to result_hfjax_padded.json), for the comparison.
+
 Step time is the wall time of one driver call plus the step's one host fetch of metrics;
 stages are the driver's own `timing_s/*` (synchronised, so each is that stage's time).
 The machine's f32 matmul peak is measured in this process with a large `jnp.dot`.
@@ -63,6 +72,15 @@ class EvenReward:
                                                         batch["response_mask"])})
 
 
+def layout() -> str:
+    """"real_only" (continuous batching + packed batches, on natural workloads) or "padded"
+    (`PEERS_HFJAX_LAYOUT=padded`)."""
+    value = os.environ.get("PEERS_HFJAX_LAYOUT", "real_only")
+    if value not in ("real_only", "padded"):
+        raise SystemExit(f"PEERS_HFJAX_LAYOUT={value!r}; use real_only or padded")
+    return value
+
+
 def build(w: workload.Workload):
     """(actor, workers, cfg, host prompt batch) for the workload."""
     import jax
@@ -71,7 +89,7 @@ def build(w: workload.Workload):
 
     import hfjax.models as M
     from hfjax.controller.batch import Batch
-    from hfjax.engine.sampler import Sampler
+    from hfjax.engine.continuous import rollout_sampler
     from hfjax.engine.update import make_optimizer
     from hfjax.numerics.losses import FixedKLController
     from hfjax.parallel.mesh import ResourcePool
@@ -85,16 +103,19 @@ def build(w: workload.Workload):
         raise AssertionError("hfjax's tokenizer encodes a prompt differently from prompts.json")
     pad = tok.pad_id if tok.pad_id is not None else tok.eos_id
 
+    real_only = w.natural and layout() == "real_only"
     cfg = config_dict.ConfigDict()
     cfg.actor = config_dict.ConfigDict(dict(
         ppo_mini_batch_size=w.prompts, ppo_micro_batch_size=w.micro_batch, ppo_epochs=1,
         shuffle=False, policy_loss="vanilla", clip_ratio=w.clip, clip_ratio_low=w.clip,
         clip_ratio_high=w.clip, clip_ratio_c=3.0, loss_agg_mode="seq-mean-token-mean",
         entropy_coeff=0.0, use_kl_loss=False, kl_loss_coef=0.0, kl_loss_type="low_var_kl",
+        use_remove_padding=real_only, ppo_max_token_len_per_gpu=0,
     ))
     cfg.rollout = config_dict.ConfigDict(dict(
         n=w.samples, temperature=w.temperature, top_k=0, top_p=1.0, min_p=0.0,
-        response_length=w.new_tokens,
+        response_length=w.new_tokens, mode="continuous" if real_only else "static",
+        slots=0, refill_every=8, min_slots=0, max_cache_len=0,
     ))
     cfg.algo = config_dict.ConfigDict(dict(
         adv_estimator="grpo", gamma=1.0, lam=1.0, norm_adv_by_std_in_grpo=True,
@@ -107,16 +128,23 @@ def build(w: workload.Workload):
     # then filled slice by slice) cost about 8% of the update. Compile time grows with depth.
     compute = "bfloat16" if w.precision == "bf16" else "float32"
     model = M.load(w.model_dir, scan_layers=False, dtype=compute, param_dtype="float32")
-    sampler = Sampler(model, mesh=pool.mesh(spec), max_prompt_len=w.prompt_len, pad_id=pad,
-                      rules=None)
+    sampler = rollout_sampler(model, cfg.rollout, mesh=pool.mesh(spec),
+                              max_prompt_len=w.prompt_len, pad_id=pad, rules=None)
+    # Fixed lengths: no stop token, every response runs to new_tokens.
+    eos_ids = (tok.eos_id,) if w.natural else ()
     actor = ActorRollout(
         "actor", pool, spec, model, sampler=sampler, actor_cfg=cfg.actor,
-        rollout_cfg=cfg.rollout, optimizer=make_optimizer(w.lr, grad_clip=0.0), eos_ids=(),
+        rollout_cfg=cfg.rollout, optimizer=make_optimizer(w.lr, grad_clip=0.0), eos_ids=eos_ids,
     )
     workers = WorkerGroups(actor=actor, reward=EvenReward(), kl_ctrl=FixedKLController(0.0),
                            sync_timing=True)
-    prompts = np.asarray(ids, np.int32)
-    batch = Batch({"prompts": prompts, "prompt_mask": np.ones_like(prompts),
+    # Left-padded to the longest prompt (all the same length on fixed-length workloads).
+    prompts = np.full((w.prompts, w.prompt_len), pad, np.int32)
+    mask = np.zeros_like(prompts)
+    for row, p in enumerate(ids):
+        prompts[row, w.prompt_len - len(p):] = p
+        mask[row, w.prompt_len - len(p):] = 1
+    batch = Batch({"prompts": prompts, "prompt_mask": mask,
                    "seeds": np.arange(w.prompts, dtype=np.int32)})
     return actor, workers, cfg, batch
 
@@ -164,7 +192,7 @@ def main() -> None:
                       "optax": md.version("optax")},
          "matmul_peak_flops": peak},
     )
-    workload.write_result(w, "hfjax", record)
+    workload.write_result(w, "hfjax" if layout() == "real_only" else "hfjax_padded", record)
 
 
 if __name__ == "__main__":

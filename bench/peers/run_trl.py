@@ -5,9 +5,15 @@
 TRL's GRPO defaults that differ from the workload are overridden: bf16 -> the workload's
 precision (f32, or bf16 autocast over f32 weights with PEERS_PRECISION=bf16), gradient
 checkpointing off, loss_type "dapo" -> "grpo" (per-sequence token mean), max_grad_norm 1.0 ->
-0 (no clipping), linear LR decay -> constant, and min_new_tokens = max_new_tokens so that no
-completion stops early. With one generation per optimizer step and num_iterations=1 TRL skips
-the old-policy log-prob pass (the ratio's denominator is the detached current log-prob).
+0 (no clipping), linear LR decay -> constant, and, on fixed lengths, min_new_tokens =
+max_new_tokens so that no completion stops early. On natural lengths completions stop at the
+tokenizer's EOS (TRL's default stop; SmolLM2's pad is the same `<|im_end|>`, harmless here, as
+TRL builds its masks from lengths, not from pad ids). With one generation per optimizer step
+and num_iterations=1 TRL skips the old-policy log-prob pass (the ratio's denominator is the
+detached current log-prob).
+
+A completion's length counts its tokens up to and including the stop token (TRL's
+completion_mask), the prompt's its real tokens (prompt_mask): no padding.
 
 Step time is the wall time between consecutive optimizer-step ends (generation, reward,
 advantage, forward/backward, Adam); "gen" is `GRPOTrainer._generate` (tokenize + sample).
@@ -60,7 +66,7 @@ def main() -> None:
         num_generations=w.samples,
         num_iterations=1,
         max_completion_length=w.new_tokens,
-        generation_kwargs={"min_new_tokens": w.new_tokens},
+        generation_kwargs=None if w.natural else {"min_new_tokens": w.new_tokens},
         temperature=w.temperature,
         top_p=1.0,
         top_k=0,

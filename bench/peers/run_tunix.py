@@ -9,10 +9,19 @@ Set-up notes (each one changes what Tunix does, not how fast it is allowed to be
 - sampling needs `top_p=1.0`: `top_p=None` selects greedy decoding;
 - batch sizes count prompts; `rollout_micro_batch_size` is set to the whole batch so that the
   64 sequences are generated in one call rather than in chunks;
-- the stop token is an id outside the vocabulary, so every completion has exactly 64 tokens
-  (Tunix has no min_new_tokens);
+- fixed lengths: the stop token is an id outside the vocabulary, so every completion has
+  exactly 64 tokens (Tunix has no min_new_tokens); natural lengths: the tokenizer's EOS;
+- Tunix derives its masks from `ids != pad_id` (the sampler's attention and the training
+  batch's prompt and completion masks), so the pad token must not occur in a prompt.
+  SmolLM2's pad is its `<|im_end|>`, which every chat prompt holds (end of the system and user
+  turns); natural-length workloads therefore pad with `<|endoftext|>` (its unk token) instead;
 - actor and rollout share one mesh, hence one model: no weight copy between them;
 - num_iterations=1 and beta=0: no old-policy or reference log-prob passes.
+
+Tunix cuts each completion before its stop token (it neither returns nor trains on it); the
+recorded response lengths and token counts add the stop token back where a completion stopped
+before the cap, so that they count what TRL and hfjax count: every sampled token. Prompt
+tokens are counted without Tunix's left padding (prompts of natural lengths differ).
 
 The reward reads the sampled token ids (kept from the rollout output) rather than re-encoding
 the decoded text, so it scores exactly the tokens that were generated.
@@ -88,12 +97,16 @@ def main() -> None:
         raise SystemExit(f"the workload runs on 1 CPU device; found {jax.device_count()}")
     texts, expected_ids = w.load_prompts()
     tok = transformers.PreTrainedTokenizerFast.from_pretrained(w.model_dir)
-    if tok.pad_token is None:
+    if w.natural:
+        tok.pad_token = tok.unk_token  # never in a prompt (module docstring)
+    elif tok.pad_token is None:
         tok.pad_token = tok.eos_token
     for t, ids in zip(texts, expected_ids):
         if tok.encode(t) != ids:
             raise AssertionError("Tunix's tokenizer encodes a prompt differently from prompts.json")
-    vocab = w.model_config()["vocab_size"]
+        if tok.pad_token_id in ids:
+            raise AssertionError(f"the pad token {tok.pad_token!r} occurs in a prompt")
+    stop = tok.eos_token_id if w.natural else w.model_config()["vocab_size"]
 
     mesh = jax.make_mesh((1, 1), ("fsdp", "tp"), axis_types=(AxisType.Auto, AxisType.Auto))
     model = build_model(w, mesh)
@@ -105,7 +118,7 @@ def main() -> None:
         temperature=w.temperature,
         top_p=1.0,
         top_k=None,
-        eos_tokens=[vocab],
+        eos_tokens=[stop],
         seed=w.seed,
     )
     training = rl_cluster_lib.RLTrainingConfig(
@@ -140,11 +153,17 @@ def main() -> None:
         gen.append(time.perf_counter() - t0)
         sampled[:] = [np.asarray(t) for t in out.tokens]
         prompts = np.asarray(out.left_padded_prompt_tokens)
-        want = np.repeat(np.asarray(expected_ids), w.samples, axis=0)
-        if prompts.shape != want.shape or (prompts != want).any():
+        want = [ids for ids in expected_ids for _ in range(w.samples)]
+        if prompts.shape != (len(want), w.prompt_len) or any(
+            row[len(row) - len(ids):].tolist() != ids
+            or (row[:len(row) - len(ids)] != tok.pad_token_id).any()
+            for row, ids in zip(prompts, want)
+        ):
             raise AssertionError("Tunix's rollout saw prompt ids other than prompts.json")
-        tokens.append(int(prompts.size + sum(len(t) for t in sampled)))
-        lengths.extend(len(t) for t in sampled)
+        # The stop token, cut by Tunix, counted back where a completion stopped early.
+        n = [len(t) + (len(t) < w.new_tokens) for t in sampled]
+        tokens.append(sum(map(len, want)) + sum(n))
+        lengths.extend(n)
         return out
 
     pending = [0.0]  # this step's training time: one update_actor call per micro-batch
