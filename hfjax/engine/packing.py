@@ -142,6 +142,13 @@ def pack(input_ids: jax.Array, attention_mask: jax.Array, where: Placement,
                   (segments > 0).astype(jnp.int32))
 
 
+def apply(model_fn: Callable[..., Any], rows: Packed, span: int) -> Any:
+    """`model_fn` (a model's call, its backbone's, or a head's method) on packed rows: token ids
+    with their segment ids and per-segment positions, attention banded to `span`."""
+    return model_fn(rows.ids, None, positions=rows.positions, segment_ids=rows.segments,
+                    segment_span=span)
+
+
 def micro_batch(packed: Packed, i: jax.Array) -> Packed:
     """Packed micro-batch i: [G, W] arrays."""
     return Packed(*(jax.lax.dynamic_index_in_dim(x, i, 0, keepdims=False) for x in packed))

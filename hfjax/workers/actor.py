@@ -50,8 +50,7 @@ def packed_logprobs(model, packed: packing.Packed, span: int, temperature: float
     """(log-probs, entropy) [G, W] of each scored packed position's next token in its row (0
     elsewhere), logits divided by temperature; only the scored positions (those predicting
     response tokens) go through the LM head (`hfjax.engine.packing.on_scored`)."""
-    hidden, _ = model.model(packed.ids, None, positions=packed.positions,
-                            segment_ids=packed.segments, segment_span=span)
+    hidden, _ = packing.apply(model.model, packed, span)
 
     def head(h, labels):
         logits = model.logits(h) / temperature

@@ -40,8 +40,7 @@ class Critic(WorkerGroup):
     def _packed_fn(self, params):
         """(packed rows, span) -> values [G, W] under `params`."""
         model = self.model(params)
-        return lambda rows, span: model(rows.ids, None, positions=rows.positions,
-                                        segment_ids=rows.segments, segment_span=span)
+        return lambda rows, span: packing.apply(model, rows, span)
 
     def _packed_values_fn(self, params, input_ids, attention_mask, response_len, shape):
         return packing.forward(self._packed_fn(params), input_ids, attention_mask,

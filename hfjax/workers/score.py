@@ -57,13 +57,9 @@ class ModelReward(WorkerGroup):
         return self.model(params)(input_ids, attention_mask)
 
     def _packed_score_fn(self, params, input_ids, attention_mask, shape):
-        model = self.model(params)
-
-        def per_token(rows, span):
-            return model.token_scores(rows.ids, None, positions=rows.positions,
-                                      segment_ids=rows.segments, segment_span=span)
-
-        return packing.last_tokens(per_token, input_ids, attention_mask, shape)
+        scores = self.model(params).token_scores
+        return packing.last_tokens(lambda rows, span: packing.apply(scores, rows, span),
+                                   input_ids, attention_mask, shape)
 
     @method(DP_COMPUTE, reads=("input_ids", "attention_mask"))
     def compute_score(self, batch: Batch) -> Batch:
