@@ -35,6 +35,9 @@ flags.DEFINE_integer("cap", 256, "response columns (the cap)")
 flags.DEFINE_float("at_cap", 0.58, "fraction of responses stopped at the cap")
 flags.DEFINE_integer("repeats", 2, "timed runs per pass (the best is reported)")
 flags.DEFINE_list("layouts", ["padded", "packed"], "which layouts to run")
+flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "compute dtype (weights: float32)")
+flags.DEFINE_enum("remat", "none", ["none", "full", "dots", "dots_no_batch"],
+                  "model.remat_policy: what the backward pass recomputes")
 FLAGS = flags.FLAGS
 
 
@@ -93,7 +96,8 @@ def main(_) -> None:
     for packed in (False, True):
         if ("packed" if packed else "padded") not in FLAGS.layouts:
             continue
-        model = M.load(str(smollm2_gguf_path()), dtype="float32")
+        model = M.load(str(smollm2_gguf_path()), dtype=FLAGS.dtype, param_dtype="float32",
+                       remat_policy=FLAGS.remat)
         a = actor(model, packed, FLAGS.rows, FLAGS.micro, FLAGS.cap)
         name = "packed" if packed else "padded"
         for stage, fn in (("log_prob", lambda a=a: a.compute_log_prob(batch).arrays),

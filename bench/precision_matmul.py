@@ -8,7 +8,8 @@ accumulation and result (the LM head's form, `preferred_element_type=float32`), 
 cast back to bfloat16 (what a bf16 layer uses, hfjax.models.transformer.matmul). Prints median
 GFLOP/s per form and the best bf16 form over f32; then the forward, weight-gradient and
 input-gradient layouts of a 2048-row matmul (the backward pass's dots have a transposed
-operand); then one JSON line. Run on an idle machine: the figures are medians of `--trials`
+operand), each gradient written plainly and in the form hfjax's matmul uses; then one JSON
+line. Run on an idle machine: the figures are medians of `--trials`
 timings, each at least `--min_time_s` long.
 """
 
@@ -23,6 +24,7 @@ import numpy as np
 from absl import app, flags
 
 from hfjax.models import precision
+from hfjax.models.transformer import dot_form
 
 _TRIALS = flags.DEFINE_integer("trials", 7, "timings per shape and dtype (the median is kept)")
 _MIN_TIME = flags.DEFINE_float("min_time_s", 0.3, "each timing repeats the matmul this long")
@@ -41,12 +43,20 @@ FORMS = {
 }
 
 
-# Where the backward pass's dots put their transposes, for x [M, K], w [K, N], g [M, N]:
-# the forward x @ w, the weight gradient x.T @ g and the input gradient g @ w.T.
+# Where the backward pass's dots put their transposes, for x [M, K], w [K, N], g [M, N]: the
+# forward x @ w, the weight gradient x.T @ g and the input gradient g @ w.T, each written
+# plainly and in the form hfjax's matmul uses (hfjax.models.transformer.dot_form).
 LAYOUTS = {
-    "forward x@w": lambda m, k, n: ((m, k), (k, n), lambda a, b: (a, b)),
-    "weight grad x.T@g": lambda m, k, n: ((m, k), (m, n), lambda a, b: (a.T, b)),
-    "input grad g@w.T": lambda m, k, n: ((m, n), (k, n), lambda a, b: (a, b.T)),
+    "forward x@w": lambda m, k, n: ((m, k), (k, n), lambda a, b, acc: jnp.dot(
+        a, b, preferred_element_type=acc)),
+    "weight grad x.T@g": lambda m, k, n: ((m, k), (m, n), lambda a, b, acc: jnp.dot(
+        a.T, b, preferred_element_type=acc)),
+    "weight grad, hfjax": lambda m, k, n: ((m, k), (m, n), lambda a, b, acc: dot_form(
+        a, b, "aTb")),
+    "input grad g@w.T": lambda m, k, n: ((m, n), (k, n), lambda a, b, acc: jnp.dot(
+        a, b.T, preferred_element_type=acc)),
+    "input grad, hfjax": lambda m, k, n: ((m, n), (k, n), lambda a, b, acc: dot_form(
+        a, b, "abT")),
 }
 
 
@@ -56,13 +66,12 @@ def gflops(m: int, k: int, n: int, dtype, acc_dtype, cast_dtype,
     the operands' dtype) and cast to `cast_dtype` (None: left as is), with the operands
     transposed as in `layout`."""
     rng = np.random.default_rng(0)
-    a_shape, b_shape, arrange = LAYOUTS[layout](m, k, n)
+    a_shape, b_shape, product = LAYOUTS[layout](m, k, n)
     a = jnp.asarray(rng.standard_normal(a_shape, np.float32), dtype)
     b = jnp.asarray(rng.standard_normal(b_shape, np.float32), dtype)
 
     def mm(x, y):
-        x, y = arrange(x, y)
-        out = jnp.dot(x, y, preferred_element_type=acc_dtype)
+        out = product(x, y, acc_dtype)
         return out if cast_dtype is None else out.astype(cast_dtype)
 
     f = jax.jit(mm)

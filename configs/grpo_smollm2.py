@@ -18,7 +18,13 @@ from configs import grpo_arith
 def get_config():
     c = grpo_arith.get_config()
     c.model.path = _default_weights()
-    c.model.dtype = "float32"
+    # bfloat16 compute where it pays (GPUs, TPUs, CPUs with AMX), float32 elsewhere.
+    c.model.dtype = "auto"
+    # Recompute in the backward pass everything but the projections' outputs: on XLA:CPU the
+    # scanned layers' stacked residuals (attention scores, MLP activations) cost more to store
+    # and read back than to recompute, and peak memory halves (docs/benchmarks.md, "Training
+    # stages in the GRPO recipe").
+    c.model.remat_policy = "dots_no_batch"
     c.data.task = "parquet"
     c.data.train_batch_size = 4
     c.data.max_prompt_length = 256

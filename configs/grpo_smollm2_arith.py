@@ -15,8 +15,8 @@ model's chat template.
 untuned model (as configs/grpo_arith.py). The reward is the response's last number against the
 answer (configs/last_number_reward.py): the untuned model rarely writes the "####" that
 reasoning-gym's scorer reads, and scores 0.095 greedy on the 200 held-out problems this way.
-`model.dtype=auto` computes in bfloat16 on GPUs, TPUs and CPUs with AMX (SmolLM2's hidden size
-is 576), float32 elsewhere.
+`model.dtype=auto` (from configs/grpo_smollm2.py) computes in bfloat16 on GPUs, TPUs and CPUs
+with AMX (SmolLM2's hidden size is 576), float32 elsewhere.
 """
 
 from configs import grpo_smollm2
@@ -24,7 +24,6 @@ from configs import grpo_smollm2
 
 def get_config():
     c = grpo_smollm2.get_config()
-    c.model.dtype = "auto"
     c.data.train_files = "data/chain_sum/train.parquet"
     c.data.val_files = "data/chain_sum/test.parquet"
     c.reward.custom_fn = "configs/last_number_reward.py:last_number"

@@ -43,7 +43,7 @@ from hfjax.parallel import mesh as mesh_lib
 
 class LayerCache(NamedTuple):
     """One layer's keys [rows, kv_heads, head_dim, slots] and values [rows, kv_heads, slots,
-    head_dim]."""
+    head_dim], kept in `storage_dtype` of the compute dtype."""
 
     k: jax.Array
     v: jax.Array
@@ -79,19 +79,42 @@ def cache_from_prefill(cache: KVCache, n: int, new_slots: int) -> tuple[LayerCac
     Rows are repeated n times (row b * n + j is sample j of prompt b) and `new_slots` empty
     slots are appended after the P prompt slots. Returns one LayerCache per layer, keys
     [B * n, kv_heads, head_dim, P + new_slots] and values [B * n, kv_heads, P + new_slots,
-    head_dim].
+    head_dim], in their storage dtype.
     """
 
     def convert(x: jax.Array, order: tuple[int, ...]) -> jax.Array:  # from [B, P, K, H]
         x = jnp.repeat(x, n, axis=0) if n > 1 else x
         x = jnp.transpose(x, order)
         slot_axis = order.index(1)
+        x = x.astype(storage_dtype(x.dtype))
         return jnp.pad(x, [(0, new_slots if a == slot_axis else 0) for a in range(4)])
 
     return tuple(
         LayerCache(convert(cache.k[i], (0, 2, 3, 1)), convert(cache.v[i], (0, 2, 1, 3)))
         for i in range(cache.k.shape[0])
     )
+
+
+def storage_dtype(dtype) -> jnp.dtype:
+    """The dtype a decode cache of `dtype` keys and values is kept in: `dtype`, except 16-bit
+    floats on CPU, which are kept in float32.
+
+    XLA:CPU computes 16-bit floats in float32: a bfloat16 cache's slice update becomes the
+    whole buffer converted to float32, updated and converted back (a copy of the cache per
+    layer per decode step), and the attention products convert the cache to float32 again. A
+    float32 cache is updated in place and read as it is; attention then runs in float32, as
+    XLA:CPU would run it anyway.
+    """
+    dtype = jnp.dtype(dtype)
+    if dtype.itemsize == 2 and jnp.issubdtype(dtype, jnp.floating) and (
+            jax.default_backend() == "cpu"):
+        return jnp.dtype(jnp.float32)
+    return dtype
+
+
+def write(cache: jax.Array, x: jax.Array, at: tuple[jax.Array, ...]) -> jax.Array:
+    """`cache` with x (cast to the cache's dtype) written at index `at`."""
+    return jax.lax.dynamic_update_slice(cache, x.astype(cache.dtype), at)
 
 
 def _layer(
@@ -116,25 +139,19 @@ def _layer(
     if slot.ndim == 0:
         zero = jnp.int32(0)
         # k, v are [R, 1, kv_heads, head_dim]: keys go in as [R, kv_heads, head_dim, 1].
-        ck = jax.lax.dynamic_update_slice(
-            kv.k, jnp.transpose(k, (0, 2, 3, 1)).astype(kv.k.dtype), (zero, zero, zero, slot)
-        )
-        cv = jax.lax.dynamic_update_slice(
-            kv.v, jnp.swapaxes(v, 1, 2).astype(kv.v.dtype), (zero, zero, slot, zero)
-        )
+        ck = write(kv.k, jnp.transpose(k, (0, 2, 3, 1)), (zero, zero, zero, slot))
+        cv = write(kv.v, jnp.swapaxes(v, 1, 2), (zero, zero, slot, zero))
     else:
         # One slot per row (continuous batching: rows are at different token indices). The
         # row-wise slice update becomes a scatter whose rows are a batching dimension, so on a
         # data-parallel mesh each device writes its own rows with no communication.
-        def put(c, x, at):
-            return jax.lax.dynamic_update_slice(c, x.astype(c.dtype), at)
-
         zero = jnp.zeros_like(slot)
-        ck = jax.vmap(put)(kv.k, jnp.transpose(k, (0, 2, 3, 1)), (zero, zero, slot))
-        cv = jax.vmap(put)(kv.v, jnp.swapaxes(v, 1, 2), (zero, slot, zero))
+        ck = jax.vmap(write)(kv.k, jnp.transpose(k, (0, 2, 3, 1)), (zero, zero, slot))
+        cv = jax.vmap(write)(kv.v, jnp.swapaxes(v, 1, 2), (zero, slot, zero))
 
     qg = q[:, 0].reshape(rows, kv_heads, group, 1, head_dim)
-    out = attend(qg, ck.astype(dt), cv.astype(dt), valid[:, None, None, None, :])
+    # Attention in the cache's dtype (`storage_dtype`), its output back in the compute dtype.
+    out = attend(qg.astype(ck.dtype), ck, cv, valid[:, None, None, None, :]).astype(dt)
     # Heads flattened in (kv_head, group) order, which is the query-head order.
     attn = out.reshape(rows, 1, cfg.num_heads, head_dim)
     return layer_output(cfg, p, h, attn), LayerCache(ck, cv)

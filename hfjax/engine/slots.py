@@ -23,6 +23,7 @@ from hfjax.engine.decode import (
     cache_from_prefill,
     decode_step,
     split_layers,
+    storage_dtype,
 )
 from hfjax.engine.sampling import GenerateOutput, Knobs, select_tokens
 from hfjax.models.config import ModelConfig
@@ -265,12 +266,12 @@ def _step(model, layers, plan: Plan, x: _Inputs, shardings, s: _Slots) -> _Slots
 def _init(model, plan: Plan, x: _Inputs) -> _State:
     cfg = model.config
     slots, cols, new = plan.slots, plan.columns, plan.new_bucket
-    dt = cfg.jnp_dtype
+    stored = storage_dtype(cfg.jnp_dtype)
     kv, hd = cfg.num_kv_heads, cfg.head_dim
 
     def layer(rows: int, width: int) -> LayerCache:
         return LayerCache(
-            jnp.zeros((rows, kv, hd, width), dt), jnp.zeros((rows, kv, width, hd), dt)
+            jnp.zeros((rows, kv, hd, width), stored), jnp.zeros((rows, kv, width, hd), stored)
         )
 
     rows_out = plan.prompts * plan.n

@@ -47,9 +47,10 @@ COMPUTE_DTYPES = ("float32", "bfloat16", "auto")
 
 
 # The smallest hidden size at which `auto` picks bfloat16 on a CPU with AMX. Measured on an
-# Intel Xeon with amx_bf16 (docs/benchmarks.md, "Mixed precision in the trainer"): bfloat16
-# compute made SmolLM2-135M (hidden 576) decode 1.24x and its GRPO step 1.10x faster, and the
-# default task's model (hidden 128) 0.94x as fast, its matmuls too small to repay the casts.
+# Intel Xeon with amx_bf16 (docs/benchmarks.md, "Mixed precision in the trainer" and "Training
+# stages in the GRPO recipe"): bfloat16 compute made SmolLM2-135M (hidden 576) decode 1.47x and
+# its gsm_symbolic GRPO step 1.41x faster, and the default task's model (hidden 128) 0.94x as
+# fast, its matmuls too small to repay the casts.
 AMX_MIN_HIDDEN = 512
 
 

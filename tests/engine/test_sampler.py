@@ -446,3 +446,31 @@ def test_bad_prompts(llama):
     with pytest.raises(ValueError, match="empty"):
         sampler.generate(state, ids, np.zeros_like(mask), params)
     assert sampler.compile_log == []  # every error came before compiling
+
+
+def test_bf16_decode_cache_and_logprobs(tmp_path):
+    """bfloat16 compute: on CPU the decode cache is kept in float32 (a bfloat16 one would be
+    copied whole at every step's write, `decode.storage_dtype`), and the sampled tokens'
+    log-probs match a bfloat16 teacher-forced pass within bfloat16 rounding."""
+    from hfjax.engine import decode
+
+    on_cpu = jax.default_backend() == "cpu"
+    assert decode.storage_dtype(jnp.bfloat16) == (jnp.float32 if on_cpu else jnp.bfloat16)
+    assert decode.storage_dtype(jnp.float32) == jnp.float32
+    make_hf_model("llama", str(tmp_path))
+    model = M.load(str(tmp_path), dtype="bfloat16", param_dtype="float32")
+    ids, mask = left_padded_batch(model.config.vocab_size, lengths=LENGTHS, seed=1)
+    out = generate(model, ids, mask, max_new_tokens=12, temperature=1.0, n=2, eos_ids=(3, 9),
+                   seed=5)
+    tokens, got_mask = np.asarray(out.tokens), np.asarray(out.mask)
+    want = teacher_forced_logprobs(model, np.repeat(ids, 2, 0), np.repeat(mask, 2, 0), tokens,
+                                   got_mask)
+    got = np.asarray(out.logprobs)
+    assert got_mask.sum() > 40
+    err = np.abs(got - want)[got_mask == 1]
+    assert err.max() < 0.05, err.max()
+    # Not the float32 model's numbers: the test runs in bfloat16.
+    ref = M.load(str(tmp_path))
+    f32 = teacher_forced_logprobs(ref, np.repeat(ids, 2, 0), np.repeat(mask, 2, 0), tokens,
+                                  got_mask)
+    assert np.abs(f32 - want)[got_mask == 1].max() > 1e-4

@@ -58,30 +58,43 @@ def test_logits_and_logprobs_are_float32_not_rounded_to_bf16():
     np.testing.assert_allclose(np.asarray(lp16), np.asarray(lp32), atol=0.05)
 
 
-def test_matmul_backward_stays_in_bf16_with_f32_accumulation():
-    x = jnp.asarray(np.random.default_rng(1).standard_normal((8, 16)), jnp.bfloat16)
+@pytest.mark.parametrize("rows", [8, 7])  # the weight gradient's split form, and odd rows
+@pytest.mark.parametrize("transpose_w", [False, True])  # x @ w, and x @ w.T (a tied head)
+def test_matmul_backward_stays_in_bf16_with_f32_accumulation(rows, transpose_w):
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((rows, 16)), jnp.bfloat16)
     w = jnp.asarray(np.random.default_rng(2).standard_normal((16, 4)), jnp.float32)
+    if transpose_w:
+        w = w.T
 
     def f(x, w):
-        return jnp.sum(transformer.matmul(x, w, jnp.bfloat16, jnp.float32) ** 2)
+        y = transformer.matmul(x, w, jnp.bfloat16, jnp.float32, transpose_w=transpose_w)
+        return jnp.sum(y**2)
 
-    dx, dw = jax.grad(f, argnums=(0, 1))(x, w)
+    dx, dw = jax.jit(jax.grad(f, argnums=(0, 1)))(x, w)
     assert (dx.dtype, dw.dtype) == (jnp.bfloat16, jnp.float32)
     # Reference: float64 products of the bfloat16-rounded operands.
     x64 = np.asarray(x, np.float64)
     w64 = np.asarray(w.astype(jnp.bfloat16), np.float64)
+    w64 = w64.T if transpose_w else w64
     g = 2 * x64 @ w64
     g_bf16 = np.asarray(jnp.asarray(g, jnp.bfloat16), np.float64)  # the cotangent in bf16
-    np.testing.assert_allclose(np.asarray(dw), x64.T @ g_bf16, rtol=1e-5, atol=1e-5)
+    dw_ref = x64.T @ g_bf16
+    np.testing.assert_allclose(np.asarray(dw), dw_ref.T if transpose_w else dw_ref,
+                               rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(dx, np.float64), g_bf16 @ w64.T, rtol=1e-2, atol=1e-2)
     # Every dot of the backward pass multiplies bfloat16 by bfloat16 into float32: none is a
-    # float32 dot fed by an upcast operand.
+    # float32 dot fed by an upcast operand. And no left operand is contracted over its first
+    # dimension alone (a transposed x): XLA:CPU converts such a dot's operands to float32
+    # (bench/precision_matmul.py).
     jaxpr = jax.make_jaxpr(jax.grad(f, argnums=(0, 1)))(x, w)
     dots = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "dot_general"]
     assert len(dots) == 3
     for e in dots:
         assert [v.aval.dtype for v in e.invars] == [jnp.bfloat16, jnp.bfloat16]
         assert e.params["preferred_element_type"] == jnp.float32
+        (lhs_c, _), _ = e.params["dimension_numbers"]
+        if rows % 2 == 0:
+            assert tuple(lhs_c) != (0,), e
 
 
 def test_f32_matmul_is_the_plain_product():
