@@ -1,6 +1,7 @@
 """Byte accounting of reshards, checked against a loop-based NumPy reference that marks, element
 by element, what each device holds."""
 
+import gc
 import itertools
 
 import jax
@@ -100,10 +101,17 @@ def test_array_bytes_counts_live_buffers_once():
         x.shape, s, [sh.data for sh in x.addressable_shards]
     )
     assert reshard.array_bytes([x, view]) == {d: 2 * 4 * 4 for d in range(8)}
-    before = reshard.live_bytes()
-    y = jax.device_put(np.zeros((16, 4), np.float32), s)
-    grown = reshard.live_bytes()
-    assert all(grown[d] - before.get(d, 0) == 32 for d in range(8))
-    y.delete()
-    assert reshard.array_bytes([y]) == {}
-    assert reshard.live_bytes() == before
+    # live_bytes sees every array of the process: arrays that earlier tests left for the
+    # garbage collector must not be freed between the readings.
+    gc.collect()
+    gc.disable()
+    try:
+        before = reshard.live_bytes()
+        y = jax.device_put(np.zeros((16, 4), np.float32), s)
+        grown = reshard.live_bytes()
+        assert all(grown[d] - before.get(d, 0) == 32 for d in range(8))
+        y.delete()
+        assert reshard.array_bytes([y]) == {}
+        assert reshard.live_bytes() == before
+    finally:
+        gc.enable()
