@@ -1,6 +1,6 @@
-"""The actor's training passes of SmolLM2-135M (f32, 1 CPU device) on one RL batch, padded
-rows against packed ones (`actor.use_remove_padding`): the log-prob pass (old / reference
-log-probs) and one optimizer step (forward + backward over every micro-batch).
+"""The actor's training passes of SmolLM2-135M (f32 unless `--dtype`, 1 CPU device) on one RL
+batch, padded rows against packed ones (`actor.use_remove_padding`): the log-prob pass (old /
+reference log-probs) and one optimizer step (forward + backward over every micro-batch).
 
 The batch has a realistic length mix: left-padded prompts of `--prompt_min`..`--prompt_len`
 tokens, responses of 1..`--cap` tokens with a fraction `--at_cap` stopped at the cap (the
@@ -23,6 +23,7 @@ import hfjax.models as M
 from configs import ppo_arith
 from hfjax.controller.batch import Batch
 from hfjax.engine import update
+from hfjax.models.config import REMAT_POLICIES
 from hfjax.models.smollm2 import smollm2_gguf_path
 from hfjax.parallel.mesh import ResourcePool
 from hfjax.workers.actor import ActorRollout
@@ -36,7 +37,7 @@ flags.DEFINE_float("at_cap", 0.58, "fraction of responses stopped at the cap")
 flags.DEFINE_integer("repeats", 2, "timed runs per pass (the best is reported)")
 flags.DEFINE_list("layouts", ["padded", "packed"], "which layouts to run")
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "compute dtype (weights: float32)")
-flags.DEFINE_enum("remat", "none", ["none", "full", "dots", "dots_no_batch"],
+flags.DEFINE_enum("remat", "none", list(REMAT_POLICIES),
                   "model.remat_policy: what the backward pass recomputes")
 FLAGS = flags.FLAGS
 
