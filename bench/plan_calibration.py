@@ -311,7 +311,7 @@ def main(argv):
           f"{figures['memory_bandwidth'] / 1e9:.2f} GB/s, all-gather "
           f"{figures['gather_bandwidth'] / 1e9:.2f} GB/s received")
     costs = CompiledFlops()
-    closed = ClosedFormCosts()
+    closed = ClosedFormCosts("cpu")
     ideal = {}
     for run in _RUNS.value:
         ideal[run] = ideal_stage_times(run, cluster, costs)

@@ -7,4 +7,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh test
 ruff check .
-python -m pytest -q --numprocesses=auto --maxprocesses=4 --dist=loadfile "$@"
+python -m pytest -q --numprocesses=auto --maxprocesses=4 --dist=loadfile --durations=15 "$@"

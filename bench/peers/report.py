@@ -28,7 +28,8 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import workload  # noqa: E402
 
-FRAMEWORKS = ("tunix", "trl", "hfjax", "hfjax_padded")  # hfjax_padded: PEERS_HFJAX_LAYOUT=padded
+# hfjax_packed, hfjax_padded: PEERS_HFJAX_LAYOUT=packed, padded (bench/peers/run_hfjax.py)
+FRAMEWORKS = ("tunix", "trl", "hfjax", "hfjax_packed", "hfjax_padded")
 
 
 def load(w: workload.Workload) -> dict[str, dict]:
@@ -84,7 +85,7 @@ def table_rows(results: dict[str, dict]):
     for fw in FRAMEWORKS:
         if fw in results:
             yield fw, results[fw], stage_columns(results[fw])
-        elif fw != "hfjax_padded":
+        elif not fw.startswith("hfjax_"):
             print(f"{fw:<12} {'(not run)':>8}")
 
 

@@ -9,12 +9,14 @@ response tokens on the device instead of the text-decoding `RuleReward`.
 
 On natural lengths (`smollm2_natural`) the actor is built as hfjax's trainer builds it for
 such a run (`hfjax.workers.groups.build_actor`): responses stop at the tokenizer's EOS, the
-prompts go in left-padded with their prompt_mask, and the two features for real tokens only
-are on: continuous batching (`rollout.mode="continuous"`, the config defaults: one slot per
-sample, refills every 8 steps, with the drain) and packed training batches
-(`actor.use_remove_padding`, a token budget of `ppo_micro_batch_size` padded rows' worth).
-`PEERS_HFJAX_LAYOUT=padded` runs the same workload on the static engine and padded batches
-instead (its result then goes to result_hfjax_padded.json), for the comparison.
+prompts go in left-padded with their prompt_mask, and `PEERS_HFJAX_LAYOUT` (`LAYOUTS`) says
+which of the two features for real tokens only are on: continuous batching
+(`rollout.mode="continuous"`, the config defaults: one slot per sample, refills every 8 steps,
+with the drain) and packed training batches (`actor.use_remove_padding`, a token budget of
+`ppo_micro_batch_size` padded rows' worth). `continuous` (the default, the fastest on this
+workload: docs/benchmarks.md) runs continuous batching over padded training batches and writes
+result_hfjax.json; `packed` adds packed training batches (result_hfjax_packed.json); `padded`
+runs the static engine on padded batches (result_hfjax_padded.json).
 
 Step time is the wall time of one driver call plus the step's one host fetch of metrics;
 stages are the driver's own `timing_s/*` (synchronised, so each is that stage's time).
@@ -72,12 +74,20 @@ class EvenReward:
                                                         batch["response_mask"])})
 
 
+# PEERS_HFJAX_LAYOUT: (rollout mode, packed training batches, result name) on natural
+# workloads; fixed-length workloads always run the static engine on padded batches.
+LAYOUTS = {
+    "continuous": ("continuous", False, "hfjax"),
+    "packed": ("continuous", True, "hfjax_packed"),
+    "padded": ("static", False, "hfjax_padded"),
+}
+
+
 def layout() -> str:
-    """"real_only" (continuous batching + packed batches, on natural workloads) or "padded"
-    (`PEERS_HFJAX_LAYOUT=padded`)."""
-    value = os.environ.get("PEERS_HFJAX_LAYOUT", "real_only")
-    if value not in ("real_only", "padded"):
-        raise SystemExit(f"PEERS_HFJAX_LAYOUT={value!r}; use real_only or padded")
+    """The PEERS_HFJAX_LAYOUT name (`LAYOUTS`), "continuous" by default."""
+    value = os.environ.get("PEERS_HFJAX_LAYOUT", "continuous")
+    if value not in LAYOUTS:
+        raise SystemExit(f"PEERS_HFJAX_LAYOUT={value!r}; use one of {', '.join(LAYOUTS)}")
     return value
 
 
@@ -103,18 +113,18 @@ def build(w: workload.Workload):
         raise AssertionError("hfjax's tokenizer encodes a prompt differently from prompts.json")
     pad = tok.pad_id if tok.pad_id is not None else tok.eos_id
 
-    real_only = w.natural and layout() == "real_only"
+    mode, packed, _ = LAYOUTS[layout()] if w.natural else ("static", False, "hfjax")
     cfg = config_dict.ConfigDict()
     cfg.actor = config_dict.ConfigDict(dict(
         ppo_mini_batch_size=w.prompts, ppo_micro_batch_size=w.micro_batch, ppo_epochs=1,
         shuffle=False, policy_loss="vanilla", clip_ratio=w.clip, clip_ratio_low=w.clip,
         clip_ratio_high=w.clip, clip_ratio_c=3.0, loss_agg_mode="seq-mean-token-mean",
         entropy_coeff=0.0, use_kl_loss=False, kl_loss_coef=0.0, kl_loss_type="low_var_kl",
-        use_remove_padding=real_only, ppo_max_token_len_per_gpu=0,
+        use_remove_padding=packed, ppo_max_token_len_per_gpu=0,
     ))
     cfg.rollout = config_dict.ConfigDict(dict(
         n=w.samples, temperature=w.temperature, top_k=0, top_p=1.0, min_p=0.0,
-        response_length=w.new_tokens, mode="continuous" if real_only else "static",
+        response_length=w.new_tokens, mode=mode,
         slots=0, refill_every=8, min_slots=0, max_cache_len=0,
     ))
     cfg.algo = config_dict.ConfigDict(dict(
@@ -192,7 +202,7 @@ def main() -> None:
                       "optax": md.version("optax")},
          "matmul_peak_flops": peak},
     )
-    workload.write_result(w, "hfjax" if layout() == "real_only" else "hfjax_padded", record)
+    workload.write_result(w, LAYOUTS[layout()][2], record)
 
 
 if __name__ == "__main__":

@@ -71,6 +71,7 @@ import numpy as np
 
 from hfjax.controller import virtual
 from hfjax.models.config import ModelConfig
+from hfjax.models.transformer import storage_dtype
 
 HEADS = ("causal_lm", "value", "score")
 KINDS = ("forward", "train", "prefill", "decode")
@@ -232,9 +233,12 @@ def forward_flops(cfg: ModelConfig, head: str, rows: int, seq: int, scored: int)
     return layers_flops(cfg, rows, seq, seq) + head_flops(cfg, head, rows, seq, scored)
 
 
-def kv_bytes_per_token(cfg: ModelConfig) -> int:
-    """KV-cache bytes per token over all layers: 2 L K H c."""
-    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * _itemsize(cfg.dtype)
+def kv_bytes_per_token(cfg: ModelConfig, platform: str = "gpu") -> int:
+    """KV-cache bytes per token over all layers on `platform`: 2 L K H c, c the size of the
+    cache's dtype there (`hfjax.models.transformer.storage_dtype`: a 16-bit model's cache is
+    float32 on CPU)."""
+    c = storage_dtype(cfg.jnp_dtype, platform).itemsize
+    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * c
 
 
 def kv_split(cfg: ModelConfig, tensor: int) -> int:
@@ -273,7 +277,11 @@ def _itemsize(dtype: str) -> int:
 
 
 class ClosedFormCosts:
-    """The `CostSource` of the closed forms in this module's docstring."""
+    """The `CostSource` of the closed forms in this module's docstring, for devices of
+    `platform` ("gpu", "tpu" or "cpu": it decides the KV cache's dtype)."""
+
+    def __init__(self, platform: str = "gpu"):
+        self.platform = platform
 
     def state(self, model: ModelSpec, layout: MeshLayout) -> StateBytes:
         params = param_shard_bytes(model, layout)
@@ -284,7 +292,7 @@ class ClosedFormCosts:
         weights = sum(leaf.nbytes for leaf in model_leaves(model)) / t  # one pass reads these
         r = math.ceil(call.rows / layout.dp)
         if call.kind == "decode":
-            kv = r * call.seq * kv_bytes_per_token(cfg) / kv_split(cfg, t)
+            kv = r * call.seq * kv_bytes_per_token(cfg, self.platform) / kv_split(cfg, t)
             logits = r * cfg.vocab_size * 4 / t
             flops = (layers_flops(cfg, r, 1, call.seq) + 2.0 * cfg.hidden_size * cfg.vocab_size
                      * r) / t
@@ -294,7 +302,7 @@ class ClosedFormCosts:
         if call.kind == "prefill":
             flops = (layers_flops(cfg, r, call.seq, call.seq)
                      + 2.0 * cfg.hidden_size * cfg.vocab_size * r) / t
-            kv = r * call.seq * kv_bytes_per_token(cfg) / kv_split(cfg, t)
+            kv = r * call.seq * kv_bytes_per_token(cfg, self.platform) / kv_split(cfg, t)
             working = r * call.seq * act
             return CallCost(flops, weights + 2 * r * call.seq * cfg.num_layers * act,
                             working + kv)

@@ -167,7 +167,7 @@ def measured_cpu() -> Cluster:
     target = Target("cpu", "8 simulated CPU devices of the development machine (measured)",
                     int(23e9 / 8), m["bfloat16_flops"], m["memory_bandwidth"],
                     2 * m["gather_bandwidth"], "shared memory",
-                    "bench/plan_calibration.py, " + m["date"])
+                    "bench/plan_calibration.py, " + m["date"], platform="cpu")
     return Cluster(target, 8, m["gather_bandwidth"], "one host", f32_flops=m["float32_flops"],
                    efficiency=Efficiency(**m["efficiency"]))
 
@@ -275,7 +275,7 @@ class Simulator:
         self.cluster = cluster
         self.workload = workload
         self.eff = efficiency or cluster.efficiency or Efficiency()
-        self.costs = costs or ClosedFormCosts()
+        self.costs = costs or ClosedFormCosts(cluster.target.platform)
 
     # -- rates -----------------------------------------------------------------------------------
 

@@ -43,7 +43,8 @@ from hfjax.parallel import mesh as mesh_lib
 
 class LayerCache(NamedTuple):
     """One layer's keys [rows, kv_heads, head_dim, slots] and values [rows, kv_heads, slots,
-    head_dim], kept in `storage_dtype` of the compute dtype."""
+    head_dim], kept in the prefill cache's dtype
+    (`hfjax.models.transformer.storage_dtype` of the compute dtype)."""
 
     k: jax.Array
     v: jax.Array
@@ -86,30 +87,12 @@ def cache_from_prefill(cache: KVCache, n: int, new_slots: int) -> tuple[LayerCac
         x = jnp.repeat(x, n, axis=0) if n > 1 else x
         x = jnp.transpose(x, order)
         slot_axis = order.index(1)
-        x = x.astype(storage_dtype(x.dtype))
         return jnp.pad(x, [(0, new_slots if a == slot_axis else 0) for a in range(4)])
 
     return tuple(
         LayerCache(convert(cache.k[i], (0, 2, 3, 1)), convert(cache.v[i], (0, 2, 1, 3)))
         for i in range(cache.k.shape[0])
     )
-
-
-def storage_dtype(dtype) -> jnp.dtype:
-    """The dtype a decode cache of `dtype` keys and values is kept in: `dtype`, except 16-bit
-    floats on CPU, which are kept in float32.
-
-    XLA:CPU computes 16-bit floats in float32: a bfloat16 cache's slice update becomes the
-    whole buffer converted to float32, updated and converted back (a copy of the cache per
-    layer per decode step), and the attention products convert the cache to float32 again. A
-    float32 cache is updated in place and read as it is; attention then runs in float32, as
-    XLA:CPU would run it anyway.
-    """
-    dtype = jnp.dtype(dtype)
-    if dtype.itemsize == 2 and jnp.issubdtype(dtype, jnp.floating) and (
-            jax.default_backend() == "cpu"):
-        return jnp.dtype(jnp.float32)
-    return dtype
 
 
 def write(cache: jax.Array, x: jax.Array, at: tuple[jax.Array, ...]) -> jax.Array:

@@ -23,11 +23,10 @@ from hfjax.engine.decode import (
     cache_from_prefill,
     decode_step,
     split_layers,
-    storage_dtype,
 )
 from hfjax.engine.sampling import GenerateOutput, Knobs, select_tokens
 from hfjax.models.config import ModelConfig
-from hfjax.models.transformer import KVCache, positions_from_mask
+from hfjax.models.transformer import KVCache, positions_from_mask, storage_dtype
 
 
 @dataclasses.dataclass(frozen=True)

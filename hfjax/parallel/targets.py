@@ -33,7 +33,7 @@ class Target:
     interconnect_bandwidth: float  # bytes/s per device, both directions, over `interconnect`
     interconnect: str
     source: str  # the public specification the figures come from
-    platform: str = "gpu"  # the JAX platform of the device: "gpu" or "tpu"
+    platform: str = "gpu"  # the JAX platform of the device: "gpu", "tpu" or "cpu"
 
     @property
     def memory_gib(self) -> float:

@@ -87,6 +87,14 @@ def test_flops_by_hand():
 def test_memory_terms_by_hand():
     # KV cache: keys and values of K=2 heads of 16 floats per layer, 2 layers.
     assert costs.kv_bytes_per_token(TINY) == 2 * 2 * 2 * 16 * 4 == 512
+    # A bf16 model's cache is bf16 on GPUs and TPUs, float32 on CPU (transformer.storage_dtype).
+    bf16 = TINY.replace(dtype="bfloat16")
+    assert costs.kv_bytes_per_token(bf16, "gpu") == costs.kv_bytes_per_token(bf16, "tpu") == 256
+    assert costs.kv_bytes_per_token(bf16, "cpu") == 512
+    decode = Call("decode", 8, 48)
+    on = {p: ClosedFormCosts(p).call(ModelSpec("actor", bf16, "causal_lm", False), MeshLayout(),
+                                     decode) for p in ("gpu", "cpu")}
+    assert on["cpu"].bytes_accessed - on["gpu"].bytes_accessed == 8 * 48 * 256
     assert costs.kv_split(TINY, 2) == 2 and costs.kv_split(TINY, 4) == 1
     # a(32) = 4 (4*64 + (2*4 + 3*2)*16 + 4*16 + 4*128) + 8*64 + 4*32*(4 + 4)
     assert costs.layer_activation_bytes(TINY, 32, 1) == 4 * 1056 + 512 + 1024 == 5760

@@ -450,15 +450,20 @@ def test_bad_prompts(llama):
 
 def test_bf16_decode_cache_and_logprobs(tmp_path):
     """bfloat16 compute: on CPU the decode cache is kept in float32 (a bfloat16 one would be
-    copied whole at every step's write, `decode.storage_dtype`), and the sampled tokens'
-    log-probs match a bfloat16 teacher-forced pass within bfloat16 rounding."""
-    from hfjax.engine import decode
+    copied whole at every step's write, `transformer.storage_dtype`), the prefill's cache too,
+    and the sampled tokens' log-probs match a bfloat16 teacher-forced pass within bfloat16
+    rounding."""
+    from hfjax.models import transformer
 
     on_cpu = jax.default_backend() == "cpu"
-    assert decode.storage_dtype(jnp.bfloat16) == (jnp.float32 if on_cpu else jnp.bfloat16)
-    assert decode.storage_dtype(jnp.float32) == jnp.float32
+    assert transformer.storage_dtype(jnp.bfloat16) == (jnp.float32 if on_cpu else jnp.bfloat16)
+    assert transformer.storage_dtype(jnp.bfloat16, "cpu") == jnp.float32
+    assert transformer.storage_dtype(jnp.bfloat16, "gpu") == jnp.bfloat16
+    assert transformer.storage_dtype(jnp.float32, "cpu") == jnp.float32
     make_hf_model("llama", str(tmp_path))
     model = M.load(str(tmp_path), dtype="bfloat16", param_dtype="float32")
+    prefill = transformer.KVCache.zeros(model.config, 2, 8)
+    assert prefill.k.dtype == transformer.storage_dtype(jnp.bfloat16)
     ids, mask = left_padded_batch(model.config.vocab_size, lengths=LENGTHS, seed=1)
     out = generate(model, ids, mask, max_new_tokens=12, temperature=1.0, n=2, eos_ids=(3, 9),
                    seed=5)
