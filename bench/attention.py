@@ -11,13 +11,13 @@ and a JSON line with the ratios.
 """
 
 import json
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
+from bench.timing import best_time
 from hfjax.models import transformer
 from hfjax.models.config import ModelConfig
 
@@ -30,16 +30,6 @@ flags.DEFINE_enum("dtype", "bfloat16", ["float32", "bfloat16"], "q, k, v dtype")
 flags.DEFINE_list("blocks", ["64", "96", "128"], "causal query block sizes to time")
 flags.DEFINE_integer("repeats", 5, "timed calls per variant (the best is reported)")
 FLAGS = flags.FLAGS
-
-
-def best(fn, *args) -> float:
-    jax.block_until_ready(fn(*args))
-    runs = []
-    for _ in range(FLAGS.repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        runs.append(time.perf_counter() - start)
-    return min(runs)
 
 
 def main(_) -> None:
@@ -58,7 +48,9 @@ def main(_) -> None:
         fwd = jax.jit(attention)
         grad = jax.jit(jax.grad(
             lambda q, k, v: jnp.sum(attention(q, k, v).astype(jnp.float32) ** 2), (0, 1, 2)))
-        return best(fwd, q, key, v), best(grad, q, key, v), fwd(q, key, v)
+        r = FLAGS.repeats
+        return (best_time(fwd, q, key, v, reps=r)[0], best_time(grad, q, key, v, reps=r)[0],
+                fwd(q, key, v))
 
     fwd0, both0, ref = timed(False)
     print(f"{b} rows x {t} columns, {n}/{k} heads of {h}, {FLAGS.dtype}")

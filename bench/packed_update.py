@@ -13,13 +13,13 @@ Prints each pass's best of `--repeats` timed runs after a compiling one, and the
 """
 
 import json
-import time
 
 import jax
 import numpy as np
 from absl import app, flags
 
 import hfjax.models as M
+from bench.timing import best_time
 from configs import ppo_arith
 from hfjax.controller.batch import Batch
 from hfjax.engine import update
@@ -76,16 +76,6 @@ def actor(model, packed: bool, rows: int, micro: int, cap: int) -> ActorRollout:
                         optimizer=update.make_optimizer(1e-6, grad_clip=1.0))
 
 
-def best(fn, repeats: int) -> tuple[float, list[float]]:
-    jax.block_until_ready(fn())  # compiles
-    runs = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn())
-        runs.append(time.perf_counter() - start)
-    return min(runs), runs
-
-
 def main(_) -> None:
     batch = rl_batch(FLAGS.rows, FLAGS.prompt_len, FLAGS.prompt_min, FLAGS.cap, FLAGS.at_cap)
     real = int(batch["attention_mask"].sum())
@@ -103,7 +93,7 @@ def main(_) -> None:
         name = "packed" if packed else "padded"
         for stage, fn in (("log_prob", lambda a=a: a.compute_log_prob(batch).arrays),
                           ("update", lambda a=a: a.update_actor(batch))):
-            t, runs = best(fn, FLAGS.repeats)
+            t, runs = best_time(fn, reps=FLAGS.repeats)
             out[f"{name}_{stage}_s"] = round(t, 2)
             print(f"{name} {stage}: {t:.2f} s (runs {' '.join(f'{x:.2f}' for x in runs)})",
                   flush=True)

@@ -314,9 +314,8 @@ def dense_attention(cfg: ModelConfig, mask: jax.Array, causal: bool = False):
     queries go in blocks of CAUSAL_BLOCK and each block reads only the keys up to its own last
     column: for a row of 3 blocks that is 6 of 9 blocks of scores. The results are the same,
     up to float rounding, for every query that sees a key (the skipped keys are masked for
-    it); a padding query sees
-    none, and its output, which nothing reads, is then the mean of the values its block reads
-    rather than of the whole row's."""
+    it); a padding query sees none, and its output, which nothing reads, is then the mean of
+    the values its block reads rather than of the whole row's."""
 
     def dense(q, k, v, m):
         B, T, N, H = q.shape
