@@ -32,6 +32,8 @@ import sys
 import tempfile
 import time
 
+# Run as a script (`python bench/plan_calibration.py`): the repository root for `bench.timing`.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (
         os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
@@ -45,6 +47,7 @@ from flax import nnx  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
+from bench.timing import best_time  # noqa: E402
 from configs import ppo_arith  # noqa: E402
 from hfjax.controller import planner  # noqa: E402
 from hfjax.controller.costs import Call, CallCost, ClosedFormCosts, MeshLayout  # noqa: E402
@@ -73,18 +76,6 @@ KINDS = {"gen": "gen", "old_log_prob": "forward", "ref": "forward", "values": "f
 # -- 1. device figures --------------------------------------------------------------------------
 
 
-def _best_time(fn, *args, reps: int) -> float:
-    # A peak is what the device reaches when nothing else holds the cores: other jobs on this
-    # shared machine only ever slow a sample down, so the fastest sample is the estimate.
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return min(times)
-
-
 def measure_device(reps: int) -> dict[str, float]:
     """Per-device FLOP/s, memory and all-gather bandwidth of the 8 simulated CPU devices, at
     the sizes of the default job's programs (a few MB per device: on a CPU, caches make small
@@ -100,15 +91,15 @@ def measure_device(reps: int) -> dict[str, float]:
         mm = jax.jit(jax.shard_map(
             lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32), mesh=mesh,
             in_specs=(P("data"), P("data")), out_specs=P("data")))
-        t = _best_time(mm, x, w, reps=reps)
+        t = best_time(mm, x, w, reps=reps)[0]
         out[f"{dtype}_flops"] = 2 * m * k * k / t
     x = jax.device_put(jnp.ones((8, 2**18), jnp.float32), rows)  # 1 MB per device
-    t = _best_time(jax.jit(lambda v: v * 1.0001 + 1.0), x, reps=reps)
+    t = best_time(jax.jit(lambda v: v * 1.0001 + 1.0), x, reps=reps)[0]
     out["memory_bandwidth"] = 2 * x.nbytes / t / 8
     gather = jax.jit(jax.shard_map(lambda v: jax.lax.all_gather(v, "data", tiled=True),
                                    mesh=mesh, in_specs=P("data"), out_specs=P(),
                                    check_vma=False))
-    t = _best_time(gather, x, reps=reps)
+    t = best_time(gather, x, reps=reps)[0]
     out["gather_bandwidth"] = 7 / 8 * x.nbytes / t  # bytes each device receives per second
     return out
 
