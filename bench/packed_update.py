@@ -1,13 +1,15 @@
 """The actor's training passes of SmolLM2-135M (f32 unless `--dtype`, 1 CPU device) on one RL
-batch, padded rows against packed ones (`actor.use_remove_padding`): the log-prob pass (old /
-reference log-probs) and one optimizer step (forward + backward over every micro-batch).
+batch, padded rows against packed ones (`actor.use_remove_padding`) and length-grouped padded
+micro-batches (`actor.group_by_length`): the log-prob pass (old / reference log-probs) and one
+optimizer step (forward + backward over every micro-batch).
 
 The batch has a realistic length mix: left-padded prompts of `--prompt_min`..`--prompt_len`
 tokens, responses of 1..`--cap` tokens with a fraction `--at_cap` stopped at the cap (the
 untuned SmolLM2's gsm_symbolic mix, bench/variable_length.py: 74 of 128 at a cap of 256). Both
-layouts see the same sequences; the padded passes take `--micro` rows at a time, the packed
-ones `--micro` padded rows' worth of tokens per micro-batch (ppo_max_token_len_per_gpu=0).
-Prints each pass's best of `--repeats` timed runs after a compiling one, and the ratios.
+layouts see the same sequences; the padded passes take `--micro` rows at a time (grouped: rows
+of similar lengths, each micro-batch cut to its own width), the packed ones `--micro` padded
+rows' worth of tokens per micro-batch (ppo_max_token_len_per_gpu=0). Prints each pass's best of
+`--repeats` timed runs after a compiling one, and each layout's speed-up over padded rows.
 
     python -m bench.packed_update
 """
@@ -32,10 +34,12 @@ flags.DEFINE_integer("rows", 16, "sequences in the batch")
 flags.DEFINE_integer("micro", 8, "rows per padded micro-batch (and the packed budget's worth)")
 flags.DEFINE_integer("prompt_len", 128, "prompt columns (the longest prompt)")
 flags.DEFINE_integer("prompt_min", 60, "the shortest prompt")
+flags.DEFINE_integer("prompt_cols", 0, "the prompt block's columns (its bucket; 0: prompt_len)")
 flags.DEFINE_integer("cap", 256, "response columns (the cap)")
 flags.DEFINE_float("at_cap", 0.58, "fraction of responses stopped at the cap")
 flags.DEFINE_integer("repeats", 2, "timed runs per pass (the best is reported)")
-flags.DEFINE_list("layouts", ["padded", "packed"], "which layouts to run")
+LAYOUTS = ("padded", "packed", "grouped")
+flags.DEFINE_list("layouts", list(LAYOUTS), f"which of {', '.join(LAYOUTS)} to run")
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "compute dtype (weights: float32)")
 flags.DEFINE_enum("remat", "none", list(REMAT_POLICIES),
                   "model.remat_policy: what the backward pass recomputes")
@@ -49,25 +53,28 @@ def length_mix(rng, rows: int, prompt_len: int, prompt_min: int, cap: int, at_ca
     return plen, rlen
 
 
-def rl_batch(rows: int, prompt_len: int, prompt_min: int, cap: int, at_cap: float) -> Batch:
+def rl_batch(rows: int, prompt_len: int, prompt_min: int, cap: int, at_cap: float,
+             prompt_cols: int = 0) -> Batch:
     rng = np.random.default_rng(0)
     plen, rlen = length_mix(rng, rows, prompt_len, prompt_min, cap, at_cap)
-    width = prompt_len + cap
+    cols = max(prompt_cols, prompt_len)
+    width = cols + cap
     mask = np.zeros((rows, width), np.int32)
     for i in range(rows):
-        mask[i, prompt_len - plen[i] : prompt_len + rlen[i]] = 1
+        mask[i, cols - plen[i] : cols + rlen[i]] = 1
     ids = rng.integers(3, 40000, (rows, width)).astype(np.int32) * mask
     f = lambda: rng.normal(size=(rows, cap)).astype(np.float32)  # noqa: E731
-    return Batch({"input_ids": ids, "attention_mask": mask, "responses": ids[:, prompt_len:],
-                  "response_mask": mask[:, prompt_len:], "advantages": f(),
+    return Batch({"input_ids": ids, "attention_mask": mask, "responses": ids[:, cols:],
+                  "response_mask": mask[:, cols:], "advantages": f(),
                   "old_log_probs": f() * 0.1 - 3.0, "ref_log_prob": f() * 0.1 - 3.0})
 
 
-def actor(model, packed: bool, rows: int, micro: int, cap: int) -> ActorRollout:
+def actor(model, layout: str, rows: int, micro: int, cap: int) -> ActorRollout:
     c = ppo_arith.get_config()
     a = c.actor
     a.ppo_mini_batch_size, a.ppo_micro_batch_size, a.shuffle = rows, micro, False
-    a.use_remove_padding, a.ppo_max_token_len_per_gpu = packed, 0
+    a.use_remove_padding, a.ppo_max_token_len_per_gpu = layout == "packed", 0
+    a.group_by_length = layout == "grouped"
     a.use_kl_loss = True
     c.rollout.n, c.rollout.response_length = 1, cap
     pool = ResourcePool("bench", tuple(jax.devices()[:1]))
@@ -77,29 +84,33 @@ def actor(model, packed: bool, rows: int, micro: int, cap: int) -> ActorRollout:
 
 
 def main(_) -> None:
-    batch = rl_batch(FLAGS.rows, FLAGS.prompt_len, FLAGS.prompt_min, FLAGS.cap, FLAGS.at_cap)
+    batch = rl_batch(FLAGS.rows, FLAGS.prompt_len, FLAGS.prompt_min, FLAGS.cap, FLAGS.at_cap,
+                     FLAGS.prompt_cols)
     real = int(batch["attention_mask"].sum())
-    print(f"{FLAGS.rows} sequences of {FLAGS.prompt_len} + {FLAGS.cap} columns: "
+    cols = batch["input_ids"].shape[1] - FLAGS.cap
+    print(f"{FLAGS.rows} sequences of {cols} + {FLAGS.cap} columns: "
           f"{real} real tokens of {batch['attention_mask'].size} "
           f"({int((batch['response_mask'].sum(1) == FLAGS.cap).sum())} responses at the cap)",
           flush=True)
     out = {}
-    for packed in (False, True):
-        if ("packed" if packed else "padded") not in FLAGS.layouts:
-            continue
+    unknown = set(FLAGS.layouts) - set(LAYOUTS)
+    if unknown:
+        raise app.UsageError(f"--layouts: unknown {sorted(unknown)}; choose from {LAYOUTS}")
+    for name in FLAGS.layouts:
         model = M.load(str(smollm2_gguf_path()), dtype=FLAGS.dtype, param_dtype="float32",
                        remat_policy=FLAGS.remat)
-        a = actor(model, packed, FLAGS.rows, FLAGS.micro, FLAGS.cap)
-        name = "packed" if packed else "padded"
+        a = actor(model, name, FLAGS.rows, FLAGS.micro, FLAGS.cap)
         for stage, fn in (("log_prob", lambda a=a: a.compute_log_prob(batch).arrays),
                           ("update", lambda a=a: a.update_actor(batch))):
             t, runs = best_time(fn, reps=FLAGS.repeats)
             out[f"{name}_{stage}_s"] = round(t, 2)
             print(f"{name} {stage}: {t:.2f} s (runs {' '.join(f'{x:.2f}' for x in runs)})",
                   flush=True)
-    for stage in ("log_prob", "update") if len(FLAGS.layouts) == 2 else ():
-        out[f"{stage}_packed_vs_padded"] = round(out[f"padded_{stage}_s"]
-                                                 / out[f"packed_{stage}_s"], 3)
+    others = [x for x in FLAGS.layouts if x != "padded"] if "padded" in FLAGS.layouts else []
+    for name in others:
+        for stage in ("log_prob", "update"):
+            out[f"{stage}_{name}_vs_padded"] = round(out[f"padded_{stage}_s"]
+                                                     / out[f"{name}_{stage}_s"], 3)
     print(json.dumps(out))
 
 

@@ -14,9 +14,10 @@ With `--train` (the default) each side goes on with the training stages of a GRP
 own rollout: `log_prob` (the reference pass: log-probs of every response token) and `update`
 (one on-policy actor update with a KL loss, one mini-batch of `--micro` sequences per
 micro-batch); the static side trains on padded batches, the continuous side on packed ones
-(actor.use_remove_padding, a budget of `--micro` padded rows' worth of tokens). Advantages are
-fixed pseudo-random numbers (the cost of a step does not depend on them). Tokens/s is over the
-sum of the stages.
+(actor.use_remove_padding, a budget of `--micro` padded rows' worth of tokens) or, with
+`--layout=grouped`, on length-grouped padded micro-batches (actor.group_by_length).
+Advantages are fixed pseudo-random numbers (the cost of a step does not depend on them).
+Tokens/s is over the sum of the stages.
 
 Each side runs once to compile, then `--repeats` timed runs, sides alternating so that they share
 the machine's background load; medians are reported. Useful tokens are real prompt tokens (each
@@ -62,7 +63,10 @@ flags.DEFINE_string("task_config", "{}", "the task's generator options, JSON (as
                     "launch.prepare_data's --task_config)")
 flags.DEFINE_bool("static", True, "run the static side (needed for speedup_vs_static)")
 flags.DEFINE_integer("bin", 32, "width of the length histogram's bins, in tokens")
-flags.DEFINE_bool("train", True, "add the training stages (padded on static, packed on continuous)")
+flags.DEFINE_bool("train", True,
+                  "add the training stages (padded on static, --layout on continuous)")
+flags.DEFINE_enum("layout", "packed", ["packed", "grouped"],
+                  "the continuous side's training batches: packed rows or length-grouped ones")
 flags.DEFINE_integer("micro", 16, "training: sequences per padded micro-batch (and the packed "
                      "token budget: this many padded rows' worth)")
 
@@ -120,9 +124,9 @@ def generate_stage(engine, state, params, quick_warmup: bool) -> Callable[[dict]
     return fn
 
 
-def train_stages(model, f, packed: bool) -> list[tuple[str, Callable[[dict], None]]]:
+def train_stages(model, f, layout: str) -> list[tuple[str, Callable[[dict], None]]]:
     """The training stages of a GRPO step on `ctx["rollout"]`: the reference log-prob pass and
-    one on-policy actor update with a KL loss, on padded or packed batches."""
+    one on-policy actor update with a KL loss, on "padded", "packed" or "grouped" batches."""
     import jax
     import numpy as np
 
@@ -137,7 +141,8 @@ def train_stages(model, f, packed: bool) -> list[tuple[str, Callable[[dict], Non
     r.n, r.response_length, r.temperature = f.n, f.max_new, 1.0
     a.ppo_mini_batch_size, a.ppo_micro_batch_size = f.prompts, f.micro
     a.ppo_epochs, a.shuffle, a.use_kl_loss = 1, False, True
-    a.use_remove_padding, a.ppo_max_token_len_per_gpu = packed, 0
+    a.use_remove_padding, a.ppo_max_token_len_per_gpu = layout == "packed", 0
+    a.group_by_length = layout == "grouped"
     pool = ResourcePool("bench", tuple(jax.devices()[:1]))
     actor = ActorRollout("actor", pool, "fsdp=1", model, rules="train", sampler=None,
                          actor_cfg=a, rollout_cfg=r, optimizer=make_optimizer(1e-6))
@@ -242,13 +247,13 @@ def main(argv: list[str]) -> None:
     sides = []
     if f.static:
         stage = generate_stage(Sampler(model), state, params, quick_warmup=not f.train)
-        train = train_stages(model, f, packed=False) if f.train else []
+        train = train_stages(model, f, "padded") if f.train else []
         sides.append(Side("static", [("generate", stage), *train]))
     for slots in map(int, f.slots):
         for k in map(int, f.refill_every):
             engine = ContinuousSampler(model, slots=slots, refill_every=k)
             stage = generate_stage(engine, state, params, quick_warmup=not f.train)
-            train = train_stages(model, f, packed=True) if f.train else []
+            train = train_stages(model, f, f.layout) if f.train else []
             sides.append(Side(f"continuous[slots={slots},k={k}]", [("generate", stage), *train]))
 
     for side in sides:  # compile + first run

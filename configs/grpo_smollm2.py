@@ -34,6 +34,12 @@ def get_config():
     c.actor.lr = 1e-5
     c.actor.ppo_mini_batch_size = 4  # prompts: one update of 32 sequences per step
     c.actor.ppo_micro_batch_size = 8
+    # Real tokens, or close: continuous batching refills a finished sample's decode slot, and
+    # the update and log-prob passes take micro-batches of rows of similar lengths, each cut to
+    # its own width (a few responses run to the cap while most stop early, and gsm_symbolic's
+    # 100-180-token prompts sit in a 256 bucket). docs/benchmarks.md, "Variable lengths".
+    c.rollout.mode = "continuous"
+    c.actor.group_by_length = True
     c.trainer.total_steps = 20
     c.trainer.test_freq = 10
     c.trainer.save_freq = 10

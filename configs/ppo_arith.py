@@ -95,6 +95,11 @@ def get_config() -> config_dict.ConfigDict:
             # (0: ppo_micro_batch_size padded rows' worth) instead of ppo_micro_batch_size.
             use_remove_padding=False,
             ppo_max_token_len_per_gpu=0,
+            # Length-grouped micro-batches (the padded layout): the rows sorted by length and
+            # cut into micro-batches of ppo_micro_batch_size, each only as wide as its own
+            # sequences (hfjax/engine/grouping.py), for the update, log-prob and reference
+            # passes.
+            group_by_length=False,
             ppo_epochs=1,
             shuffle=True,
             policy_loss="vanilla",
@@ -148,6 +153,8 @@ def get_config() -> config_dict.ConfigDict:
             ppo_micro_batch_size=64,
             use_remove_padding=False,  # as actor.use_remove_padding, for the value passes
             ppo_max_token_len_per_gpu=0,
+            group_by_length=False,  # as actor.group_by_length
+
             ppo_epochs=1,
             shuffle=True,
             cliprange_value=0.5,

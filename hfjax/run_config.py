@@ -460,6 +460,7 @@ TRAIN_KEYS: dict[str, Callable[[Any], str | None]] = {
     "actor.ppo_mini_batch_size": Int(1),
     "actor.ppo_micro_batch_size": Int(1),
     "actor.use_remove_padding": Bool(),
+    "actor.group_by_length": Bool(),
     "actor.ppo_max_token_len_per_gpu": Int(0, note=_BUDGET),
     "actor.ppo_epochs": Int(1),
     "actor.shuffle": Bool(),
@@ -502,6 +503,7 @@ TRAIN_KEYS: dict[str, Callable[[Any], str | None]] = {
     "critic.ppo_mini_batch_size": Int(1),
     "critic.ppo_micro_batch_size": Int(1),
     "critic.use_remove_padding": Bool(),
+    "critic.group_by_length": Bool(),
     "critic.ppo_max_token_len_per_gpu": Int(0, note=_BUDGET),
     "critic.ppo_epochs": Int(1),
     "critic.shuffle": Bool(),
@@ -515,6 +517,7 @@ TRAIN_KEYS: dict[str, Callable[[Any], str | None]] = {
     "cost_critic.ppo_mini_batch_size": Int(1),
     "cost_critic.ppo_micro_batch_size": Int(1),
     "cost_critic.use_remove_padding": Bool(),
+    "cost_critic.group_by_length": Bool(),
     "cost_critic.ppo_max_token_len_per_gpu": Int(0, note=_BUDGET),
     "cost_critic.ppo_epochs": Int(1),
     "cost_critic.shuffle": Bool(),
@@ -857,6 +860,16 @@ def _token_budget(c) -> str | None:
     return None
 
 
+def _one_length_layout(c) -> str | None:
+    for role in ("actor", "critic", "cost_critic"):
+        s = c.get(role)
+        if s is not None and s.get("group_by_length") and s.get("use_remove_padding"):
+            return (f"{role}.group_by_length and {role}.use_remove_padding both cut micro-batches "
+                    f"to real tokens (grouped padded rows vs packed rows); set one of them to "
+                    f"False, e.g. --config.{role}.use_remove_padding=False")
+    return None
+
+
 TRAIN_RULES: tuple[Callable[[Any], str | None], ...] = (
     _selected_models,
     _estimator_inputs,
@@ -874,6 +887,7 @@ TRAIN_RULES: tuple[Callable[[Any], str | None], ...] = (
     _positions,
     _slot_cache,
     _token_budget,
+    _one_length_layout,
 )
 
 

@@ -32,6 +32,9 @@ def test_two_grpo_steps_of_the_smollm2_config(tmp_path):
     c.rollout.response_length = 16
     c.actor.ppo_mini_batch_size = 2
     c.actor.ppo_micro_batch_size = 8
+    # The static engine: continuous batching on the real weights has its own tests
+    # (tests/engine/test_continuous.py), and its compile would add ~40 s here.
+    c.rollout.mode = "static"
     c.trainer.out_dir = str(tmp_path / "run")
     trainer = Trainer(c)
     assert trainer.actor.model().config.num_layers == 30  # the real model, not a stand-in

@@ -28,8 +28,9 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import workload  # noqa: E402
 
-# hfjax_packed, hfjax_padded: PEERS_HFJAX_LAYOUT=packed, padded (bench/peers/run_hfjax.py)
-FRAMEWORKS = ("tunix", "trl", "hfjax", "hfjax_packed", "hfjax_padded")
+# hfjax_grouped, hfjax_packed, hfjax_padded: PEERS_HFJAX_LAYOUT=grouped, packed, padded
+# (bench/peers/run_hfjax.py)
+FRAMEWORKS = ("tunix", "trl", "hfjax", "hfjax_grouped", "hfjax_packed", "hfjax_padded")
 
 
 def load(w: workload.Workload) -> dict[str, dict]:

@@ -10,13 +10,15 @@ response tokens on the device instead of the text-decoding `RuleReward`.
 On natural lengths (`smollm2_natural`) the actor is built as hfjax's trainer builds it for
 such a run (`hfjax.workers.groups.build_actor`): responses stop at the tokenizer's EOS, the
 prompts go in left-padded with their prompt_mask, and `PEERS_HFJAX_LAYOUT` (`LAYOUTS`) says
-which of the two features for real tokens only are on: continuous batching
-(`rollout.mode="continuous"`, the config defaults: one slot per sample, refills every 8 steps,
-with the drain) and packed training batches (`actor.use_remove_padding`, a token budget of
-`ppo_micro_batch_size` padded rows' worth). `continuous` (the default, the fastest on this
-workload: docs/benchmarks.md) runs continuous batching over padded training batches and writes
-result_hfjax.json; `packed` adds packed training batches (result_hfjax_packed.json); `padded`
-runs the static engine on padded batches (result_hfjax_padded.json).
+which of the features for real tokens are on: continuous batching (`rollout.mode="continuous"`,
+the config defaults: one slot per sample, refills every 8 steps, with the drain), and training
+batches that are padded, length-grouped (`actor.group_by_length`: micro-batches of rows of
+similar lengths, each cut to its own width) or packed (`actor.use_remove_padding`, a token
+budget of `ppo_micro_batch_size` padded rows' worth). `continuous` (the default, the fastest
+on this workload: docs/benchmarks.md) runs continuous batching over padded training batches and
+writes result_hfjax.json; `grouped` (continuous batching, grouped micro-batches, as
+configs/grpo_smollm2.py), `packed` (continuous batching, packed batches) and `padded` (the
+static engine, padded batches) write result_hfjax_<layout>.json.
 
 Step time is the wall time of one driver call plus the step's one host fetch of metrics;
 stages are the driver's own `timing_s/*` (synchronised, so each is that stage's time).
@@ -74,12 +76,15 @@ class EvenReward:
                                                         batch["response_mask"])})
 
 
-# PEERS_HFJAX_LAYOUT: (rollout mode, packed training batches, result name) on natural
-# workloads; fixed-length workloads always run the static engine on padded batches.
+# PEERS_HFJAX_LAYOUT: (rollout mode, training batches, result name) on natural workloads;
+# fixed-length workloads always run the static engine on padded batches. Training batches:
+# "padded" rows, "grouped" (length-grouped padded micro-batches, `actor.group_by_length`) or
+# "packed" (`actor.use_remove_padding`).
 LAYOUTS = {
-    "continuous": ("continuous", False, "hfjax"),
-    "packed": ("continuous", True, "hfjax_packed"),
-    "padded": ("static", False, "hfjax_padded"),
+    "continuous": ("continuous", "padded", "hfjax"),
+    "grouped": ("continuous", "grouped", "hfjax_grouped"),
+    "packed": ("continuous", "packed", "hfjax_packed"),
+    "padded": ("static", "padded", "hfjax_padded"),
 }
 
 
@@ -113,14 +118,15 @@ def build(w: workload.Workload):
         raise AssertionError("hfjax's tokenizer encodes a prompt differently from prompts.json")
     pad = tok.pad_id if tok.pad_id is not None else tok.eos_id
 
-    mode, packed, _ = LAYOUTS[layout()] if w.natural else ("static", False, "hfjax")
+    mode, batches, _ = LAYOUTS[layout()] if w.natural else ("static", "padded", "hfjax")
     cfg = config_dict.ConfigDict()
     cfg.actor = config_dict.ConfigDict(dict(
         ppo_mini_batch_size=w.prompts, ppo_micro_batch_size=w.micro_batch, ppo_epochs=1,
         shuffle=False, policy_loss="vanilla", clip_ratio=w.clip, clip_ratio_low=w.clip,
         clip_ratio_high=w.clip, clip_ratio_c=3.0, loss_agg_mode="seq-mean-token-mean",
         entropy_coeff=0.0, use_kl_loss=False, kl_loss_coef=0.0, kl_loss_type="low_var_kl",
-        use_remove_padding=packed, ppo_max_token_len_per_gpu=0,
+        use_remove_padding=batches == "packed", ppo_max_token_len_per_gpu=0,
+        group_by_length=batches == "grouped",
     ))
     cfg.rollout = config_dict.ConfigDict(dict(
         n=w.samples, temperature=w.temperature, top_k=0, top_p=1.0, min_p=0.0,

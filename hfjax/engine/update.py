@@ -14,6 +14,9 @@ whatever the micro-batch size.
 With a token budget (`use_remove_padding`), the mini-batch is instead packed into rows of real
 tokens and cut into micro-batches by the budget, a `lax.while_loop` over as many as its lengths
 need (`hfjax.engine.packing`); the loss functions and their weighting are the same.
+Length-grouped micro-batches (`group_by_length`, `hfjax.engine.grouping`) differ in shape, so
+there each one is a call of its own program that adds into a donated gradient accumulator, and
+a last program applies the update (`make_grouped_update_step`).
 
 Non-finite numbers are caught inside the program (no host round trip; the trainer reads the
 flags with the step's metrics):
@@ -28,6 +31,7 @@ flags with the step's metrics):
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -116,29 +120,82 @@ def make_update_step(
             grads, metrics = _scan_micro_batches(params, batch, totals)
         else:
             grads, metrics = packing_lib.accumulate_grads(loss_fn, params, batch, totals, packing)
-        metrics["grad_norm"] = optax.tree_utils.tree_norm(grads)
-        ok = jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"])
+        return apply_grads(optimizer, params, opt_state, grads, metrics)
 
-        def apply(state):
-            p, s = state
-            updates, s = optimizer.update(grads, s, p)
-            p = optax.apply_updates(p, updates)
-            return p, s, jnp.logical_not(all_finite(p))
+    return jit(step, donate_argnums=(0, 1), **_state_shardings(param_shardings, opt_shardings))
 
-        # A cond, not a select: the update still runs in place on the donated buffers.
-        params, opt_state, broke = jax.lax.cond(
-            ok, apply, lambda state: (*state, jnp.bool_(False)), (params, opt_state))
-        metrics["nonfinite"] = 1.0 - ok.astype(jnp.float32)
-        metrics["nonfinite_params"] = broke.astype(jnp.float32)
-        return params, opt_state, metrics
 
-    kw = {}
-    if param_shardings is not None:
-        kw = dict(
-            in_shardings=(param_shardings, opt_shardings, None),
-            out_shardings=(param_shardings, opt_shardings, None),
-        )
-    return jit(step, donate_argnums=(0, 1), **kw)
+def make_grouped_update_step(
+    loss_fn: LossFn,
+    optimizer: optax.GradientTransformation,
+    param_shardings: Any = None,
+    opt_shardings: Any = None,
+    normalisers: Callable[[dict[str, jax.Array]], dict[str, jax.Array]] | None = None,
+    jit: Callable = jax.jit,
+) -> Callable:
+    """Returns step(params, opt_state, mini_batch, micro_batches) -> (params, opt_state,
+    metrics) for micro-batches of different shapes (`hfjax.engine.grouping`): one compiled
+    program per micro-batch shape adds its gradient into the accumulator (donated), then one
+    applies the update as `make_update_step` does. `normalisers` are taken over the whole
+    mini-batch; `micro_batches` is an iterable of micro-batch dicts already on the mesh."""
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+
+    def accumulate(params, grads, mb, totals):
+        (loss, metrics), g = grad_fn(params, mb, totals)
+        return jax.tree.map(jnp.add, grads, g), {"loss": loss, **metrics}
+
+    grads_out = {} if param_shardings is None else {"out_shardings": (param_shardings, None)}
+    add = jit(accumulate, donate_argnums=1, **grads_out)
+    zeros = jit(lambda p: jax.tree.map(jnp.zeros_like, p),
+                **({} if param_shardings is None else {"out_shardings": param_shardings}))
+    totals_of = jit(normalisers or (lambda _: {}))
+    kw = _state_shardings(param_shardings, opt_shardings)
+    if kw:  # (params, opt_state, grads, metrics)
+        kw["in_shardings"] = (param_shardings, opt_shardings, param_shardings, None)
+    apply = jit(functools.partial(apply_grads, optimizer), donate_argnums=(0, 1), **kw)
+
+    def step(params, opt_state, batch, micro_batches):
+        totals = totals_of(batch)
+        grads, sums = zeros(params), None
+        for mb in micro_batches:
+            grads, metrics = add(params, grads, mb, totals)
+            sums = metrics if sums is None else jax.tree.map(jnp.add, sums, metrics)
+        if sums is None:
+            raise ValueError("a grouped update step needs at least one micro-batch")
+        return apply(params, opt_state, grads, sums)
+
+    return step
+
+
+def apply_grads(optimizer: optax.GradientTransformation, params, opt_state, grads,
+                metrics: dict[str, jax.Array]):
+    """One optimizer update with the accumulated `grads` unless the loss (`metrics["loss"]`)
+    or the gradient norm is not finite (module docstring); adds `grad_norm`, `nonfinite` and
+    `nonfinite_params` to the metrics."""
+    metrics = dict(metrics)
+    metrics["grad_norm"] = optax.tree_utils.tree_norm(grads)
+    ok = jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"])
+
+    def apply(state):
+        p, s = state
+        updates, s = optimizer.update(grads, s, p)
+        p = optax.apply_updates(p, updates)
+        return p, s, jnp.logical_not(all_finite(p))
+
+    # A cond, not a select: the update still runs in place on the donated buffers.
+    params, opt_state, broke = jax.lax.cond(
+        ok, apply, lambda state: (*state, jnp.bool_(False)), (params, opt_state))
+    metrics["nonfinite"] = 1.0 - ok.astype(jnp.float32)
+    metrics["nonfinite_params"] = broke.astype(jnp.float32)
+    return params, opt_state, metrics
+
+
+def _state_shardings(param_shardings, opt_shardings) -> dict:
+    """in/out shardings pinning (params, opt_state, ...) to theirs; {} when not given."""
+    if param_shardings is None:
+        return {}
+    return dict(in_shardings=(param_shardings, opt_shardings, None),
+                out_shardings=(param_shardings, opt_shardings, None))
 
 
 def all_finite(tree: Any) -> jax.Array:
@@ -168,14 +225,14 @@ def make_optimizer(
     return optax.chain(*parts)
 
 
-def mini_batches(batch, mini: int, epochs: int, shuffle: bool, seed: int):
-    """Yields mini-batches for `epochs` passes, a fresh permutation per epoch when shuffling."""
-    n = len(batch)
+def mini_batch_rows(n: int, mini: int, epochs: int, shuffle: bool, seed: int):
+    """Yields each mini-batch's row indices for `epochs` passes over `n` rows, a fresh
+    permutation per epoch when shuffling."""
     rng = np.random.default_rng(seed)
     for _ in range(epochs):
         order = rng.permutation(n) if shuffle else np.arange(n)
         for start in range(0, n, mini):
-            yield batch.take(order[start : start + mini])
+            yield order[start : start + mini]
 
 
 def check_mini_batching(n: int, mini: int, micro: int, dp: int, who: str) -> None:

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 from hfjax.controller.batch import Batch
 from hfjax.controller.protocol import DP_COMPUTE, ON_HOST, method
-from hfjax.engine import packing
+from hfjax.engine import grouping, packing
 from hfjax.engine.hybrid import HybridEngine
 from hfjax.engine.sampler import (
     MIN_NEW_TOKENS_BUCKET,
@@ -64,15 +64,18 @@ class Reference(WorkerGroup):
 
     `budget`: score packed rows, cut into micro-batches by this token budget
     (`hfjax.engine.packing`); None: padded rows, `micro_rows` at a time (0: the whole batch in
-    one pass).
+    one pass). `grouped`: padded micro-batches of `micro_rows` rows of similar lengths, each
+    only as wide as its rows need (`hfjax.engine.grouping`).
     """
 
     def __init__(self, *args, temperature: float = 1.0,
-                 budget: packing.TokenBudget | None = None, micro_rows: int = 0, **kw):
+                 budget: packing.TokenBudget | None = None, micro_rows: int = 0,
+                 grouped: bool = False, **kw):
         super().__init__(*args, **kw)
         self.temperature = temperature
         self.budget = budget
         self.micro_rows = int(micro_rows)
+        self.grouped = bool(grouped)
         self._logprob = self.jit(self._logprob_fn, static_argnums=(3, 4))
         self._packed_logprob = self.jit(self._packed_logprob_fn, static_argnums=(3, 4))
 
@@ -98,6 +101,13 @@ class Reference(WorkerGroup):
     def _log_probs(self, batch: Batch):
         r = batch["responses"].shape[1]
         ids, mask = batch["input_ids"], batch["attention_mask"]
+        if self.grouped:
+            cuts = grouping.plan(grouping.extents(mask, r), self.micro_rows or len(ids),
+                                 ids.shape[1] - r, r, self.dp_size)
+            return grouping.scored(
+                lambda mb: self._logprob(self.params, mb["input_ids"], mb["attention_mask"],
+                                         mb["responses"].shape[1], 1),
+                dict(batch.select(SEQUENCES).arrays), cuts, r, self.on_mesh)
         if self.budget is None:
             return self._logprob(self.params, ids, mask, r, self.scoring_micro_batches(len(ids)))
         shape = self.budget.shape(len(batch), ids.shape[1], self.dp_size, self.name)
@@ -131,7 +141,8 @@ class ActorRollout(Reference):
                  eos_ids: tuple[int, ...] = (), hybrid: HybridEngine | None = None, **kw):
         super().__init__(*args, temperature=rollout_cfg.temperature,
                          budget=packing.token_budget(actor_cfg),
-                         micro_rows=actor_cfg.ppo_micro_batch_size, **kw)
+                         micro_rows=actor_cfg.ppo_micro_batch_size,
+                         grouped=actor_cfg.get("group_by_length", False), **kw)
         self.sampler = sampler
         self.eos_ids = tuple(eos_ids)
         self.acfg = actor_cfg
@@ -288,7 +299,8 @@ class ActorRollout(Reference):
             keys.append("ref_log_prob")
         mini = a.ppo_mini_batch_size * self.rcfg.n
         m = self.train(self._policy_loss, batch, keys, mini=mini, micro=a.ppo_micro_batch_size,
-                       epochs=a.ppo_epochs, shuffle=a.shuffle, budget=self.budget)
+                       epochs=a.ppo_epochs, shuffle=a.shuffle, budget=self.budget,
+                       grouped=self.grouped)
         m["actor/grad_norm"] = m.pop("grad_norm")
         m["actor/nonfinite_updates"] = m.pop("nonfinite")
         m["actor/nonfinite_params"] = m.pop("nonfinite_params")

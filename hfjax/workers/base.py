@@ -21,7 +21,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from hfjax.controller.batch import Batch
-from hfjax.engine import update
+from hfjax.engine import grouping, update
 from hfjax.engine.packing import PackShape, TokenBudget
 from hfjax.parallel import sharding as shd
 from hfjax.parallel.mesh import MeshSpec, ResourcePool, dp_size
@@ -122,7 +122,7 @@ class WorkerGroup:
                 self.params)
 
     def train(self, loss_fn, batch: Batch, keys, *, mini: int, micro: int, epochs: int,
-              shuffle: bool, budget: TokenBudget | None = None,
+              shuffle: bool, budget: TokenBudget | None = None, grouped: bool = False,
               normalisers=update.normalisers) -> dict[str, jax.Array]:
         """Runs `epochs` passes of micro-batched updates of `loss_fn` over mini-batches of
         `batch`; returns the metrics averaged over the steps (device scalars, not fetched),
@@ -132,18 +132,36 @@ class WorkerGroup:
         tokens and sequences).
 
         With a token `budget`, mini-batches are packed and micro-batches cut by the budget
-        (`hfjax.engine.packing`) instead of `micro` rows at a time."""
+        (`hfjax.engine.packing`) instead of `micro` rows at a time; `grouped`: micro-batches of
+        `micro` rows of similar lengths, each only as wide as its rows need
+        (`hfjax.engine.grouping`)."""
         update.check_mini_batching(len(batch), mini, micro, self.dp_size, self.name)
+        if grouped and budget is not None:
+            raise ValueError(f"{self.name}: group_by_length and use_remove_padding both cut "
+                             "micro-batches to real tokens; turn one of them off")
         shape = None
         if budget is not None:
             shape = budget.shape(mini, batch["input_ids"].shape[1], self.dp_size, self.name)
-        step = self.update_program(loss_fn, mini // micro, normalisers, shape)
+        if grouped:
+            step = self.grouped_program(loss_fn, normalisers)
+            r = batch["responses"].shape[1]
+            p = batch["input_ids"].shape[1] - r
+            ext = grouping.extents(batch["attention_mask"], r)
+        else:
+            step = self.update_program(loss_fn, mini // micro, normalisers, shape)
         sums: dict[str, jax.Array] = {}
         count = 0
-        batches = update.mini_batches(batch.select(keys), mini, epochs, shuffle, self._train_calls)
-        for mb in batches:
-            mb = mb.to(self.mesh)  # a gather's output layout is XLA's choice: pin the split
-            self.params, self.opt_state, m = step(self.params, self.opt_state, dict(mb.arrays))
+        picked = batch.select(keys)
+        for rows in update.mini_batch_rows(len(batch), mini, epochs, shuffle, self._train_calls):
+            mb = picked.take(rows).to(self.mesh)  # a gather's output layout is XLA's choice
+            if grouped:
+                parts = (self.on_mesh(grouping.cut(mb.arrays, c, r))
+                         for c in grouping.plan(ext[:, rows], micro, p, r))
+                self.params, self.opt_state, m = step(self.params, self.opt_state,
+                                                      dict(mb.arrays), parts)
+            else:
+                self.params, self.opt_state, m = step(self.params, self.opt_state,
+                                                      dict(mb.arrays))
             sums = m if not sums else jax.tree.map(jnp.add, sums, m)
             count += 1
         self._train_calls += 1
@@ -151,6 +169,20 @@ class WorkerGroup:
         out["nonfinite"] = sums["nonfinite"]
         out["nonfinite_params"] = sums["nonfinite_params"]
         return out
+
+    def on_mesh(self, arrays: dict[str, jax.Array]) -> dict[str, jax.Array]:
+        """`arrays` with their rows split over this group's data-parallel devices."""
+        return dict(Batch(arrays).to(self.mesh).arrays)
+
+    def grouped_program(self, loss_fn, normalisers=update.normalisers) -> Callable:
+        """The update step over length-grouped micro-batches of `loss_fn`
+        (`hfjax.engine.update.make_grouped_update_step`; each micro-batch shape compiles once)."""
+        key = (loss_fn.__name__, "grouped", normalisers)
+        if key not in self._programs:
+            self._programs[key] = update.make_grouped_update_step(
+                loss_fn, self.optimizer, self.param_shardings, self.opt_shardings,
+                normalisers=normalisers, jit=self.jit)
+        return self._programs[key]
 
     def update_program(self, loss_fn, n_micro: int, normalisers=update.normalisers,
                        packing: PackShape | None = None) -> Callable:

@@ -7,7 +7,7 @@ import jax
 
 from hfjax.controller.batch import Batch
 from hfjax.controller.protocol import DP_COMPUTE, method
-from hfjax.engine import packing
+from hfjax.engine import grouping, packing
 from hfjax.engine.update import share_of_normaliser
 from hfjax.numerics import core, losses
 from hfjax.workers.base import SEQUENCES, WorkerGroup
@@ -30,6 +30,8 @@ class Critic(WorkerGroup):
         self.horizon = None if horizon is None else float(horizon)
         # Packed rows cut by a token budget (`hfjax.engine.packing`); None: padded batches.
         self.budget = packing.token_budget(critic_cfg)
+        # Padded micro-batches of similar lengths, each as wide as its rows need.
+        self.grouped = bool(critic_cfg.get("group_by_length", False))
         self._values = self.jit(self._values_fn, static_argnums=(3,))
         self._packed_values = self.jit(self._packed_values_fn, static_argnums=(3, 4))
 
@@ -54,6 +56,14 @@ class Critic(WorkerGroup):
     def _compute_values(self, batch: Batch) -> Batch:
         r = batch["responses"].shape[1]
         ids, mask = batch["input_ids"], batch["attention_mask"]
+        if self.grouped:
+            cuts = grouping.plan(grouping.extents(mask, r), self.ccfg.ppo_micro_batch_size,
+                                 ids.shape[1] - r, r, self.dp_size)
+            (values,) = grouping.scored(
+                lambda mb: (self._values(self.params, mb["input_ids"], mb["attention_mask"],
+                                         mb["responses"].shape[1]),),
+                dict(batch.select(SEQUENCES).arrays), cuts, r, self.on_mesh)
+            return Batch({self.VALUES: values})
         if self.budget is None:
             return Batch({self.VALUES: self._values(self.params, ids, mask, r)})
         shape = self.budget.shape(len(batch), ids.shape[1], self.dp_size, self.name)
@@ -93,7 +103,7 @@ class Critic(WorkerGroup):
         keys = ["input_ids", "attention_mask", "responses", "response_mask", "values", "returns"]
         out = self.train(self._loss, batch, keys, mini=c.ppo_mini_batch_size * self.n_samples,
                          micro=c.ppo_micro_batch_size, epochs=c.ppo_epochs, shuffle=c.shuffle,
-                         budget=self.budget)
+                         budget=self.budget, grouped=self.grouped)
         p = self.METRICS
         out[f"{p}/grad_norm"] = out.pop("grad_norm")
         out[f"{p}/nonfinite_updates"] = out.pop("nonfinite")

@@ -216,7 +216,8 @@ def _build_ref(ctx: BuildContext) -> Reference | None:
     return Reference("ref", ctx.pools["ref"], c.ref.mesh, ctx.policy,
                      temperature=c.rollout.temperature, home=ctx.home,
                      budget=token_budget(c.actor),  # the actor's packing and micro-batches,
-                     micro_rows=c.actor.ppo_micro_batch_size)  # as in verl
+                     micro_rows=c.actor.ppo_micro_batch_size,  # as in verl
+                     grouped=c.actor.get("group_by_length", False))
 
 
 def _critic_builder(role: str, cls: type[Critic], seed_offset: int) -> RoleBuilder:

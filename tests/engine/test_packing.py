@@ -16,7 +16,7 @@ from flax import nnx
 
 from configs import ppo_arith
 from hfjax.controller.batch import Batch
-from hfjax.engine import packing, update
+from hfjax.engine import grouping, packing, update
 from hfjax.models import transformer
 from hfjax.models.config import ModelConfig
 from hfjax.parallel.mesh import ResourcePool
@@ -36,7 +36,7 @@ def _pool(spec):
     return ResourcePool(f"devices0-{n}", tuple(jax.devices()[:n]))
 
 
-def padded_batch(seed=0):
+def padded_batch(seed=0, P=P, R=R):
     """A host batch of B sequences: left-padded prompts of 1..P tokens, right-padded responses
     of 1..R tokens, with advantages and old/reference log-probs."""
     rng = np.random.default_rng(seed)
@@ -142,18 +142,19 @@ def test_a_budget_below_one_sequence_is_refused():
         packing.pack_shape(B, P + R, budget=P + R - 1, dp=1)
 
 
-def _acfg(mode, budget, micro=B):
+def _acfg(mode, budget, micro=B, grouped=False):
     a = ppo_arith.get_config().actor
     a.loss_agg_mode, a.use_kl_loss, a.entropy_coeff = mode, True, 0.01
     a.ppo_mini_batch_size, a.ppo_micro_batch_size = B, micro
     a.use_remove_padding, a.ppo_max_token_len_per_gpu = budget is not None, budget or 0
+    a.group_by_length = grouped
     a.shuffle = False
     return a
 
 
-def _actor(mesh, acfg, model):
+def _actor(mesh, acfg, model, response_length=R):
     r = ppo_arith.get_config().rollout
-    r.n, r.response_length = 1, R
+    r.n, r.response_length = 1, response_length
     return ActorRollout("actor", _pool(mesh), mesh, model, rules="train", sampler=None,
                         actor_cfg=acfg, rollout_cfg=r,
                         optimizer=update.make_optimizer(1e-2, grad_clip=0.0))
@@ -357,3 +358,104 @@ def test_a_ppo_step_runs_on_packed_batches():
     assert m["actor/nonfinite_updates"] == 0 and m["actor/grad_norm"] > 0
     after = [np.asarray(x) for x in jax.tree.leaves(w.actor.params)]
     assert any(not np.array_equal(a, b) for a, b in zip(before, after))
+
+
+# -- Length-grouped micro-batches (hfjax.engine.grouping) -------------------------------------
+
+# Wide enough that micro-batches get cut: prompts of up to 40 and responses of up to 48 tokens.
+GP, GR = 40, 48
+
+
+def test_width_buckets_and_the_plan_cover_every_row():
+    assert [grouping.width_bucket(n, 1000) for n in (0, 16, 17, 25, 33, 49, 65, 97, 129, 193)] \
+        == [16, 16, 24, 32, 48, 64, 96, 128, 192, 256]
+    assert grouping.width_bucket(300, 256) == 256
+    batch = padded_batch(7, P=GP, R=GR)
+    ext = grouping.extents(jnp.asarray(batch["attention_mask"]), GR)
+    mask = batch["attention_mask"]
+    np.testing.assert_array_equal(ext[0], mask[:, :GP].sum(1))  # contiguous real tokens
+    np.testing.assert_array_equal(ext[1], mask[:, GP:].sum(1))
+    cuts = grouping.plan(ext, 6, GP, GR)
+    assert [len(c.rows) for c in cuts] == [6, 6, 4]
+    assert sorted(np.concatenate([c.rows for c in cuts]).tolist()) == list(range(B))
+    assert len({c.prompt for c in cuts}) == 1 and ext[0].max() <= cuts[0].prompt <= GP
+    for c in cuts:
+        assert ext[1, c.rows].max() <= c.response
+        assert c.response == GR or c.response & (c.response - 1) == 0  # a power of two
+    # Longest responses first, so the later micro-batches are narrower.
+    assert [c.response for c in cuts] == sorted((c.response for c in cuts), reverse=True)
+    assert cuts[-1].response < GR
+    # Rounded up to a multiple of the data-parallel size: every cut splits over the devices.
+    assert [len(c.rows) for c in grouping.plan(ext, 6, GP, GR, dp=4)] == [8, 8]
+
+
+@pytest.mark.parametrize("mesh", list(MESHES), ids=list(MESHES))
+def test_grouped_log_probs_equal_the_padded_ones(model, mesh):
+    batch = padded_batch(8, P=GP, R=GR)
+    spec = MESHES[mesh]
+    padded = _actor(spec, _acfg("token-mean", None, micro=4), model, GR)
+    # 6 rows: cuts of 6, 6 and 4 on one device, of 8 on four data-parallel devices.
+    grouped = _actor(spec, _acfg("token-mean", None, micro=6, grouped=True), model, GR)
+    want, got = padded.compute_log_prob(batch), grouped.compute_log_prob(batch)
+    m = batch["response_mask"] > 0
+    for key in ("old_log_probs", "entropys"):
+        np.testing.assert_allclose(np.asarray(got[key])[m], np.asarray(want[key])[m],
+                                   rtol=1e-5, atol=1e-5, err_msg=key)
+
+
+GROUPED_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
+                 "seq-mean-token-sum-norm")
+
+
+@pytest.mark.parametrize("mode", GROUPED_MODES)
+def test_grouped_updates_equal_the_padded_ones(model, mode):
+    """One optimizer step through update_actor on micro-batches of 4 rows, strided full-width
+    vs length-grouped and cut: the same metrics and parameters, in every aggregation mode."""
+    batch = padded_batch(9, P=GP, R=GR)
+    actors = [_actor("fsdp=1", _acfg(mode, None, micro=4, grouped=g), _twin(model), GR)
+              for g in (False, True)]
+    metrics = [a.update_actor(batch) for a in actors]
+    keys = ["actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm"]
+    if mode == "token-mean":  # per-sequence weighted token means depend on the grouping
+        keys += ["actor/pg_clipfrac", "actor/ppo_kl"]
+    for k in keys:
+        np.testing.assert_allclose(float(metrics[1][k]), float(metrics[0][k]), rtol=1e-4,
+                                   err_msg=k)
+    # Adam's step is about lr = 1e-2 whatever a gradient's size: rounding in a near-zero
+    # gradient moves its parameter by up to ~1e-4.
+    for a, b in zip(jax.tree.leaves(actors[1].params), jax.tree.leaves(actors[0].params)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-4)
+
+
+def test_grouped_actor_and_critic_on_a_multi_device_mesh(model):
+    spec = MESHES["dp4tp2"]
+    batch = padded_batch(10, P=GP, R=GR)
+    actors = [_actor(spec, _acfg("token-mean", None, micro=4, grouped=g), _twin(model), GR)
+              for g in (False, True)]
+    metrics = [a.update_actor(batch) for a in actors]
+    for k in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm"):
+        np.testing.assert_allclose(float(metrics[1][k]), float(metrics[0][k]), rtol=1e-4,
+                                   err_msg=k)
+    for a, b in zip(jax.tree.leaves(actors[1].params), jax.tree.leaves(actors[0].params)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5)
+    critics = []
+    for grouped in (False, True):
+        c = ppo_arith.get_config().critic
+        c.ppo_mini_batch_size, c.ppo_micro_batch_size, c.shuffle = B, 4, False
+        c.group_by_length = grouped
+        critics.append(Critic("critic", _pool(spec), spec, transformer.build(CFG, "value", seed=4),
+                              critic_cfg=c, horizon=GR,
+                              optimizer=update.make_optimizer(1e-2, grad_clip=0.0)))
+    m = batch["response_mask"] > 0
+    values = [np.asarray(c.compute_values(batch)["values"]) for c in critics]
+    np.testing.assert_allclose(values[1][m], values[0][m], rtol=1e-5, atol=1e-5)
+    metrics = [c.update_critic(batch) for c in critics]
+    for k in ("critic/vf_loss", "critic/grad_norm"):
+        np.testing.assert_allclose(float(metrics[1][k]), float(metrics[0][k]), rtol=1e-4,
+                                   err_msg=k)
+
+
+def test_grouping_and_packing_together_are_refused(model):
+    a = _actor("fsdp=1", _acfg("token-mean", 2 * (P + R), micro=4, grouped=True), model)
+    with pytest.raises(ValueError, match="group_by_length and use_remove_padding"):
+        a.update_actor(padded_batch(11))
