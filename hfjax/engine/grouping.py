@@ -34,6 +34,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from hfjax.engine.sampler import bucket_size
+
 # The narrowest prompt or response block a micro-batch is cut to.
 MIN_WIDTH = 16
 
@@ -92,8 +94,7 @@ def plan(ext: np.ndarray, micro: int, prompt_cols: int, response_cols: int,
     cuts = []
     for start in range(0, n, micro):
         rows = np.sort(order[start : start + micro]).astype(np.int32)
-        longest = max(MIN_WIDTH, int(ext[1, rows].max()))
-        cuts.append(Cut(rows, p, min(1 << (longest - 1).bit_length(), int(response_cols))))
+        cuts.append(Cut(rows, p, bucket_size(int(ext[1, rows].max()), MIN_WIDTH, response_cols)))
     return cuts
 
 
@@ -114,12 +115,17 @@ def _cut(arrays: dict[str, jax.Array], rows: jax.Array, response_len: int, promp
     return {k: one(k, v) for k, v in arrays.items()}
 
 
-def cut(arrays: dict[str, jax.Array], c: Cut, response_len: int) -> dict[str, jax.Array]:
+def _device_rows(c: Cut) -> jax.Array:
+    with jax.transfer_guard("allow"):  # the cut's row indices, a deliberate upload
+        return jnp.asarray(c.rows)
+
+
+def cut(arrays: dict[str, jax.Array], c: Cut, response_len: int,
+        rows: jax.Array | None = None) -> dict[str, jax.Array]:
     """The micro-batch `c` of a padded batch: its rows, the sequences' columns cut to the
     prompt and response widths and every per-response-token array [B, R] to the response
-    width; other arrays lose only their other rows."""
-    with jax.transfer_guard("allow"):
-        rows = jnp.asarray(c.rows)
+    width; other arrays lose only their other rows. `rows`: `c.rows` already on the device."""
+    rows = _device_rows(c) if rows is None else rows
     return _cut(arrays, rows, response_len, c.prompt, c.response)
 
 
@@ -137,11 +143,10 @@ def scored(fn: Callable[[dict[str, jax.Array]], tuple[jax.Array, ...]],
     micro-batch on the group's mesh (its rows split over the data-parallel devices)."""
     outs = None
     for c in cuts:
-        values = fn(place(cut(arrays, c, response_len)))
+        rows = _device_rows(c)
+        values = fn(place(cut(arrays, c, response_len, rows)))
         if outs is None:
             # Laid out as the batch's rows are (`place`'s mesh).
             outs = [jnp.zeros_like(arrays["responses"], v.dtype) for v in values]
-        with jax.transfer_guard("allow"):
-            rows = jnp.asarray(c.rows)
         outs = [_put(o, rows, v) for o, v in zip(outs, values, strict=True)]
     return tuple(outs)

@@ -274,6 +274,15 @@ def test_policy_loss_and_gradients_equal_the_padded_ones(model, mode, budget):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5 * scale, rtol=1e-4)
 
 
+def _assert_same_step(metrics, groups, keys, atol=2e-5):
+    """Two worker groups took the same optimizer step: equal metrics `keys` and parameters."""
+    for k in keys:
+        np.testing.assert_allclose(float(metrics[1][k]), float(metrics[0][k]), rtol=1e-4,
+                                   err_msg=k)
+    for a, b in zip(jax.tree.leaves(groups[1].params), jax.tree.leaves(groups[0].params)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=atol)
+
+
 # On 1 device the same losses and gradients are checked above; here the whole update program
 # (mini-batches, the while loop, the optimizer) on the multi-device mesh.
 @pytest.mark.parametrize("budget", list(BUDGETS))
@@ -287,10 +296,8 @@ def test_actor_and_critic_updates_equal_the_padded_ones(model, mesh, budget):
     actors = [_actor(spec, _acfg("token-mean", b, micro=8), _twin(model))
               for b in (None, tokens)]
     metrics = [a.update_actor(batch) for a in actors]
-    for k in ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm"):
-        np.testing.assert_allclose(float(metrics[1][k]), float(metrics[0][k]), rtol=1e-4, err_msg=k)
-    for a, b in zip(jax.tree.leaves(actors[1].params), jax.tree.leaves(actors[0].params)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5)
+    _assert_same_step(metrics, actors,
+                      ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm"))
 
     critics = []
     for remove_padding in (False, True):
@@ -304,10 +311,7 @@ def test_actor_and_critic_updates_equal_the_padded_ones(model, mesh, budget):
     values = [np.asarray(c.compute_values(batch)["values"]) for c in critics]
     np.testing.assert_allclose(values[1][m], values[0][m], rtol=1e-5, atol=1e-5)
     metrics = [c.update_critic(batch) for c in critics]
-    for k in ("critic/vf_loss", "critic/grad_norm"):
-        np.testing.assert_allclose(float(metrics[1][k]), float(metrics[0][k]), rtol=1e-4, err_msg=k)
-    for a, b in zip(jax.tree.leaves(critics[1].params), jax.tree.leaves(critics[0].params)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5)
+    _assert_same_step(metrics, critics, ("critic/vf_loss", "critic/grad_norm"))
 
 
 # The whole batch's tokens (0), two sequences' worth and six (banded attention).
@@ -418,13 +422,9 @@ def test_grouped_updates_equal_the_padded_ones(model, mode):
     keys = ["actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm"]
     if mode == "token-mean":  # per-sequence weighted token means depend on the grouping
         keys += ["actor/pg_clipfrac", "actor/ppo_kl"]
-    for k in keys:
-        np.testing.assert_allclose(float(metrics[1][k]), float(metrics[0][k]), rtol=1e-4,
-                                   err_msg=k)
     # Adam's step is about lr = 1e-2 whatever a gradient's size: rounding in a near-zero
     # gradient moves its parameter by up to ~1e-4.
-    for a, b in zip(jax.tree.leaves(actors[1].params), jax.tree.leaves(actors[0].params)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-4)
+    _assert_same_step(metrics, actors, keys, atol=1e-4)
 
 
 def test_grouped_actor_and_critic_on_a_multi_device_mesh(model):
@@ -433,11 +433,7 @@ def test_grouped_actor_and_critic_on_a_multi_device_mesh(model):
     actors = [_actor(spec, _acfg("token-mean", None, micro=4, grouped=g), _twin(model), GR)
               for g in (False, True)]
     metrics = [a.update_actor(batch) for a in actors]
-    for k in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm"):
-        np.testing.assert_allclose(float(metrics[1][k]), float(metrics[0][k]), rtol=1e-4,
-                                   err_msg=k)
-    for a, b in zip(jax.tree.leaves(actors[1].params), jax.tree.leaves(actors[0].params)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5)
+    _assert_same_step(metrics, actors, ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm"))
     critics = []
     for grouped in (False, True):
         c = ppo_arith.get_config().critic
