@@ -37,6 +37,7 @@ from hfjax.models.transformer import (
     rms_norm,
     rope_inv_freq,
     rope_tables,
+    storage_dtype,
 )
 from hfjax.parallel import mesh as mesh_lib
 
@@ -57,10 +58,12 @@ def split_layers(model) -> list[dict[str, jax.Array]]:
     cfg = model.config
     stacked = model.model.layers.arrays()
     if cfg.jnp_dtype != cfg.jnp_param_dtype:
-        # Every layer op casts its weights to the compute dtype before use (matmul operands,
-        # norm scales, biases); casting once here instead of inside the loop gives the same
-        # values and reads half the bytes per step with bfloat16 compute over float32 weights.
-        stacked = {k: v.astype(cfg.jnp_dtype) for k, v in stacked.items()}
+        # Every projection casts its weights to the compute dtype before use; casting once
+        # here instead of inside the loop gives the same values and reads half the bytes per
+        # step with bfloat16 compute over float32 weights. Norm scales and biases (a few KB)
+        # stay as they are: each op casts them to its own operand's dtype.
+        stacked = {k: v.astype(cfg.jnp_dtype) if k.endswith("_proj") else v
+                   for k, v in stacked.items()}
     return [{k: v[i] for k, v in stacked.items()} for i in range(cfg.num_layers)]
 
 
@@ -114,7 +117,6 @@ def _layer(
     Only the cache handling differs from the model's own layer; the projections, norms, RoPE,
     attention and MLP are `hfjax.models.transformer`'s.
     """
-    dt = cfg.jnp_dtype
     rows, kv_heads, head_dim = h.shape[0], cfg.num_kv_heads, cfg.head_dim
     group = cfg.num_heads // kv_heads
     q, k, v = attention_inputs(cfg, rope, p, h)
@@ -133,8 +135,8 @@ def _layer(
         cv = jax.vmap(write)(kv.v, jnp.swapaxes(v, 1, 2), (zero, slot, zero))
 
     qg = q[:, 0].reshape(rows, kv_heads, group, 1, head_dim)
-    # Attention in the cache's dtype (`storage_dtype`), its output back in the compute dtype.
-    out = attend(qg.astype(ck.dtype), ck, cv, valid[:, None, None, None, :]).astype(dt)
+    # q and the cache are both in the attention's dtype (`storage_dtype`).
+    out = attend(qg, ck, cv, valid[:, None, None, None, :])
     # Heads flattened in (kv_head, group) order, which is the query-head order.
     attn = out.reshape(rows, 1, cfg.num_heads, head_dim)
     return layer_output(cfg, p, h, attn), LayerCache(ck, cv)
@@ -161,7 +163,7 @@ def decode_step(
     slot = jnp.asarray(slot, jnp.int32)
     valid = attn_mask.astype(bool) & (jnp.arange(slots)[None, :] <= jnp.reshape(slot, (-1, 1)))
     h = model.model.embed(tokens[:, None])
-    rope = rope_tables(positions[:, None], rope_inv_freq(cfg), cfg.jnp_dtype, slots)
+    rope = rope_tables(positions[:, None], rope_inv_freq(cfg), storage_dtype(cfg.jnp_dtype), slots)
     new_cache = []
     for p, kv in zip(layers, cache):
         h, kv = _layer(cfg, rope, p, h, valid, kv, slot)

@@ -39,14 +39,18 @@ class KVCache(NamedTuple):
 
 
 def storage_dtype(dtype, platform: str | None = None) -> jnp.dtype:
-    """The dtype a KV cache of `dtype` keys and values is kept in on `platform` (default: the
-    process's backend): `dtype`, except 16-bit floats on CPU, which are kept in float32.
+    """The dtype in which a `dtype` model keeps its KV cache and computes attention (queries,
+    keys, values, RoPE) on `platform` (default: the process's backend): `dtype`, except 16-bit
+    floats on CPU, which are kept in float32.
 
-    XLA:CPU computes 16-bit floats in float32: a bfloat16 cache's slice update becomes the
-    whole buffer converted to float32, updated and converted back (a copy of the cache per
-    layer per write), and the attention products convert the cache to float32 again. A
-    float32 cache is updated in place and read as it is; attention then runs in float32, as
-    XLA:CPU would run it anyway. GPUs and TPUs keep the compute dtype.
+    XLA:CPU has no 16-bit float arithmetic: it computes every bfloat16 element-wise op in
+    float32 between a pair of conversions. A bfloat16 cache's slice update becomes the whole
+    buffer converted to float32, updated and converted back (a copy of the cache per layer per
+    write), and the attention products convert the cache to float32 again; in a training pass,
+    RoPE and the attention gradients summed over the causal query blocks convert at every op
+    (those fusions took ~15% of the bf16 actor update's op time). In float32 the cache is
+    updated in place and the attention's element-wise work runs as it is; the projections
+    still multiply in `dtype` (`matmul`). GPUs and TPUs keep the compute dtype.
     """
     dtype = jnp.dtype(dtype)
     platform = platform or jax.default_backend()
@@ -105,10 +109,16 @@ def apply_rope(x: jax.Array, rope: tuple[jax.Array, jax.Array]) -> jax.Array:
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    """RMSNorm computed in float32, scaled after casting back to x's dtype."""
+    """RMSNorm computed in float32, scaled after casting back to x's dtype.
+
+    The scale and the normalised x are both rounded to x's dtype and multiplied in float32,
+    then rounded once: the same values as a product in x's dtype, but the scale's gradient
+    (a sum over every token) is then a float32 reduction; in bfloat16, XLA:CPU sums it by
+    windows, several times slower."""
     x32 = x.astype(jnp.float32)
     y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return weight.astype(x.dtype) * y.astype(x.dtype)
+    f32 = jnp.float32
+    return (weight.astype(x.dtype).astype(f32) * y.astype(x.dtype).astype(f32)).astype(x.dtype)
 
 
 _REMAT = {
@@ -234,7 +244,8 @@ def _low_precision_matmul_bwd(dtype, out_dtype, transpose_w, res, g):
 _low_precision_matmul.defvjp(_low_precision_matmul_fwd, _low_precision_matmul_bwd)
 
 
-def _proj(cfg: ModelConfig, p, x: jax.Array, name: str, out_shape: tuple[int, ...]) -> jax.Array:
+def _proj(cfg: ModelConfig, p, x: jax.Array, name: str, out_shape: tuple[int, ...],
+          out_dtype=None) -> jax.Array:
     """x [B, T, in] times parameter `name` as one 2-D [B*T, in] x [in, out] `matmul`.
 
     As [B, T, D] einsums, XLA:CPU forms the weight gradients through strided transposes of
@@ -244,21 +255,21 @@ def _proj(cfg: ModelConfig, p, x: jax.Array, name: str, out_shape: tuple[int, ..
     """
     B, T = x.shape[:2]
     w = p[name].reshape(-1, math.prod(out_shape))
-    flat = matmul(x.reshape(B * T, -1), w, cfg.jnp_dtype)
+    flat = matmul(x.reshape(B * T, -1), w, cfg.jnp_dtype, out_dtype)
     return flat.reshape(B, T, *out_shape)
 
 
 def attention_inputs(cfg: ModelConfig, rope, p, h):
     """The first half of a decoder layer: input norm, q/k/v projections (with biases and q/k
     norms where the family has them) and RoPE by the `rope_tables` of h's positions. Returns
-    q [B, T, N, H] and k, v [B, T, K, H]."""
+    q [B, T, N, H] and k, v [B, T, K, H], in the attention's dtype (`storage_dtype`)."""
     N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    dt = storage_dtype(cfg.jnp_dtype)
     x = rms_norm(h, p["input_norm"], cfg.rms_norm_eps)
-    q = _proj(cfg, p, x, "q_proj", (N, H))
-    k = _proj(cfg, p, x, "k_proj", (K, H))
-    v = _proj(cfg, p, x, "v_proj", (K, H))
+    q = _proj(cfg, p, x, "q_proj", (N, H), dt)
+    k = _proj(cfg, p, x, "k_proj", (K, H), dt)
+    v = _proj(cfg, p, x, "v_proj", (K, H), dt)
     if cfg.attention_bias:
-        dt = cfg.jnp_dtype
         q = q + p["q_bias"].astype(dt)
         k = k + p["k_bias"].astype(dt)
         v = v + p["v_bias"].astype(dt)
@@ -406,9 +417,7 @@ def _block(cfg: ModelConfig, rope, p, h, attention, cache_kv, cache_index):
         ck = jax.lax.dynamic_update_slice_in_dim(ck, k.astype(ck.dtype), cache_index, axis=1)
         cv = jax.lax.dynamic_update_slice_in_dim(cv, v.astype(cv.dtype), cache_index, axis=1)
         new_kv = (ck, cv)
-        # Attention in the cache's dtype (`storage_dtype`), its output in the compute dtype.
-        out = attention(q.astype(ck.dtype), ck, cv).astype(cfg.jnp_dtype)
-        return layer_output(cfg, p, h, out), new_kv
+        return layer_output(cfg, p, h, attention(q, ck, cv)), new_kv
     return layer_output(cfg, p, h, attention(q, k, v)), new_kv
 
 
@@ -482,7 +491,8 @@ class Backbone(nnx.Module):
             attention = dense_attention(cfg, mask[:, None], causal=cache is None)  # [B, 1, T, S]
 
         h = self.embed(input_ids)
-        rope = rope_tables(positions, rope_inv_freq(cfg), cfg.jnp_dtype, key_valid.shape[1])
+        rope = rope_tables(positions, rope_inv_freq(cfg), storage_dtype(cfg.jnp_dtype),
+                           key_valid.shape[1])
         params = self.layers.arrays()
 
         def layer(h, p, kv):

@@ -142,31 +142,38 @@ def masked_whiten(values: Array, mask: Array, shift_mean: bool = True) -> Array:
     return whitened
 
 
-def entropy_from_logits(logits: Array) -> Array:
-    """Returns the entropy of softmax(logits) over the last axis, in float32 (shape ``[...]``).
+def logprobs_and_entropy(logits: Array, labels: Array) -> tuple[Array, Array]:
+    """(log softmax(logits)[..., label], entropy of softmax(logits)), both float32 of shape
+    ``labels.shape``, from one exponential of the logits.
 
-    Computed as -sum p log p with log p from logsumexp, which stays accurate for large logits and
-    finite for -inf logits (masked vocabulary entries).
+    With x the logits shifted by their (constant) maximum, e = exp(x) and Z = sum e:
+    log p(label) = x[label] - log Z and the entropy is log Z - sum(e x) / Z, so one pass over
+    the vocabulary gives both (for a policy's vocabulary, the exponential is the costly part:
+    on a CPU a [8, 256, 49152] batch takes ~0.2 s per pass). The shift keeps precision when
+    logits are large (x[label] and log Z would otherwise both be ~max and cancel in float32);
+    -inf logits (masked vocabulary entries) give e = 0 and add nothing.
     """
-    logits = logits.astype(jnp.float32)
-    logp = logits - jax.nn.logsumexp(logits, axis=-1, keepdims=True)
-    p = jnp.exp(logp)
-    # p == 0 exactly where logits are -inf; 0 * -inf would be nan.
-    return -jnp.sum(jnp.where(p > 0, p * jnp.where(p > 0, logp, 0.0), 0.0), axis=-1)
+    x = logits.astype(jnp.float32)
+    x = x - jax.lax.stop_gradient(jnp.max(x, axis=-1, keepdims=True))
+    e = jnp.exp(x)
+    z = jnp.sum(e, axis=-1)
+    log_z = jnp.log(z)
+    picked = jnp.take_along_axis(x, labels[..., None].astype(jnp.int32), axis=-1)[..., 0]
+    # 0 * -inf would be nan where a logit is -inf.
+    ex = jnp.sum(jnp.where(e > 0, e * jnp.where(e > 0, x, 0.0), 0.0), axis=-1)
+    return picked - log_z, log_z - ex / z
+
+
+def entropy_from_logits(logits: Array) -> Array:
+    """Returns the entropy of softmax(logits) over the last axis, in float32 (shape ``[...]``);
+    `logprobs_and_entropy`'s second half."""
+    return logprobs_and_entropy(logits, jnp.zeros(logits.shape[:-1], jnp.int32))[1]
 
 
 def logprobs_from_logits(logits: Array, labels: Array) -> Array:
-    """Returns log softmax(logits)[..., label] in float32, shape ``labels.shape``.
-
-    Only the chosen entry and the logsumexp are formed, so the full log-softmax over the
-    vocabulary never needs to be kept.
-    """
-    logits = logits.astype(jnp.float32)
-    # Shifting by the max before subtracting keeps precision when logits are large: picked and
-    # logsumexp would otherwise both be ~max and cancel in float32.
-    logits = logits - jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
-    picked = jnp.take_along_axis(logits, labels[..., None].astype(jnp.int32), axis=-1)[..., 0]
-    return picked - jax.nn.logsumexp(logits, axis=-1)
+    """Returns log softmax(logits)[..., label] in float32, shape ``labels.shape``;
+    `logprobs_and_entropy`'s first half (the entropy's sum is left out of the program)."""
+    return logprobs_and_entropy(logits, labels)[0]
 
 
 # --------------------------------------------------------------------------------------------

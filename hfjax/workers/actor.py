@@ -43,7 +43,7 @@ def response_logprobs(model, input_ids, attention_mask, response_len: int, tempe
     hidden, _ = model.model(input_ids, attention_mask)
     logits = model.logits(hidden[:, -response_len - 1 : -1]) / temperature
     labels = input_ids[:, -response_len:]
-    return core.logprobs_from_logits(logits, labels), core.entropy_from_logits(logits)
+    return core.logprobs_and_entropy(logits, labels)
 
 
 def packed_logprobs(model, packed: packing.Packed, span: int, temperature: float):
@@ -54,7 +54,7 @@ def packed_logprobs(model, packed: packing.Packed, span: int, temperature: float
 
     def head(h, labels):
         logits = model.logits(h) / temperature
-        return core.logprobs_from_logits(logits, labels), core.entropy_from_logits(logits)
+        return core.logprobs_and_entropy(logits, labels)
 
     return packing.on_scored(head, packed.scored, hidden, packing.next_tokens(packed.ids))
 
