@@ -159,8 +159,8 @@ def logprobs_and_entropy(logits: Array, labels: Array) -> tuple[Array, Array]:
     z = jnp.sum(e, axis=-1)
     log_z = jnp.log(z)
     picked = jnp.take_along_axis(x, labels[..., None].astype(jnp.int32), axis=-1)[..., 0]
-    # 0 * -inf would be nan where a logit is -inf.
-    ex = jnp.sum(jnp.where(e > 0, e * jnp.where(e > 0, x, 0.0), 0.0), axis=-1)
+    # 0 * -inf would be nan where a logit is -inf: x is read as 0 where e is 0.
+    ex = jnp.sum(e * jnp.where(e > 0, x, 0.0), axis=-1)
     return picked - log_z, log_z - ex / z
 
 
