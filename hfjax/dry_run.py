@@ -406,9 +406,8 @@ def _rollout(out: _Compiler, w, cfg, tok, name: str, prompts: int, n: int, *,
         max_new_tokens=r.response_length, temperature=0.0 if greedy else temperature,
         top_k=r.top_k, top_p=r.top_p, min_p=r.min_p, n=n, eos_ids=a.eos_ids)
     sampler = a.sampler
-    static = sampler.static_for(sampler.padded_batch(prompts),
-                                bucket_size(cfg.data.max_prompt_length, MIN_PROMPT_BUCKET),
-                                params)
+    widest = bucket_size(cfg.data.max_prompt_length, MIN_PROMPT_BUCKET, fine=True)
+    static = sampler.static_for(sampler.padded_batch(prompts), widest, params)
     state = engine.abstract_decode(a.params) if engine is not None else a.params
     # While generating, the decode copy stands in for the training parameters; an offloaded
     # optimizer state waits in host memory.

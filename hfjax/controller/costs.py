@@ -42,12 +42,14 @@ step reads the decode shard of the weights and the whole KV cache (the loop atte
 preallocated slot), r S 2 L K H c / t_kv bytes, where t_kv = t when t divides K, else 1.
 
 Activations, bytes per token of one layer (the tensors the layer's backward pass reads):
-    a(s) = c (4D + (2N + 3K) H / t + N H / t + 4F / t) + 8 D + N s (4 + c) / t
+    a(s) = c (4D + 4F / t) + a ((2N + 3K) H / t + N H / t) + 8 D + N s (4 + a) / t
 (two float32 RMSNorm inputs of D, the normed inputs, q/k/v and their RoPE'd copies, scores in
-float32 and probabilities, the attention output, the residuals, gate/up/silu/product of the MLP).
+float32 and probabilities, the attention output, the residuals, gate/up/silu/product of the MLP),
+with a the bytes of the attention's dtype (`storage_dtype`: c, except float32 for a 16-bit
+model on CPU).
 - training keeps, per token and layer, a(s) (remat "none"), c D (remat "full": the layer input),
-  the matmul outputs c ((N + 2K) H / t + 2F / t + 2D) (remat "dots_no_batch"), plus the
-  attention products c N H / t + 4 N s / t (remat "dots"); over the micro-batch's rows on the
+  the matmul outputs a (N + 2K) H / t + c (2F / t + 2D) (remat "dots_no_batch"), plus the
+  attention products a N H / t + 4 N s / t (remat "dots"); over the micro-batch's rows on the
   device, plus one layer's a(s) during its backward, the float32 logits (x3: logits, their
   log-softmax, the gradient) of the scored positions, and two gradient buffers the size of the
   parameters (the accumulator and the micro-batch's);
@@ -246,30 +248,38 @@ def kv_split(cfg: ModelConfig, tensor: int) -> int:
     return tensor if cfg.num_kv_heads % tensor == 0 else 1
 
 
-def layer_activation_bytes(cfg: ModelConfig, seq: int, tensor: int) -> float:
-    """a(s): bytes per token of one layer's activations (module docstring)."""
-    c = _itemsize(cfg.dtype)
+def layer_activation_bytes(cfg: ModelConfig, seq: int, tensor: int,
+                           platform: str = "gpu") -> float:
+    """a(s): bytes per token of one layer's activations on `platform` (module docstring)."""
+    c, a = _itemsize(cfg.dtype), _attention_itemsize(cfg, platform)
     d, f, n, k, h = (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads,
                      cfg.head_dim)
-    return (c * (4 * d + ((2 * n + 3 * k) * h + n * h + 4 * f) / tensor) + 8 * d
-            + n * seq * (4 + c) / tensor)
+    return (c * (4 * d + 4 * f / tensor) + a * ((2 * n + 3 * k) * h + n * h) / tensor + 8 * d
+            + n * seq * (4 + a) / tensor)
 
 
-def saved_activation_bytes(cfg: ModelConfig, seq: int, tensor: int) -> float:
-    """Bytes per token of one layer that training keeps for the backward pass, by remat
-    policy (module docstring)."""
-    c = _itemsize(cfg.dtype)
+def saved_activation_bytes(cfg: ModelConfig, seq: int, tensor: int,
+                           platform: str = "gpu") -> float:
+    """Bytes per token of one layer that training keeps for the backward pass on `platform`,
+    by remat policy (module docstring)."""
+    c, a = _itemsize(cfg.dtype), _attention_itemsize(cfg, platform)
     d, f, n, k, h = (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads,
                      cfg.head_dim)
     policy = cfg.remat_policy
     if policy == "none":
-        return layer_activation_bytes(cfg, seq, tensor)
+        return layer_activation_bytes(cfg, seq, tensor, platform)
     if policy == "full":
         return float(c * d)
-    dots = c * (((n + 2 * k) * h + 2 * f) / tensor + 2 * d)
+    dots = a * (n + 2 * k) * h / tensor + c * (2 * f / tensor + 2 * d)
     if policy == "dots_no_batch":
         return float(dots)
-    return dots + c * n * h / tensor + 4 * n * seq / tensor
+    return dots + a * n * h / tensor + 4 * n * seq / tensor
+
+
+def _attention_itemsize(cfg: ModelConfig, platform: str) -> int:
+    """Bytes per element of q/k/v, the attention and its output on `platform`
+    (`hfjax.models.transformer.storage_dtype`: float32 for a 16-bit model on CPU)."""
+    return int(storage_dtype(cfg.jnp_dtype, platform).itemsize)
 
 
 def _itemsize(dtype: str) -> int:
@@ -298,7 +308,7 @@ class ClosedFormCosts:
                      * r) / t
             shard = param_shard_bytes(model, layout)
             return CallCost(flops, shard + kv + logits, kv + shard + 2 * logits)
-        act = layer_activation_bytes(cfg, call.seq, t)
+        act = layer_activation_bytes(cfg, call.seq, t, self.platform)
         if call.kind == "prefill":
             flops = (layers_flops(cfg, r, call.seq, call.seq)
                      + 2.0 * cfg.hidden_size * cfg.vocab_size * r) / t
@@ -321,7 +331,8 @@ class ClosedFormCosts:
         flops = n_micro * (3 * fwd + extra) / t
         passes = 3 + (cfg.remat_policy == "full")
         traffic = n_micro * (passes * weights + 2 * m * call.seq * cfg.num_layers * act)
-        saved = m * call.seq * cfg.num_layers * saved_activation_bytes(cfg, call.seq, t)
+        per_token = saved_activation_bytes(cfg, call.seq, t, self.platform)
+        saved = m * call.seq * cfg.num_layers * per_token
         grads = 2 * param_shard_bytes(model, layout)
         held = saved + m * call.seq * act + 3 * _head_bytes(cfg, model.head, m, call.seq,
                                                             call.scored, t) + grads

@@ -43,12 +43,14 @@ def prompt_batch(rows: Sequence[dict], seeds: np.ndarray, pad_id: int,
     """Host batch of left-padded prompts (`prompts`, `prompt_mask`), per-row `seeds`, and the
     rows' reward metadata.
 
-    The width is the longest prompt's length rounded up to a power of two (at least
-    MIN_PROMPT_BUCKET), capped at max_prompt_length: no stage computes on columns that are
-    padding in every row, and a run compiles a handful of widths.
+    The width is the longest prompt's length rounded up to the sampler's prompt bucket (16, 24,
+    32, 48, ...: `bucket_size(..., fine=True)`, at least MIN_PROMPT_BUCKET), capped at
+    max_prompt_length: no stage computes on columns that are padding in every row, and a run
+    compiles a handful of widths.
     """
     ids_list = [r["prompt_ids"] for r in rows]
-    width = bucket_size(max(len(i) for i in ids_list), MIN_PROMPT_BUCKET, cap=max_prompt_length)
+    width = bucket_size(max(len(i) for i in ids_list), MIN_PROMPT_BUCKET, cap=max_prompt_length,
+                        fine=True)
     ids, mask = left_pad(ids_list, width, pad_id)
     return Batch({"prompts": ids, "prompt_mask": mask, "seeds": seeds.astype(np.int32)},
                  meta=reward_meta(rows))

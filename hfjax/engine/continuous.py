@@ -166,7 +166,7 @@ class ContinuousSampler(Sampler):
 
     def _buckets(self, longest: int, max_new: int) -> tuple[int, int]:
         """(prompt bucket, new-token bucket) of a call, within max_cache_len."""
-        width = bucket_size(longest, self.min_prompt_bucket)
+        width = bucket_size(longest, self.min_prompt_bucket, fine=True)
         new = bucket_size(max_new, self.min_new_tokens_bucket)
         cap = self.max_cache_len
         if cap is None or width + new <= cap:

@@ -25,8 +25,9 @@ Conventions:
   other prompts share the batch.
 - **Stops.** The stop token (EOS or any id in `eos_ids`) is part of the response (mask 1, like
   HF); every later position holds `pad_id` with mask 0 and log-prob 0.
-- **Buckets.** Prompts are trimmed to their longest real length and left-padded to the next power
-  of two >= `min_prompt_bucket` (16); the new-token budget is rounded up the same way from
+- **Buckets.** Prompts are trimmed to their longest real length and left-padded to the next of
+  16, 24, 32, 48, 64, 96, 128, 192, ... (`bucket_size(..., fine=True)`: powers of two and 3/4
+  of them, >= `min_prompt_bucket`); the new-token budget is rounded up to a power of two >=
   `min_new_tokens_bucket` (16). `max_new_tokens` itself is a traced loop bound, so a request for
   20 tokens runs the 32-token program and returns exactly what a 20-token program would. The
   batch size is not bucketed (a training run keeps it fixed).
@@ -80,10 +81,14 @@ DEFAULT_MAX_PROMPT_LEN = 4096
 # --------------------------------------------------------------------------------------------
 
 
-def bucket_size(length: int, minimum: int, cap: int | None = None) -> int:
-    """The power of two >= max(length, minimum), at most `cap` when given: the shape a length
-    is padded to."""
-    size = 1 << (max(int(length), int(minimum)) - 1).bit_length()
+def bucket_size(length: int, minimum: int, cap: int | None = None, *, fine: bool = False) -> int:
+    """The shape a length is padded to: the smallest power of two >= max(length, minimum), or
+    with `fine` also 3/4 of one (16, 24, 32, 48, 64, 96, 128, 192, 256, ...: at most a third
+    of the columns padding instead of half, for twice the shapes); at most `cap` when given."""
+    n = max(int(length), int(minimum), 1)
+    size = 1 << (n - 1).bit_length()
+    if fine and size >= 4 and size * 3 // 4 >= n:
+        size = size * 3 // 4
     return size if cap is None else min(size, int(cap))
 
 
@@ -349,7 +354,7 @@ class Sampler:
 
         # Drop all-padding columns, then left-pad to the bucket.
         ids, mask = ids[:, ids.shape[1] - longest :], mask[:, mask.shape[1] - longest :]
-        width = bucket_size(longest, self.min_prompt_bucket)
+        width = bucket_size(longest, self.min_prompt_bucket, fine=True)
         ids = np.where(mask.astype(bool), ids, self.pad_id).astype(np.int32)
         ids = np.pad(ids, ((0, 0), (width - longest, 0)), constant_values=self.pad_id)
         mask = np.pad(mask, ((0, 0), (width - longest, 0)))

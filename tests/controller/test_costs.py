@@ -99,6 +99,14 @@ def test_memory_terms_by_hand():
     # a(32) = 4 (4*64 + (2*4 + 3*2)*16 + 4*16 + 4*128) + 8*64 + 4*32*(4 + 4)
     assert costs.layer_activation_bytes(TINY, 32, 1) == 4 * 1056 + 512 + 1024 == 5760
     assert costs.saved_activation_bytes(TINY.replace(remat_policy="full"), 32, 1) == 4 * 64
+    # A bf16 model on CPU keeps q/k/v, RoPE, the attention and its output in float32 (a = 4):
+    # 2 (4*64 + 4*128) + a ((2*4 + 3*2)*16 + 4*16) + 8*64 + 4*32*(4 + a), a = 2 on GPU.
+    assert costs.layer_activation_bytes(bf16, 32, 1, "gpu") == 1536 + 2 * 288 + 512 + 768
+    assert costs.layer_activation_bytes(bf16, 32, 1, "cpu") == 1536 + 4 * 288 + 512 + 1024
+    # dots_no_batch keeps q/k/v (a (4 + 2*2) 16) and the MLP's and o/down's outputs in c.
+    dots = bf16.replace(remat_policy="dots_no_batch")
+    assert costs.saved_activation_bytes(dots, 32, 1, "gpu") == 2 * 128 + 2 * (256 + 128)
+    assert costs.saved_activation_bytes(dots, 32, 1, "cpu") == 4 * 128 + 2 * (256 + 128)
     model = ModelSpec("actor", TINY, "causal_lm", False)
     step = ClosedFormCosts().call(model, MeshLayout(data=2, rules="decode"),
                                   Call("decode", 8, 48))

@@ -15,7 +15,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "models"))
 from hf_fixtures import left_padded_batch, make_hf_model  # noqa: E402
 
 import hfjax.models as M  # noqa: E402
-from hfjax.engine import Sampler, SamplingParams, generate  # noqa: E402
+from hfjax.engine import Sampler, SamplingParams, bucket_size, generate  # noqa: E402
 from hfjax.models.config import ModelConfig  # noqa: E402
 from hfjax.parallel.mesh import MeshSpec  # noqa: E402
 
@@ -356,7 +356,17 @@ def test_buckets_compile_once_and_do_not_change_results(llama):
     assert len(sampler.compile_log) == 1
     ids17 = np.pad(ids12, ((0, 0), (5, 0)), constant_values=1)
     sampler.generate(state, ids17, np.ones_like(ids17), SamplingParams(17, temperature=1.0))
-    assert [(s.prompt_bucket, s.new_bucket) for s in sampler.compile_log] == [(16, 16), (32, 32)]
+    # 17 prompt tokens take the 24-column prompt bucket; 17 new tokens the 32-token one.
+    assert [(s.prompt_bucket, s.new_bucket) for s in sampler.compile_log] == [(16, 16), (24, 32)]
+
+
+def test_bucket_sizes():
+    lengths = (0, 1, 16, 17, 24, 25, 33, 49, 65, 97, 129, 164, 193, 300)
+    assert [bucket_size(n, 16, fine=True) for n in lengths] == \
+        [16, 16, 16, 24, 24, 32, 48, 64, 96, 128, 192, 192, 256, 384]
+    assert [bucket_size(n, 16) for n in lengths] == \
+        [16, 16, 16, 32, 32, 32, 64, 64, 128, 128, 256, 256, 256, 512]
+    assert bucket_size(300, 16, 256, fine=True) == 256 and bucket_size(3, 1, fine=True) == 3
 
 
 def test_stop_ids_end_rows(llama):
