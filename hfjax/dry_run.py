@@ -56,7 +56,7 @@ import numpy as np
 
 from hfjax import model_source
 from hfjax.algorithms import dataflow
-from hfjax.engine.sampler import MIN_PROMPT_BUCKET, SamplingParams, bucket_size
+from hfjax.engine.sampler import SamplingParams, prompt_bucket
 from hfjax.models import transformer
 from hfjax.parallel.mesh import batch_sharding
 from hfjax.run_config import validate_config
@@ -406,7 +406,7 @@ def _rollout(out: _Compiler, w, cfg, tok, name: str, prompts: int, n: int, *,
         max_new_tokens=r.response_length, temperature=0.0 if greedy else temperature,
         top_k=r.top_k, top_p=r.top_p, min_p=r.min_p, n=n, eos_ids=a.eos_ids)
     sampler = a.sampler
-    widest = bucket_size(cfg.data.max_prompt_length, MIN_PROMPT_BUCKET, fine=True)
+    widest = prompt_bucket(cfg.data.max_prompt_length)
     static = sampler.static_for(sampler.padded_batch(prompts), widest, params)
     state = engine.abstract_decode(a.params) if engine is not None else a.params
     # While generating, the decode copy stands in for the training parameters; an offloaded

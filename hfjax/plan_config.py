@@ -14,7 +14,7 @@ from hfjax.algorithms.registry import get_algorithm
 from hfjax.controller.costs import ModelSpec
 from hfjax.controller.simulator import Workload
 from hfjax.data import arith
-from hfjax.engine.sampler import MIN_NEW_TOKENS_BUCKET, MIN_PROMPT_BUCKET, bucket_size
+from hfjax.engine.sampler import MIN_NEW_TOKENS_BUCKET, bucket_size, prompt_bucket
 from hfjax.models.config import ModelConfig
 from hfjax.models.hf_io import model_config as path_model_config
 from hfjax.workers.groups import needs_ref
@@ -65,7 +65,7 @@ def plan_inputs(cfg, reward_model: str = "", score_micro: int = 0, gen_rows: int
     single = a.ppo_epochs == 1 and a.ppo_mini_batch_size * n == s
     workload = Workload(
         prompts=cfg.data.train_batch_size, n=n,
-        prompt_len=bucket_size(cfg.data.max_prompt_length, MIN_PROMPT_BUCKET, fine=True),
+        prompt_len=prompt_bucket(cfg.data.max_prompt_length),
         response_len=bucket_size(r.response_length, MIN_NEW_TOKENS_BUCKET),
         actor_mini=a.ppo_mini_batch_size * n, actor_micro=a.ppo_micro_batch_size,
         actor_epochs=a.ppo_epochs,

@@ -9,7 +9,7 @@ import numpy as np
 
 from hfjax.controller.batch import Batch
 from hfjax.data.dataset import reward_meta
-from hfjax.engine.sampler import MIN_PROMPT_BUCKET, bucket_size
+from hfjax.engine.sampler import prompt_bucket
 
 
 def left_pad(seqs: Sequence[Sequence[int]], width: int, pad_id: int
@@ -44,13 +44,12 @@ def prompt_batch(rows: Sequence[dict], seeds: np.ndarray, pad_id: int,
     rows' reward metadata.
 
     The width is the longest prompt's length rounded up to the sampler's prompt bucket (16, 24,
-    32, 48, ...: `bucket_size(..., fine=True)`, at least MIN_PROMPT_BUCKET), capped at
+    32, 48, ...: `prompt_bucket`), capped at
     max_prompt_length: no stage computes on columns that are padding in every row, and a run
     compiles a handful of widths.
     """
     ids_list = [r["prompt_ids"] for r in rows]
-    width = bucket_size(max(len(i) for i in ids_list), MIN_PROMPT_BUCKET, cap=max_prompt_length,
-                        fine=True)
+    width = prompt_bucket(max(len(i) for i in ids_list), cap=max_prompt_length)
     ids, mask = left_pad(ids_list, width, pad_id)
     return Batch({"prompts": ids, "prompt_mask": mask, "seeds": seeds.astype(np.int32)},
                  meta=reward_meta(rows))

@@ -2,6 +2,15 @@
 `sampling`), the 3D-HybridEngine that reshards the actor between its training and decoding
 layouts (`hybrid`), and micro-batched update steps (`update`)."""
 
-from hfjax.engine.sampler import GenerateOutput, Sampler, SamplingParams, bucket_size, generate
+from hfjax.engine.sampler import (
+    GenerateOutput,
+    Sampler,
+    SamplingParams,
+    bucket_size,
+    generate,
+    prompt_bucket,
+)
 
-__all__ = ["GenerateOutput", "Sampler", "SamplingParams", "bucket_size", "generate"]
+__all__ = [
+    "GenerateOutput", "Sampler", "SamplingParams", "bucket_size", "generate", "prompt_bucket",
+]

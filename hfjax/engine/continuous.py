@@ -77,7 +77,7 @@ import numpy as np
 from absl import logging
 from flax import nnx
 
-from hfjax.engine.sampler import Sampler, bucket_size
+from hfjax.engine.sampler import Sampler, bucket_size, prompt_bucket
 from hfjax.engine.sampling import GenerateOutput, Knobs, SamplingParams
 from hfjax.engine.slots import Plan, run_shardings
 from hfjax.engine.slots import run as run_program
@@ -166,7 +166,7 @@ class ContinuousSampler(Sampler):
 
     def _buckets(self, longest: int, max_new: int) -> tuple[int, int]:
         """(prompt bucket, new-token bucket) of a call, within max_cache_len."""
-        width = bucket_size(longest, self.min_prompt_bucket, fine=True)
+        width = prompt_bucket(longest, self.min_prompt_bucket)
         new = bucket_size(max_new, self.min_new_tokens_bucket)
         cap = self.max_cache_len
         if cap is None or width + new <= cap:

@@ -26,8 +26,8 @@ Conventions:
 - **Stops.** The stop token (EOS or any id in `eos_ids`) is part of the response (mask 1, like
   HF); every later position holds `pad_id` with mask 0 and log-prob 0.
 - **Buckets.** Prompts are trimmed to their longest real length and left-padded to the next of
-  16, 24, 32, 48, 64, 96, 128, 192, ... (`bucket_size(..., fine=True)`: powers of two and 3/4
-  of them, >= `min_prompt_bucket`); the new-token budget is rounded up to a power of two >=
+  16, 24, 32, 48, 64, 96, 128, 192, ... (`prompt_bucket`: powers of two and 3/4 of them,
+  >= `min_prompt_bucket`); the new-token budget is rounded up to a power of two >=
   `min_new_tokens_bucket` (16). `max_new_tokens` itself is a traced loop bound, so a request for
   20 tokens runs the 32-token program and returns exactly what a 20-token program would. The
   batch size is not bucketed (a training run keeps it fixed).
@@ -90,6 +90,13 @@ def bucket_size(length: int, minimum: int, cap: int | None = None, *, fine: bool
     if fine and size >= 4 and size * 3 // 4 >= n:
         size = size * 3 // 4
     return size if cap is None else min(size, int(cap))
+
+
+def prompt_bucket(length: int, minimum: int = MIN_PROMPT_BUCKET, cap: int | None = None) -> int:
+    """The width a block of prompts whose longest has `length` tokens is left-padded to, in the
+    sampler, the prompt batches, the grouped micro-batches and the dry run alike: 16, 24, 32,
+    48, 64, ... (`bucket_size(..., fine=True)`)."""
+    return bucket_size(length, minimum, cap, fine=True)
 
 
 # --------------------------------------------------------------------------------------------
@@ -354,7 +361,7 @@ class Sampler:
 
         # Drop all-padding columns, then left-pad to the bucket.
         ids, mask = ids[:, ids.shape[1] - longest :], mask[:, mask.shape[1] - longest :]
-        width = bucket_size(longest, self.min_prompt_bucket, fine=True)
+        width = prompt_bucket(longest, self.min_prompt_bucket)
         ids = np.where(mask.astype(bool), ids, self.pad_id).astype(np.int32)
         ids = np.pad(ids, ((0, 0), (width - longest, 0)), constant_values=self.pad_id)
         mask = np.pad(mask, ((0, 0), (width - longest, 0)))
