@@ -368,14 +368,17 @@ class RunCheckpointer:
 
 
 class _AbandonedReadFilter(logging_std.Filter):
-    """Drops asyncio's "Task exception was never retrieved" report for Orbax's read tasks: when
-    one array of a restore fails, the restore gives up and the other arrays' reads, failing
-    the same way, are left unawaited; asyncio logs each when it is collected. The first
-    failure is what the restore reports (and the fallback warning names it)."""
+    """Drops asyncio's "Task/Future exception was never retrieved" report for Orbax's reads:
+    when one array of a restore fails, the restore gives up and the other arrays' reads,
+    failing the same way, are left unawaited; asyncio logs each when it is collected (an
+    Orbax deserialize task, or a bare tensorstore future naming its spec), possibly during a
+    later restore. The first failure is what the restore reports (and the fallback warning
+    names it)."""
 
     def filter(self, record: logging_std.LogRecord) -> bool:
         message = record.getMessage()
-        return not ("never retrieved" in message and "deserialize" in message)
+        return not ("never retrieved" in message
+                    and ("deserialize" in message or "tensorstore_spec" in message))
 
 
 def _quiet_closed_loop_callbacks() -> None:
