@@ -26,6 +26,10 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
         os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
     )
 
+from hfjax.parallel.distributed import safe_cpu_collectives  # noqa: E402
+
+safe_cpu_collectives()  # before JAX starts: patient collectives, a large enough pool
+
 import jax  # noqa: E402
 from absl import app, flags, logging  # noqa: E402
 from flax import nnx  # noqa: E402

@@ -13,6 +13,10 @@ import resource
 
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 
+from hfjax.parallel.distributed import safe_cpu_collectives  # noqa: E402
+
+safe_cpu_collectives()  # before JAX starts: patient collectives, a large enough pool
+
 import jax  # noqa: E402
 
 import hfjax.models as M  # noqa: E402

@@ -252,7 +252,8 @@ def start_run(entry: str, cfg, *, before_jax: Callable[[], None] | None = None):
     import jax
 
     if jax.default_backend() == "cpu":
-        # Simulated CPU devices share the cores: programs with collectives that overlap in
-        # flight can starve each other's participants, so CPU runs dispatch synchronously.
+        # Simulated CPU devices share the cores and one thread pool (distributed.
+        # safe_cpu_collectives): programs with collectives that overlap in flight can starve
+        # each other's participants, so CPU runs dispatch synchronously.
         jax.config.update("jax_cpu_enable_async_dispatch", False)
     return topo

@@ -10,12 +10,12 @@ import os
 import shutil
 import tempfile
 
-from hfjax.parallel.distributed import patient_cpu_collectives
+from hfjax.parallel.distributed import safe_cpu_collectives
 
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
-patient_cpu_collectives()  # a loaded CI machine must not abort an all-reduce
+safe_cpu_collectives()  # patient collectives, a thread pool that no collective starves
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402

@@ -287,11 +287,38 @@ def test_mesh_larger_than_all_processes_is_refused():
 
 def test_cpu_collectives_wait_long_unless_the_user_says_otherwise():
     env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
-    dist.patient_cpu_collectives(env)
+    dist.safe_cpu_collectives(env)
     assert env["XLA_FLAGS"] == ("--xla_force_host_platform_device_count=8 "
                                 "--xla_cpu_collective_call_terminate_timeout_seconds=600")
     mine = {"XLA_FLAGS": "--xla_cpu_collective_call_terminate_timeout_seconds=5"}
-    dist.patient_cpu_collectives(mine)
+    dist.safe_cpu_collectives(mine)
     assert mine["XLA_FLAGS"] == "--xla_cpu_collective_call_terminate_timeout_seconds=5"
     # The test session itself runs with the longer wait (tests/conftest.py).
     assert "terminate_timeout_seconds=600" in os.environ["XLA_FLAGS"]
+
+
+def test_cpu_thread_pool_has_room_for_blocked_collectives():
+    """XLA:CPU runs every device's program on one thread pool, and a collective holds its thread
+    until every device reaches it. With the default pool (one thread per device on a small
+    machine), 8 devices blocked in two independent collectives took all 8 threads and a launch.train
+    run hung for 600 s; the pool now has 4 threads per device unless the user sized it."""
+    cores = os.cpu_count()
+    env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    dist.safe_cpu_collectives(env)
+    assert env["PJRT_NPROC"] == str(max(cores, 32))
+    for given, devices, expect in [({}, 4, str(max(cores, 16))),  # launch.train --cpu_devices=4
+                                   ({}, 1, None),  # one device: XLA's own size
+                                   ({"PJRT_NPROC": "6"}, 8, "6")]:  # the user's choice
+        dist.safe_cpu_collectives(given, devices=devices)
+        assert given.get("PJRT_NPROC") == expect, (devices, given)
+    # The variable reaches XLA: a fresh process with 8 devices has a pool of that many threads
+    # (named tf_XLAEigen).
+    if not os.path.isdir("/proc/self/task"):
+        pytest.skip("counting a process's threads by name needs Linux's /proc")
+    code = ("import glob, jax, jax.numpy as jnp; jax.jit(lambda a: a + 1)(jnp.ones(8))"
+            ".block_until_ready(); print(sum(open(t + '/comm').read().strip() == 'tf_XLAEigen'"
+            " for t in glob.glob('/proc/self/task/*')))")
+    sub = {**os.environ, "JAX_PLATFORMS": "cpu", **env}
+    out = subprocess.run([sys.executable, "-c", code], env=sub, capture_output=True, text=True,
+                         timeout=120, check=True).stdout
+    assert int(out.split()[-1]) == max(cores, 32)
