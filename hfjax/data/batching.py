@@ -43,8 +43,8 @@ def prompt_batch(rows: Sequence[dict], seeds: np.ndarray, pad_id: int,
     """Host batch of left-padded prompts (`prompts`, `prompt_mask`), per-row `seeds`, and the
     rows' reward metadata.
 
-    The width is the longest prompt's length rounded up to the sampler's prompt bucket (a power
-    of two: `prompt_bucket`, at least MIN_PROMPT_BUCKET), capped at
+    The width is the longest prompt's length rounded up to the sampler's prompt bucket (16, 24,
+    32, 48, ...: `prompt_bucket`), capped at
     max_prompt_length: no stage computes on columns that are padding in every row, and a run
     compiles a handful of widths.
     """

@@ -6,9 +6,9 @@ its sequences are. In an RL batch a few responses run to the cap while most stop
 prompts' bucket is wider than most prompts. Grouping sorts a mini-batch's rows by response
 length, cuts them into micro-batches of the configured row count, and gives each micro-batch
 only the columns it needs (`Cut`): the last p columns of the prompt block, p the mini-batch's
-longest prompt rounded up to 16, 24, 32, 48, 64, 96, 128, 192, 256, ... (`bucket_size(...,
-fine=True)`), and the first r of the response block, r the micro-batch's longest response
-rounded up to a power of two. One prompt width per mini-batch
+longest prompt rounded up to 16, 24, 32, 48, 64, 96, 128, 192, 256, ... (the sampler's prompt
+buckets, `prompt_bucket`), and the first r of the response block, r the
+micro-batch's longest response rounded up to a power of two. One prompt width per mini-batch
 and power-of-two response widths keep the shapes to a handful per run: each is compiled once.
 
 The cut rows keep the padded layout, so the loss and scoring functions run on them unchanged;
@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hfjax.engine.sampler import bucket_size
+from hfjax.engine.sampler import bucket_size, prompt_bucket
 
 # The narrowest prompt or response block a micro-batch is cut to.
 MIN_WIDTH = 16
@@ -72,15 +72,15 @@ def plan(ext: np.ndarray, micro: int, prompt_cols: int, response_cols: int,
     """Cuts of `micro` rows (the last one holds what is left), longest responses first.
 
     `ext` is [2, B] (`extents`). Every cut keeps the mini-batch's longest prompt extent (at
-    least the one column that predicts the first response token) rounded up to 16, 24, 32, 48, ...
-    (`bucket_size(..., fine=True)`), and its own rows' longest response rounded up to a power
+    least the one column that predicts the first response token) rounded up to a prompt bucket
+    (`prompt_bucket`), and its own rows' longest response rounded up to a power
     of two (at least MIN_WIDTH). `micro` is rounded up to a multiple of `dp` so that every cut
     of a batch whose size `dp` divides splits over the data-parallel devices."""
     n = ext.shape[1]
     if micro <= 0:
         raise ValueError(f"micro-batches of {micro} rows: need at least one row")
     micro = -(-micro // dp) * dp
-    p = bucket_size(int(ext[0].max(initial=0)), MIN_WIDTH, prompt_cols, fine=True)
+    p = prompt_bucket(int(ext[0].max(initial=0)), MIN_WIDTH, prompt_cols)
     order = np.argsort(-ext[1], kind="stable")  # longest responses first
     cuts = []
     for start in range(0, n, micro):

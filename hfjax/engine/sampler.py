@@ -25,11 +25,12 @@ Conventions:
   other prompts share the batch.
 - **Stops.** The stop token (EOS or any id in `eos_ids`) is part of the response (mask 1, like
   HF); every later position holds `pad_id` with mask 0 and log-prob 0.
-- **Buckets.** Prompts are trimmed to their longest real length and left-padded to the next power
-  of two >= `min_prompt_bucket` (16, `prompt_bucket`); the new-token budget is rounded up to
-  a power of two >= `min_new_tokens_bucket` (16). `max_new_tokens` itself is a traced loop
-  bound, so a request for 20 tokens runs the 32-token program and returns exactly what a
-  20-token program would. The batch size is not bucketed (a training run keeps it fixed).
+- **Buckets.** Prompts are trimmed to their longest real length and left-padded to the next of
+  16, 24, 32, 48, 64, 96, 128, 192, ... (`prompt_bucket`: powers of two and 3/4 of them,
+  >= `min_prompt_bucket`); the new-token budget is rounded up to a power of two >=
+  `min_new_tokens_bucket` (16). `max_new_tokens` itself is a traced loop bound, so a request for
+  20 tokens runs the 32-token program and returns exactly what a 20-token program would. The
+  batch size is not bucketed (a training run keeps it fixed).
 - **Sharding.** With a decode mesh, parameters go to `Layout(mesh, DECODE_RULES)` (tensor
   parallel only), rows are split over the mesh's (data, fsdp) axes, and the cache's kv-heads over
   `tensor` when it divides them (otherwise they stay replicated, as the decode layout does for
@@ -93,8 +94,9 @@ def bucket_size(length: int, minimum: int, cap: int | None = None, *, fine: bool
 
 def prompt_bucket(length: int, minimum: int = MIN_PROMPT_BUCKET, cap: int | None = None) -> int:
     """The width a block of prompts whose longest has `length` tokens is left-padded to, in the
-    sampler, the prompt batches and the dry run alike: a power of two (`bucket_size`)."""
-    return bucket_size(length, minimum, cap)
+    sampler, the prompt batches, the grouped micro-batches and the dry run alike: 16, 24, 32,
+    48, 64, ... (`bucket_size(..., fine=True)`)."""
+    return bucket_size(length, minimum, cap, fine=True)
 
 
 # --------------------------------------------------------------------------------------------

@@ -356,7 +356,8 @@ def test_buckets_compile_once_and_do_not_change_results(llama):
     assert len(sampler.compile_log) == 1
     ids17 = np.pad(ids12, ((0, 0), (5, 0)), constant_values=1)
     sampler.generate(state, ids17, np.ones_like(ids17), SamplingParams(17, temperature=1.0))
-    assert [(s.prompt_bucket, s.new_bucket) for s in sampler.compile_log] == [(16, 16), (32, 32)]
+    # 17 prompt tokens take the 24-column prompt bucket; 17 new tokens the 32-token one.
+    assert [(s.prompt_bucket, s.new_bucket) for s in sampler.compile_log] == [(16, 16), (24, 32)]
 
 
 def test_bucket_sizes():
