@@ -385,6 +385,30 @@ def test_unknown_tensor_name_is_refused(tmp_path):
         next(gguf_io.iter_gguf_tensors(path))
 
 
+def test_a_file_is_parsed_once_until_it_changes(tmp_path):
+    """Config, tensors and tokenizer share one parsed reader; a file written again (new
+    content at the same path) is parsed afresh, and a file damaged since is still refused."""
+    hf = _tiny_hf_weights(np.random.default_rng(5))
+    tensors = {_to_gguf_name(k): (v, Q.F32) for k, v in hf.items()}
+    path = _write_llama_gguf(tmp_path / "m.gguf", tensors)
+    first = gguf_io.open_gguf(path)
+    assert gguf_io.open_gguf(str(path)) is first
+    assert gguf_io.read_gguf_config(path)["rope_theta"] == 500000.0
+
+    def configure(writer):
+        writer.add_rope_scaling_type(RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(2.0)
+
+    (tmp_path / "m.gguf").unlink()
+    path = _write_llama_gguf(tmp_path / "m.gguf", tensors, configure=configure)
+    assert gguf_io.open_gguf(path) is not first
+    assert gguf_io.read_gguf_config(path)["rope_scaling"]["factor"] == 2.0
+    with open(path, "r+b") as f:
+        f.truncate(path.stat().st_size - 64)
+    with pytest.raises(ValueError, match="truncated"):
+        gguf_io.open_gguf(path)
+
+
 def test_missing_and_non_gguf_files(tmp_path):
     missing = tmp_path / "nope.gguf"
     with pytest.raises(FileNotFoundError, match="nope.gguf"):
