@@ -21,14 +21,9 @@ import statistics
 import sys
 import time
 
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (
-        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-    )
+from hfjax.parallel.distributed import simulate_cpu_devices  # noqa: E402
 
-from hfjax.parallel.distributed import safe_cpu_collectives  # noqa: E402
-
-safe_cpu_collectives()  # before JAX starts: patient collectives, a large enough pool
+simulate_cpu_devices(8)  # before JAX starts (a count in XLA_FLAGS wins)
 
 import jax  # noqa: E402
 from absl import app, flags, logging  # noqa: E402

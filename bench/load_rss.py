@@ -8,14 +8,11 @@ embedding, 113 MB in f32), not the model.
 """
 
 import json
-import os
 import resource
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+from hfjax.parallel.distributed import simulate_cpu_devices  # noqa: E402
 
-from hfjax.parallel.distributed import safe_cpu_collectives  # noqa: E402
-
-safe_cpu_collectives()  # before JAX starts: patient collectives, a large enough pool
+simulate_cpu_devices(8, keep_given=False)  # before JAX starts
 
 import jax  # noqa: E402
 

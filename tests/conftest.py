@@ -10,12 +10,10 @@ import os
 import shutil
 import tempfile
 
-from hfjax.parallel.distributed import safe_cpu_collectives
+from hfjax.parallel.distributed import simulate_cpu_devices
 
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-).strip()
-safe_cpu_collectives()  # patient collectives, a thread pool that no collective starves
+# 8 devices whatever XLA_FLAGS says; patient collectives, a thread pool none of them starves.
+simulate_cpu_devices(8, keep_given=False)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402

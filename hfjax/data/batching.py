@@ -44,9 +44,8 @@ def prompt_batch(rows: Sequence[dict], seeds: np.ndarray, pad_id: int,
     rows' reward metadata.
 
     The width is the longest prompt's length rounded up to the sampler's prompt bucket (16, 24,
-    32, 48, ...: `prompt_bucket`), capped at
-    max_prompt_length: no stage computes on columns that are padding in every row, and a run
-    compiles a handful of widths.
+    32, 48, ...: `prompt_bucket`), capped at max_prompt_length: no stage computes on columns
+    that are padding in every row, and a run compiles a handful of widths.
     """
     ids_list = [r["prompt_ids"] for r in rows]
     width = prompt_bucket(max(len(i) for i in ids_list), cap=max_prompt_length)

@@ -7,9 +7,9 @@ prompts' bucket is wider than most prompts. Grouping sorts a mini-batch's rows b
 length, cuts them into micro-batches of the configured row count, and gives each micro-batch
 only the columns it needs (`Cut`): the last p columns of the prompt block, p the mini-batch's
 longest prompt rounded up to 16, 24, 32, 48, 64, 96, 128, 192, 256, ... (the sampler's prompt
-buckets, `prompt_bucket`), and the first r of the response block, r the
-micro-batch's longest response rounded up to a power of two. One prompt width per mini-batch
-and power-of-two response widths keep the shapes to a handful per run: each is compiled once.
+buckets, `prompt_bucket`), and the first r of the response block, r the micro-batch's longest
+response rounded up to a power of two. One prompt width per mini-batch and power-of-two
+response widths keep the shapes to a handful per run: each is compiled once.
 
 The cut rows keep the padded layout, so the loss and scoring functions run on them unchanged;
 positions come from the attention mask and cut columns are padding in every row of the
@@ -73,9 +73,9 @@ def plan(ext: np.ndarray, micro: int, prompt_cols: int, response_cols: int,
 
     `ext` is [2, B] (`extents`). Every cut keeps the mini-batch's longest prompt extent (at
     least the one column that predicts the first response token) rounded up to a prompt bucket
-    (`prompt_bucket`), and its own rows' longest response rounded up to a power
-    of two (at least MIN_WIDTH). `micro` is rounded up to a multiple of `dp` so that every cut
-    of a batch whose size `dp` divides splits over the data-parallel devices."""
+    (`prompt_bucket`), and its own rows' longest response rounded up to a power of two (at
+    least MIN_WIDTH). `micro` is rounded up to a multiple of `dp` so that every cut of a batch
+    whose size `dp` divides splits over the data-parallel devices."""
     n = ext.shape[1]
     if micro <= 0:
         raise ValueError(f"micro-batches of {micro} rows: need at least one row")

@@ -364,6 +364,22 @@ def safe_cpu_collectives(environ: MutableMapping[str, str] | None = None,
         environ[_CPU_POOL_ENV] = str(max(os.cpu_count() or 1, devices, min(4 * devices, 256)))
 
 
+def simulate_cpu_devices(count: int, *, keep_given: bool = True,
+                         environ: MutableMapping[str, str] | None = None) -> int:
+    """Asks XLA:CPU for `count` simulated devices (XLA_FLAGS), unless `keep_given` and XLA_FLAGS
+    already names a count, then prepares their collectives (`safe_cpu_collectives`). For
+    scripts and tests that set devices before importing JAX; returns the count in effect."""
+    environ = os.environ if environ is None else environ
+    given = _CPU_DEVICE_FLAG.findall(environ.get("XLA_FLAGS", ""))
+    if given and keep_given:
+        count = int(given[-1])
+    else:
+        flag = f"--xla_force_host_platform_device_count={int(count)}"
+        environ["XLA_FLAGS"] = f"{environ.get('XLA_FLAGS', '')} {flag}".strip()
+    safe_cpu_collectives(environ, devices=count)
+    return count
+
+
 def initialize(settings: Settings) -> Topology:
     """Configures devices, joins the other processes and returns this process's Topology.
 

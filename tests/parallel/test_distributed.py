@@ -322,3 +322,15 @@ def test_cpu_thread_pool_has_room_for_blocked_collectives():
     out = subprocess.run([sys.executable, "-c", code], env=sub, capture_output=True, text=True,
                          timeout=120, check=True).stdout
     assert int(out.split()[-1]) == max(cores, 32)
+
+
+def test_simulated_device_count_is_kept_or_set_and_sizes_the_pool():
+    cores = os.cpu_count()
+    env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    assert dist.simulate_cpu_devices(8, environ=env) == 4  # a count the user gave wins
+    assert env["PJRT_NPROC"] == str(max(cores, 16))
+    env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    assert dist.simulate_cpu_devices(8, keep_given=False, environ=env) == 8
+    assert env["XLA_FLAGS"].split()[:2] == ["--xla_force_host_platform_device_count=4",
+                                            "--xla_force_host_platform_device_count=8"]
+    assert env["PJRT_NPROC"] == str(max(cores, 32))
