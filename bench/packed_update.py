@@ -1,11 +1,14 @@
 """The actor's training passes of SmolLM2-135M (f32 unless `--dtype`, 1 CPU device) on one RL
-batch, padded rows against packed ones (`actor.use_remove_padding`) and length-grouped padded
-micro-batches (`actor.group_by_length`): the log-prob pass (old / reference log-probs) and one
-optimizer step (forward + backward over every micro-batch).
+batch, padded rows against packed ones (`actor.use_remove_padding`), length-grouped padded
+micro-batches (`actor.group_by_length`) and shared-prompt rows (`actor.share_prompt`, with
+`--samples` > 1: `shared` on padded micro-batches, `shared_grouped` on grouped ones): the
+log-prob pass (old / reference log-probs) and one optimizer step (forward + backward over every
+micro-batch).
 
 The batch has a realistic length mix: left-padded prompts of `--prompt_min`..`--prompt_len`
 tokens, responses of 1..`--cap` tokens with a fraction `--at_cap` stopped at the cap (the
-untuned SmolLM2's gsm_symbolic mix, bench/variable_length.py: 74 of 128 at a cap of 256). Both
+untuned SmolLM2's gsm_symbolic mix, bench/variable_length.py: 74 of 128 at a cap of 256), in
+groups of `--samples` rows that share their prompt (as a GRPO batch's samples do). All
 layouts see the same sequences; the padded passes take `--micro` rows at a time (grouped: rows
 of similar lengths, each micro-batch cut to its own width), the packed ones `--micro` padded
 rows' worth of tokens per micro-batch (ppo_max_token_len_per_gpu=0). Prints each pass's best of
@@ -37,8 +40,9 @@ flags.DEFINE_integer("prompt_min", 60, "the shortest prompt")
 flags.DEFINE_integer("prompt_cols", 0, "the prompt block's columns (its bucket; 0: prompt_len)")
 flags.DEFINE_integer("cap", 256, "response columns (the cap)")
 flags.DEFINE_float("at_cap", 0.58, "fraction of responses stopped at the cap")
+flags.DEFINE_integer("samples", 1, "rows per prompt (rollout.n): groups that share a prompt")
 flags.DEFINE_integer("repeats", 2, "timed runs per pass (the best is reported)")
-LAYOUTS = ("padded", "packed", "grouped")
+LAYOUTS = ("padded", "packed", "grouped", "shared", "shared_grouped")
 flags.DEFINE_list("layouts", list(LAYOUTS), f"which of {', '.join(LAYOUTS)} to run")
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "compute dtype (weights: float32)")
 flags.DEFINE_enum("remat", "none", list(REMAT_POLICIES),
@@ -46,37 +50,44 @@ flags.DEFINE_enum("remat", "none", list(REMAT_POLICIES),
 FLAGS = flags.FLAGS
 
 
-def length_mix(rng, rows: int, prompt_len: int, prompt_min: int, cap: int, at_cap: float):
-    """(prompt lengths, response lengths) [rows]."""
-    plen = rng.integers(prompt_min, prompt_len + 1, rows)
+def length_mix(rng, rows: int, prompt_len: int, prompt_min: int, cap: int, at_cap: float,
+               samples: int = 1):
+    """(prompt lengths, response lengths) [rows], the same prompt length in each group of
+    `samples` rows."""
+    plen = np.repeat(rng.integers(prompt_min, prompt_len + 1, rows // samples), samples)
     rlen = np.where(rng.random(rows) < at_cap, cap, rng.integers(1, cap + 1, rows))
     return plen, rlen
 
 
 def rl_batch(rows: int, prompt_len: int, prompt_min: int, cap: int, at_cap: float,
-             prompt_cols: int = 0) -> Batch:
+             prompt_cols: int = 0, samples: int = 1) -> Batch:
+    """`rows` sequences in groups of `samples` that share a prompt (rows g*samples ...)."""
     rng = np.random.default_rng(0)
-    plen, rlen = length_mix(rng, rows, prompt_len, prompt_min, cap, at_cap)
+    plen, rlen = length_mix(rng, rows, prompt_len, prompt_min, cap, at_cap, samples)
     cols = max(prompt_cols, prompt_len)
     width = cols + cap
     mask = np.zeros((rows, width), np.int32)
     for i in range(rows):
         mask[i, cols - plen[i] : cols + rlen[i]] = 1
-    ids = rng.integers(3, 40000, (rows, width)).astype(np.int32) * mask
+    ids = rng.integers(3, 40000, (rows, width)).astype(np.int32)
+    ids[:, :cols] = np.repeat(ids[::samples, :cols], samples, axis=0)
+    ids = ids * mask
     f = lambda: rng.normal(size=(rows, cap)).astype(np.float32)  # noqa: E731
     return Batch({"input_ids": ids, "attention_mask": mask, "responses": ids[:, cols:],
                   "response_mask": mask[:, cols:], "advantages": f(),
                   "old_log_probs": f() * 0.1 - 3.0, "ref_log_prob": f() * 0.1 - 3.0})
 
 
-def actor(model, layout: str, rows: int, micro: int, cap: int) -> ActorRollout:
+def actor(model, layout: str, rows: int, micro: int, cap: int, samples: int = 1,
+          ) -> ActorRollout:
     c = ppo_arith.get_config()
     a = c.actor
-    a.ppo_mini_batch_size, a.ppo_micro_batch_size, a.shuffle = rows, micro, False
+    a.ppo_mini_batch_size, a.ppo_micro_batch_size, a.shuffle = rows // samples, micro, False
     a.use_remove_padding, a.ppo_max_token_len_per_gpu = layout == "packed", 0
-    a.group_by_length = layout == "grouped"
+    a.group_by_length = layout.endswith("grouped")
+    a.share_prompt = layout.startswith("shared")
     a.use_kl_loss = True
-    c.rollout.n, c.rollout.response_length = 1, cap
+    c.rollout.n, c.rollout.response_length = samples, cap
     pool = ResourcePool("bench", tuple(jax.devices()[:1]))
     return ActorRollout("actor", pool, "fsdp=1", model, rules="train", sampler=None,
                         actor_cfg=a, rollout_cfg=c.rollout,
@@ -85,7 +96,7 @@ def actor(model, layout: str, rows: int, micro: int, cap: int) -> ActorRollout:
 
 def main(_) -> None:
     batch = rl_batch(FLAGS.rows, FLAGS.prompt_len, FLAGS.prompt_min, FLAGS.cap, FLAGS.at_cap,
-                     FLAGS.prompt_cols)
+                     FLAGS.prompt_cols, FLAGS.samples)
     real = int(batch["attention_mask"].sum())
     cols = batch["input_ids"].shape[1] - FLAGS.cap
     print(f"{FLAGS.rows} sequences of {cols} + {FLAGS.cap} columns: "
@@ -99,7 +110,9 @@ def main(_) -> None:
     for name in FLAGS.layouts:
         model = M.load(str(smollm2_gguf_path()), dtype=FLAGS.dtype, param_dtype="float32",
                        remat_policy=FLAGS.remat)
-        a = actor(model, name, FLAGS.rows, FLAGS.micro, FLAGS.cap)
+        a = actor(model, name, FLAGS.rows, FLAGS.micro, FLAGS.cap, FLAGS.samples)
+        if name.startswith("shared") and a.samples == 1:
+            raise app.UsageError(f"--layouts={name} needs --samples > 1 dividing --micro")
         for stage, fn in (("log_prob", lambda a=a: a.compute_log_prob(batch).arrays),
                           ("update", lambda a=a: a.update_actor(batch))):
             t, runs = best_time(fn, reps=FLAGS.repeats)

@@ -13,9 +13,11 @@ Sides, each a list of timed stages run one after another on the same inputs:
 With `--train` (the default) each side goes on with the training stages of a GRPO step on its
 own rollout: `log_prob` (the reference pass: log-probs of every response token) and `update`
 (one on-policy actor update with a KL loss, one mini-batch of `--micro` sequences per
-micro-batch); the static side trains on padded batches, the continuous side on packed ones
-(actor.use_remove_padding, a budget of `--micro` padded rows' worth of tokens) or, with
-`--layout=grouped`, on length-grouped padded micro-batches (actor.group_by_length).
+micro-batch); the static side trains on padded batches (one row per sequence), the
+continuous side on `--layout`: packed ones (actor.use_remove_padding, a budget of `--micro`
+padded rows' worth of tokens), length-grouped padded micro-batches (`grouped`,
+actor.group_by_length), or either padded layout with each prompt's samples in one
+shared-prompt row (`shared`, `shared_grouped`: actor.share_prompt).
 Advantages are fixed pseudo-random numbers (the cost of a step does not depend on them).
 Tokens/s is over the sum of the stages.
 
@@ -65,8 +67,10 @@ flags.DEFINE_bool("static", True, "run the static side (needed for speedup_vs_st
 flags.DEFINE_integer("bin", 32, "width of the length histogram's bins, in tokens")
 flags.DEFINE_bool("train", True,
                   "add the training stages (padded on static, --layout on continuous)")
-flags.DEFINE_enum("layout", "packed", ["packed", "grouped"],
-                  "the continuous side's training batches: packed rows or length-grouped ones")
+LAYOUTS = ("packed", "grouped", "shared", "shared_grouped")
+flags.DEFINE_enum("layout", "packed", list(LAYOUTS),
+                  "the continuous side's training batches: packed rows, length-grouped ones, "
+                  "shared-prompt rows, or length-grouped shared-prompt rows")
 flags.DEFINE_integer("micro", 16, "training: sequences per padded micro-batch (and the packed "
                      "token budget: this many padded rows' worth)")
 
@@ -126,7 +130,7 @@ def generate_stage(engine, state, params, quick_warmup: bool) -> Callable[[dict]
 
 def train_stages(model, f, layout: str) -> list[tuple[str, Callable[[dict], None]]]:
     """The training stages of a GRPO step on `ctx["rollout"]`: the reference log-prob pass and
-    one on-policy actor update with a KL loss, on "padded", "packed" or "grouped" batches."""
+    one on-policy actor update with a KL loss, on "padded" batches or one of `LAYOUTS`."""
     import jax
     import numpy as np
 
@@ -142,7 +146,8 @@ def train_stages(model, f, layout: str) -> list[tuple[str, Callable[[dict], None
     a.ppo_mini_batch_size, a.ppo_micro_batch_size = f.prompts, f.micro
     a.ppo_epochs, a.shuffle, a.use_kl_loss = 1, False, True
     a.use_remove_padding, a.ppo_max_token_len_per_gpu = layout == "packed", 0
-    a.group_by_length = layout == "grouped"
+    a.group_by_length = layout.endswith("grouped")
+    a.share_prompt = layout.startswith("shared")
     pool = ResourcePool("bench", tuple(jax.devices()[:1]))
     actor = ActorRollout("actor", pool, "fsdp=1", model, rules="train", sampler=None,
                          actor_cfg=a, rollout_cfg=r, optimizer=make_optimizer(1e-6))

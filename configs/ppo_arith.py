@@ -100,6 +100,11 @@ def get_config() -> config_dict.ConfigDict:
             # sequences (hfjax/engine/grouping.py), for the update, log-prob and reference
             # passes.
             group_by_length=False,
+            # Shared-prompt rows (padded and length-grouped layouts): the rollout.n samples of a
+            # prompt are scored and trained in one row that holds the prompt once, its tokens
+            # computed once instead of n times (hfjax/engine/shared_prompt.py). Same results;
+            # needs ppo_micro_batch_size to hold whole groups of rollout.n, else off.
+            share_prompt=True,
             ppo_epochs=1,
             shuffle=True,
             policy_loss="vanilla",

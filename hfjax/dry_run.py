@@ -388,7 +388,8 @@ def dry_run(cfg, *, device_memory_bytes: int | None = None, target: str | None =
         mb["old_log_probs"] = rows(a.mesh, mini, response, "float32")
     if c.actor.use_kl_loss:
         mb["ref_log_prob"] = rows(a.mesh, mini, response, "float32")
-    step = a.update_program(a._policy_loss, mini // c.actor.ppo_micro_batch_size)
+    step = a.update_program(a._policy_loss, mini // c.actor.ppo_micro_batch_size,
+                            group=a.samples)
     out.compile("actor.update", apool, step, (a.params, a.opt_state, mb),
                 ("actor params", "actor optimizer"),
                 {"params": a.params, "optimizer": a.opt_state, "batch": mb})

@@ -461,6 +461,7 @@ TRAIN_KEYS: dict[str, Callable[[Any], str | None]] = {
     "actor.ppo_micro_batch_size": Int(1),
     "actor.use_remove_padding": Bool(),
     "actor.group_by_length": Bool(),
+    "actor.share_prompt": Bool(),
     "actor.ppo_max_token_len_per_gpu": Int(0, note=_BUDGET),
     "actor.ppo_epochs": Int(1),
     "actor.shuffle": Bool(),

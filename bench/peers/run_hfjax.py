@@ -14,7 +14,9 @@ which of the features for real tokens are on: continuous batching (`rollout.mode
 the config defaults: one slot per sample, refills every 8 steps, with the drain), and training
 batches that are padded, length-grouped (`actor.group_by_length`: micro-batches of rows of
 similar lengths, each cut to its own width) or packed (`actor.use_remove_padding`, a token
-budget of `ppo_micro_batch_size` padded rows' worth). `continuous` (the default, the fastest
+budget of `ppo_micro_batch_size` padded rows' worth); padded and grouped batches on continuous
+batching hold each prompt's samples in one shared-prompt row (`actor.share_prompt`, hfjax's
+default). `continuous` (the default, the fastest
 on this workload: docs/benchmarks.md) runs continuous batching over padded training batches and
 writes result_hfjax.json; `grouped` (continuous batching, grouped micro-batches, as
 configs/grpo_smollm2.py), `packed` (continuous batching, packed batches) and `padded` (the
@@ -127,6 +129,9 @@ def build(w: workload.Workload):
         entropy_coeff=0.0, use_kl_loss=False, kl_loss_coef=0.0, kl_loss_type="low_var_kl",
         use_remove_padding=batches == "packed", ppo_max_token_len_per_gpu=0,
         group_by_length=batches == "grouped",
+        # As in hfjax's configs: a prompt's samples are trained in one row that holds the
+        # prompt once (hfjax/engine/shared_prompt.py); off on the static engine's padded side.
+        share_prompt=mode == "continuous",
     ))
     cfg.rollout = config_dict.ConfigDict(dict(
         n=w.samples, temperature=w.temperature, top_k=0, top_p=1.0, min_p=0.0,

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable
 
 import jax
@@ -68,20 +69,28 @@ def extents(attention_mask: jax.Array, response_len: int) -> np.ndarray:
 
 
 def plan(ext: np.ndarray, micro: int, prompt_cols: int, response_cols: int,
-         dp: int = 1) -> list[Cut]:
+         dp: int = 1, group: int = 1) -> list[Cut]:
     """Cuts of `micro` rows (the last one holds what is left), longest responses first.
 
     `ext` is [2, B] (`extents`). Every cut keeps the mini-batch's longest prompt extent (at
     least the one column that predicts the first response token) rounded up to a prompt bucket
     (`prompt_bucket`), and its own rows' longest response rounded up to a power of two (at
     least MIN_WIDTH). `micro` is rounded up to a multiple of `dp` so that every cut of a batch
-    whose size `dp` divides splits over the data-parallel devices."""
+    whose size `dp` divides splits over the data-parallel devices. `group` > 1: the rows come
+    in groups of that many consecutive rows (a prompt's samples, `hfjax.engine.shared_prompt`)
+    and every cut takes whole groups, ordered by their longest response."""
     n = ext.shape[1]
     if micro <= 0:
         raise ValueError(f"micro-batches of {micro} rows: need at least one row")
-    micro = -(-micro // dp) * dp
+    if n % group or micro % group:
+        raise ValueError(f"micro-batches of {micro} rows of a batch of {n} can't take whole "
+                         f"groups of {group} rows")
+    unit = group * dp // math.gcd(group, dp)
+    micro = -(-micro // unit) * unit
     p = prompt_bucket(int(ext[0].max(initial=0)), MIN_WIDTH, prompt_cols)
-    order = np.argsort(-ext[1], kind="stable")  # longest responses first
+    longest = ext[1].reshape(-1, group).max(axis=1)
+    groups = np.argsort(-longest, kind="stable")  # longest responses first
+    order = (groups[:, None] * group + np.arange(group)).reshape(-1)
     cuts = []
     for start in range(0, n, micro):
         rows = np.sort(order[start : start + micro]).astype(np.int32)

@@ -46,22 +46,31 @@ from hfjax.engine.packing import PackShape
 LossFn = Callable[[Any, dict[str, jax.Array], dict[str, jax.Array]], tuple[jax.Array, dict]]
 
 
-def strided_micro_batches(x: jax.Array, n_micro: int) -> jax.Array:
-    """[B, ...] -> [n_micro, B // n_micro, ...] where micro-batch i holds rows i::n_micro."""
+def strided_micro_batches(x: jax.Array, n_micro: int, group: int = 1) -> jax.Array:
+    """[B, ...] -> [n_micro, B // n_micro, ...] where micro-batch i holds rows i::n_micro, or
+    with `group` > 1 the groups of `group` consecutive rows (a prompt's samples) i::n_micro."""
     b = x.shape[0]
-    return jnp.swapaxes(x.reshape((b // n_micro, n_micro) + x.shape[1:]), 0, 1)
+    y = jnp.swapaxes(x.reshape((b // (n_micro * group), n_micro, group) + x.shape[1:]), 0, 1)
+    return y.reshape((n_micro, b // n_micro) + x.shape[1:])
 
 
-def in_micro_batches(fn: Callable, n_micro: int, *arrays: jax.Array) -> Any:
-    """`fn(*arrays)` computed over `n_micro` strided micro-batches of the arrays' rows (rows
-    i::n_micro, as the update takes them), one after another, with the outputs put back in row
-    order: a scoring pass whose working set (e.g. [rows, positions, vocabulary] logits) is that
-    of one micro-batch. n_micro = 1: one pass."""
+def _unstride(y: jax.Array, group: int) -> jax.Array:
+    """The inverse of `strided_micro_batches`: [n_micro, B // n_micro, ...] -> [B, ...]."""
+    n_micro, rows = y.shape[:2]
+    y = y.reshape((n_micro, rows // group, group) + y.shape[2:])
+    return jnp.swapaxes(y, 0, 1).reshape((n_micro * rows,) + y.shape[3:])
+
+
+def in_micro_batches(fn: Callable, n_micro: int, *arrays: jax.Array, group: int = 1) -> Any:
+    """`fn(*arrays)` computed over `n_micro` strided micro-batches of the arrays' rows (rows, or
+    groups of `group` rows, i::n_micro, as the update takes them), one after another, with the
+    outputs put back in row order: a scoring pass whose working set (e.g. [rows, positions,
+    vocabulary] logits) is that of one micro-batch. n_micro = 1: one pass."""
     if n_micro == 1:
         return fn(*arrays)
     out = jax.lax.map(lambda xs: fn(*xs),
-                      tuple(strided_micro_batches(x, n_micro) for x in arrays))
-    return jax.tree.map(lambda y: jnp.swapaxes(y, 0, 1).reshape((-1,) + y.shape[2:]), out)
+                      tuple(strided_micro_batches(x, n_micro, group) for x in arrays))
+    return jax.tree.map(lambda y: _unstride(y, group), out)
 
 
 def scoring_micro_batches(rows: int, micro_rows: int) -> int:
@@ -81,6 +90,7 @@ def make_update_step(
     normalisers: Callable[[dict[str, jax.Array]], dict[str, jax.Array]] | None = None,
     jit: Callable = jax.jit,
     packing: PackShape | None = None,
+    group: int = 1,
 ) -> Callable:
     """Returns step(params, opt_state, batch) -> (params, opt_state, metrics), compiled with
     `jit` (a worker group's `WorkerGroup.jit`, which traces under its layout).
@@ -93,11 +103,12 @@ def make_update_step(
 
     With `packing`, the mini-batch is packed and cut into micro-batches by its token budget
     instead (`hfjax.engine.packing`, `n_micro` unused); `loss_fn` then reads its micro-batch's
-    outputs with `packing.response_values`.
+    outputs with `packing.response_values`. `group`: micro-batches take whole groups of that
+    many consecutive rows (a prompt's samples, `hfjax.engine.shared_prompt`).
     """
 
     def _scan_micro_batches(params, batch, totals):
-        micro = jax.tree.map(lambda x: strided_micro_batches(x, n_micro), batch)
+        micro = jax.tree.map(lambda x: strided_micro_batches(x, n_micro, group), batch)
         grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
         def body(acc, mb):
@@ -225,12 +236,15 @@ def make_optimizer(
     return optax.chain(*parts)
 
 
-def mini_batch_rows(n: int, mini: int, epochs: int, shuffle: bool, seed: int):
+def mini_batch_rows(n: int, mini: int, epochs: int, shuffle: bool, seed: int, group: int = 1):
     """Yields each mini-batch's row indices for `epochs` passes over `n` rows, a fresh
-    permutation per epoch when shuffling."""
+    permutation per epoch when shuffling; `group` > 1 permutes whole groups of that many
+    consecutive rows (a prompt's samples stay together and in order)."""
     rng = np.random.default_rng(seed)
     for _ in range(epochs):
-        order = rng.permutation(n) if shuffle else np.arange(n)
+        order = np.arange(n)
+        if shuffle:
+            order = (rng.permutation(n // group)[:, None] * group + np.arange(group)).reshape(-1)
         for start in range(0, n, mini):
             yield order[start : start + mini]
 

@@ -317,16 +317,17 @@ def _heads(cfg: ModelConfig, q: jax.Array) -> jax.Array:
     return jnp.transpose(q.reshape(B, T, K, N // K, H), (0, 2, 3, 1, 4))
 
 
-def dense_attention(cfg: ModelConfig, mask: jax.Array, causal: bool = False):
+def dense_attention(cfg: ModelConfig, mask: jax.Array, causal: bool = False, prefix: int = 0):
     """Attention over every key of the row (or cache) where `mask` [B, 1, T, S] allows:
     (q [B, T, N, H], k, v [B, S, K, H]) -> [B, T, N, H].
 
-    `causal`: query t's keys are columns <= t of the same row (S == T, no cache), so the
-    queries go in blocks of CAUSAL_BLOCK and each block reads only the keys up to its own last
-    column: for a row of 3 blocks that is 6 of 9 blocks of scores. The results are the same,
-    up to float rounding, for every query that sees a key (the skipped keys are masked for
-    it); a padding query sees none, and its output, which nothing reads, is then the mean of
-    the values its block reads rather than of the whole row's."""
+    `causal`: the keys are `prefix` columns that every query may see, then the queries' own T
+    columns, query t seeing those up to t (S == prefix + T, no cache). The queries then go in
+    blocks of CAUSAL_BLOCK and each block reads only the keys up to its own last column: for a
+    row of 3 blocks that is 6 of 9 blocks of scores. The results are the same, up to float
+    rounding, for every query that sees a key (the skipped keys are masked for it); a padding
+    query sees none, and its output, which nothing reads, is then the mean of the values its
+    block reads rather than of the whole row's."""
 
     def dense(q, k, v, m):
         B, T, N, H = q.shape
@@ -338,10 +339,55 @@ def dense_attention(cfg: ModelConfig, mask: jax.Array, causal: bool = False):
         T = q.shape[1]
         if not causal or T <= CAUSAL_BLOCK:
             return dense(q, k, v, mask)
-        blocks = [(s, min(s + CAUSAL_BLOCK, T)) for s in range(0, T, CAUSAL_BLOCK)]
+        blocks = [(s, prefix + min(s + CAUSAL_BLOCK, T)) for s in range(0, T, CAUSAL_BLOCK)]
         return jnp.concatenate(
-            [dense(q[:, s:e], k[:, :e], v[:, :e], mask[:, :, s:e, :e]) for s, e in blocks],
-            axis=1)
+            [dense(q[:, s : e - prefix], k[:, :e], v[:, :e], mask[:, :, s : e - prefix, :e])
+             for s, e in blocks], axis=1)
+
+    return fn
+
+
+class SharedPrompt(NamedTuple):
+    """The layout of rows that hold one prompt and `samples` responses to it: the prompt's
+    `prompt` columns (left-padded), then each response's columns in turn (right-padded, all
+    the same width). `hfjax.engine.shared_prompt` builds such rows from a padded batch."""
+
+    prompt: int
+    samples: int
+
+
+def shared_prompt_attention(cfg: ModelConfig, attention_mask: jax.Array, layout: SharedPrompt):
+    """Attention in rows of `layout` (`attention_mask` [G, P + n * R] marks real tokens): a
+    prompt token sees the prompt's earlier tokens, a response token the whole prompt and its own
+    response's earlier tokens, which is what it sees in its own padded row [prompt, response].
+    The prompt's keys and values are computed once and read by all n responses."""
+    G, T = attention_mask.shape
+    P, n = layout
+    R = (T - P) // n
+    valid = attention_mask.astype(bool)
+    p_valid, r_valid = valid[:, :P], valid[:, P:].reshape(G * n, R)
+    prompt_mask = (jnp.tril(jnp.ones((P, P), bool))[None] & p_valid[:, None, :])[:, None]
+    own = jnp.tril(jnp.ones((R, R), bool))[None] & r_valid[:, None, :]  # [G*n, R, R]
+    seen = jnp.broadcast_to(jnp.repeat(p_valid, n, axis=0)[:, None, :], (G * n, R, P))
+    response_mask = jnp.concatenate([seen, own], axis=2)[:, None]  # [G*n, 1, R, P + R]
+    on_prompt = dense_attention(cfg, prompt_mask, causal=True)
+    on_responses = dense_attention(cfg, response_mask, causal=True, prefix=P)
+
+    def fn(q, k, v):
+        _, _, N, H = q.shape
+        K = k.shape[2]
+
+        def per_response(x, heads):  # [G, n*R, heads, H] -> [G*n, R, heads, H]
+            return x.reshape(G * n, R, heads, H)
+
+        def prompt_for_each(x):  # [G, P, K, H] -> [G*n, P, K, H]
+            return jnp.repeat(x, n, axis=0)
+
+        out_p = on_prompt(q[:, :P], k[:, :P], v[:, :P])
+        keys = jnp.concatenate([prompt_for_each(k[:, :P]), per_response(k[:, P:], K)], axis=1)
+        vals = jnp.concatenate([prompt_for_each(v[:, :P]), per_response(v[:, P:], K)], axis=1)
+        out_r = on_responses(per_response(q[:, P:], N), keys, vals)
+        return jnp.concatenate([out_p, out_r.reshape(G, n * R, N, H)], axis=1)
 
     return fn
 
@@ -453,6 +499,7 @@ class Backbone(nnx.Module):
         cache_index: jax.Array | int = 0,
         segment_ids: jax.Array | None = None,
         segment_span: int | None = None,
+        shared_prompt: SharedPrompt | None = None,
     ) -> tuple[jax.Array, KVCache | None]:
         """Final hidden states [B, T, D] and the updated cache (None without a cache).
 
@@ -466,6 +513,10 @@ class Backbone(nnx.Module):
         sequences laid end to end in a row (0 on padding) and `positions` restart at 0 in each;
         a token attends only to earlier tokens of its own segment. With `segment_span`, the
         most tokens a segment has, wide rows are attended by blocks (`banded_attention`).
+
+        Shared-prompt rows (`hfjax.engine.shared_prompt`, no cache): with `shared_prompt`, each
+        row holds a prompt and its samples' responses (`SharedPrompt`); `positions` must be
+        given (a response's continue from its prompt's, as in its padded row).
         """
         cfg = self.config
         B, T = input_ids.shape
@@ -482,7 +533,11 @@ class Backbone(nnx.Module):
             positions = positions_from_mask(attention_mask)
         q_slot = jnp.arange(T)[:, None] + (0 if cache is None else cache_index)
         causal = jnp.arange(key_valid.shape[1])[None, :] <= q_slot  # [T, S]
-        if segment_ids is not None and segment_span and uses_band(T, segment_span):
+        if shared_prompt is not None:
+            if cache is not None or positions is None or segment_ids is not None:
+                raise ValueError("shared-prompt rows take positions, no cache and no segments")
+            attention = shared_prompt_attention(cfg, attention_mask, shared_prompt)
+        elif segment_ids is not None and segment_span and uses_band(T, segment_span):
             attention = banded_attention(cfg, segment_ids, segment_span)
         else:
             mask = causal[None] & key_valid[:, None, :]  # [B, T, S]

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 from hfjax.controller.batch import Batch
 from hfjax.controller.protocol import DP_COMPUTE, ON_HOST, method
-from hfjax.engine import grouping, packing
+from hfjax.engine import grouping, packing, shared_prompt
 from hfjax.engine.hybrid import HybridEngine
 from hfjax.engine.sampler import (
     MIN_NEW_TOKENS_BUCKET,
@@ -37,11 +37,19 @@ from hfjax.parallel.transfer import transfer
 from hfjax.workers.base import SEQUENCES, WorkerGroup
 
 
-def response_logprobs(model, input_ids, attention_mask, response_len: int, temperature: float):
-    """(log-probs [B, R], entropy [B, R]) of the last R tokens, logits divided by temperature."""
+def response_logprobs(model, input_ids, attention_mask, response_len: int, temperature: float,
+                      samples: int = 1):
+    """(log-probs [B, R], entropy [B, R]) of the last R tokens, logits divided by temperature.
+
+    `samples` > 1: the rows come in groups of that many sharing one prompt, and are computed
+    as shared-prompt rows (`hfjax.engine.shared_prompt`; the caller checks `fits`)."""
     # Only the positions that predict response tokens go through the LM head.
-    hidden, _ = model.model(input_ids, attention_mask)
-    logits = model.logits(hidden[:, -response_len - 1 : -1]) / temperature
+    if samples > 1:
+        hidden = shared_prompt.response_hidden(model.model, input_ids, attention_mask,
+                                               response_len, samples)
+    else:
+        hidden = model.model(input_ids, attention_mask)[0][:, -response_len - 1 : -1]
+    logits = model.logits(hidden) / temperature
     labels = input_ids[:, -response_len:]
     return core.logprobs_and_entropy(logits, labels)
 
@@ -65,25 +73,39 @@ class Reference(WorkerGroup):
     `budget`: score packed rows, cut into micro-batches by this token budget
     (`hfjax.engine.packing`); None: padded rows, `micro_rows` at a time (0: the whole batch in
     one pass). `grouped`: padded micro-batches of `micro_rows` rows of similar lengths, each
-    only as wide as its rows need (`hfjax.engine.grouping`).
+    only as wide as its rows need (`hfjax.engine.grouping`). `samples` > 1: the batches' rows
+    come in groups of that many sharing a prompt, and padded micro-batches of whole groups are
+    computed as shared-prompt rows (`hfjax.engine.shared_prompt.samples_per_row`).
     """
 
     def __init__(self, *args, temperature: float = 1.0,
                  budget: packing.TokenBudget | None = None, micro_rows: int = 0,
-                 grouped: bool = False, **kw):
+                 grouped: bool = False, samples: int = 1, **kw):
         super().__init__(*args, **kw)
         self.temperature = temperature
         self.budget = budget
         self.micro_rows = int(micro_rows)
         self.grouped = bool(grouped)
+        if samples < 1 or (samples > 1 and self.micro_rows % samples):
+            raise ValueError(f"{self.name}: shared-prompt rows of {samples} samples need "
+                             f"micro-batches of whole groups, not {self.micro_rows} rows")
+        self.samples = int(samples)
         self._logprob = self.jit(self._logprob_fn, static_argnums=(3, 4))
         self._packed_logprob = self.jit(self._packed_logprob_fn, static_argnums=(3, 4))
 
     def _logprob_fn(self, params, input_ids, attention_mask, response_len, n_micro=1):
         model = self.model(params)
+        share = self._sharing(len(input_ids) // n_micro)
         return in_micro_batches(
-            lambda ids, mask: response_logprobs(model, ids, mask, response_len, self.temperature),
-            n_micro, input_ids, attention_mask)
+            lambda ids, mask: response_logprobs(model, ids, mask, response_len, self.temperature,
+                                                share),
+            n_micro, input_ids, attention_mask, group=self.samples)
+
+    def _sharing(self, rows: int) -> int:
+        """The samples per shared-prompt row of a padded micro-batch of `rows` rows (whole
+        groups by construction), 1 (padded rows) where its groups don't split over the
+        data-parallel devices."""
+        return self.samples if shared_prompt.fits(rows, self.samples, self.dp_size) else 1
 
     def scoring_micro_batches(self, rows: int) -> int:
         """Micro-batches of this group's padded log-prob pass over `rows` sequences."""
@@ -102,8 +124,9 @@ class Reference(WorkerGroup):
         r = batch["responses"].shape[1]
         ids, mask = batch["input_ids"], batch["attention_mask"]
         if self.grouped:
+            group = self.samples if len(ids) % self.samples == 0 else 1
             cuts = grouping.plan(grouping.extents(mask, r), self.micro_rows or len(ids),
-                                 ids.shape[1] - r, r, self.dp_size)
+                                 ids.shape[1] - r, r, self.dp_size, group)
             return grouping.scored(
                 lambda mb: self._logprob(self.params, mb["input_ids"], mb["attention_mask"],
                                          mb["responses"].shape[1], 1),
@@ -142,7 +165,8 @@ class ActorRollout(Reference):
         super().__init__(*args, temperature=rollout_cfg.temperature,
                          budget=packing.token_budget(actor_cfg),
                          micro_rows=actor_cfg.ppo_micro_batch_size,
-                         grouped=actor_cfg.get("group_by_length", False), **kw)
+                         grouped=actor_cfg.get("group_by_length", False),
+                         samples=shared_prompt.samples_per_row(actor_cfg, rollout_cfg.n), **kw)
         self.sampler = sampler
         self.eos_ids = tuple(eos_ids)
         self.acfg = actor_cfg
@@ -300,7 +324,7 @@ class ActorRollout(Reference):
         mini = a.ppo_mini_batch_size * self.rcfg.n
         m = self.train(self._policy_loss, batch, keys, mini=mini, micro=a.ppo_micro_batch_size,
                        epochs=a.ppo_epochs, shuffle=a.shuffle, budget=self.budget,
-                       grouped=self.grouped)
+                       grouped=self.grouped, group=self.samples)
         m["actor/grad_norm"] = m.pop("grad_norm")
         m["actor/nonfinite_updates"] = m.pop("nonfinite")
         m["actor/nonfinite_params"] = m.pop("nonfinite_params")

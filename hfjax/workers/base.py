@@ -123,7 +123,7 @@ class WorkerGroup:
 
     def train(self, loss_fn, batch: Batch, keys, *, mini: int, micro: int, epochs: int,
               shuffle: bool, budget: TokenBudget | None = None, grouped: bool = False,
-              normalisers=update.normalisers) -> dict[str, jax.Array]:
+              normalisers=update.normalisers, group: int = 1) -> dict[str, jax.Array]:
         """Runs `epochs` passes of micro-batched updates of `loss_fn` over mini-batches of
         `batch`; returns the metrics averaged over the steps (device scalars, not fetched),
         except `nonfinite` and `nonfinite_params`: the number of updates not applied, and of
@@ -134,8 +134,13 @@ class WorkerGroup:
         With a token `budget`, mini-batches are packed and micro-batches cut by the budget
         (`hfjax.engine.packing`) instead of `micro` rows at a time; `grouped`: micro-batches of
         `micro` rows of similar lengths, each only as wide as its rows need
-        (`hfjax.engine.grouping`)."""
+        (`hfjax.engine.grouping`). `group` > 1: the rows come in groups of that many
+        consecutive rows (a prompt's samples) that shuffling and micro-batches keep whole
+        (`hfjax.engine.shared_prompt`)."""
         update.check_mini_batching(len(batch), mini, micro, self.dp_size, self.name)
+        if micro % group:
+            raise ValueError(f"{self.name}: micro-batches of {micro} sequences can't hold whole "
+                             f"groups of {group} samples")
         if grouped and budget is not None:
             raise ValueError(f"{self.name}: group_by_length and use_remove_padding both cut "
                              "micro-batches to real tokens; turn one of them off")
@@ -148,15 +153,16 @@ class WorkerGroup:
             p = batch["input_ids"].shape[1] - r
             ext = grouping.extents(batch["attention_mask"], r)
         else:
-            step = self.update_program(loss_fn, mini // micro, normalisers, shape)
+            step = self.update_program(loss_fn, mini // micro, normalisers, shape, group)
         sums: dict[str, jax.Array] = {}
         count = 0
         picked = batch.select(keys)
-        for rows in update.mini_batch_rows(len(batch), mini, epochs, shuffle, self._train_calls):
+        for rows in update.mini_batch_rows(len(batch), mini, epochs, shuffle, self._train_calls,
+                                           group):
             mb = picked.take(rows).to(self.mesh)  # a gather's output layout is XLA's choice
             if grouped:
                 parts = (self.on_mesh(grouping.cut(mb.arrays, c, r))
-                         for c in grouping.plan(ext[:, rows], micro, p, r))
+                         for c in grouping.plan(ext[:, rows], micro, p, r, group=group))
                 self.params, self.opt_state, m = step(self.params, self.opt_state,
                                                       dict(mb.arrays), parts)
             else:
@@ -185,17 +191,17 @@ class WorkerGroup:
         return self._programs[key]
 
     def update_program(self, loss_fn, n_micro: int, normalisers=update.normalisers,
-                       packing: PackShape | None = None) -> Callable:
+                       packing: PackShape | None = None, group: int = 1) -> Callable:
         """The jitted update step `step(params, opt_state, mini_batch)` of `loss_fn` over
-        `n_micro` micro-batches, or packed micro-batches of `packing`'s shape (compiled once
-        per combination; the dry run lowers the same one)."""
-        key = (loss_fn.__name__, n_micro, normalisers, packing)
+        `n_micro` micro-batches (of whole groups of `group` rows), or packed micro-batches of
+        `packing`'s shape (compiled once per combination; the dry run lowers the same one)."""
+        key = (loss_fn.__name__, n_micro, normalisers, packing, group)
         if key not in self._programs:
             logging.info("%s: compiling %s with %d micro-batches (packing: %s)", self.name,
                          loss_fn.__name__, n_micro, packing)
             self._programs[key] = update.make_update_step(
                 loss_fn, self.optimizer, n_micro, self.param_shardings, self.opt_shardings,
-                normalisers=normalisers, jit=self.jit, packing=packing,
+                normalisers=normalisers, jit=self.jit, packing=packing, group=group,
             )
         return self._programs[key]
 

@@ -28,6 +28,7 @@ from hfjax.controller.placement import register_role as register_placement_role
 from hfjax.engine.continuous import rollout_sampler
 from hfjax.engine.layout_choice import actor_rules_and_engine
 from hfjax.engine.packing import token_budget
+from hfjax.engine.shared_prompt import samples_per_row
 from hfjax.engine.update import make_optimizer
 from hfjax.models import transformer
 from hfjax.models.config import ModelConfig
@@ -217,7 +218,8 @@ def _build_ref(ctx: BuildContext) -> Reference | None:
                      temperature=c.rollout.temperature, home=ctx.home,
                      budget=token_budget(c.actor),  # the actor's packing and micro-batches,
                      micro_rows=c.actor.ppo_micro_batch_size,  # as in verl
-                     grouped=c.actor.get("group_by_length", False))
+                     grouped=c.actor.get("group_by_length", False),
+                     samples=samples_per_row(c.actor, c.rollout.n))
 
 
 def _critic_builder(role: str, cls: type[Critic], seed_offset: int) -> RoleBuilder:

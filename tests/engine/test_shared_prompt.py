@@ -1,0 +1,218 @@
+"""Shared-prompt rows (hfjax.engine.shared_prompt) against padded ones: the same log-probs,
+entropies, losses, gradients and optimizer steps (within float32 rounding), on 1 device and on a
+data=2,fsdp=2,tensor=2 mesh, on padded and length-grouped micro-batches.
+
+The references are the padded computations (checked against HF transformers in
+test_hf_parity.py). Batches hold groups of N rows that share a prompt, as a GRPO batch's
+samples do, with prompts and responses of mixed lengths (full and one-token ones).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from configs import ppo_arith
+from hfjax.controller.batch import Batch
+from hfjax.engine import shared_prompt, update
+from hfjax.models import transformer
+from hfjax.models.config import ModelConfig
+from hfjax.parallel.mesh import ResourcePool
+from hfjax.workers.actor import ActorRollout, response_logprobs
+
+N, G, P, R = 4, 4, 20, 24  # samples per prompt, prompts, prompt and response columns
+B = N * G
+CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                  num_kv_heads=2, head_dim=8, tie_word_embeddings=True,
+                  max_position_embeddings=128)
+MESHES = {"1dev": "fsdp=1", "dp4tp2": "data=2,fsdp=2,tensor=2"}
+
+
+def grouped_batch(seed=0):
+    """A host batch of G prompts x N samples (rows g*N .. g*N+N-1 share prompt g): left-padded
+    prompts of 1..P tokens, right-padded responses of 1..R tokens, with advantages and
+    old/reference log-probs."""
+    rng = np.random.default_rng(seed)
+    plen = np.repeat(rng.integers(1, P + 1, G), N)
+    rlen = rng.integers(1, R + 1, B)
+    plen[:N], rlen[:2] = P, (R, 1)
+    ids = rng.integers(1, CFG.vocab_size, (B, P + R)).astype(np.int32)
+    ids[:, :P] = np.repeat(ids[::N, :P], N, axis=0)
+    mask = np.zeros((B, P + R), np.int32)
+    for i in range(B):
+        mask[i, P - plen[i] : P + rlen[i]] = 1
+    ids = ids * mask
+    f = lambda: rng.normal(size=(B, R)).astype(np.float32)  # noqa: E731
+    return Batch({
+        "input_ids": ids, "attention_mask": mask, "responses": ids[:, P:],
+        "response_mask": mask[:, P:], "advantages": f(),
+        "old_log_probs": f() * 0.1 - 3.0, "ref_log_prob": f() * 0.1 - 3.0,
+    })
+
+
+@pytest.fixture(scope="module")
+def model():
+    return transformer.build(CFG, "causal_lm", seed=3)
+
+
+def _twin(model):
+    return nnx.merge(*nnx.split(jax.tree.map(lambda x: x.copy(), model)))
+
+
+def _pool(spec):
+    n = 1 if spec == "fsdp=1" else 8
+    return ResourcePool(f"devices0-{n}", tuple(jax.devices()[:n]))
+
+
+def _actor(mesh, model, *, share, micro=B, mode="token-mean", grouped=False, shuffle=False):
+    c = ppo_arith.get_config()
+    a = c.actor
+    a.loss_agg_mode, a.use_kl_loss, a.entropy_coeff = mode, True, 0.01
+    a.ppo_mini_batch_size, a.ppo_micro_batch_size = G, micro
+    a.group_by_length, a.share_prompt, a.shuffle = grouped, share, shuffle
+    c.rollout.n, c.rollout.response_length = N, R
+    return ActorRollout("actor", _pool(mesh), mesh, model, rules="train", sampler=None,
+                        actor_cfg=a, rollout_cfg=c.rollout,
+                        optimizer=update.make_optimizer(1e-2, grad_clip=0.0))
+
+
+@pytest.mark.parametrize("block", [8, 128], ids=["blocks", "one_block"])
+def test_log_probs_and_gradients_equal_the_padded_rows(model, block, monkeypatch):
+    """The model on shared rows: each response token's log-prob and entropy, and the gradient
+    of their sum, equal the padded rows' (causal query blocks of 8 cut the prompt and every
+    response into several)."""
+    monkeypatch.setattr(transformer, "CAUSAL_BLOCK", block)
+    batch = grouped_batch(1)
+    ids, mask = jnp.asarray(batch["input_ids"]), jnp.asarray(batch["attention_mask"])
+    m = batch["response_mask"] > 0
+    graphdef, state = nnx.split(model)
+
+    def scores(state, samples):
+        return response_logprobs(nnx.merge(graphdef, state), ids, mask, R, 0.7, samples)
+
+    for got, want in zip(scores(state, N), scores(state, 1)):
+        np.testing.assert_allclose(np.asarray(got)[m], np.asarray(want)[m], rtol=1e-5,
+                                   atol=1e-5)
+    grads = [jax.grad(lambda st, s=s: jnp.sum(jnp.where(m, scores(st, s)[0], 0)))(state)
+             for s in (N, 1)]
+    scale = max(float(np.abs(x).max()) for x in jax.tree.leaves(grads[1]))
+    for a, b in zip(jax.tree.leaves(grads[0]), jax.tree.leaves(grads[1])):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5 * scale)
+
+
+def test_shared_rows_hold_each_prompt_once():
+    batch = grouped_batch(2)
+    ids, mask, pos, layout = shared_prompt.group_rows(
+        jnp.asarray(batch["input_ids"]), jnp.asarray(batch["attention_mask"]), R, N)
+    assert ids.shape == (G, P + N * R) and layout == (P, N)
+    ids, mask, pos = map(np.asarray, (ids, mask, pos))
+    for g in range(G):
+        np.testing.assert_array_equal(ids[g, :P], batch["input_ids"][g * N, :P])
+        for j in range(N):
+            row = g * N + j
+            cols = slice(P + j * R, P + (j + 1) * R)
+            np.testing.assert_array_equal(ids[g, cols], batch["responses"][row])
+            np.testing.assert_array_equal(mask[g, cols], batch["response_mask"][row])
+            # A response's positions continue its prompt's, as in its padded row.
+            real = batch["response_mask"][row] > 0
+            padded_pos = np.cumsum(batch["attention_mask"][row]) - 1
+            np.testing.assert_array_equal(pos[g, cols][real], padded_pos[P:][real])
+
+
+@pytest.mark.parametrize("mesh", list(MESHES), ids=list(MESHES))
+@pytest.mark.parametrize("micro", [B, 8], ids=["one_pass", "two_micro"])
+def test_worker_log_probs_equal_the_padded_ones(model, mesh, micro):
+    """compute_log_prob, whole batch or micro-batches of 2 groups. On the 4-way data-parallel
+    mesh 2 groups don't split over the devices: those micro-batches fall back to padded rows."""
+    spec = MESHES[mesh]
+    batch = grouped_batch(3)
+    shared = _actor(spec, model, share=True, micro=micro)
+    padded = _actor(spec, model, share=False, micro=micro)
+    assert (shared.samples, padded.samples) == (N, 1)
+    assert shared._sharing(micro) == (1 if (mesh, micro) == ("dp4tp2", 8) else N)
+    got, want = shared.compute_log_prob(batch), padded.compute_log_prob(batch)
+    m = batch["response_mask"] > 0
+    for key in ("old_log_probs", "entropys"):
+        np.testing.assert_allclose(np.asarray(got[key])[m], np.asarray(want[key])[m],
+                                   rtol=1e-5, atol=1e-5, err_msg=key)
+
+
+def _assert_same_step(metrics, groups, keys, atol):
+    for k in keys:
+        np.testing.assert_allclose(float(metrics[1][k]), float(metrics[0][k]), rtol=1e-4,
+                                   err_msg=k)
+    for a, b in zip(jax.tree.leaves(groups[1].params), jax.tree.leaves(groups[0].params)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=atol)
+
+
+MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("grouped", [False, True], ids=["strided", "grouped"])
+def test_updates_equal_the_padded_ones(model, mode, grouped):
+    """One optimizer step through update_actor on micro-batches of 2 groups, shared rows
+    against padded ones in the same micro-batches: the same metrics and parameters, in every
+    aggregation mode, strided or length-grouped."""
+    batch = grouped_batch(4)
+    actors = [_actor("fsdp=1", _twin(model), share=s, micro=8, mode=mode, grouped=grouped)
+              for s in (False, True)]
+    # Padded rows take the same whole-group micro-batches, so every metric compares.
+    actors[0].samples = N
+    assert actors[0]._sharing(8) == N
+    actors[0]._sharing = lambda rows: 1
+    metrics = [a.update_actor(batch) for a in actors]
+    keys = ["actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm",
+            "actor/pg_clipfrac", "actor/ppo_kl"]
+    # Adam's step is about lr = 1e-2 whatever a gradient's size: rounding in a near-zero
+    # gradient moves its parameter by up to ~1e-4.
+    _assert_same_step(metrics, actors, keys, atol=1e-4)
+
+
+@pytest.mark.parametrize("grouped", [False, True], ids=["strided", "grouped"])
+def test_update_on_a_multi_device_mesh(model, grouped):
+    """data=2,fsdp=2,tensor=2, micro-batches of 4 groups (one per data-parallel device), two
+    mini-batches shuffled by group: the same step as padded rows in the same order."""
+    spec = MESHES["dp4tp2"]
+    batch = grouped_batch(5)
+    actors = []
+    for share in (False, True):
+        a = _actor(spec, _twin(model), share=share, micro=B, grouped=grouped, shuffle=True)
+        a.acfg.ppo_mini_batch_size = G
+        actors.append(a)
+    actors[0].samples = N  # the same groups, shuffled alike, on padded rows
+    actors[0]._sharing = lambda rows: 1
+    metrics = [a.update_actor(batch) for a in actors]
+    _assert_same_step(metrics, actors, ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm"),
+                      atol=1e-4)
+
+
+def test_micro_batches_and_shuffles_keep_groups_whole():
+    x = jnp.arange(24)
+    mb = update.strided_micro_batches(x, 2, group=3)
+    np.testing.assert_array_equal(mb, [[0, 1, 2, 6, 7, 8, 12, 13, 14, 18, 19, 20],
+                                       [3, 4, 5, 9, 10, 11, 15, 16, 17, 21, 22, 23]])
+    np.testing.assert_array_equal(update._unstride(mb, 3), x)
+    np.testing.assert_array_equal(update.strided_micro_batches(x, 4), x.reshape(6, 4).T)
+    rows = np.concatenate(list(update.mini_batch_rows(24, 12, 1, True, seed=0, group=4)))
+    assert sorted(rows.tolist()) == list(range(24)) and rows.tolist() != list(range(24))
+    for g in rows.reshape(-1, 4):
+        assert g[0] % 4 == 0 and (np.diff(g) == 1).all()
+    # Group 1 shuffles rows as before.
+    old = np.random.default_rng(0).permutation(24)
+    np.testing.assert_array_equal(next(update.mini_batch_rows(24, 24, 1, True, 0)), old)
+
+
+def test_when_rows_are_shared():
+    a = ppo_arith.get_config().actor
+    a.share_prompt, a.ppo_micro_batch_size = True, 8
+    assert shared_prompt.samples_per_row(a, 4) == 4
+    assert shared_prompt.samples_per_row(a, 1) == 1
+    assert shared_prompt.samples_per_row(a, 3) == 1  # micro-batches of 8 split groups of 3
+    a.use_remove_padding = True
+    assert shared_prompt.samples_per_row(a, 4) == 1  # packed rows have their own layout
+    a.use_remove_padding, a.share_prompt = False, False
+    assert shared_prompt.samples_per_row(a, 4) == 1
+    assert shared_prompt.fits(8, 4, dp=2) and not shared_prompt.fits(8, 4, dp=4)
+    assert not shared_prompt.fits(6, 4)
