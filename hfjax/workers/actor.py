@@ -90,12 +90,14 @@ class Reference(WorkerGroup):
             raise ValueError(f"{self.name}: shared-prompt rows of {samples} samples need "
                              f"micro-batches of whole groups, not {self.micro_rows} rows")
         self.samples = int(samples)
-        self._logprob = self.jit(self._logprob_fn, static_argnums=(3, 4))
+        self._logprob = self.jit(self._logprob_fn, static_argnums=(3, 4, 5))
         self._packed_logprob = self.jit(self._packed_logprob_fn, static_argnums=(3, 4))
 
-    def _logprob_fn(self, params, input_ids, attention_mask, response_len, n_micro=1):
+    def _logprob_fn(self, params, input_ids, attention_mask, response_len, n_micro=1, share=1):
+        """Log-probs and entropy [B, R] of padded rows in `n_micro` strided micro-batches (of
+        whole groups when `self.samples` > 1), each computed as shared-prompt rows of `share`
+        samples (1: one row per sequence)."""
         model = self.model(params)
-        share = self._sharing(len(input_ids) // n_micro)
         return in_micro_batches(
             lambda ids, mask: response_logprobs(model, ids, mask, response_len, self.temperature,
                                                 share),
@@ -124,15 +126,22 @@ class Reference(WorkerGroup):
         r = batch["responses"].shape[1]
         ids, mask = batch["input_ids"], batch["attention_mask"]
         if self.grouped:
+            # Cuts of whole groups unless padding rows (added for the data-parallel split)
+            # leave the batch in no whole number of them.
             group = self.samples if len(ids) % self.samples == 0 else 1
             cuts = grouping.plan(grouping.extents(mask, r), self.micro_rows or len(ids),
                                  ids.shape[1] - r, r, self.dp_size, group)
             return grouping.scored(
-                lambda mb: self._logprob(self.params, mb["input_ids"], mb["attention_mask"],
-                                         mb["responses"].shape[1], 1),
+                lambda mb: self._logprob(
+                    self.params, mb["input_ids"], mb["attention_mask"], mb["responses"].shape[1],
+                    1, self._sharing(len(mb["input_ids"])) if group > 1 else 1),
                 dict(batch.select(SEQUENCES).arrays), cuts, r, self.on_mesh)
         if self.budget is None:
-            return self._logprob(self.params, ids, mask, r, self.scoring_micro_batches(len(ids)))
+            # Padding rows for the data-parallel split come last: the real rows' groups stay
+            # whole, and a batch of no whole number of groups is not shared (`fits`).
+            n_micro = self.scoring_micro_batches(len(ids))
+            return self._logprob(self.params, ids, mask, r, n_micro,
+                                 self._sharing(len(ids) // n_micro))
         shape = self.budget.shape(len(batch), ids.shape[1], self.dp_size, self.name)
         return self._packed_logprob(self.params, ids, mask, r, shape)
 
@@ -140,8 +149,10 @@ class Reference(WorkerGroup):
         """(log-probs, entropy) [B, R] of a training micro-batch, padded or packed."""
         if "packed" in mb:
             return packing.response_values(self._packed_fn(params), mb)
+        # `train` cuts micro-batches of whole groups.
+        rows = len(mb["input_ids"])
         return self._logprob_fn(params, mb["input_ids"], mb["attention_mask"],
-                                mb["responses"].shape[1])
+                                mb["responses"].shape[1], 1, self._sharing(rows))
 
     @method(DP_COMPUTE, reads=SEQUENCES)
     def compute_ref_log_prob(self, batch: Batch) -> Batch:

@@ -223,3 +223,17 @@ def test_when_rows_are_shared():
     assert shared_prompt.samples_per_row(a, 4) == 1
     assert shared_prompt.fits(8, 4, dp=2) and not shared_prompt.fits(8, 4, dp=4)
     assert not shared_prompt.fits(6, 4)
+
+
+@pytest.mark.parametrize("grouped", [False, True], ids=["strided", "grouped"])
+def test_a_batch_of_no_whole_number_of_groups_is_scored_as_padded_rows(model, grouped):
+    """Rows that padding for the data-parallel split leaves in no whole number of groups (14
+    rows in groups of 4): the scoring passes fall back to padded rows, with the same
+    log-probs, rather than sharing a prompt between rows of different prompts."""
+    batch = grouped_batch(6).take(np.arange(B - 2))
+    shared = _actor("fsdp=1", model, share=True, micro=8, grouped=grouped)
+    padded = _actor("fsdp=1", model, share=False, micro=8, grouped=grouped)
+    got, want = shared.compute_log_prob(batch), padded.compute_log_prob(batch)
+    m = batch["response_mask"] > 0
+    np.testing.assert_allclose(np.asarray(got["old_log_probs"])[m],
+                               np.asarray(want["old_log_probs"])[m], rtol=1e-5, atol=1e-5)
