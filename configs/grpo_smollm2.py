@@ -35,11 +35,13 @@ def get_config():
     c.actor.ppo_mini_batch_size = 4  # prompts: one update of 32 sequences per step
     c.actor.ppo_micro_batch_size = 8
     # Real tokens, or close: continuous batching refills a finished sample's decode slot, and
-    # the update and log-prob passes take micro-batches of rows of similar lengths, each cut to
-    # its own width (a few responses run to the cap while most stop early, and gsm_symbolic's
-    # 100-180-token prompts sit in a 256 bucket). docs/benchmarks.md, "Variable lengths".
+    # the update and log-prob passes hold each prompt's 8 samples in one row with the prompt
+    # once (actor.share_prompt, on by default). On this recipe's lengths that beats
+    # length-grouped micro-batches (actor.group_by_length), alone or with shared rows: most
+    # groups hold a response at the cap, so a group's row can't be cut narrower, and grouping
+    # gives up the prompt's sharing or compiles a program per shape. docs/benchmarks.md,
+    # "Shared-prompt rows".
     c.rollout.mode = "continuous"
-    c.actor.group_by_length = True
     c.trainer.total_steps = 20
     c.trainer.test_freq = 10
     c.trainer.save_freq = 10

@@ -38,6 +38,11 @@ def test_two_grpo_steps_of_the_smollm2_config(tmp_path):
     c.trainer.out_dir = str(tmp_path / "run")
     trainer = Trainer(c)
     assert trainer.actor.model().config.num_layers == 30  # the real model, not a stand-in
+    # The recipe's shared-prompt rows are wired (their results are tested against padded rows
+    # in tests/engine/test_shared_prompt.py); here 2 prompts don't split over the 8
+    # data-parallel devices, so the passes run on padded rows.
+    assert trainer.actor.samples == 4 and trainer.workers.ref.samples == 4
+    assert trainer.actor._sharing(8) == 1
     prompt = trainer.train_data.rows[0]
     assert prompt["data_source"] == "reasoning_gym/chain_sum"
     before = _smallest_leaf(trainer)
