@@ -58,6 +58,8 @@ flags.DEFINE_list("refill_every", ["8"], "continuous batching: decode steps betw
 flags.DEFINE_integer("repeats", 3, "timed runs per side, alternating (median reported)")
 flags.DEFINE_integer("seed", 0, "data seed and base of the per-prompt sampling seeds")
 flags.DEFINE_string("dtype", "float32", "model weights and compute dtype")
+flags.DEFINE_string("remat", "dots_no_batch", "model.remat_policy, as in the GRPO recipe "
+                    "(without it the padded update of 16-row micro-batches needs > 24 GB)")
 flags.DEFINE_string("model", None, "a .gguf file or an HF directory, e.g. a trained run exported "
                     "by launch.export (default: the SmolLM2-135M-Instruct GGUF)")
 flags.DEFINE_string("task", "gsm_symbolic", "the prompts: a task of launch.prepare_data")
@@ -237,7 +239,7 @@ def main(argv: list[str]) -> None:
         "uptime at the start:",
         subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip(),
     )
-    model = M.load(path, dtype=f.dtype)
+    model = M.load(path, dtype=f.dtype, remat_policy=f.remat)
     tok = M.load_tokenizer(path)
     w = load_workload(f, tok)
     prompt_lens = w.mask.sum(axis=1)
