@@ -3,8 +3,10 @@
 import contextlib
 
 import jax
+import numpy as np
 
 from configs import ppo_arith
+from hfjax.controller.batch import Batch
 from hfjax.parallel.mesh import ResourcePool
 
 
@@ -36,6 +38,33 @@ def tiny_rl_config(*, algorithm="ppo", placement="colocate", mesh=None, out_dir=
     c.trainer.sync_stage_timing = True
     c.reward.num_processes = 0
     return c
+
+
+def padded_rl_batch(seed: int, rows: int, prompt: int, response: int, vocab: int,
+                    samples: int = 1):
+    """A host RL batch of `rows` sequences in groups of `samples` rows that share a prompt (as a
+    GRPO batch's samples do; 1: every row its own prompt): left-padded prompts of 1..`prompt`
+    tokens (the first group's at full length), right-padded responses of 1..`response` tokens
+    (the first two at full length and 1), with advantages, old/reference log-probs, values and
+    returns."""
+    P, R = prompt, response
+    rng = np.random.default_rng(seed)
+    plen = np.repeat(rng.integers(1, P + 1, rows // samples), samples)
+    rlen = rng.integers(1, R + 1, rows)
+    plen[: max(2, samples)], rlen[:2] = P, (R, 1)
+    ids = rng.integers(1, vocab, (rows, P + R)).astype(np.int32)
+    ids[:, :P] = np.repeat(ids[::samples, :P], samples, axis=0)
+    mask = np.zeros((rows, P + R), np.int32)
+    for i in range(rows):
+        mask[i, P - plen[i] : P + rlen[i]] = 1
+    ids = ids * mask
+    f = lambda: rng.normal(size=(rows, R)).astype(np.float32)  # noqa: E731
+    return Batch({
+        "input_ids": ids, "attention_mask": mask, "responses": ids[:, P:],
+        "response_mask": mask[:, P:], "advantages": f(),
+        "old_log_probs": f() * 0.1 - 3.0, "ref_log_prob": f() * 0.1 - 3.0,
+        "values": f(), "returns": f(),
+    })
 
 
 def pool_mesh(lo, hi, spec):

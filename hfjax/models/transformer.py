@@ -373,21 +373,16 @@ def shared_prompt_attention(cfg: ModelConfig, attention_mask: jax.Array, layout:
     on_prompt = dense_attention(cfg, prompt_mask, causal=True)
     on_responses = dense_attention(cfg, response_mask, causal=True, prefix=P)
 
+    def per_response(x):  # [G, P + n*R, heads, H] -> [G*n, R, heads, H], the responses' part
+        return x[:, P:].reshape(G * n, R, *x.shape[2:])
+
+    def with_prompt(x):  # [G*n, P + R, heads, H]: each response after its prompt's columns
+        return jnp.concatenate([jnp.repeat(x[:, :P], n, axis=0), per_response(x)], axis=1)
+
     def fn(q, k, v):
-        _, _, N, H = q.shape
-        K = k.shape[2]
-
-        def per_response(x, heads):  # [G, n*R, heads, H] -> [G*n, R, heads, H]
-            return x.reshape(G * n, R, heads, H)
-
-        def prompt_for_each(x):  # [G, P, K, H] -> [G*n, P, K, H]
-            return jnp.repeat(x, n, axis=0)
-
         out_p = on_prompt(q[:, :P], k[:, :P], v[:, :P])
-        keys = jnp.concatenate([prompt_for_each(k[:, :P]), per_response(k[:, P:], K)], axis=1)
-        vals = jnp.concatenate([prompt_for_each(v[:, :P]), per_response(v[:, P:], K)], axis=1)
-        out_r = on_responses(per_response(q[:, P:], N), keys, vals)
-        return jnp.concatenate([out_p, out_r.reshape(G, n * R, N, H)], axis=1)
+        out_r = on_responses(per_response(q), with_prompt(k), with_prompt(v))
+        return jnp.concatenate([out_p, out_r.reshape(G, n * R, *q.shape[2:])], axis=1)
 
     return fn
 

@@ -13,9 +13,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from support import padded_rl_batch
 
 from configs import ppo_arith
-from hfjax.controller.batch import Batch
 from hfjax.engine import grouping, packing, update
 from hfjax.models import transformer
 from hfjax.models.config import ModelConfig
@@ -38,23 +38,8 @@ def _pool(spec):
 
 def padded_batch(seed=0, P=P, R=R):
     """A host batch of B sequences: left-padded prompts of 1..P tokens, right-padded responses
-    of 1..R tokens, with advantages and old/reference log-probs."""
-    rng = np.random.default_rng(seed)
-    plen = rng.integers(1, P + 1, B)
-    rlen = rng.integers(1, R + 1, B)
-    plen[:2], rlen[:2] = P, (R, 1)
-    ids = rng.integers(1, CFG.vocab_size, (B, P + R)).astype(np.int32)
-    mask = np.zeros((B, P + R), np.int32)
-    for i in range(B):
-        mask[i, P - plen[i] : P + rlen[i]] = 1
-    ids = ids * mask
-    f = lambda: rng.normal(size=(B, R)).astype(np.float32)  # noqa: E731
-    return Batch({
-        "input_ids": ids, "attention_mask": mask, "responses": ids[:, P:],
-        "response_mask": mask[:, P:], "advantages": f(),
-        "old_log_probs": f() * 0.1 - 3.0, "ref_log_prob": f() * 0.1 - 3.0,
-        "values": f(), "returns": f(),
-    })
+    of 1..R tokens, with advantages, old/reference log-probs, values and returns."""
+    return padded_rl_batch(seed, B, P, R, CFG.vocab_size)
 
 
 def test_layout_matches_a_loop_over_the_sequences():

@@ -14,9 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from support import padded_rl_batch
 
 from configs import ppo_arith
-from hfjax.controller.batch import Batch
 from hfjax.engine import shared_prompt, update
 from hfjax.models import transformer
 from hfjax.models.config import ModelConfig
@@ -35,22 +35,7 @@ def grouped_batch(seed=0):
     """A host batch of G prompts x N samples (rows g*N .. g*N+N-1 share prompt g): left-padded
     prompts of 1..P tokens, right-padded responses of 1..R tokens, with advantages and
     old/reference log-probs."""
-    rng = np.random.default_rng(seed)
-    plen = np.repeat(rng.integers(1, P + 1, G), N)
-    rlen = rng.integers(1, R + 1, B)
-    plen[:N], rlen[:2] = P, (R, 1)
-    ids = rng.integers(1, CFG.vocab_size, (B, P + R)).astype(np.int32)
-    ids[:, :P] = np.repeat(ids[::N, :P], N, axis=0)
-    mask = np.zeros((B, P + R), np.int32)
-    for i in range(B):
-        mask[i, P - plen[i] : P + rlen[i]] = 1
-    ids = ids * mask
-    f = lambda: rng.normal(size=(B, R)).astype(np.float32)  # noqa: E731
-    return Batch({
-        "input_ids": ids, "attention_mask": mask, "responses": ids[:, P:],
-        "response_mask": mask[:, P:], "advantages": f(),
-        "old_log_probs": f() * 0.1 - 3.0, "ref_log_prob": f() * 0.1 - 3.0,
-    })
+    return padded_rl_batch(seed, B, P, R, CFG.vocab_size, samples=N)
 
 
 @pytest.fixture(scope="module")
