@@ -15,6 +15,7 @@ from hfjax.controller.costs import ModelSpec
 from hfjax.controller.simulator import Workload
 from hfjax.data import arith
 from hfjax.engine.sampler import MIN_NEW_TOKENS_BUCKET, bucket_size, prompt_bucket
+from hfjax.engine.shared_prompt import samples_per_row
 from hfjax.models.config import ModelConfig
 from hfjax.models.hf_io import model_config as path_model_config
 from hfjax.workers.groups import needs_ref
@@ -73,7 +74,7 @@ def plan_inputs(cfg, reward_model: str = "", score_micro: int = 0, gen_rows: int
         critic_micro=c.ppo_micro_batch_size if "critic" in algo.roles else 0,
         critic_epochs=c.ppo_epochs if "critic" in algo.roles else 1,
         old_log_prob=bool(cfg.algo.use_kl_in_reward) or not single,
-        score_micro=score_micro, gen_rows=gen_rows,
+        score_micro=score_micro, gen_rows=gen_rows, shared=samples_per_row(a, n),
     )
     return models, tuple(host), workload
 

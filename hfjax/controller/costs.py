@@ -133,7 +133,10 @@ class Call:
     kind: "forward" (a scoring pass over the batch), "train" (one mini-batch update),
     "prefill" (the prompts) or "decode" (one step). rows: the call's global rows; seq: tokens
     per row (decode: cache slots); scored: positions per row through the head; micro: rows per
-    micro-batch of a training call (global).
+    micro-batch of a training call (global); samples: responses per row of a scoring or
+    training call (`hfjax.engine.shared_prompt`): a row is then one prompt of seq - scored
+    tokens followed by `samples` responses of scored / samples tokens each, every response
+    attending over the prompt and itself.
     """
 
     kind: str
@@ -141,10 +144,32 @@ class Call:
     seq: int
     scored: int = 0
     micro: int = 0
+    samples: int = 1
 
     def __post_init__(self):
         if self.kind not in KINDS:
             raise ValueError(f"unknown call kind {self.kind!r}; one of {KINDS}")
+        if self.samples < 1 or (self.samples > 1 and self.scored % self.samples):
+            raise ValueError(f"samples={self.samples}: rows of {self.scored} scored positions "
+                             "don't hold that many equal responses")
+
+    @property
+    def context(self) -> int:
+        """Keys a response token attends over: the whole row, or with shared-prompt rows the
+        prompt and its own response."""
+        if self.samples == 1:
+            return self.seq
+        return self.seq - self.scored + self.scored // self.samples
+
+    def layers_flops(self, cfg: ModelConfig, rows: int) -> float:
+        """FLOPs of the decoder layers over `rows` of this call's rows (scoring and training
+        calls): every token over the whole row, or with shared-prompt rows the prompt's tokens
+        over the prompt and each response's over the prompt and itself."""
+        if self.samples == 1:
+            return layers_flops(cfg, rows, self.seq, self.seq)
+        prompt = self.seq - self.scored
+        return (layers_flops(cfg, rows, prompt, prompt)
+                + layers_flops(cfg, rows, self.scored, self.context))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -308,7 +333,7 @@ class ClosedFormCosts:
                      * r) / t
             shard = param_shard_bytes(model, layout)
             return CallCost(flops, shard + kv + logits, kv + shard + 2 * logits)
-        act = layer_activation_bytes(cfg, call.seq, t, self.platform)
+        act = layer_activation_bytes(cfg, call.context, t, self.platform)
         if call.kind == "prefill":
             flops = (layers_flops(cfg, r, call.seq, call.seq)
                      + 2.0 * cfg.hidden_size * cfg.vocab_size * r) / t
@@ -318,7 +343,8 @@ class ClosedFormCosts:
                             working + kv)
         logits = _head_bytes(cfg, model.head, r, call.seq, call.scored, t)
         if call.kind == "forward":
-            flops = forward_flops(cfg, model.head, r, call.seq, call.scored) / t
+            flops = (call.layers_flops(cfg, r)
+                     + head_flops(cfg, model.head, r, call.seq, call.scored)) / t
             traffic = weights + 2 * r * call.seq * cfg.num_layers * act
             hidden = 2 * r * call.seq * cfg.hidden_size * _itemsize(cfg.dtype)
             return CallCost(flops, traffic, r * call.seq * act + hidden + 2 * logits)
@@ -326,12 +352,12 @@ class ClosedFormCosts:
         micro = call.micro or call.rows
         n_micro = call.rows // micro
         m = math.ceil(micro / layout.dp)
-        fwd = forward_flops(cfg, model.head, m, call.seq, call.scored)
-        extra = layers_flops(cfg, m, call.seq, call.seq) if cfg.remat_policy == "full" else 0.0
+        fwd = call.layers_flops(cfg, m) + head_flops(cfg, model.head, m, call.seq, call.scored)
+        extra = call.layers_flops(cfg, m) if cfg.remat_policy == "full" else 0.0
         flops = n_micro * (3 * fwd + extra) / t
         passes = 3 + (cfg.remat_policy == "full")
         traffic = n_micro * (passes * weights + 2 * m * call.seq * cfg.num_layers * act)
-        per_token = saved_activation_bytes(cfg, call.seq, t, self.platform)
+        per_token = saved_activation_bytes(cfg, call.context, t, self.platform)
         saved = m * call.seq * cfg.num_layers * per_token
         grads = 2 * param_shard_bytes(model, layout)
         held = saved + m * call.seq * act + 3 * _head_bytes(cfg, model.head, m, call.seq,

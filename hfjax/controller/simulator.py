@@ -60,6 +60,7 @@ from hfjax.controller.costs import (
     ModelSpec,
     model_leaves,
 )
+from hfjax.engine import shared_prompt
 from hfjax.parallel.targets import Target, get_target
 
 GB = 10**9
@@ -205,6 +206,9 @@ class Workload:
     score_micro: rows per scoring call (0: the whole batch in one call);
     gen_rows: rows a decode replica generates at once (0: all of its rows; -1: the planner
     picks, per layout, among halvings of all its rows, trading memory for weight reads).
+    shared: responses per row in the actor's and the reference's passes (`actor.share_prompt`,
+    `hfjax.engine.shared_prompt.samples_per_row`; 1: padded rows). As in the runs, a pass whose
+    micro-batch groups don't split over a layout's data-parallel devices uses padded rows.
     """
 
     prompts: int
@@ -220,6 +224,7 @@ class Workload:
     old_log_prob: bool = True
     score_micro: int = 0
     gen_rows: int = 0
+    shared: int = 1
 
     @property
     def sequences(self) -> int:
@@ -236,6 +241,17 @@ class Workload:
 
     def micro(self, role: str) -> int:
         return self.critic_micro if role == "critic" else self.actor_micro
+
+    def call(self, kind: str, role: str, rows: int, micro: int, dp: int) -> Call:
+        """A scoring ("forward") or training call of `role` over `rows` sequences in
+        micro-batches of `micro`, as shared-prompt rows where the role's passes use them
+        (`shared`) and a micro-batch's groups split over `dp` devices, else padded rows."""
+        k = self.shared if role in ("actor", "ref") else 1
+        if k > 1 and shared_prompt.fits(micro, k, dp):
+            return Call(kind, rows // k, self.prompt_len + k * self.response_len,
+                        k * self.response_len, micro // k if kind == "train" else 0, k)
+        return Call(kind, rows, self.seq_len, self.response_len,
+                    micro if kind == "train" else 0)
 
     def check(self) -> None:
         """Raises ValueError unless the batch splits into mini- and micro-batches."""
@@ -315,21 +331,30 @@ class Simulator:
 
     # -- stages ------------------------------------------------------------------------------
 
-    def score_call(self) -> tuple[int, Call]:
-        """(calls, the shape of one) of a scoring pass over the step's sequences."""
+    def score_call(self, model: ModelSpec, lay: MeshLayout) -> tuple[int, Call]:
+        """(calls, the shape of one) of `model`'s scoring pass over the step's sequences."""
         w = self.workload
         rows = w.score_micro if 0 < w.score_micro < w.sequences else w.sequences
-        return math.ceil(w.sequences / rows), Call("forward", rows, w.seq_len, w.response_len)
+        return math.ceil(w.sequences / rows), w.call("forward", model.role, rows, rows, lay.dp)
+
+    def train_call(self, model: ModelSpec, lay: MeshLayout) -> tuple[int, Call]:
+        """(calls, the shape of one) of `model`'s update: one call per mini-batch and epoch."""
+        w = self.workload
+        critic = model.role == "critic"
+        mini = w.critic_mini if critic else w.actor_mini
+        micro = w.critic_micro if critic else w.actor_micro
+        epochs = w.critic_epochs if critic else w.actor_epochs
+        return epochs * (w.sequences // mini), w.call("train", model.role, mini, micro, lay.dp)
 
     def forward(self, model: ModelSpec, lay: MeshLayout) -> StageTime:
         """A scoring pass over the step's sequences (old log-probs, reference, values, reward)."""
-        w, cfg = self.workload, model.config
-        calls, call = self.score_call()
+        cfg = model.config
+        calls, call = self.score_call(model, lay)
         cost = self.costs.call(model, lay, call)
         compute, memory = self.roofline(model, cost.flops, cost.bytes_accessed, self.eff.forward)
         kernel = max(compute, memory)
         rows = math.ceil(call.rows / lay.dp)
-        hidden = rows * w.seq_len * cfg.hidden_size * _itemsize(cfg.dtype)
+        hidden = rows * call.seq * cfg.hidden_size * _itemsize(cfg.dtype)
         tp = self.all_reduce(hidden, lay.tensor, lay.tensor, 2 * cfg.num_layers)
         weights = _model_bytes(model) / lay.tensor
         fsdp = self.gather(weights, lay.fsdp, lay.fsdp * lay.tensor)
@@ -341,18 +366,14 @@ class Simulator:
 
     def train(self, model: ModelSpec, lay: MeshLayout) -> StageTime:
         """The PPO update of a trained model: epochs x mini-batches of micro-batched steps."""
-        w, cfg = self.workload, model.config
-        critic = model.role == "critic"
-        mini = w.critic_mini if critic else w.actor_mini
-        micro = w.critic_micro if critic else w.actor_micro
-        epochs = w.critic_epochs if critic else w.actor_epochs
-        calls = epochs * (w.sequences // mini)
-        n_micro = mini // micro
-        cost = self.costs.call(model, lay, Call("train", mini, w.seq_len, w.response_len, micro))
+        cfg = model.config
+        calls, call = self.train_call(model, lay)
+        n_micro = call.rows // call.micro
+        cost = self.costs.call(model, lay, call)
         compute, memory = self.roofline(model, cost.flops, cost.bytes_accessed, self.eff.train)
         kernel = max(compute, memory)
-        m = math.ceil(micro / lay.dp)
-        hidden = m * w.seq_len * cfg.hidden_size * _itemsize(cfg.dtype)
+        m = math.ceil(call.micro / lay.dp)
+        hidden = m * call.seq * cfg.hidden_size * _itemsize(cfg.dtype)
         per_layer = 6 if cfg.remat_policy == "full" else 4
         tp = self.all_reduce(hidden, lay.tensor, lay.tensor, per_layer * cfg.num_layers * n_micro)
         weights = _model_bytes(model) / lay.tensor
@@ -437,7 +458,6 @@ class Simulator:
                     tensor_g: int | None = None, rows: int | None = None) -> float:
         """Bytes per device a stage holds on top of the model's state (generation: the decode
         layout's own buffers; the engine's larger weight shard is `generate`'s to report)."""
-        w = self.workload
         if stage == "gen":
             dec = MeshLayout(data=lay.n // tensor_g, tensor=tensor_g, rules="decode")
             rows = rows or self.gen_rows_options(lay.n, tensor_g)[0]
@@ -446,12 +466,8 @@ class Simulator:
             step = self.costs.call(model, dec, step_call)
             return max(pre.extra_bytes, step.extra_bytes)
         if stage.startswith("update_"):
-            critic = model.role == "critic"
-            mini = w.critic_mini if critic else w.actor_mini
-            micro = w.critic_micro if critic else w.actor_micro
-            return self.costs.call(model, lay, Call("train", mini, w.seq_len, w.response_len,
-                                                    micro)).extra_bytes
-        return self.costs.call(model, lay, self.score_call()[1]).extra_bytes
+            return self.costs.call(model, lay, self.train_call(model, lay)[1]).extra_bytes
+        return self.costs.call(model, lay, self.score_call(model, lay)[1]).extra_bytes
 
 
 def _model_bytes(model: ModelSpec) -> float:

@@ -2,6 +2,8 @@
 compiled figures; shard sizes and hybrid-transition bytes over virtual devices against the
 3D-HybridEngine on 8 real devices."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,7 +12,8 @@ from flax import nnx
 
 from hfjax.controller import costs, virtual
 from hfjax.controller.costs import Call, ClosedFormCosts, MeshLayout, ModelSpec
-from hfjax.engine import hybrid
+from hfjax.controller.simulator import Simulator, Workload, cluster_for
+from hfjax.engine import hybrid, shared_prompt
 from hfjax.models import transformer
 from hfjax.models.presets import get_preset
 from hfjax.parallel import reshard
@@ -150,6 +153,64 @@ def test_closed_forms_agree_with_compiled_programs(kind):
                                         MeshLayout())
     estimate = cost.extra_bytes - (grads if kind == "train" else 0)
     assert temp / 2 <= estimate <= 2.5 * temp
+
+
+def _compiled_shared(cfg, kind, groups, prompt, response, samples):
+    """The log-prob pass (or its gradient) over `groups` x `samples` padded rows, as the
+    actor runs it on shared-prompt rows."""
+    graphdef, state = nnx.split(transformer.abstract(cfg))
+
+    def loss(params, ids):
+        m = nnx.merge(graphdef, params)
+        hidden = shared_prompt.response_hidden(m.model, ids, jnp.ones_like(ids), response,
+                                               samples)
+        return jnp.sum(jax.nn.log_softmax(m.logits(hidden), -1)[..., 0])
+
+    fn = loss if kind == "forward" else jax.grad(loss)
+    ids = jax.ShapeDtypeStruct((groups * samples, prompt + response), jnp.int32)
+    return jax.jit(fn).lower(state, ids).compile()
+
+
+@pytest.mark.parametrize("kind", ["forward", "train"])
+def test_shared_prompt_rows_agree_with_compiled_programs(kind):
+    cfg = TINY.replace(hidden_size=128, intermediate_size=384, num_heads=4, num_kv_heads=2,
+                       head_dim=32, vocab_size=512, tie_word_embeddings=False,
+                       scan_layers=False)
+    groups, prompt, response, k = 2, 48, 32, 4
+    call = Call(kind, groups, prompt + k * response, k * response, groups, k)
+    assert call.context == prompt + response
+    model = ModelSpec("actor", cfg, "causal_lm", True)
+    cost = ClosedFormCosts().call(model, MeshLayout(), call)
+    flops = _compiled_shared(cfg, kind, groups, prompt, response, k).cost_analysis()["flops"]
+    assert cost.flops <= flops <= 1.05 * cost.flops
+    # The prompt once per group instead of once per sample.
+    padded = ClosedFormCosts().call(model, MeshLayout(), Call(
+        kind, groups * k, prompt + response, response, groups * k))
+    prompt_share = prompt / (prompt + response)
+    assert cost.flops < (1 - 0.5 * prompt_share) * padded.flops
+    with pytest.raises(ValueError, match="samples=3"):
+        Call(kind, groups, prompt + k * response, k * response, groups, 3)
+
+
+def test_the_simulator_prices_shared_rows_where_the_runs_use_them():
+    w = Workload(prompts=4, n=4, prompt_len=64, response_len=64, actor_mini=16, actor_micro=8,
+                 critic_mini=16, critic_micro=8, shared=4)
+    sim = Simulator(cluster_for("h100"), w)
+    actor, ref, critic = (ModelSpec(role, TINY, head, role != "ref")
+                          for role, head in (("actor", "causal_lm"), ("ref", "causal_lm"),
+                                             ("critic", "value")))
+    one = MeshLayout(data=2)
+    # 8-row micro-batches hold 2 groups: shared rows on 1 or 2 data-parallel devices.
+    assert sim.train_call(actor, one) == (1, Call("train", 4, 64 + 4 * 64, 256, 2, 4))
+    assert sim.score_call(ref, one)[1] == Call("forward", 4, 320, 256, 0, 4)
+    # The critic never shares; on 4 devices 2 groups don't split: padded rows, as in the runs.
+    assert sim.train_call(critic, one)[1] == Call("train", 16, 128, 64, 8)
+    assert sim.train_call(actor, MeshLayout(data=4))[1] == Call("train", 16, 128, 64, 8)
+    padded = Simulator(cluster_for("h100"), dataclasses.replace(w, shared=1))
+    for stage in (sim.train, sim.forward):
+        other = getattr(padded, stage.__name__)
+        assert stage(actor, one).seconds < other(actor, one).seconds
+        assert stage(critic, one).seconds == other(critic, one).seconds
 
 
 SMALL = TINY.replace(vocab_size=64, hidden_size=16, intermediate_size=32, num_heads=8,
