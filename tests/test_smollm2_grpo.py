@@ -27,22 +27,22 @@ def test_two_grpo_steps_of_the_smollm2_config(tmp_path):
         "min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1})
     c = grpo_smollm2_arith.get_config()
     c.data.train_files, c.data.val_files = paths["train"], paths["test"]
-    c.data.train_batch_size = 2
-    c.rollout.n = 4  # 8 sequences: one per device
+    # 8 prompts x 4 samples: one prompt's group per device, so the update, log-prob and
+    # reference passes run on the recipe's shared-prompt rows (one row per device; their
+    # results are tested against padded rows in tests/engine/test_shared_prompt.py).
+    c.data.train_batch_size = 8
+    c.rollout.n = 4
     c.rollout.response_length = 16
-    c.actor.ppo_mini_batch_size = 2
-    c.actor.ppo_micro_batch_size = 8
+    c.actor.ppo_mini_batch_size = 8
+    c.actor.ppo_micro_batch_size = 32
     # The static engine: continuous batching on the real weights has its own tests
     # (tests/engine/test_continuous.py), and its compile would add ~40 s here.
     c.rollout.mode = "static"
     c.trainer.out_dir = str(tmp_path / "run")
     trainer = Trainer(c)
     assert trainer.actor.model().config.num_layers == 30  # the real model, not a stand-in
-    # The recipe's shared-prompt rows are wired (their results are tested against padded rows
-    # in tests/engine/test_shared_prompt.py); here 2 prompts don't split over the 8
-    # data-parallel devices, so the passes run on padded rows.
     assert trainer.actor.samples == 4 and trainer.workers.ref.samples == 4
-    assert trainer.actor._sharing(8) == 1
+    assert trainer.actor._sharing(32) == 4
     prompt = trainer.train_data.rows[0]
     assert prompt["data_source"] == "reasoning_gym/chain_sum"
     before = _smallest_leaf(trainer)
