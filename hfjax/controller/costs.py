@@ -171,6 +171,10 @@ class Call:
         return (layers_flops(cfg, rows, prompt, prompt)
                 + layers_flops(cfg, rows, self.scored, self.context))
 
+    def forward_flops(self, cfg: ModelConfig, head: str, rows: int) -> float:
+        """FLOPs of one forward pass over `rows` of this call's rows: the layers and the head."""
+        return self.layers_flops(cfg, rows) + head_flops(cfg, head, rows, self.seq, self.scored)
+
 
 @dataclasses.dataclass(frozen=True)
 class StateBytes:
@@ -257,7 +261,7 @@ def head_flops(cfg: ModelConfig, head: str, rows: int, seq: int, scored: int) ->
 
 def forward_flops(cfg: ModelConfig, head: str, rows: int, seq: int, scored: int) -> float:
     """FLOPs of one forward pass over rows x seq tokens (global, before any split)."""
-    return layers_flops(cfg, rows, seq, seq) + head_flops(cfg, head, rows, seq, scored)
+    return Call("forward", rows, seq, scored).forward_flops(cfg, head, rows)
 
 
 def kv_bytes_per_token(cfg: ModelConfig, platform: str = "gpu") -> int:
@@ -343,8 +347,7 @@ class ClosedFormCosts:
                             working + kv)
         logits = _head_bytes(cfg, model.head, r, call.seq, call.scored, t)
         if call.kind == "forward":
-            flops = (call.layers_flops(cfg, r)
-                     + head_flops(cfg, model.head, r, call.seq, call.scored)) / t
+            flops = call.forward_flops(cfg, model.head, r) / t
             traffic = weights + 2 * r * call.seq * cfg.num_layers * act
             hidden = 2 * r * call.seq * cfg.hidden_size * _itemsize(cfg.dtype)
             return CallCost(flops, traffic, r * call.seq * act + hidden + 2 * logits)
@@ -352,7 +355,7 @@ class ClosedFormCosts:
         micro = call.micro or call.rows
         n_micro = call.rows // micro
         m = math.ceil(micro / layout.dp)
-        fwd = call.layers_flops(cfg, m) + head_flops(cfg, model.head, m, call.seq, call.scored)
+        fwd = call.forward_flops(cfg, model.head, m)
         extra = call.layers_flops(cfg, m) if cfg.remat_policy == "full" else 0.0
         flops = n_micro * (3 * fwd + extra) / t
         passes = 3 + (cfg.remat_policy == "full")

@@ -342,9 +342,9 @@ class Simulator:
         w = self.workload
         critic = model.role == "critic"
         mini = w.critic_mini if critic else w.actor_mini
-        micro = w.critic_micro if critic else w.actor_micro
         epochs = w.critic_epochs if critic else w.actor_epochs
-        return epochs * (w.sequences // mini), w.call("train", model.role, mini, micro, lay.dp)
+        return epochs * (w.sequences // mini), w.call("train", model.role, mini,
+                                                      w.micro(model.role), lay.dp)
 
     def forward(self, model: ModelSpec, lay: MeshLayout) -> StageTime:
         """A scoring pass over the step's sequences (old log-probs, reference, values, reward)."""

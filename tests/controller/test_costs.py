@@ -120,13 +120,20 @@ def test_memory_terms_by_hand():
     assert step.extra_bytes == kv + weights + 2 * logits
 
 
-def _compiled(cfg, kind, rows, seq, scored):
-    graphdef, state = nnx.split(transformer.abstract(cfg))
+# Layers unrolled: XLA's cost analysis counts a loop body (a layer scan) once.
+UNROLLED = TINY.replace(hidden_size=128, intermediate_size=384, num_heads=4, num_kv_heads=2,
+                        head_dim=32, vocab_size=512, tie_word_embeddings=False,
+                        scan_layers=False)
+
+
+def _compiled(kind, rows, seq, scored_hidden):
+    """The log-prob pass (or its gradient) of UNROLLED over int32 ids [rows, seq];
+    `scored_hidden(model, ids)` gives the hidden states that go through the head."""
+    graphdef, state = nnx.split(transformer.abstract(UNROLLED))
 
     def loss(params, ids):
         m = nnx.merge(graphdef, params)
-        hidden, _ = m.model(ids, jnp.ones_like(ids))
-        return jnp.sum(jax.nn.log_softmax(m.logits(hidden[:, -scored - 1:-1]), -1)[..., 0])
+        return jnp.sum(jax.nn.log_softmax(m.logits(scored_hidden(m, ids)), -1)[..., 0])
 
     fn = loss if kind == "forward" else jax.grad(loss)
     ids = jax.ShapeDtypeStruct((rows, seq), jnp.int32)
@@ -135,12 +142,13 @@ def _compiled(cfg, kind, rows, seq, scored):
 
 @pytest.mark.parametrize("kind", ["forward", "train"])
 def test_closed_forms_agree_with_compiled_programs(kind):
-    # Layers unrolled: XLA's cost analysis counts a loop body (a layer scan) once.
-    cfg = TINY.replace(hidden_size=128, intermediate_size=384, num_heads=4, num_kv_heads=2,
-                       head_dim=32, vocab_size=512, tie_word_embeddings=False,
-                       scan_layers=False)
+    cfg = UNROLLED
     rows, seq, scored = 8, 64, 32
-    compiled = _compiled(cfg, kind, rows, seq, scored)
+    def scored_hidden(m, ids):
+        hidden, _ = m.model(ids, jnp.ones_like(ids))
+        return hidden[:, -scored - 1:-1]
+
+    compiled = _compiled(kind, rows, seq, scored_hidden)
     cost = ClosedFormCosts().call(ModelSpec("actor", cfg, "causal_lm", True), MeshLayout(),
                                   Call(kind, rows, seq, scored, rows))
     flops = compiled.cost_analysis()["flops"]
@@ -155,33 +163,18 @@ def test_closed_forms_agree_with_compiled_programs(kind):
     assert temp / 2 <= estimate <= 2.5 * temp
 
 
-def _compiled_shared(cfg, kind, groups, prompt, response, samples):
-    """The log-prob pass (or its gradient) over `groups` x `samples` padded rows, as the
-    actor runs it on shared-prompt rows."""
-    graphdef, state = nnx.split(transformer.abstract(cfg))
-
-    def loss(params, ids):
-        m = nnx.merge(graphdef, params)
-        hidden = shared_prompt.response_hidden(m.model, ids, jnp.ones_like(ids), response,
-                                               samples)
-        return jnp.sum(jax.nn.log_softmax(m.logits(hidden), -1)[..., 0])
-
-    fn = loss if kind == "forward" else jax.grad(loss)
-    ids = jax.ShapeDtypeStruct((groups * samples, prompt + response), jnp.int32)
-    return jax.jit(fn).lower(state, ids).compile()
-
-
 @pytest.mark.parametrize("kind", ["forward", "train"])
 def test_shared_prompt_rows_agree_with_compiled_programs(kind):
-    cfg = TINY.replace(hidden_size=128, intermediate_size=384, num_heads=4, num_kv_heads=2,
-                       head_dim=32, vocab_size=512, tie_word_embeddings=False,
-                       scan_layers=False)
+    """The closed forms of shared-prompt rows against the actor's shared-row programs over
+    the same padded rows."""
     groups, prompt, response, k = 2, 48, 32, 4
     call = Call(kind, groups, prompt + k * response, k * response, groups, k)
     assert call.context == prompt + response
-    model = ModelSpec("actor", cfg, "causal_lm", True)
+    model = ModelSpec("actor", UNROLLED, "causal_lm", True)
     cost = ClosedFormCosts().call(model, MeshLayout(), call)
-    flops = _compiled_shared(cfg, kind, groups, prompt, response, k).cost_analysis()["flops"]
+    compiled = _compiled(kind, groups * k, prompt + response, lambda m, ids: (
+        shared_prompt.response_hidden(m.model, ids, jnp.ones_like(ids), response, k)))
+    flops = compiled.cost_analysis()["flops"]
     assert cost.flops <= flops <= 1.05 * cost.flops
     # The prompt once per group instead of once per sample.
     padded = ClosedFormCosts().call(model, MeshLayout(), Call(
