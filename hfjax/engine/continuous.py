@@ -38,8 +38,9 @@ in order, the previous window is then no longer needed. Several requests are adm
 (`ADMIT_ROWS`), each round a gather from the staging cache and a scatter into the slots.
 
 **Slot layout.** A slot's cache has prompt_bucket + new_bucket columns: the left-padded prompt,
-then response token t at column prompt_bucket + t. That is the static engine's layout for each
-row, so every row attends over the same columns in the same order. Decoding writes each slot's
+then response token t at column prompt_bucket + t (the decode cache's prompt and response
+parts: `hfjax.engine.decode`). That is the static engine's layout for each row, so every row
+attends over the same columns in the same order. Decoding writes each slot's
 token at its own column (`decode_step` with one column per row). A slot keeps its request's
 tokens, mask and log-probs in its own rows while it decodes; when the request is done the next
 refill copies them to the request's output row ("retire") and frees the slot. Per step,

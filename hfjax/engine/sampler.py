@@ -108,7 +108,7 @@ class _Carry(NamedTuple):
     """Decode-loop state; `t` is the index of the next response token to produce."""
 
     t: jax.Array  # int32 []
-    cache: tuple[LayerCache, ...]  # per layer [rows, kv_heads, prompt + new buckets, head_dim]
+    cache: tuple[LayerCache, ...]  # per layer: prompt and response parts
     last: jax.Array  # int32 [rows]: the token fed at the next step
     done: jax.Array  # bool [rows]: a stop token has been emitted
     lengths: jax.Array  # int32 [rows]: real prompt lengths (position of response token 0)
@@ -145,7 +145,7 @@ def _carry_shardings(mesh: Mesh, cfg: ModelConfig) -> _Carry:
     layer, row = cache_and_row_shardings(mesh, cfg)
     return _Carry(
         t=NamedSharding(mesh, P()),
-        cache=tuple(LayerCache(layer, layer) for _ in range(cfg.num_layers)),
+        cache=tuple(LayerCache(layer, layer, layer, layer) for _ in range(cfg.num_layers)),
         last=row,
         done=row,
         lengths=row,

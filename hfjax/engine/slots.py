@@ -22,11 +22,12 @@ from hfjax.engine.decode import (
     cache_and_row_shardings,
     cache_from_prefill,
     decode_step,
+    empty_cache,
     split_layers,
 )
 from hfjax.engine.sampling import GenerateOutput, Knobs, select_tokens
 from hfjax.models.config import ModelConfig
-from hfjax.models.transformer import KVCache, positions_from_mask, storage_dtype
+from hfjax.models.transformer import KVCache, positions_from_mask
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,7 +62,7 @@ class Plan:
 class _Slots(NamedTuple):
     """The decode slots; `req` is -1 on a free slot."""
 
-    cache: tuple[LayerCache, ...]  # per layer [slots, kv_heads, ..., columns]
+    cache: tuple[LayerCache, ...]  # per layer: [slots, kv_heads, ...] prompt and response parts
     req: jax.Array  # int32 [slots]: the request decoding here, -1 when free
     t: jax.Array  # int32 [slots]: response tokens emitted so far
     last: jax.Array  # int32 [slots]: the token fed at the next step
@@ -78,7 +79,7 @@ class _Stage(NamedTuple):
     """The prefill window: prompts lo .. lo + G - 1."""
 
     lo: jax.Array  # int32 []
-    cache: tuple[LayerCache, ...]  # per layer [G, kv_heads, ..., prompt_bucket]
+    cache: tuple[LayerCache, ...]  # per layer: [G, kv_heads, ...] prompt parts (no response)
     logits: jax.Array  # float32 [G, vocab]: each prompt's last-position logits
 
 
@@ -120,7 +121,7 @@ def run_shardings(mesh: Mesh, cfg: ModelConfig) -> _Shardings:
     """Slots and staged prompts split over the data-parallel axes, kv-heads over `tensor` when
     it divides them (as the static engine's cache); everything else replicated."""
     layer, row = cache_and_row_shardings(mesh, cfg)
-    cache = tuple(LayerCache(layer, layer) for _ in range(cfg.num_layers))
+    cache = tuple(LayerCache(layer, layer, layer, layer) for _ in range(cfg.num_layers))
     slots = _Slots(cache, *([row] * (len(_Slots._fields) - 1)))
     return _Shardings(slots, _Stage(NamedSharding(mesh, P()), cache, row), row)
 
@@ -155,7 +156,7 @@ def _admit(plan: Plan, x: _Inputs, st: _State) -> _State:
     """Admits up to `admit_rows` waiting requests whose prompts are in the staging window into
     free slots (lowest slot first), each with its first response token sampled."""
     s, stage, a = st.slots, st.stage, plan.admit_rows
-    n, width, new = plan.n, plan.prompt_bucket, plan.new_bucket
+    n, new = plan.n, plan.new_bucket
     free = s.req < 0
     window_end = jnp.minimum((stage.lo + plan.prefill_batch) * n, x.total)
     count = jnp.minimum(jnp.minimum(jnp.sum(free, dtype=jnp.int32), window_end - st.next), a)
@@ -169,10 +170,11 @@ def _admit(plan: Plan, x: _Inputs, st: _State) -> _State:
     def put(arr, val):
         return arr.at[dst].set(val, mode="drop")
 
+    # The prompt's staged keys and values become the slot's prompt part.
     cache = tuple(
-        LayerCache(
-            c.k.at[dst, :, :, :width].set(sc.k[src], mode="drop"),
-            c.v.at[dst, :, :width, :].set(sc.v[src], mode="drop"),
+        c._replace(
+            prompt_k=c.prompt_k.at[dst].set(sc.prompt_k[src], mode="drop"),
+            prompt_v=c.prompt_v.at[dst].set(sc.prompt_v[src], mode="drop"),
         )
         for c, sc in zip(s.cache, stage.cache)
     )
@@ -265,21 +267,13 @@ def _step(model, layers, plan: Plan, x: _Inputs, shardings, s: _Slots) -> _Slots
 def _init(model, plan: Plan, x: _Inputs) -> _State:
     cfg = model.config
     slots, cols, new = plan.slots, plan.columns, plan.new_bucket
-    stored = storage_dtype(cfg.jnp_dtype)
-    kv, hd = cfg.num_kv_heads, cfg.head_dim
-
-    def layer(rows: int, width: int) -> LayerCache:
-        return LayerCache(
-            jnp.zeros((rows, kv, hd, width), stored), jnp.zeros((rows, kv, width, hd), stored)
-        )
-
     rows_out = plan.prompts * plan.n
     g = plan.prefill_batch
     return _State(
         # A free slot attends to its own (finite) columns: no row ever sees NaN, so a slot's
         # stale columns, masked out after it is reused, stay harmless.
         slots=_Slots(
-            cache=tuple(layer(slots, cols) for _ in range(cfg.num_layers)),
+            cache=empty_cache(cfg, slots, plan.prompt_bucket, new),
             req=jnp.full((slots,), -1, jnp.int32),
             t=jnp.zeros((slots,), jnp.int32),
             last=jnp.zeros((slots,), jnp.int32),
@@ -294,7 +288,7 @@ def _init(model, plan: Plan, x: _Inputs) -> _State:
         # lo = -G: the first request's prompt lies past this empty window.
         stage=_Stage(
             lo=jnp.int32(-g),
-            cache=tuple(layer(g, plan.prompt_bucket) for _ in range(cfg.num_layers)),
+            cache=empty_cache(cfg, g, plan.prompt_bucket, 0),
             logits=jnp.zeros((g, cfg.vocab_size), jnp.float32),
         ),
         next=jnp.int32(0),

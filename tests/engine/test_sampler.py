@@ -239,15 +239,20 @@ def test_smollm2_greedy_matches_hf(smollm2):
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("temperature", [1.0, 0.0])
-def test_logprobs_match_teacher_forcing(llama, temperature):
+@pytest.mark.parametrize(
+    "temperature, max_new",
+    # 150 new tokens: a response longer than the prompts many times over, no stop ids.
+    [(1.0, 12), (0.0, 12), (1.0, 150)],
+)
+def test_logprobs_match_teacher_forcing(llama, temperature, max_new):
     ids, mask = left_padded_batch(llama.config.vocab_size, lengths=LENGTHS, seed=1)
     n = 2
     out = generate(
-        llama, ids, mask, max_new_tokens=12, temperature=temperature, n=n, eos_ids=(3, 9), seed=5
+        llama, ids, mask, max_new_tokens=max_new, temperature=temperature, n=n,
+        eos_ids=(3, 9) if max_new < 100 else (), seed=5,
     )
     tokens, got_mask = np.asarray(out.tokens), np.asarray(out.mask)
-    assert tokens.shape == (4 * n, 12)
+    assert tokens.shape == (4 * n, max_new)
     want = teacher_forced_logprobs(
         llama, np.repeat(ids, n, 0), np.repeat(mask, n, 0), tokens, got_mask
     )
