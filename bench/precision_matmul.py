@@ -94,7 +94,8 @@ def main(argv):
     del argv
     cpu = next((line.split(":", 1)[1].strip() for line in precision._host_cpuinfo().splitlines()
                 if line.startswith("model name")), platform.processor())
-    print(f"{cpu}; amx_bf16={precision.cpu_has_amx_bf16()}; {jax.device_count()} "
+    native = list(precision.native_bf16_flags())
+    print(f"{cpu}; native bf16 flags: {native or 'none'}; {jax.device_count()} "
           f"{jax.devices()[0].platform} device(s), jax {jax.__version__}")
     results = {}
     print(f"{'shape':20s}" + "".join(f"{f:>17s}" for f in FORMS) + "   best bf16 / f32")
@@ -114,7 +115,7 @@ def main(argv):
         layouts[layout] = {"f32": round(f32, 2), "bf16->f32": round(bf16, 2),
                            "ratio": round(bf16 / f32, 2)}
         print(f"{layout:20s}{f32:17.1f}{bf16:17.1f}   {bf16 / f32:.2f}x")
-    print(json.dumps({"cpu": cpu, "amx_bf16": precision.cpu_has_amx_bf16(),
+    print(json.dumps({"cpu": cpu, "native_bf16": native,
                       "gflops": results, "layouts": layouts}))
 
 

@@ -18,7 +18,8 @@ from configs import grpo_arith
 def get_config():
     c = grpo_arith.get_config()
     c.model.path = _default_weights()
-    # bfloat16 compute where it pays (GPUs, TPUs, CPUs with AMX), float32 elsewhere.
+    # bfloat16 compute where it pays (GPUs, TPUs, CPUs with AMX or AVX-512 BF16), float32
+    # elsewhere.
     c.model.dtype = "auto"
     # Recompute in the backward pass everything but the projections' outputs: on XLA:CPU the
     # scanned layers' stacked residuals (attention scores, MLP activations) cost more to store

@@ -16,7 +16,8 @@ untuned model (as configs/grpo_arith.py). The reward is the response's last numb
 answer (configs/last_number_reward.py): the untuned model rarely writes the "####" that
 reasoning-gym's scorer reads, and scores 0.095 greedy on the 200 held-out problems this way.
 `model.dtype=auto` (from configs/grpo_smollm2.py) computes in bfloat16 on GPUs, TPUs and CPUs
-with AMX (SmolLM2's hidden size is 576), float32 elsewhere.
+with native bfloat16 multiplies (AMX or AVX-512 BF16; SmolLM2's hidden size is 576), float32
+elsewhere.
 """
 
 from configs import grpo_smollm2

@@ -35,7 +35,7 @@ def get_config() -> config_dict.ConfigDict:
             num_kv_heads=2,
             head_dim=32,
             # Compute dtype: float32 | bfloat16 | auto (bfloat16 on GPUs and TPUs and, for
-            # hidden sizes >= 512, on CPUs with AMX; else float32: see
+            # hidden sizes >= 512, on CPUs with AMX or AVX-512 BF16; else float32: see
             # hfjax.models.precision.resolve_compute_dtype). Matmuls take
             # operands in it and accumulate in float32; logits, log-probs and values are float32.
             dtype="auto",

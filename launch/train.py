@@ -239,7 +239,8 @@ def main(argv):
     _memory_check(cfg, say)
     trainer = Trainer(cfg)  # checks devices, data and rewards; builds, writes nothing
     say(f"hfjax: {cfg.algorithm} on {topo.describe()}, "
-        f"placement={cfg.placement}, actor mesh={cfg.actor.mesh}, out_dir={t.out_dir}",
+        f"placement={cfg.placement}, actor mesh={cfg.actor.mesh}, "
+        f"compute={trainer.compute_dtype} (model.dtype={cfg.model.dtype}), out_dir={t.out_dir}",
         flush=True)
     ckpt = RunCheckpointer(ckpt_dir, max_to_keep=t.max_to_keep or None, async_save=t.async_save)
     progress = _Progress(t.total_steps, cfg.algorithm, ckpt_dir)

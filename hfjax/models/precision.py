@@ -2,10 +2,12 @@
 
 Master weights and optimizer state stay float32 (`ModelConfig.param_dtype`); the compute dtype
 (`ModelConfig.dtype`) is what the matmuls run in. bfloat16 compute pays on GPUs and TPUs, and
-on x86 CPUs only where the cores have AMX bfloat16 tile units (Intel Xeon since Sapphire
-Rapids, `amx_bf16` in /proc/cpuinfo): there XLA's bfloat16 matmuls run 2-3x faster than its
-float32 ones (bench/precision_matmul.py), while elsewhere bfloat16 is emulated and gains
-nothing.
+on x86 CPUs whose cores multiply bfloat16 natively: AMX tile units (Intel Xeon since Sapphire
+Rapids, `amx_bf16` in /proc/cpuinfo) or AVX-512 bfloat16 dot products (AMD EPYC since Zen 4,
+Intel since Cooper Lake, `avx512_bf16`). There XLA's bfloat16 matmuls with float32
+accumulation run 1.7-3.5x faster than its float32 ones at the model's sizes
+(bench/precision_matmul.py: 2.4-3.5x on a Xeon with AMX, 1.8-2.2x on a Zen 5 EPYC); elsewhere
+bfloat16 is emulated and gains nothing.
 """
 
 from __future__ import annotations
@@ -38,36 +40,41 @@ def _host_cpuinfo() -> str:
         return f.read()
 
 
-def cpu_has_amx_bf16(cpuinfo: str | None = None) -> bool:
-    """True when the CPU has AMX bfloat16 tile multiplies (`amx_bf16` flag)."""
-    return "amx_bf16" in cpu_flags(cpuinfo)
+# The /proc/cpuinfo flags of native bfloat16 multiplies: AMX tiles, AVX-512 dot products.
+NATIVE_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
+
+
+def native_bf16_flags(cpuinfo: str | None = None) -> tuple[str, ...]:
+    """Which of NATIVE_BF16_FLAGS the CPU reports (empty: bfloat16 is emulated)."""
+    flags = cpu_flags(cpuinfo)
+    return tuple(f for f in NATIVE_BF16_FLAGS if f in flags)
 
 
 COMPUTE_DTYPES = ("float32", "bfloat16", "auto")
 
 
-# The smallest hidden size at which `auto` picks bfloat16 on a CPU with AMX. Measured on an
-# Intel Xeon with amx_bf16 (docs/benchmarks.md, "Mixed precision in the trainer" and "Training
-# stages in the GRPO recipe"): bfloat16 compute made SmolLM2-135M (hidden 576) decode 1.47x and
-# its gsm_symbolic GRPO step 1.41x faster, and the default task's model (hidden 128) 0.94x as
-# fast, its matmuls too small to repay the casts.
-AMX_MIN_HIDDEN = 512
+# The smallest hidden size at which `auto` picks bfloat16 on a CPU with native bfloat16
+# multiplies. Measured on an Intel Xeon with amx_bf16 (docs/benchmarks.md, "Mixed precision
+# in the trainer" and "Training stages in the GRPO recipe"): bfloat16 compute made
+# SmolLM2-135M (hidden 576) decode 1.47x and its gsm_symbolic GRPO step 1.41x faster, and the
+# default task's model (hidden 128) 0.94x as fast, its matmuls too small to repay the casts.
+BF16_MIN_HIDDEN = 512
 
 
 def resolve_compute_dtype(name: str, platform: str, hidden_size: int | None = None,
                           cpuinfo: str | None = None) -> str:
     """The compute dtype a config's `model.dtype` asks for on `platform`: 'float32' or
-    'bfloat16' as given; for 'auto', bfloat16 on GPUs and TPUs, and on a CPU with AMX bfloat16
-    units (`cpuinfo`, default this host's) for a model of `hidden_size` >= AMX_MIN_HIDDEN;
-    float32 otherwise (other CPUs emulate bfloat16 and gain nothing; a small model's many small
-    ops and casts eat AMX's gain)."""
+    'bfloat16' as given; for 'auto', bfloat16 on GPUs and TPUs, and on a CPU with native
+    bfloat16 multiplies (`cpuinfo`, default this host's) for a model of `hidden_size` >=
+    BF16_MIN_HIDDEN; float32 otherwise (other CPUs emulate bfloat16 and gain nothing; a small
+    model's many small ops and casts eat the matmuls' gain)."""
     if name not in COMPUTE_DTYPES:
         raise ValueError(f"model.dtype={name!r}; use one of {', '.join(COMPUTE_DTYPES)}")
     if name != "auto":
         return name
     if platform in ("gpu", "cuda", "rocm", "tpu"):
         return "bfloat16"
-    if (platform == "cpu" and hidden_size is not None and hidden_size >= AMX_MIN_HIDDEN
-            and cpu_has_amx_bf16(cpuinfo)):
+    if (platform == "cpu" and hidden_size is not None and hidden_size >= BF16_MIN_HIDDEN
+            and native_bf16_flags(cpuinfo)):
         return "bfloat16"
     return "float32"

@@ -184,8 +184,9 @@ def matmul(x: jax.Array, w: jax.Array, dtype, out_dtype=None, *,
     matmuls would run in float32: the slow path on GPUs and TPUs, and for the LM head the
     largest matmuls of the model. Each of the three dots is written in a form that XLA:CPU's
     bf16 x bf16 -> f32 kernel takes as it is (`dot_form`): with AMX it runs 4-5x faster than
-    float32, while a plain bf16 -> bf16 dot, or one whose transposed operand XLA folds into a
-    contraction over the first dimension, runs no faster than float32
+    float32 (about 2x with AVX-512 BF16), while a plain bf16 -> bf16 dot, or one whose
+    transposed operand XLA folds into a contraction over the first dimension, runs no faster
+    than float32
     (bench/precision_matmul.py).
     """
     dtype = jnp.dtype(dtype)

@@ -109,22 +109,30 @@ vendor_id\t: GenuineIntel
 model name\t: Intel(R) Xeon(R) Processor
 flags\t\t: fpu sse2 avx512f avx512_bf16 amx_bf16 amx_tile amx_int8
 """
+ZEN5_CPUINFO = """processor\t: 0
+vendor_id\t: AuthenticAMD
+model name\t: AMD EPYC
+flags\t\t: fpu sse2 avx2 avx512f avx512_bf16 avx512_vnni
+"""
 EPYC_CPUINFO = """processor\t: 0
 vendor_id\t: AuthenticAMD
 model name\t: AMD EPYC 7B13 64-Core Processor
-flags\t\t: fpu sse2 avx2 amx_fp16_lookalike
+flags\t\t: fpu sse2 avx2 amx_fp16_lookalike xavx512_bf16
 """
 
 
-def test_amx_bf16_detection_and_auto_dtype():
-    assert precision.cpu_has_amx_bf16(AMX_CPUINFO)
-    assert not precision.cpu_has_amx_bf16(EPYC_CPUINFO)  # whole flags only
-    assert not precision.cpu_has_amx_bf16("")  # no /proc/cpuinfo
+def test_native_bf16_detection_and_auto_dtype():
+    assert precision.native_bf16_flags(AMX_CPUINFO) == ("amx_bf16", "avx512_bf16")
+    assert precision.native_bf16_flags(ZEN5_CPUINFO) == ("avx512_bf16",)
+    assert precision.native_bf16_flags(EPYC_CPUINFO) == ()  # whole flags only
+    assert precision.native_bf16_flags("") == ()  # no /proc/cpuinfo
     auto = precision.resolve_compute_dtype
-    big, small = precision.AMX_MIN_HIDDEN, precision.AMX_MIN_HIDDEN - 1
+    big, small = precision.BF16_MIN_HIDDEN, precision.BF16_MIN_HIDDEN - 1
     assert auto("auto", "cpu", big, AMX_CPUINFO) == "bfloat16"
+    assert auto("auto", "cpu", big, ZEN5_CPUINFO) == "bfloat16"
     assert auto("auto", "cpu", small, AMX_CPUINFO) == "float32"  # too small to repay the casts
-    assert auto("auto", "cpu", big, EPYC_CPUINFO) == "float32"  # no AMX: emulated bf16
+    assert auto("auto", "cpu", small, ZEN5_CPUINFO) == "float32"
+    assert auto("auto", "cpu", big, EPYC_CPUINFO) == "float32"  # emulated bf16
     assert auto("auto", "cpu", None, AMX_CPUINFO) == "float32"
     assert auto("auto", "tpu", 128, EPYC_CPUINFO) == "bfloat16"
     assert auto("auto", "gpu") == "bfloat16"
@@ -133,5 +141,6 @@ def test_amx_bf16_detection_and_auto_dtype():
         auto("fp8", "cpu")
     # This host: the answer agrees with the flags line the kernel reports.
     with open(precision.CPUINFO) as f:
-        flags_line = next((ln for ln in f if ln.startswith("flags")), "")
-    assert precision.cpu_has_amx_bf16() == ("amx_bf16" in flags_line.split())
+        flags_line = next((ln for ln in f if ln.startswith("flags")), "").split()
+    assert precision.native_bf16_flags() == tuple(
+        f for f in precision.NATIVE_BF16_FLAGS if f in flags_line)
