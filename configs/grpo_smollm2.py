@@ -36,12 +36,11 @@ def get_config():
     c.actor.ppo_mini_batch_size = 4  # prompts: one update of 32 sequences per step
     c.actor.ppo_micro_batch_size = 8
     # Real tokens, or close: continuous batching refills a finished sample's decode slot, and
-    # the update and log-prob passes hold each prompt's 8 samples in one row with the prompt
-    # once (actor.share_prompt, on by default). On this recipe's lengths that beats
-    # length-grouped micro-batches (actor.group_by_length), alone or with shared rows: most
-    # groups hold a response at the cap, so a group's row can't be cut narrower, and grouping
-    # gives up the prompt's sharing or compiles a program per shape. docs/benchmarks.md,
-    # "Shared-prompt rows".
+    # the update and log-prob passes hold each prompt's 8 samples in one compact row: the
+    # prompt once, then each response only as long as it is (actor.share_prompt with
+    # actor.group_by_length; hfjax/engine/shared_prompt.py). docs/benchmarks.md, "Compact
+    # shared-prompt rows".
+    c.actor.group_by_length = True
     c.rollout.mode = "continuous"
     c.trainer.total_steps = 20
     c.trainer.test_freq = 10

@@ -17,6 +17,14 @@ micro-batch, so log-probs, values, losses and gradients equal the full-width one
 rounding (the sums go in another order). A mini-batch's loss normalisers are taken over the
 whole mini-batch before it is cut, as in the strided split (`hfjax.engine.update`).
 
+With shared-prompt rows (`actor.share_prompt`, rows in groups of a prompt's samples), cuts
+take whole groups, ordered by their response tokens, and a cut whose groups split over the
+data-parallel devices is laid out as compact shared-prompt rows
+(`hfjax.engine.shared_prompt.compact_layout`): each group's prompt once, then its responses
+end to end, each only as long as it is, the rows as wide as the cut's fullest group. Its
+per-response-token arrays keep the batch's response width (cheap, and one shape fewer), so
+a cut's program varies with its prompt and compact widths only.
+
 The grouping is decided on the host from the sequences' lengths (one [2, B] int fetch per
 batch), and each distinct micro-batch shape is its own compiled program: where the packed
 layout (`hfjax.engine.packing`) keeps one program whatever the lengths, grouping keeps dense
@@ -35,6 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from hfjax.engine import shared_prompt
 from hfjax.engine.sampler import bucket_size, prompt_bucket
 
 # The narrowest prompt or response block a micro-batch is cut to.
@@ -48,6 +57,8 @@ class Cut:
     rows: np.ndarray  # int32 [micro], indices into the batch
     prompt: int  # the last `prompt` columns of the prompt block
     response: int  # the first `response` columns of the response block
+    # Compact shared-prompt rows (`shared_prompt.compact_layout`) of the cut's groups, or None
+    compact: dict[str, np.ndarray] | None = None
 
 
 @functools.partial(jax.jit, static_argnums=1)
@@ -78,7 +89,11 @@ def plan(ext: np.ndarray, micro: int, prompt_cols: int, response_cols: int,
     least MIN_WIDTH). `micro` is rounded up to a multiple of `dp` so that every cut of a batch
     whose size `dp` divides splits over the data-parallel devices. `group` > 1: the rows come
     in groups of that many consecutive rows (a prompt's samples, `hfjax.engine.shared_prompt`)
-    and every cut takes whole groups, ordered by their longest response."""
+    and every cut takes whole groups, ordered by their response tokens; a cut whose groups
+    split over the `dp` devices is computed as compact shared-prompt rows
+    (`shared_prompt.compact_layout`, its response width the batch's) where they are narrow
+    enough to pay (`shared_prompt.compact_pays`), any other as rows cut to its longest
+    response (shared-prompt rows where its groups split over the devices, else padded)."""
     n = ext.shape[1]
     if micro <= 0:
         raise ValueError(f"micro-batches of {micro} rows: need at least one row")
@@ -88,13 +103,22 @@ def plan(ext: np.ndarray, micro: int, prompt_cols: int, response_cols: int,
     unit = group * dp // math.gcd(group, dp)
     micro = -(-micro // unit) * unit
     p = prompt_bucket(int(ext[0].max(initial=0)), MIN_WIDTH, prompt_cols)
-    longest = ext[1].reshape(-1, group).max(axis=1)
-    groups = np.argsort(-longest, kind="stable")  # longest responses first
+    per_group = ext[1].reshape(-1, group)
+    size = per_group.sum(axis=1) if group > 1 else per_group.max(axis=1)
+    groups = np.argsort(-size, kind="stable")  # longest responses (most tokens) first
     order = (groups[:, None] * group + np.arange(group)).reshape(-1)
     cuts = []
     for start in range(0, n, micro):
         rows = np.sort(order[start : start + micro]).astype(np.int32)
-        cuts.append(Cut(rows, p, bucket_size(int(ext[1, rows].max()), MIN_WIDTH, response_cols)))
+        r = bucket_size(int(ext[1, rows].max()), MIN_WIDTH, response_cols)
+        layout = None
+        if shared_prompt.fits(len(rows), group, dp):
+            layout = shared_prompt.compact_layout(
+                ext[:, rows], group, p, response_cols,
+                lambda k: prompt_bucket(k, MIN_WIDTH, group * response_cols))
+            if not shared_prompt.compact_pays(layout, len(rows), group, p, r):
+                layout = None  # shared rows with blocks of the cut's response width
+        cuts.append(Cut(rows, p, response_cols, layout) if layout else Cut(rows, p, r))
     return cuts
 
 
@@ -126,7 +150,11 @@ def cut(arrays: dict[str, jax.Array], c: Cut, response_len: int,
     prompt and response widths and every per-response-token array [B, R] to the response
     width; other arrays lose only their other rows. `rows`: `c.rows` already on the device."""
     rows = _device_rows(c) if rows is None else rows
-    return _cut(arrays, rows, response_len, c.prompt, c.response)
+    out = _cut(arrays, rows, response_len, c.prompt, c.response)
+    if c.compact is not None:
+        with jax.transfer_guard("allow"):  # the cut's layout, a deliberate upload
+            out.update({k: jnp.asarray(v) for k, v in c.compact.items()})
+    return out
 
 
 @functools.partial(jax.jit, donate_argnums=0)

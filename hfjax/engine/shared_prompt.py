@@ -16,19 +16,29 @@ its log-prob and gradient are the padded ones up to float rounding; the prompt's
 MLPs and their gradients are computed once per group instead of n times. The logits that
 predict each response's first token come from the prompt's last position, shared by the group.
 
-Micro-batches take whole groups (`update.strided_micro_batches(..., group=n)`, the grouped
-layout's cuts likewise), and a micro-batch uses shared rows only when its groups split evenly
-over the data-parallel devices (`fits`); otherwise its rows are scored as padded rows, with
-the same results.
+Micro-batches take whole groups (`update.strided_micro_batches(..., group=n)`), and a
+micro-batch uses shared rows only when its groups split evenly over the data-parallel devices
+(`fits`); otherwise its rows are scored as padded rows, with the same results.
+
+**Compact rows** (`compact_layout`, with length-grouped micro-batches: `group_by_length`). A
+shared row gives every response a block of the batch's response width, and in an RL batch one
+capped response sets that width for the many that stopped early. A compact row lays the
+group's responses end to end instead, each only as long as it is: [prompt | r1 | r2 | ... |
+padding], the row as wide as its group's real response tokens (rounded up to a bucket). Which
+block each column belongs to (`response_blocks`) confines attention as in a shared row; the
+LM head runs on the row's response tokens only. The layout is planned on the host from the
+rows' lengths (`hfjax.engine.grouping` fetches them once per batch) and the rows are gathered
+on the device; log-probs go back to the padded [B, R] layout for the unchanged loss functions.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from hfjax.models import transformer
-from hfjax.models.transformer import SharedPrompt
+from hfjax.models.transformer import ResponseBlocks, SharedPrompt
 from hfjax.parallel import sharding as shd
 
 
@@ -93,3 +103,117 @@ def response_hidden(backbone, input_ids: jax.Array, attention_mask: jax.Array,
     ids, mask, positions, layout = group_rows(input_ids, attention_mask, response_len, samples)
     hidden, _ = backbone(ids, mask, positions=positions, shared_prompt=layout)
     return shd.constrain(predicting(hidden, layout), ("batch", None, None))
+
+
+# --------------------------------------------------------------------------------------------
+# Compact rows: each response only as long as it is
+# --------------------------------------------------------------------------------------------
+
+# The micro-batch entries of a compact layout (`compact_layout`), each with one leading row per
+# sequence: a group's [T] (or [S]) arrays are split over its n rows, in order, so that the
+# entries share the batch's leading axis and its split over the data-parallel devices.
+COMPACT_KEYS = ("compact_src", "compact_blocks", "compact_positions", "compact_pred",
+                "compact_slot")
+
+
+def compact_layout(ext: np.ndarray, samples: int, prompt: int, response: int,
+                   bucket) -> dict[str, np.ndarray]:
+    """The compact rows of a micro-batch of padded rows [B, prompt + response] in groups of
+    `samples` (host arrays, see `COMPACT_KEYS`).
+
+    `ext` [2, B] holds each row's prompt and response lengths (`grouping.extents`);
+    `bucket(n)` rounds a group's response tokens up to the rows' width S. A row is
+    T = prompt + S columns (both rounded up to a multiple of `samples`):
+    - `compact_src`: the column of the group's n padded rows, flattened [n * (P + R)], that
+      each compact column takes its token from;
+    - `compact_blocks`: -1 padding, 0 prompt, k the k-th response (`Backbone`'s
+      `response_blocks`); `compact_positions`: the positions of the padded rows;
+    - `compact_pred` [S]: the column whose hidden state predicts the response token at
+      compact column prompt + s (the prompt's last for a response's first token);
+    - `compact_slot` [B, R]: where response token t of each padded row sits among the S.
+    """
+    b, n = ext.shape[1], samples
+    g, width = b // n, prompt + response
+    lengths = np.minimum(ext[1], response).reshape(g, n)
+    s = bucket(int(lengths.sum(axis=1).max(initial=0)))
+    s = -(-max(s, 1) // n) * n
+    t = prompt + s
+    t = -(-t // n) * n
+    src = np.zeros((g, t), np.int32)
+    blocks = np.full((g, t), -1, np.int32)
+    pos = np.zeros((g, t), np.int32)
+    pred = np.zeros((g, s), np.int32)
+    slot = np.zeros((b, response), np.int32)
+    for gi in range(g):
+        pl = int(min(ext[0, gi * n], prompt))
+        cols = np.arange(prompt - pl, prompt)
+        src[gi, cols], blocks[gi, cols], pos[gi, cols] = cols, 0, np.arange(pl)
+        off = prompt
+        for i in range(n):
+            ln = int(lengths[gi, i])
+            steps = np.arange(ln)
+            cols = off + steps
+            src[gi, cols] = i * width + prompt + steps
+            blocks[gi, cols], pos[gi, cols] = i + 1, pl + steps
+            pred[gi, cols - prompt] = np.where(steps == 0, prompt - 1, cols - 1)
+            slot[gi * n + i, :ln] = cols - prompt
+            off += ln
+    return {"compact_src": src.reshape(b, t // n), "compact_blocks": blocks.reshape(b, t // n),
+            "compact_positions": pos.reshape(b, t // n), "compact_pred": pred.reshape(b, s // n),
+            "compact_slot": slot}
+
+
+# Compact rows are used where they are at most this fraction of the width of shared rows
+# whose response blocks are the cut's longest response wide. Past it, most of a group's
+# responses are long and shared rows' fixed blocks are the faster layout on the CPU (the
+# untuned SmolLM2's gsm_symbolic mix, half its responses at the cap: docs/benchmarks.md,
+# "Compact shared-prompt rows").
+COMPACT_MAX_FRACTION = 2 / 3
+
+
+def compact_pays(layout: dict[str, np.ndarray], rows: int, samples: int, prompt: int,
+                 response: int) -> bool:
+    """Whether a cut's compact rows (`compact_layout`) are narrow enough to beat shared rows
+    with response blocks `response` columns wide (`COMPACT_MAX_FRACTION`)."""
+    compact = layout["compact_src"].shape[1] * samples  # the row's T columns
+    return compact <= COMPACT_MAX_FRACTION * (prompt + samples * response)
+
+
+def is_compact(mb: dict[str, jax.Array]) -> bool:
+    """Whether a micro-batch carries a compact layout (`compact_layout`)."""
+    return "compact_src" in mb
+
+
+def _groups(x: jax.Array, samples: int) -> jax.Array:
+    """[B, K] split over each group's rows -> the group's [G, n * K] array."""
+    b, k = x.shape
+    return shd.constrain(x.reshape(b // samples, samples * k), ("batch", None))
+
+
+def compact_response_hidden(backbone, mb: dict[str, jax.Array], samples: int,
+                            ) -> tuple[jax.Array, jax.Array]:
+    """`backbone` on the compact rows of micro-batch `mb`: (the hidden states [G, S, D] that
+    predict each response token of the rows, their labels [G, S])."""
+    ids = _groups(mb["input_ids"], samples)  # [G, n * (P + R)]
+    src = _groups(mb["compact_src"], samples)
+    rows = jnp.take_along_axis(ids, src, axis=1)  # [G, T]
+    r = mb["responses"].shape[1]
+    p = mb["input_ids"].shape[1] - r
+    # No response is longer than the batch's response width: attention's band.
+    blocks = ResponseBlocks(_groups(mb["compact_blocks"], samples), p, r)
+    hidden, _ = backbone(rows, None, positions=_groups(mb["compact_positions"], samples),
+                         response_blocks=blocks)
+    pred = _groups(mb["compact_pred"], samples)  # [G, S]
+    labels = rows[:, p : p + pred.shape[1]]
+    return jnp.take_along_axis(hidden, pred[:, :, None], axis=1), labels
+
+
+def compact_to_rows(values: jax.Array, mb: dict[str, jax.Array], samples: int) -> jax.Array:
+    """values [G, S] of compact rows -> [B, R] at each padded row's response tokens (0 past
+    its length)."""
+    g, s = values.shape
+    slot = mb["compact_slot"]
+    b, r = slot.shape
+    per_group = jnp.take_along_axis(values, slot.reshape(g, samples * r), axis=1)
+    real = mb["attention_mask"][:, -r:] > 0
+    return jnp.where(real, per_group.reshape(b, r), 0)

@@ -19,6 +19,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from hfjax.models.config import ModelConfig
@@ -318,6 +319,14 @@ def _heads(cfg: ModelConfig, q: jax.Array) -> jax.Array:
     return jnp.transpose(q.reshape(B, T, K, N // K, H), (0, 2, 3, 1, 4))
 
 
+def _dense_attend(cfg: ModelConfig, q, k, v, m):
+    """q [B, T, N, H] over keys and values [B, S, K, H] where m [B, 1, T, S] allows."""
+    B, T, N, H = q.shape
+    out = attend(_heads(cfg, q), jnp.transpose(k, (0, 2, 3, 1)), jnp.swapaxes(v, 1, 2),
+                 m[:, :, None])
+    return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(B, T, N, H)
+
+
 def dense_attention(cfg: ModelConfig, mask: jax.Array, causal: bool = False, prefix: int = 0):
     """Attention over every key of the row (or cache) where `mask` [B, 1, T, S] allows:
     (q [B, T, N, H], k, v [B, S, K, H]) -> [B, T, N, H].
@@ -330,11 +339,7 @@ def dense_attention(cfg: ModelConfig, mask: jax.Array, causal: bool = False, pre
     query sees none, and its output, which nothing reads, is then the mean of the values its
     block reads rather than of the whole row's."""
 
-    def dense(q, k, v, m):
-        B, T, N, H = q.shape
-        out = attend(_heads(cfg, q), jnp.transpose(k, (0, 2, 3, 1)), jnp.swapaxes(v, 1, 2),
-                     m[:, :, None])
-        return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(B, T, N, H)
+    dense = functools.partial(_dense_attend, cfg)
 
     def fn(q, k, v):
         T = q.shape[1]
@@ -384,6 +389,50 @@ def shared_prompt_attention(cfg: ModelConfig, attention_mask: jax.Array, layout:
         out_p = on_prompt(q[:, :P], k[:, :P], v[:, :P])
         out_r = on_responses(per_response(q), with_prompt(k), with_prompt(v))
         return jnp.concatenate([out_p, out_r.reshape(G, n * R, *q.shape[2:])], axis=1)
+
+    return fn
+
+
+class ResponseBlocks(NamedTuple):
+    """The layout of compact shared-prompt rows (`hfjax.engine.shared_prompt.compact_layout`):
+    each column's block, [B, T] (-1 padding, 0 the prompt's tokens, k the k-th response's),
+    the prompt's columns (`prompt`, the first of the row) and the most tokens a response has
+    (`longest`, static)."""
+
+    blocks: jax.Array
+    prompt: int
+    longest: int
+
+
+def compact_attention(cfg: ModelConfig, layout: ResponseBlocks):
+    """Attention in compact rows: a prompt token sees the prompt's earlier tokens, a response
+    token the prompt and its own response's earlier tokens.
+
+    Queries go in blocks of CAUSAL_BLOCK, and a block past the prompt reads only the prompt's
+    keys and the `longest` - 1 columns before its own (its responses start no earlier), so a
+    token costs what its padded row's would, not the compact row's width."""
+    blocks, p, longest = layout
+    T = blocks.shape[1]
+
+    def spans(s: int, e: int) -> list[tuple[int, int]]:  # key columns of queries [s, e)
+        lo = max(p, s - longest + 1)
+        return [(0, e)] if lo <= p else [(0, p), (lo, e)]
+
+    def fn(q, k, v):
+        outs = []
+        for s in range(0, T, CAUSAL_BLOCK):
+            e = min(s + CAUSAL_BLOCK, T)
+            cols = spans(s, e)
+
+            def keys(x, cols=cols):
+                return jnp.concatenate([x[:, a:b] for a, b in cols], axis=1)
+
+            key_col = np.concatenate([np.arange(a, b) for a, b in cols])
+            causal = key_col[None, :] <= np.arange(s, e)[:, None]  # [C, S]
+            kb, qb = keys(blocks)[:, None, :], blocks[:, s:e, None]
+            m = causal[None] & (kb >= 0) & ((kb == 0) | (kb == qb))
+            outs.append(_dense_attend(cfg, q[:, s:e], keys(k), keys(v), m[:, None]))
+        return jnp.concatenate(outs, axis=1)
 
     return fn
 
@@ -496,6 +545,7 @@ class Backbone(nnx.Module):
         segment_ids: jax.Array | None = None,
         segment_span: int | None = None,
         shared_prompt: SharedPrompt | None = None,
+        response_blocks: ResponseBlocks | None = None,
     ) -> tuple[jax.Array, KVCache | None]:
         """Final hidden states [B, T, D] and the updated cache (None without a cache).
 
@@ -513,6 +563,12 @@ class Backbone(nnx.Module):
         Shared-prompt rows (`hfjax.engine.shared_prompt`, no cache): with `shared_prompt`, each
         row holds a prompt and its samples' responses (`SharedPrompt`); `positions` must be
         given (a response's continue from its prompt's, as in its padded row).
+
+        Shared-prompt rows whose responses are laid end to end, each only as long as it is
+        (`hfjax.engine.shared_prompt.compact_layout`, no cache): `response_blocks` marks
+        each column's block (`ResponseBlocks`); a prompt token sees the prompt's earlier
+        tokens, a response token the prompt and its own response's earlier tokens
+        (`compact_attention`). `positions` must be given.
         """
         cfg = self.config
         B, T = input_ids.shape
@@ -529,10 +585,13 @@ class Backbone(nnx.Module):
             positions = positions_from_mask(attention_mask)
         q_slot = jnp.arange(T)[:, None] + (0 if cache is None else cache_index)
         causal = jnp.arange(key_valid.shape[1])[None, :] <= q_slot  # [T, S]
-        if shared_prompt is not None:
+        if shared_prompt is not None or response_blocks is not None:
             if cache is not None or positions is None or segment_ids is not None:
                 raise ValueError("shared-prompt rows take positions, no cache and no segments")
+        if shared_prompt is not None:
             attention = shared_prompt_attention(cfg, attention_mask, shared_prompt)
+        elif response_blocks is not None:
+            attention = compact_attention(cfg, response_blocks)
         elif segment_ids is not None and segment_span and uses_band(T, segment_span):
             attention = banded_attention(cfg, segment_ids, segment_span)
         else:

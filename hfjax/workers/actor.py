@@ -54,6 +54,17 @@ def response_logprobs(model, input_ids, attention_mask, response_len: int, tempe
     return core.logprobs_and_entropy(logits, labels)
 
 
+def compact_logprobs(model, mb: dict[str, jax.Array], temperature: float, samples: int):
+    """(log-probs, entropy) [B, R] of a micro-batch laid out as compact shared-prompt rows
+    (`hfjax.engine.shared_prompt.compact_layout`): only the rows' response tokens go through
+    the LM head."""
+    hidden, labels = shared_prompt.compact_response_hidden(model.model, mb, samples)
+    logits = model.logits(hidden) / temperature
+    lp, ent = core.logprobs_and_entropy(logits, labels)
+    return (shared_prompt.compact_to_rows(lp, mb, samples),
+            shared_prompt.compact_to_rows(ent, mb, samples))
+
+
 def packed_logprobs(model, packed: packing.Packed, span: int, temperature: float):
     """(log-probs, entropy) [G, W] of each scored packed position's next token in its row (0
     elsewhere), logits divided by temperature; only the scored positions (those predicting
@@ -92,6 +103,9 @@ class Reference(WorkerGroup):
         self.samples = int(samples)
         self._logprob = self.jit(self._logprob_fn, static_argnums=(3, 4, 5))
         self._packed_logprob = self.jit(self._packed_logprob_fn, static_argnums=(3, 4))
+        self._compact_logprob = self.jit(
+            lambda params, mb: compact_logprobs(self.model(params), mb, self.temperature,
+                                                self.samples))
 
     def _logprob_fn(self, params, input_ids, attention_mask, response_len, n_micro=1, share=1):
         """Log-probs and entropy [B, R] of padded rows in `n_micro` strided micro-batches (of
@@ -131,11 +145,8 @@ class Reference(WorkerGroup):
             group = self.samples if len(ids) % self.samples == 0 else 1
             cuts = grouping.plan(grouping.extents(mask, r), self.micro_rows or len(ids),
                                  ids.shape[1] - r, r, self.dp_size, group)
-            return grouping.scored(
-                lambda mb: self._logprob(
-                    self.params, mb["input_ids"], mb["attention_mask"], mb["responses"].shape[1],
-                    1, self._sharing(len(mb["input_ids"])) if group > 1 else 1),
-                dict(batch.select(SEQUENCES).arrays), cuts, r, self.on_mesh)
+            return grouping.scored(lambda mb: self._cut_logprobs(mb, group),
+                                   dict(batch.select(SEQUENCES).arrays), cuts, r, self.on_mesh)
         if self.budget is None:
             # Padding rows for the data-parallel split come last: the real rows' groups stay
             # whole, and a batch of no whole number of groups is not shared (`fits`).
@@ -145,10 +156,23 @@ class Reference(WorkerGroup):
         shape = self.budget.shape(len(batch), ids.shape[1], self.dp_size, self.name)
         return self._packed_logprob(self.params, ids, mask, r, shape)
 
+    def _cut_logprobs(self, mb, group: int):
+        """(log-probs, entropy) of a length-grouped micro-batch (`grouping.Cut`) of whole
+        groups of `group` rows (1: rows not in groups): compact shared-prompt rows, shared
+        ones, or padded ones."""
+        if shared_prompt.is_compact(mb):
+            return self._compact_logprob(self.params, mb)
+        share = self._sharing(len(mb["input_ids"])) if group > 1 else 1
+        return self._logprob(self.params, mb["input_ids"], mb["attention_mask"],
+                             mb["responses"].shape[1], 1, share)
+
     def _train_logprobs(self, params, mb):
-        """(log-probs, entropy) [B, R] of a training micro-batch, padded or packed."""
+        """(log-probs, entropy) [B, R] of a training micro-batch: padded, packed, or compact
+        shared-prompt rows."""
         if "packed" in mb:
             return packing.response_values(self._packed_fn(params), mb)
+        if shared_prompt.is_compact(mb):
+            return compact_logprobs(self.model(params), mb, self.temperature, self.samples)
         # `train` cuts micro-batches of whole groups.
         rows = len(mb["input_ids"])
         return self._logprob_fn(params, mb["input_ids"], mb["attention_mask"],

@@ -162,7 +162,7 @@ class WorkerGroup:
             mb = picked.take(rows).to(self.mesh)  # a gather's output layout is XLA's choice
             if grouped:
                 parts = (self.on_mesh(grouping.cut(mb.arrays, c, r))
-                         for c in grouping.plan(ext[:, rows], micro, p, r, group=group))
+                         for c in grouping.plan(ext[:, rows], micro, p, r, self.dp_size, group))
                 self.params, self.opt_state, m = step(self.params, self.opt_state,
                                                       dict(mb.arrays), parts)
             else:

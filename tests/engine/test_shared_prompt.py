@@ -17,11 +17,11 @@ from flax import nnx
 from support import padded_rl_batch
 
 from configs import ppo_arith
-from hfjax.engine import shared_prompt, update
+from hfjax.engine import grouping, shared_prompt, update
 from hfjax.models import transformer
 from hfjax.models.config import ModelConfig
 from hfjax.parallel.mesh import ResourcePool
-from hfjax.workers.actor import ActorRollout, response_logprobs
+from hfjax.workers.actor import ActorRollout, compact_logprobs, response_logprobs
 
 N, G, P, R = 4, 4, 20, 24  # samples per prompt, prompts, prompt and response columns
 B = N * G
@@ -90,6 +90,92 @@ def test_log_probs_and_gradients_equal_the_padded_rows(model, block, monkeypatch
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5 * scale)
 
 
+def _compact(batch, micro=B, dp=1):
+    """The length-grouped cuts of `batch` in micro-batches of `micro` rows, compact where
+    their groups split over `dp` devices, as micro-batch dicts of device arrays."""
+    arrays = {k: jnp.asarray(batch[k]) for k in ("input_ids", "attention_mask", "responses")}
+    ext = grouping.extents(arrays["attention_mask"], R)
+    cuts = grouping.plan(ext, micro, P, R, dp, group=N)
+    return cuts, [grouping.cut(arrays, c, R) for c in cuts]
+
+
+@pytest.mark.parametrize("block", [8, 128], ids=["blocks", "one_block"])
+def test_compact_rows_equal_the_padded_rows(model, block, monkeypatch):
+    """Compact rows (each response only as long as it is, laid end to end after the prompt):
+    each response token's log-prob and entropy, and the gradient of their sum, equal the
+    padded rows'. Query blocks of 8 read the prompt and a band before them."""
+    monkeypatch.setattr(transformer, "CAUSAL_BLOCK", block)
+    monkeypatch.setattr(shared_prompt, "COMPACT_MAX_FRACTION", 1.0)
+    batch = grouped_batch(7)
+    ids, mask = jnp.asarray(batch["input_ids"]), jnp.asarray(batch["attention_mask"])
+    m = batch["response_mask"] > 0
+    (cut,), (mb,) = _compact(batch)
+    assert cut.compact is not None and np.array_equal(cut.rows, np.arange(B))
+    graphdef, state = nnx.split(model)
+
+    @jax.jit
+    def compact(state):
+        return compact_logprobs(nnx.merge(graphdef, state), mb, 0.7, N)
+
+    @jax.jit
+    def padded(state):
+        return response_logprobs(nnx.merge(graphdef, state), ids, mask, R, 0.7)
+
+    for got, want in zip(compact(state), padded(state)):
+        np.testing.assert_allclose(np.asarray(got)[m], np.asarray(want)[m], rtol=1e-5,
+                                   atol=1e-5)
+        assert not np.asarray(got)[~m].any()
+    grads = [jax.jit(jax.grad(lambda st, f=f: jnp.sum(jnp.where(m, f(st)[0], 0))))(state)
+             for f in (compact, padded)]
+    scale = max(float(np.abs(x).max()) for x in jax.tree.leaves(grads[1]))
+    for a, b in zip(jax.tree.leaves(grads[0]), jax.tree.leaves(grads[1])):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5 * scale)
+
+
+def test_compact_rows_hold_each_token_once(monkeypatch):
+    """A compact row: the prompt once, then each response's real tokens back to back; as
+    wide as the group's tokens rounded up to a bucket; cuts ordered by their tokens."""
+    monkeypatch.setattr(shared_prompt, "COMPACT_MAX_FRACTION", 1.0)
+    batch = grouped_batch(8)
+    cuts, mbs = _compact(batch, micro=2 * N)
+    sizes = [int(batch["attention_mask"][c.rows, P:].sum()) for c in cuts]
+    assert sizes == sorted(sizes, reverse=True)
+    for mb in mbs:
+        ids, mask = np.asarray(mb["input_ids"]), np.asarray(mb["attention_mask"])
+        p = ids.shape[1] - R  # the cut's prompt block
+        src = np.asarray(mb["compact_src"]).reshape(2, -1)
+        blocks = np.asarray(mb["compact_blocks"]).reshape(2, -1)
+        pos = np.asarray(mb["compact_positions"]).reshape(2, -1)
+        width = src.shape[1] - p
+        for gi in range(2):
+            rows = slice(gi * N, (gi + 1) * N)
+            real = mask[rows] > 0
+            tokens = int(real[:, p:].sum())
+            assert tokens <= width <= max(16, 2 * tokens) + N
+            row_ids = ids[rows].reshape(-1)[src[gi]]
+            np.testing.assert_array_equal(row_ids[blocks[gi] == 0], ids[gi * N, :p][real[0, :p]])
+            for i in range(N):
+                mine = blocks[gi] == i + 1
+                np.testing.assert_array_equal(row_ids[mine], ids[gi * N + i, p:][real[i, p:]])
+                want = (np.cumsum(real[i]) - 1)[p:][real[i, p:]]
+                np.testing.assert_array_equal(pos[gi][mine], want)
+            assert (blocks[gi][p + tokens :] == -1).all()
+
+
+def test_compact_rows_where_they_pay():
+    """Cuts whose groups' responses are mostly short get compact rows; one whose groups run
+    long keeps shared rows with blocks of its longest response; both take whole groups."""
+    batch = grouped_batch(9)
+    am = batch["attention_mask"].copy()
+    am[:N, P + 2 :] = 0  # group 0: responses of at most 2 tokens
+    am[N : 2 * N, P:] = 1  # group 1: every response R tokens long
+    ext = grouping.extents(jnp.asarray(am), R)
+    cuts = {int(c.rows[0]) // N: c for c in grouping.plan(ext, N, P, R, group=N)}
+    assert cuts[0].compact is not None and cuts[0].response == R
+    assert cuts[1].compact is None and cuts[1].response == R
+    assert all(len(c.rows) == N and c.rows[0] % N == 0 for c in cuts.values())
+
+
 def test_shared_rows_hold_each_prompt_once():
     batch = grouped_batch(2)
     ids, mask, pos, layout = shared_prompt.group_rows(
@@ -139,38 +225,50 @@ MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-to
 
 
 # Every aggregation mode on strided micro-batches; length-grouped cuts with one.
-UPDATE_CASES = [(mode, False) for mode in MODES] + [("seq-mean-token-mean", True)]
+UPDATE_CASES = [(mode, False) for mode in MODES] + [("seq-mean-token-mean", "compact"),
+                                                   ("token-mean", "shared")]
+
+# Length-grouped cuts as compact rows, or as shared rows cut to their longest response.
+GROUPED = {"compact": 1.0, "shared": 0.0}
 
 
 @pytest.mark.parametrize("mode, grouped", UPDATE_CASES)
-def test_updates_equal_the_padded_ones(model, mode, grouped):
+def test_updates_equal_the_padded_ones(model, mode, grouped, monkeypatch):
     """One optimizer step through update_actor on micro-batches of 2 groups, shared rows
     against padded ones in the same micro-batches: the same metrics and parameters, in every
     aggregation mode, strided or length-grouped."""
+    if grouped:
+        monkeypatch.setattr(shared_prompt, "COMPACT_MAX_FRACTION", GROUPED[grouped])
     batch = grouped_batch(4)
-    actors = [_actor("fsdp=1", _twin(model), share=s, micro=8, mode=mode, grouped=grouped)
+    actors = [_actor("fsdp=1", _twin(model), share=s, micro=8, mode=mode,
+                     grouped=bool(grouped) and s)
               for s in (False, True)]
-    # Padded rows take the same whole-group micro-batches, so every metric compares.
+    # Padded rows take whole-group micro-batches (the same ones on the strided split), so
+    # every metric compares; grouped, the shared side's compact rows.
     actors[0].samples = N
     assert actors[0]._sharing(8) == N
     actors[0]._sharing = lambda rows: 1
     metrics = [a.update_actor(batch) for a in actors]
-    keys = ["actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm",
-            "actor/pg_clipfrac", "actor/ppo_kl"]
+    keys = ["actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm"]
+    if not grouped:  # means over a micro-batch's tokens: they depend on the cuts
+        keys += ["actor/pg_clipfrac", "actor/ppo_kl"]
     # Adam's step is about lr = 1e-2 whatever a gradient's size: rounding in a near-zero
     # gradient moves its parameter by up to ~1e-4.
     _assert_same_step(metrics, actors, keys, atol=1e-4)
 
 
-@pytest.mark.parametrize("grouped", [False, True], ids=["strided", "grouped"])
-def test_update_on_a_multi_device_mesh(model, grouped):
+@pytest.mark.parametrize("grouped", [False, "compact", "shared"])
+def test_update_on_a_multi_device_mesh(model, grouped, monkeypatch):
     """data=2,fsdp=2,tensor=2, micro-batches of 4 groups (one per data-parallel device), two
     mini-batches shuffled by group: the same step as padded rows in the same order."""
+    if grouped:
+        monkeypatch.setattr(shared_prompt, "COMPACT_MAX_FRACTION", GROUPED[grouped])
     spec = MESHES["dp4tp2"]
     batch = grouped_batch(5)
     actors = []
     for share in (False, True):
-        a = _actor(spec, _twin(model), share=share, micro=B, grouped=grouped, shuffle=True)
+        a = _actor(spec, _twin(model), share=share, micro=B, grouped=bool(grouped) and share,
+                   shuffle=True)
         a.acfg.ppo_mini_batch_size = G
         actors.append(a)
     actors[0].samples = N  # the same groups, shuffled alike, on padded rows
