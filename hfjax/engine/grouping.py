@@ -111,14 +111,17 @@ def plan(ext: np.ndarray, micro: int, prompt_cols: int, response_cols: int,
     for start in range(0, n, micro):
         rows = np.sort(order[start : start + micro]).astype(np.int32)
         r = bucket_size(int(ext[1, rows].max()), MIN_WIDTH, response_cols)
-        layout = None
         if shared_prompt.fits(len(rows), group, dp):
-            layout = shared_prompt.compact_layout(
-                ext[:, rows], group, p, response_cols,
-                lambda k: prompt_bucket(k, MIN_WIDTH, group * response_cols))
-            if not shared_prompt.compact_pays(layout, len(rows), group, p, r):
-                layout = None  # shared rows with blocks of the cut's response width
-        cuts.append(Cut(rows, p, response_cols, layout) if layout else Cut(rows, p, r))
+            def bucket(k):
+                return prompt_bucket(k, MIN_WIDTH, group * response_cols)
+
+            _, width = shared_prompt.compact_width(ext[:, rows], group, p, response_cols, bucket)
+            if shared_prompt.compact_pays(width, group, p, r):
+                layout = shared_prompt.compact_layout(ext[:, rows], group, p, response_cols,
+                                                      bucket)
+                cuts.append(Cut(rows, p, response_cols, layout))
+                continue
+        cuts.append(Cut(rows, p, r))  # shared rows (where they fit) cut to the longest response
     return cuts
 
 

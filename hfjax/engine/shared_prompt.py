@@ -116,6 +116,17 @@ COMPACT_KEYS = ("compact_src", "compact_blocks", "compact_positions", "compact_p
                 "compact_slot")
 
 
+def compact_width(ext: np.ndarray, samples: int, prompt: int, response: int,
+                  bucket) -> tuple[int, int]:
+    """(S, T): the response columns and the whole width of the compact rows that
+    `compact_layout` makes of the same arguments."""
+    n = samples
+    lengths = np.minimum(ext[1], response).reshape(-1, n)
+    s = bucket(int(lengths.sum(axis=1).max(initial=0)))
+    s = -(-max(s, 1) // n) * n
+    return s, -(-(prompt + s) // n) * n
+
+
 def compact_layout(ext: np.ndarray, samples: int, prompt: int, response: int,
                    bucket) -> dict[str, np.ndarray]:
     """The compact rows of a micro-batch of padded rows [B, prompt + response] in groups of
@@ -135,10 +146,7 @@ def compact_layout(ext: np.ndarray, samples: int, prompt: int, response: int,
     b, n = ext.shape[1], samples
     g, width = b // n, prompt + response
     lengths = np.minimum(ext[1], response).reshape(g, n)
-    s = bucket(int(lengths.sum(axis=1).max(initial=0)))
-    s = -(-max(s, 1) // n) * n
-    t = prompt + s
-    t = -(-t // n) * n
+    s, t = compact_width(ext, samples, prompt, response, bucket)
     src = np.zeros((g, t), np.int32)
     blocks = np.full((g, t), -1, np.int32)
     pos = np.zeros((g, t), np.int32)
@@ -171,12 +179,10 @@ def compact_layout(ext: np.ndarray, samples: int, prompt: int, response: int,
 COMPACT_MAX_FRACTION = 2 / 3
 
 
-def compact_pays(layout: dict[str, np.ndarray], rows: int, samples: int, prompt: int,
-                 response: int) -> bool:
-    """Whether a cut's compact rows (`compact_layout`) are narrow enough to beat shared rows
-    with response blocks `response` columns wide (`COMPACT_MAX_FRACTION`)."""
-    compact = layout["compact_src"].shape[1] * samples  # the row's T columns
-    return compact <= COMPACT_MAX_FRACTION * (prompt + samples * response)
+def compact_pays(width: int, samples: int, prompt: int, response: int) -> bool:
+    """Whether compact rows `width` columns wide (`compact_width`'s T) are narrow enough to
+    beat shared rows with response blocks `response` columns wide (`COMPACT_MAX_FRACTION`)."""
+    return width <= COMPACT_MAX_FRACTION * (prompt + samples * response)
 
 
 def is_compact(mb: dict[str, jax.Array]) -> bool:
