@@ -18,13 +18,15 @@ def generation_metrics(actor, reward, rows: Sequence[dict], *, pad_id: int,
                        max_prompt_length: int, n: int = 1, temperature: float = 0.0,
                        models: Sequence = (),
                        text_metrics: Mapping[str, Callable[[str], float]] | None = None,
-                       ) -> dict[str, float]:
+                       records: list | None = None) -> dict[str, float]:
     """Mean rule score per data_source of `n` responses per prompt at `temperature` (0:
     greedy): `val-core/<source>/acc/mean@n`, and for n > 1 `val-aux/<source>/acc/best@n` (each
     prompt's best sample). Each worker group in `models` (a reward or cost model) adds the
     mean of its scores on the same responses, `val-aux/<its output>/mean`, and the share above
     0; each `text_metrics` entry name -> fn(response text) adds `val-aux/<name>/mean` (e.g. the
-    rule a cost model was trained to measure, to check it against).
+    rule a cost model was trained to measure, to check it against). With a `records` list, one
+    dict per response is appended to it: prompt index, sample, data_source, ground truth,
+    response text, its token count, whether it ended before the length cap, and its score.
     """
     # Fixed per-prompt seeds: sampled validation is reproducible and the same at every step.
     batch = prompt_batch(rows, np.arange(len(rows), dtype=np.int32), pad_id, max_prompt_length)
@@ -44,23 +46,38 @@ def generation_metrics(actor, reward, rows: Sequence[dict], *, pad_id: int,
         metrics[f"val-aux/{model.output}/positive_frac"] = float(
             to_host(jnp.mean((s[model.output] > 0).astype(jnp.float32))))
     texts = list(scored.meta["response_text"])
+    if records is not None:
+        lengths = to_host(jnp.sum(out["response_mask"], axis=1)).reshape(-1, n)
+        cap = out["responses"].shape[1]
+        truths = np.asarray(out.meta["ground_truth"]).reshape(-1, n)[:, 0]
+        for i in range(scores.shape[0]):
+            for j in range(n):
+                records.append({
+                    "prompt": i, "sample": j, "data_source": str(sources[i]),
+                    "ground_truth": str(truths[i]), "response": texts[i * n + j],
+                    "response_tokens": int(lengths[i, j]),
+                    "finished": bool(lengths[i, j] < cap), "score": float(scores[i, j])})
     for name, fn in (text_metrics or {}).items():
         metrics[f"val-aux/{name}/mean"] = float(np.mean([float(fn(t)) for t in texts]))
     return metrics
 
 
-def evaluate_policy(cfg, tokenizer, rows, samples: int = 1,
-                    temperature: float = 1.0) -> dict[str, float]:
+def evaluate_policy(cfg, tokenizer, rows, samples: int = 1, temperature: float = 1.0,
+                    records: dict[str, list] | None = None) -> dict[str, float]:
     """`generation_metrics` of the config's policy (`model_source.policy_alone`) on prompt
     `rows`: greedy, and with samples > 1 also `samples` samples per prompt at `temperature`.
-    What `launch.evaluate` prints."""
+    What `launch.evaluate` prints. With `records` (a dict), its "greedy" and "sampled" lists
+    receive the per-response records."""
     from hfjax import model_source
     from hfjax.workers import groups
 
     _, actor = model_source.policy_alone(cfg, tokenizer)
     reward = groups.build_reward(cfg, tokenizer, home=actor.mesh)
     kw = dict(pad_id=tokenizer.pad_id, max_prompt_length=cfg.data.max_prompt_length)
-    out = generation_metrics(actor, reward, rows, **kw)
+    keep = (lambda name: records.setdefault(name, [])) if records is not None else (
+        lambda name: None)
+    out = generation_metrics(actor, reward, rows, records=keep("greedy"), **kw)
     if samples > 1:
-        out |= generation_metrics(actor, reward, rows, n=samples, temperature=temperature, **kw)
+        out |= generation_metrics(actor, reward, rows, n=samples, temperature=temperature,
+                                  records=keep("sampled"), **kw)
     return out

@@ -17,7 +17,10 @@ evaluated with the settings it trained with by passing its own config.
 Printed per data source: greedy accuracy and, with `--samples=k` (k > 1, at `--temperature`),
 the mean accuracy of the k samples and pass@k (a prompt counts when any of its k samples
 scores 1). Sampling seeds are fixed per prompt, so two evaluations of one model agree. The last
-line is JSON.
+line is JSON. With `--responses=FILE.jsonl` every response is written out, one JSON line each
+(prompt index, sample, data_source, ground truth, response text, its token count, `finished`:
+whether it ended before the length cap, `score`, and `mode`: greedy or sampled), to read what
+the model answers and how many replies are well formed.
 """
 
 import json
@@ -46,6 +49,7 @@ _DATA = flags.DEFINE_string("data", None, "RL parquet files, comma-separated (de
 _SAMPLES = flags.DEFINE_integer("samples", 1, "samples per prompt for pass@k (1: greedy only)")
 _TEMPERATURE = flags.DEFINE_float("temperature", 1.0, "temperature of the samples")
 _LIMIT = flags.DEFINE_integer("limit", 0, "evaluate the first N prompts only (0: all)")
+_RESPONSES = flags.DEFINE_string("responses", None, "write every response to this JSONL file")
 distributed.define_flags()
 
 
@@ -61,6 +65,11 @@ def main(argv):
     if cfg.data.task == "parquet":
         # Evaluation reads no training data: the config's training files need not exist here.
         cfg.data.train_files = cfg.data.val_files
+    if _RESPONSES.value:
+        folder = os.path.dirname(os.path.abspath(_RESPONSES.value))
+        if not os.path.isdir(folder):
+            raise cli.UserError(f"--responses={_RESPONSES.value}: folder {folder} does not "
+                                "exist; create it or pick another path")
     topo = cli.start_run("evaluate", cfg)
     if run and topo.num_processes > 1:
         raise cli.UserError(f"--model={model} is a training run; across processes, export it "
@@ -77,7 +86,8 @@ def main(argv):
         tok = task_tokenizer(cfg)
         rows = task_dataset(cfg, tok, "test").rows
         rows = rows[:_LIMIT.value] if _LIMIT.value else rows
-        metrics = evaluate_policy(cfg, tok, rows, _SAMPLES.value, _TEMPERATURE.value)
+        records = {} if _RESPONSES.value else None
+        metrics = evaluate_policy(cfg, tok, rows, _SAMPLES.value, _TEMPERATURE.value, records)
     k = _SAMPLES.value
     result = {"model": _MODEL.value or cfg.model.path or "(from scratch)", "prompts": len(rows)}
     # val-core/<source>/acc/mean@n and val-aux/<source>/acc/best@n (a source may hold "/"),
@@ -93,6 +103,15 @@ def main(argv):
         result[f"{source}/{label}"] = round(value, 4)
         if distributed.is_main_process():
             print(f"{source}: {label} accuracy {value:.4f} on {len(rows)} prompts", flush=True)
+    if records is not None and distributed.is_main_process():
+        # Written whole to a temporary file, then renamed: a partial file never replaces one.
+        tmp_path = _RESPONSES.value + ".tmp"
+        with open(tmp_path, "w") as f:
+            for mode, recs in records.items():
+                for rec in recs:
+                    f.write(json.dumps({"mode": mode, **rec}) + "\n")
+        os.replace(tmp_path, _RESPONSES.value)
+        result["responses"] = _RESPONSES.value
     result["wall_s"] = round(time.perf_counter() - t0, 1)
     if distributed.is_main_process():
         print(json.dumps(result), flush=True)

@@ -1,5 +1,5 @@
 """launch.evaluate: a run's checkpoint scores what the run's own validation scored, and the
-command prints greedy accuracy, the samples' mean and pass@k."""
+command prints greedy accuracy, the samples' mean and pass@k, and writes every response."""
 
 import json
 import os
@@ -58,14 +58,15 @@ def test_a_checkpoint_scores_what_the_run_validated(run, tmp_path):
 
 
 @pytest.mark.slow
-def test_command_prints_greedy_and_pass_at_k(run, tmp_path):
+def test_command_prints_greedy_and_pass_at_k_and_writes_responses(run, tmp_path):
     _, _, _, out = run
     hf = export_hf(out, str(tmp_path / "hf"))
     env = {**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu"}
     env.pop("XLA_FLAGS", None)
     p = subprocess.run(
         [sys.executable, "-m", "launch.evaluate", f"--model={hf}", "--limit=8", "--samples=4",
-         "--config.rollout.response_length=8", "--config.trainer.compilation_cache_dir=off"],
+         "--config.rollout.response_length=8", "--config.trainer.compilation_cache_dir=off",
+         f"--responses={tmp_path / 'responses.jsonl'}"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout + p.stderr
     result = json.loads(p.stdout.strip().splitlines()[-1])
@@ -74,3 +75,25 @@ def test_command_prints_greedy_and_pass_at_k(run, tmp_path):
         assert 0.0 <= result[f"hfjax/arith/{key}"] <= 1.0
     assert result["hfjax/arith/pass@4"] >= result["hfjax/arith/mean@4"]
     assert "hfjax/arith: greedy accuracy" in p.stdout
+    # The written responses are the ones scored: their scores give back the printed figures.
+    recs = [json.loads(line) for line in open(tmp_path / "responses.jsonl")]
+    greedy = [r for r in recs if r["mode"] == "greedy"]
+    sampled = [r for r in recs if r["mode"] == "sampled"]
+    assert [r["prompt"] for r in greedy] == list(range(8)) and len(sampled) == 32
+    assert sum(r["score"] for r in greedy) / 8 == pytest.approx(result["hfjax/arith/greedy"],
+                                                                abs=1e-4)
+    best = [max(r["score"] for r in sampled if r["prompt"] == i) for i in range(8)]
+    assert sum(best) / 8 == pytest.approx(result["hfjax/arith/pass@4"], abs=1e-4)
+    for r in recs:
+        assert 0 <= r["response_tokens"] <= 8 and r["finished"] == (r["response_tokens"] < 8)
+        assert r["data_source"] == "hfjax/arith" and r["ground_truth"]
+        assert isinstance(r["response"], str)
+
+
+def test_responses_into_a_missing_folder_is_refused_before_loading(tmp_path):
+    p = subprocess.run(
+        [sys.executable, "-m", "launch.evaluate", f"--responses={tmp_path / 'no' / 'r.jsonl'}"],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT}, capture_output=True, text=True,
+        timeout=120)
+    assert p.returncode != 0
+    assert "does not exist" in p.stderr + p.stdout and "Traceback" not in p.stderr
