@@ -1,6 +1,7 @@
 """Helpers shared by the tests (importable as `support`: tests/ is on sys.path via conftest)."""
 
 import contextlib
+import os
 
 import jax
 import numpy as np
@@ -8,6 +9,27 @@ import numpy as np
 from configs import ppo_arith
 from hfjax.controller.batch import Batch
 from hfjax.parallel.mesh import ResourcePool
+from launch import compile_cache
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def subprocess_env(cache_dir=None) -> dict[str, str]:
+    """The environment of an hfjax command that a test runs as its own process, as a user would:
+    CPU only, the project on PYTHONPATH, and XLA_FLAGS without this process's 8 simulated
+    devices (the command sets its own count) but with the suite's compile flags (conftest).
+    Compiled programs go to `cache_dir`, by default the session's cache that the test
+    processes share, never the user's."""
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "HFJAX_VERBOSE")}
+    if os.environ.get("HFJAX_TEST_XLA_FLAGS"):
+        env["XLA_FLAGS"] = os.environ["HFJAX_TEST_XLA_FLAGS"]
+    env["JAX_PLATFORMS"] = "cpu"
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
+    env["JAX_COMPILATION_CACHE_DIR"] = str(cache_dir or os.environ["HFJAX_TEST_XLA_CACHE"])
+    # Every process that shares the directory, whatever starts its cache, keeps the same size
+    # limit (JAX's eviction reads per-entry files that only a limited cache writes).
+    env["JAX_COMPILATION_CACHE_MAX_SIZE"] = str(compile_cache.MAX_BYTES)
+    return env
 
 
 def tiny_rl_config(*, algorithm="ppo", placement="colocate", mesh=None, out_dir=None,

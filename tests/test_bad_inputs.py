@@ -23,6 +23,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from flax import nnx
+from support import subprocess_env
 
 import hfjax.models as M
 from configs import ppo_arith
@@ -577,12 +578,7 @@ def _run_case(case: Case, files, env) -> tuple[subprocess.CompletedProcess, dict
 @pytest.fixture(scope="module")
 def ran(files, tmp_path_factory):
     """Every SUBPROCESS case, run a few at a time: {index: (process, before, after)}."""
-    env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)
-    env.pop("HFJAX_VERBOSE", None)
-    env["JAX_PLATFORMS"] = "cpu"
-    env["PYTHONPATH"] = ROOT
-    env["JAX_COMPILATION_CACHE_DIR"] = str(tmp_path_factory.mktemp("xla_cache"))
+    env = subprocess_env(tmp_path_factory.mktemp("xla_cache"))  # some cases stop runs midway
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         futures = {i: pool.submit(_run_case, c, files, env) for i, c in enumerate(SUBPROCESS)}
         return {i: f.result() for i, f in futures.items()}
@@ -615,9 +611,7 @@ def test_case_count():
 
 
 def test_verbose_shows_the_traceback(tmp_path):
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT,
-           "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "cache")}
-    env.pop("XLA_FLAGS", None)
+    env = subprocess_env()
     p = subprocess.run([sys.executable, "-m", "launch.export", f"--ckpt={tmp_path}/none",
                         f"--out={tmp_path}/out", "--verbose"], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=300)
@@ -629,9 +623,7 @@ def test_a_fallback_warns_once_per_corrupt_step_and_nothing_else(files, tmp_path
     """A corrupt newest checkpoint with a readable one before it: the command succeeds, with one
     warning naming the corrupt step and none of the late callbacks of the abandoned restore
     ("RuntimeError: Event loop is closed")."""
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT,
-           "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "cache")}
-    env.pop("XLA_FLAGS", None)
+    env = subprocess_env()
     p = subprocess.run([sys.executable, "-m", "launch.export", f"--ckpt={files['run_fallback']}",
                         f"--out={tmp_path}/hf"], cwd=ROOT, env=env, capture_output=True,
                        text=True, timeout=300)

@@ -2,16 +2,14 @@
 the bytes the real run's arrays hold (per device, within 5%), and its verdict must follow the
 memory it is given."""
 
-import atexit
 import json
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 
 import numpy as np
 import pytest
+from support import subprocess_env
 
 from configs import ppo_arith
 from hfjax import dry_run as dr
@@ -104,18 +102,10 @@ def test_verdict_follows_the_memory(runs):
     assert small.summary()["worst_program"] == report.worst.name
 
 
-_CACHE = tempfile.mkdtemp(prefix="hfjax-dry-run-test-cache-")
-atexit.register(shutil.rmtree, _CACHE, True)
-
-
 def _launch_train(*args, timeout=600):
-    env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)
     # The commands below compile the same programs: after the first, they are cache reads.
-    env["JAX_COMPILATION_CACHE_DIR"] = _CACHE
-    env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
-    env["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
-    return subprocess.run([sys.executable, "-m", "launch.train", *args], cwd=ROOT, env=env,
+    return subprocess.run([sys.executable, "-m", "launch.train", *args], cwd=ROOT,
+                          env=subprocess_env(),
                           capture_output=True, text=True, timeout=timeout)
 
 

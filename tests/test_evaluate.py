@@ -8,7 +8,7 @@ import sys
 import zlib
 
 import pytest
-from support import tiny_rl_config
+from support import subprocess_env, tiny_rl_config
 
 from hfjax.checkpoint import RunCheckpointer, export_hf, is_run
 from hfjax.model_source import task_tokenizer
@@ -61,13 +61,11 @@ def test_a_checkpoint_scores_what_the_run_validated(run, tmp_path):
 def test_command_prints_greedy_and_pass_at_k_and_writes_responses(run, tmp_path):
     _, _, _, out = run
     hf = export_hf(out, str(tmp_path / "hf"))
-    env = {**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu"}
-    env.pop("XLA_FLAGS", None)
     p = subprocess.run(
         [sys.executable, "-m", "launch.evaluate", f"--model={hf}", "--limit=8", "--samples=4",
          "--config.rollout.response_length=8", "--config.trainer.compilation_cache_dir=off",
          f"--responses={tmp_path / 'responses.jsonl'}"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout + p.stderr
     result = json.loads(p.stdout.strip().splitlines()[-1])
     assert result["prompts"] == 8
@@ -93,7 +91,6 @@ def test_command_prints_greedy_and_pass_at_k_and_writes_responses(run, tmp_path)
 def test_responses_into_a_missing_folder_is_refused_before_loading(tmp_path):
     p = subprocess.run(
         [sys.executable, "-m", "launch.evaluate", f"--responses={tmp_path / 'no' / 'r.jsonl'}"],
-        cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT}, capture_output=True, text=True,
-        timeout=120)
+        cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=120)
     assert p.returncode != 0
     assert "does not exist" in p.stderr + p.stdout and "Traceback" not in p.stderr

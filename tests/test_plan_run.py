@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+from support import subprocess_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUN = {"sft.steps": 0, "trainer.total_steps": 2, "trainer.test_freq": 0,
@@ -17,11 +18,7 @@ RUN = {"sft.steps": 0, "trainer.total_steps": 2, "trainer.test_freq": 0,
 
 @pytest.fixture(scope="module")
 def env():
-    e = dict(os.environ)
-    e.pop("XLA_FLAGS", None)  # the launchers set their own device counts
-    e["JAX_PLATFORMS"] = "cpu"
-    e["PYTHONPATH"] = ROOT + os.pathsep + e.get("PYTHONPATH", "")
-    return e
+    return subprocess_env()  # the launchers set their own device counts
 
 
 def _run(args, env, timeout=900):

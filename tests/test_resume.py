@@ -23,6 +23,7 @@ import time
 
 import numpy as np
 import pytest
+from support import subprocess_env
 
 from hfjax.metrics import is_timing_key, read_jsonl
 
@@ -44,14 +45,8 @@ OVERRIDES = {
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
-    e = dict(os.environ)
-    # The launcher sets its own device count (--cpu_devices); drop the test suite's 8.
-    e.pop("XLA_FLAGS", None)
-    e["JAX_PLATFORMS"] = "cpu"
-    e["JAX_COMPILATION_CACHE_DIR"] = str(tmp_path_factory.mktemp("xla_cache"))
-    e["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
-    e["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
-    return e
+    # A cache of its own: runs are killed here, maybe while writing to it.
+    return subprocess_env(tmp_path_factory.mktemp("xla_cache"))
 
 
 def _cmd(out_dir):

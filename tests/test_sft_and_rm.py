@@ -10,7 +10,7 @@ import sys
 import jax
 import numpy as np
 import pytest
-from support import tiny_rl_config
+from support import subprocess_env, tiny_rl_config
 
 from hfjax.data import prepare
 from hfjax.models.hf_io import load_score
@@ -71,9 +71,8 @@ def test_launch_train_rm_learns_held_out_pairs(tmp_path):
            *small]
     # As a user runs it: this process's 8 simulated devices are a test setting (with them the
     # run is an fsdp=8 job of 8 device threads on the 2 shared cores).
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900,
-                          env={**env, "PYTHONPATH": ROOT})
+                          env=subprocess_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     assert summary["target"] == "cost" and summary["heldout_pairs"] == 120

@@ -28,6 +28,7 @@ import time
 import numpy as np
 import partial_credit_reward
 import pytest
+from support import subprocess_env
 
 from hfjax.metrics import is_timing_key, read_jsonl
 from hfjax.parallel import distributed as dist
@@ -55,15 +56,9 @@ OVERRIDES = {
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
-    e = dict(os.environ)
-    e.pop("XLA_FLAGS", None)  # the processes set their own device counts
-    e["JAX_PLATFORMS"] = "cpu"
-    e["PYTHONPATH"] = ROOT + os.pathsep + e.get("PYTHONPATH", "")
-    # The 2-process runs share compiled programs; the first run fills the cache.
-    e["JAX_COMPILATION_CACHE_DIR"] = str(tmp_path_factory.mktemp("xla_cache"))
-    e["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
-    e["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
-    return e
+    # The runs share compiled programs (the first compiles them) in a cache of their own, as
+    # processes are killed here, maybe while writing to it.
+    return subprocess_env(tmp_path_factory.mktemp("xla_cache"))
 
 
 def _args(out_dir) -> list[str]:
