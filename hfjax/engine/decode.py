@@ -47,6 +47,7 @@ from hfjax.models.transformer import (
     storage_dtype,
 )
 from hfjax.parallel import mesh as mesh_lib
+from hfjax.parallel import sharding as shd
 
 
 class LayerCache(NamedTuple):
@@ -85,10 +86,34 @@ def _zeros(shape: tuple[int, int, int], width: int, dtype) -> tuple[jax.Array, j
     return jnp.zeros((rows, kv, hd, width), dtype), jnp.zeros((rows, kv, width, hd), dtype)
 
 
-def split_layers(model) -> list[dict[str, jax.Array]]:
+def fuse_projections() -> bool:
+    """Whether `split_layers` fuses each layer's q/k/v and gate/up weights into one matrix:
+    on GPUs and TPUs, where the decode layout has no `tensor` axis to split them over.
+
+    XLA's GPU compiler merges dots that share an operand (x @ Wq, x @ Wk, x @ Wv) into one dot
+    over concatenated weights, and inside the decode loop it concatenates those weights again
+    on every step: on an H200 (Qwen2.5-1.5B, 512 rows) those copies took 23% of the decode
+    loop's device time (docs/benchmarks.md, "Decode on an H200"). Concatenated once per rollout
+    here, the loop runs the merged matmuls on weights that are already whole. On a tensor
+    axis the concatenation would have to move shards between devices, and on CPU the separate
+    matmuls are what XLA:CPU runs well, so both keep the separate weights."""
+    if jax.default_backend() == "cpu":
+        return False
+    layout = shd.active_layout()
+    return layout is None or layout.mesh.shape.get("tensor", 1) == 1
+
+
+_FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def split_layers(model, fuse: bool | None = None) -> list[dict[str, jax.Array]]:
     """Each layer's parameter arrays (static slices of the stacked ones); returns one dict per
     layer. Call it inside a program but outside its decode loop: the slices are then made once
-    per call, not once per step."""
+    per call, not once per step.
+
+    `fuse` (default: `fuse_projections()`) replaces q/k/v and gate/up by one `qkv_proj`
+    [embed, (heads + 2 kv_heads) * head_dim] and one `gate_up_proj` [embed, 2 * mlp] weight,
+    which `hfjax.models.transformer`'s layer pieces take in one matmul each."""
     cfg = model.config
     stacked = model.model.layers.arrays()
     if cfg.jnp_dtype != cfg.jnp_param_dtype:
@@ -98,6 +123,11 @@ def split_layers(model) -> list[dict[str, jax.Array]]:
         # stay as they are: each op casts them to its own operand's dtype.
         stacked = {k: v.astype(cfg.jnp_dtype) if k.endswith("_proj") else v
                    for k, v in stacked.items()}
+    if fuse_projections() if fuse is None else fuse:
+        L, D = cfg.num_layers, cfg.hidden_size
+        for fused, names in _FUSED.items():
+            stacked[fused] = jnp.concatenate(
+                [stacked.pop(n).reshape(L, D, -1) for n in names], axis=-1)
     return [{k: v[i] for k, v in stacked.items()} for i in range(cfg.num_layers)]
 
 

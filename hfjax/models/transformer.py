@@ -268,9 +268,15 @@ def attention_inputs(cfg: ModelConfig, rope, p, h):
     N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     dt = storage_dtype(cfg.jnp_dtype)
     x = rms_norm(h, p["input_norm"], cfg.rms_norm_eps)
-    q = _proj(cfg, p, x, "q_proj", (N, H), dt)
-    k = _proj(cfg, p, x, "k_proj", (K, H), dt)
-    v = _proj(cfg, p, x, "v_proj", (K, H), dt)
+    if "qkv_proj" in p:  # fused weights (`hfjax.engine.decode.split_layers`): one matmul
+        qkv = _proj(cfg, p, x, "qkv_proj", ((N + 2 * K) * H,), dt)
+        q, k, v = jnp.split(qkv, [N * H, (N + K) * H], axis=-1)
+        B, T = x.shape[:2]
+        q, k, v = q.reshape(B, T, N, H), k.reshape(B, T, K, H), v.reshape(B, T, K, H)
+    else:
+        q = _proj(cfg, p, x, "q_proj", (N, H), dt)
+        k = _proj(cfg, p, x, "k_proj", (K, H), dt)
+        v = _proj(cfg, p, x, "v_proj", (K, H), dt)
     if cfg.attention_bias:
         q = q + p["q_bias"].astype(dt)
         k = k + p["k_bias"].astype(dt)
@@ -287,8 +293,11 @@ def layer_output(cfg: ModelConfig, p, h, attn):
     D, F = cfg.hidden_size, cfg.intermediate_size
     h = h + _proj(cfg, p, attn, "o_proj", (D,))
     x = rms_norm(h, p["post_attn_norm"], cfg.rms_norm_eps)
-    gate = _proj(cfg, p, x, "gate_proj", (F,))
-    up = _proj(cfg, p, x, "up_proj", (F,))
+    if "gate_up_proj" in p:  # fused weights, as q/k/v above
+        gate, up = jnp.split(_proj(cfg, p, x, "gate_up_proj", (2 * F,)), 2, axis=-1)
+    else:
+        gate = _proj(cfg, p, x, "gate_proj", (F,))
+        up = _proj(cfg, p, x, "up_proj", (F,))
     return h + _proj(cfg, p, jax.nn.silu(gate) * up, "down_proj", (D,))
 
 

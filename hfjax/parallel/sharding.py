@@ -156,6 +156,11 @@ def activation_layout(layout: Layout | None):
         _ACTIVE.reset(token)
 
 
+def active_layout() -> Layout | None:
+    """The layout `activation_layout` made active (None outside one)."""
+    return _ACTIVE.get()
+
+
 def under_layout(layout: Layout | None, fn: Callable) -> Callable:
     """fn, run with `activation_layout(layout)` active: jit the result, and the model's
     `constrain` calls apply `layout` while it traces."""

@@ -54,13 +54,16 @@ def inputs(slot):
     return tokens, positions, mask
 
 
-def test_two_parts_equal_the_models_cached_forward(llama):
+@pytest.mark.parametrize("fuse", [False, True], ids=["separate", "fused"])
+def test_two_parts_equal_the_models_cached_forward(llama, fuse):
     """One column for every row (the static engine) against `model.model` with a KVCache
-    [layers, rows, columns, kv_heads, head_dim] written at `cache_index`."""
+    [layers, rows, columns, kv_heads, head_dim] written at `cache_index`; with the layers'
+    q/k/v and gate/up weights separate (the CPU's) and fused (GPUs' and TPUs')."""
     k, v = random_columns(llama.config)
     slot = PROMPT + 17
     tokens, positions, mask = inputs(slot)
-    layers = split_layers(llama)
+    layers = split_layers(llama, fuse=fuse)
+    assert ("qkv_proj" in layers[0]) == fuse and ("gate_up_proj" in layers[0]) == fuse
     got_logits, got = jax.jit(lambda c: decode_step(
         llama, layers, tokens, positions, mask, c, jnp.int32(slot)))(two_parts(k, v))
 
