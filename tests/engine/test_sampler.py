@@ -494,3 +494,34 @@ def test_bf16_decode_cache_and_logprobs(tmp_path):
     f32 = teacher_forced_logprobs(ref, np.repeat(ids, 2, 0), np.repeat(mask, 2, 0), tokens,
                                   got_mask)
     assert np.abs(f32 - want)[got_mask == 1].max() > 1e-4
+
+
+def test_blocked_inverse_cdf_draws_the_tokens_of_the_plain_one():
+    """The accelerators' two-level draw (`blocked_inverse_cdf`) against a loop over each row's
+    running sum in float64: the same token wherever the draw is not within rounding of a
+    boundary, and never a zero-probability token (zeros inside blocks, whole empty blocks, an
+    empty tail, and blocks that do not divide the vocabulary)."""
+    from hfjax.engine.sampling import blocked_inverse_cdf
+
+    rng = np.random.default_rng(0)
+    R, V = 64, 203
+    probs = rng.random((R, V)).astype(np.float32) ** 4
+    probs[rng.random((R, V)) < 0.3] = 0.0
+    probs[:8, 16:48] = 0.0  # empty blocks at block size 16
+    probs[8:16, 150:] = 0.0  # empty tail
+    probs /= probs.sum(-1, keepdims=True)
+    u = np.concatenate([rng.random(R - 2), [0.0, 1.0 - 1e-7]]).astype(np.float32)
+    for block in (16, 64, 1024):
+        got = np.asarray(jax.jit(blocked_inverse_cdf, static_argnums=2)(
+            jnp.asarray(probs), jnp.asarray(u), block))
+        for r in range(R):
+            assert probs[r, got[r]] > 0, (block, r)
+            total, target, want = 0.0, float(u[r]) * float(probs[r].astype(np.float64).sum()), V
+            for i in range(V):
+                total += float(probs[r, i])
+                if total > target:
+                    want = i
+                    break
+            running = np.cumsum(probs[r].astype(np.float64))
+            if np.min(np.abs(running - target)) > 1e-5:
+                assert got[r] == want, (block, r, got[r], want)
