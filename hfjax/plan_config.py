@@ -34,10 +34,17 @@ def reward_model_path(cfg, flag: str = "") -> str:
     return flag or (cfg.get("reward_model") or {}).get("path", "")
 
 
-def plan_inputs(cfg, reward_model: str = "", score_micro: int = 0, gen_rows: int = 0,
-                platform: str = "gpu"):
+def plan_inputs(cfg, reward_model: str = "", score_micro: int | None = None,
+                gen_rows: int | None = None, platform: str = "gpu"):
     """(models, host roles, workload) of the run a config describes on `platform`; the reward
-    model is `reward_model_path(cfg, reward_model)`."""
+    model is `reward_model_path(cfg, reward_model)`; `score_micro` and `gen_rows` (None: the
+    config's `plan.score_micro` and `plan.gen_rows`, 0 where it has none) say how the
+    workload's scoring passes and decode batch their rows (`Workload`)."""
+    plan = cfg.get("plan") or {}
+    if score_micro is None:
+        score_micro = plan.get("score_micro", 0)
+    if gen_rows is None:
+        gen_rows = plan.get("gen_rows", 0)
     algo = get_algorithm(cfg.algorithm)
     actor_cfg = model_config(cfg, platform)
     reward_model = reward_model_path(cfg, reward_model)

@@ -49,10 +49,12 @@ _SCALE_OUT = flags.DEFINE_float("scale_out_gbps", None, "network bandwidth betwe
                                 "device, GB/s one way (default: the reference system's)")
 _MEMORY = flags.DEFINE_float("memory_fraction", 0.9, "share of device memory a plan may use")
 _ALTERNATIVES = flags.DEFINE_integer("alternatives", 5, "next placements to show")
-_SCORE_MICRO = flags.DEFINE_integer("score_micro", 0, "rows per scoring pass (0: the whole "
-                                    "batch in one call, as hfjax runs them)")
-_GEN_ROWS = flags.DEFINE_integer("gen_rows", 0, "rows a decode replica generates at once "
-                                 "(0: all, as hfjax's sampler does; -1: let the planner pick)")
+_SCORE_MICRO = flags.DEFINE_integer("score_micro", None, "rows per scoring pass (0: the "
+                                    "whole batch in one call, as hfjax runs them); default: "
+                                    "the config's plan.score_micro")
+_GEN_ROWS = flags.DEFINE_integer("gen_rows", None, "rows a decode replica generates at once "
+                                 "(0: all, as hfjax's sampler does; -1: let the planner pick); "
+                                 "default: the config's plan.gen_rows")
 
 
 def _gb(x: float) -> str:

@@ -18,6 +18,7 @@ from hfjax.controller.simulator import (
 )
 from hfjax.models.presets import get_preset
 from hfjax.parallel.mesh import MeshSpec
+from hfjax.plan_config import plan_inputs
 
 BELL = [1, 1, 2, 5, 15, 52]
 
@@ -203,21 +204,38 @@ def test_efficiency_flags_parse_and_refuse_nonsense():
 
 # -- the paper's findings ---------------------------------------------------------------------
 #
-# HybridFlow §8: PPO with actor, critic, reference and reward models of one size (Llama-2 7B,
-# 13B, 34B), 1024 prompts of 1024 tokens and 1024-token responses per step, 8 mini-batches,
-# A100 80 GB. hfjax's precision policy (float32 weights and Adam, bfloat16 compute), remat
-# per layer, scoring micro-batched and a paged decode (gen_rows=-1), as in the paper's systems.
+# HybridFlow §8 on A100 80 GB: the workload is configs/hybridflow_paper.py (actor, critic,
+# reference and reward model of one size, 1024 prompts of 1024 tokens and 1024-token responses,
+# 8 mini-batches, scoring micro-batched and a paged decode), read as `launch.plan` reads it, so
+# docs/scaling.md's table, the command line and these tests plan the same thing.
 
-PAPER = Workload(prompts=1024, n=1, prompt_len=1024, response_len=1024, actor_mini=128,
-                 actor_micro=128, critic_mini=128, critic_micro=128, score_micro=128,
-                 gen_rows=-1)
+
+def paper_inputs(name):
+    """(models, host roles, workload) of configs/hybridflow_paper.py with model.path=preset:NAME,
+    as launch.plan builds them for an A100."""
+    from configs import hybridflow_paper
+
+    cfg = hybridflow_paper.get_config()
+    cfg.model.path = f"preset:{name}"
+    return plan_inputs(cfg, platform="gpu")
 
 
 def paper_plan(name, n, **kw):
-    cfg = get_preset(name).replace(dtype="bfloat16", remat_policy="full")
-    models = [ModelSpec("actor", cfg, "causal_lm", True), ModelSpec("critic", cfg, "value", True),
-              ModelSpec("ref", cfg, "causal_lm", False), ModelSpec("reward", cfg, "score", False)]
-    return planner.plan(models, PAPER, "a100-80gb", n, alternatives=14, **kw)
+    models, host, workload = paper_inputs(name)
+    return planner.plan(models, workload, "a100-80gb", n, host_roles=host, alternatives=14, **kw)
+
+
+def test_the_paper_config_is_the_papers_workload():
+    models, host, w = paper_inputs("llama2-13b")
+    assert host == ()
+    assert [(m.role, m.head, m.trainable) for m in models] == [
+        ("actor", "causal_lm", True), ("critic", "value", True), ("ref", "causal_lm", False),
+        ("reward", "score", False)]
+    assert {m.config.num_params() for m in models} == {get_preset("llama2-13b").num_params()}
+    assert all(m.config.dtype == "bfloat16" and m.config.remat_policy == "full" for m in models)
+    assert (w.prompts, w.n, w.prompt_len, w.response_len) == (1024, 1, 1024, 1024)
+    assert (w.actor_mini, w.actor_micro, w.critic_mini, w.critic_micro) == (128,) * 4
+    assert (w.score_micro, w.gen_rows, w.old_log_prob) == (128, -1, True)
 
 
 @pytest.mark.slow
@@ -242,10 +260,9 @@ def test_generation_takes_more_tensor_parallelism_than_fsdp_training_uses():
     actor = result.best.choices["actor"]
     assert actor.engine and actor.tensor_g == 8 > actor.layout.tensor
     assert (actor.layout.fsdp * actor.layout.tensor) % actor.tensor_g == 0
-    sim = Simulator(result.cluster, PAPER)
-    model = ModelSpec("actor", get_preset("llama2-7b").replace(dtype="bfloat16",
-                                                              remat_policy="full"),
-                      "causal_lm", True)
+    models, _, workload = paper_inputs("llama2-7b")
+    sim = Simulator(result.cluster, workload)
+    model = models[0]
     at_t, _ = sim.generate(model, actor.layout, actor.layout.tensor, True, actor.gen_rows)
     chosen = actor.stages["gen"]
     # Decoding with the training tensor size reads t_g / t times the weights per replica.
@@ -293,3 +310,40 @@ def test_split_wins_at_128_gpus_when_fsdp_traffic_is_exposed():
     colocate = next(p for p in result.alternatives if p.mode == "colocate")
     assert colocate.iteration_s > result.best.iteration_s
     assert math.isfinite(result.best.tokens_per_s)
+
+
+def _doc_table():
+    """The rows of docs/scaling.md's table of the paper's findings: (preset, GPUs, best mode,
+    {mode: seconds}, actor mesh -> decode mesh)."""
+    import os
+
+    names = {"Llama-2 7B": "llama2-7b", "Llama-2 13B": "llama2-13b",
+             "Code Llama 34B": "codellama-34b"}
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    with open(os.path.join(root, "docs", "scaling.md")) as f:
+        text = f.read()
+    table = text[text.index("### The paper's findings"):text.index("### Example plans")]
+    rows = []
+    for line in table.splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if len(cells) == 7 and cells[0] in names:
+            seconds = {mode: float(c) for mode, c in
+                       zip(("colocate", "split", "standalone"), cells[3:6]) if c != "—"}
+            rows.append((names[cells[0]], int(cells[1]), cells[2], seconds, cells[6]))
+    return rows
+
+
+@pytest.mark.slow
+def test_the_docs_table_is_what_the_paper_config_plans():
+    rows = _doc_table()
+    assert len(rows) == 8
+    for name, n, mode, seconds, layouts in rows:
+        result = paper_plan(name, n)
+        best = {}
+        for p in [result.best, *result.alternatives]:
+            if p.mode not in best or p.iteration_s < best[p.mode].iteration_s:
+                best[p.mode] = p
+        assert result.best.mode == mode, (name, n)
+        assert {m: round(p.iteration_s, 1) for m, p in best.items()} == seconds, (name, n)
+        actor = result.best.choices["actor"]
+        assert f"{actor.layout.mesh} → {actor.decode_mesh}" == layouts, (name, n)
