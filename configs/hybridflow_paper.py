@@ -12,7 +12,7 @@ master weights and Adam, bfloat16 compute, remat of every layer; the frozen rewa
 bfloat16. The paper's systems score in micro-batches and decode in pages, which hfjax's runs
 do not (they score the whole batch in one call and preallocate every row's cache), so the
 planner models them here (`plan.score_micro`, `plan.gen_rows`); the tests of the paper's
-findings (tests/planner/test_planner.py) read this file.
+findings (tests/planner/test_search.py) read this file.
 """
 
 from configs import ppo_arith

@@ -600,7 +600,7 @@ TRAIN_KEYS: dict[str, Callable[[Any], str | None]] = {
     "trainer.nonfinite": Choice(("stop", "skip"),
                                 note="what an update with a non-finite loss or gradient does"),
     "trainer.compilation_cache_dir": Check(_cache_dir),
-    # Read by launch.plan only (hfjax.plan_config.plan_inputs); the runs ignore them.
+    # Read by launch.plan only (hfjax.planner.config.plan_inputs); the runs ignore them.
     "plan.score_micro": Int(0, note="rows per scoring pass the planner models; 0: the whole "
                             "batch"),
     "plan.gen_rows": Int(-1, note="rows per decode replica the planner models; 0: all, -1: "

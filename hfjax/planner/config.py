@@ -2,7 +2,7 @@
 
 `plan_inputs` reads the models (the actor from `model.*`, the critic and the reference where the
 algorithm and its KL terms need them, a reward model when one is named), the roles scored on the
-host, and the step's shape (`hfjax.controller.simulator.Workload`, with the sampler's buckets)
+host, and the step's shape (`hfjax.planner.simulator.Workload`, with the sampler's buckets)
 from a config, without loading any weights. `flagfile_lines` writes a plan as an absl flagfile
 that `launch.train --flagfile=...` runs unchanged.
 """
@@ -11,13 +11,13 @@ from __future__ import annotations
 
 from hfjax import model_source
 from hfjax.algorithms.registry import get_algorithm
-from hfjax.controller.costs import ModelSpec
-from hfjax.controller.simulator import Workload
 from hfjax.data import arith
 from hfjax.engine.sampler import MIN_NEW_TOKENS_BUCKET, bucket_size, prompt_bucket
 from hfjax.engine.shared_prompt import samples_per_row
 from hfjax.models.config import ModelConfig
 from hfjax.models.hf_io import model_config as path_model_config
+from hfjax.planner.pricing import ModelSpec
+from hfjax.planner.simulator import Workload
 from hfjax.workers.groups import needs_ref
 
 

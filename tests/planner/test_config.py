@@ -2,8 +2,8 @@
 the flagfile launch.train reads."""
 
 from configs import grpo_arith, ppo_arith
-from hfjax.controller import planner
-from hfjax.plan_config import flagfile_lines, plan_inputs
+from hfjax.planner import search
+from hfjax.planner.config import flagfile_lines, plan_inputs
 
 
 def test_ppo_default_inputs():
@@ -35,7 +35,7 @@ def test_grpo_inputs_and_a_reward_model():
 def test_flagfile_puts_the_plan_after_the_users_overrides():
     cfg = ppo_arith.get_config()
     models, host, w = plan_inputs(cfg)
-    result = planner.plan(models, w, "cpu", 8, host_roles=host)
+    result = search.plan(models, w, "cpu", 8, host_roles=host)
     argv = ["launch.plan", "--target=cpu", "--config.trainer.total_steps=2",
             "--config.actor.mesh=data=8"]
     lines, missing = flagfile_lines(result.best, cfg, "configs/ppo_arith.py", argv)
@@ -52,7 +52,7 @@ def test_a_reward_model_is_planned_as_the_reward_model_role():
     models, host, w = plan_inputs(cfg, platform="cpu")
     assert [m.role for m in models] == ["actor", "critic", "ref", "reward"] and host == ()
     assert models[-1].config.param_dtype == cfg.reward_model.dtype
-    result = planner.plan(models, w, "cpu", 8, host_roles=host)
+    result = search.plan(models, w, "cpu", 8, host_roles=host)
     lines, missing = flagfile_lines(result.best, cfg, "configs/ppo_arith.py", ["launch.plan"],
                                     reward_model="preset:tiny")
     assert missing == []
