@@ -622,8 +622,9 @@ def register_keys(rows: Mapping[str, Callable[[Any], str | None]]) -> None:
         _OPTIONAL_KEYS.add(key)
 
 
-# Keys registered by user modules: a config without them is still complete.
-_OPTIONAL_KEYS: set[str] = set()
+# Keys registered by user modules, and launch.plan's own (the runs never read them): a config
+# without them is still complete.
+_OPTIONAL_KEYS: set[str] = {"plan.score_micro", "plan.gen_rows"}
 
 
 def run_roles(algo, cfg) -> tuple[str, ...]:

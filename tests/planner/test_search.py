@@ -295,8 +295,10 @@ def test_at_128_gpus_colocate_still_wins_because_only_generation_scales_sublinea
     after_gen = [p.iteration_s - {s.name: s for s in p.schedule}["gen"].seconds
                  for p in (best, split)]
     assert after_gen[1] > 0.95 * after_gen[0]
-    # ...while generating on 64 devices instead of 128 costs the split all of its deficit.
-    assert half["gen"].seconds - colo["gen"].seconds >= split.iteration_s - best.iteration_s > 0
+    # ...while generating on 64 devices instead of 128 costs the split all of its deficit (to
+    # 1%: with the 34B models the two finish scoring and training within 0.1% of each other).
+    deficit = split.iteration_s - best.iteration_s
+    assert deficit > 0 and half["gen"].seconds - colo["gen"].seconds >= 0.99 * deficit
     assert colo["gen"].seconds < half["gen"].seconds < 2 * colo["gen"].seconds
 
 
