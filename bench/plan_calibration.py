@@ -48,13 +48,13 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from bench.timing import best_time  # noqa: E402
 from configs import ppo_arith  # noqa: E402
-from hfjax.controller import planner  # noqa: E402
-from hfjax.controller.costs import Call, CallCost, ClosedFormCosts, MeshLayout  # noqa: E402
-from hfjax.controller.simulator import Cluster, Efficiency, Simulator  # noqa: E402
 from hfjax.models import transformer  # noqa: E402
 from hfjax.parallel.mesh import MeshSpec  # noqa: E402
 from hfjax.parallel.targets import Target  # noqa: E402
-from hfjax.plan_config import plan_inputs  # noqa: E402
+from hfjax.planner import search  # noqa: E402
+from hfjax.planner.config import plan_inputs  # noqa: E402
+from hfjax.planner.pricing import Call, CallCost, ClosedFormCosts, MeshLayout  # noqa: E402
+from hfjax.planner.simulator import Cluster, Efficiency, Simulator  # noqa: E402
 
 _STEPS = flags.DEFINE_integer("steps", 5, "RL steps per run (the first compiles and is dropped)")
 _REPS = flags.DEFINE_integer("reps", 10, "repetitions of each device measurement (best)")
@@ -334,9 +334,9 @@ def main(argv):
     cfg = ppo_arith.get_config()
     cfg.sft.steps = 0
     models, host, workload = plan_inputs(cfg, platform="cpu")
-    result = planner.plan(models, workload, cluster, 8, host_roles=host, efficiency=eff)
+    result = search.plan(models, workload, cluster, 8, host_roles=host, efficiency=eff)
     print("plan for the default job on this machine, fitted factors: "
-          + planner.describe(result.best))
+          + search.describe(result.best))
     print(json.dumps({
         "device": figures, "device_spread": spread, "fit": {k: {"overhead_s": o, "efficiency": e}
                                    for k, (o, e) in fitted.items()},

@@ -228,6 +228,11 @@ def get_config() -> config_dict.ConfigDict:
             reference_fn="",
         )
     )
+    # How python -m launch.plan models programs that hfjax's runs do not have yet (the trainer
+    # ignores these): score_micro, rows per scoring pass (0: the whole batch in one call, as
+    # hfjax scores); gen_rows, rows a decode replica generates at once (0: all of them, as
+    # hfjax's sampler does; -1: the planner picks, a paged decode's memory).
+    c.plan = config_dict.ConfigDict(dict(score_micro=0, gen_rows=0))
     # python -m launch.train_rm: a reward (or cost) model trained with the Bradley–Terry loss on
     # preference parquet (configs/rm_arith.py and cost_arith.py set the files).
     c.rm = config_dict.ConfigDict(

@@ -1,14 +1,18 @@
 """The dry run: every program of a configured run, compiled ahead of time from abstract shapes,
 with its per-device memory and FLOPs, against a device's memory.
 
-The run's worker groups are built as for a real run, from an abstract model (parameters and
+The run's worker groups are built as for a real run, from abstract models (parameters and
 optimizer state are `jax.ShapeDtypeStruct`s carrying their shardings: nothing is allocated, no
-weight is read), and each group's own jitted programs are lowered and compiled with abstract
-arguments of the shapes the run will feed them:
+weight is read; a reward or cost model's architecture comes from its config.json, a .gguf's
+metadata or a preset), and each group lists its own programs at the run's shapes
+(`WorkerGroup.programs`, in the modes its config selects: padded, packed, length-grouped,
+shared-prompt rows), which are lowered and compiled here:
 
-- `actor.update_sft` (the warm start, when it runs), `actor.update`, `actor.log_prob` (when
-  the step scores its samples under the pre-update policy), `ref.log_prob`, `critic.values`,
-  `critic.update`;
+- `actor.update_sft` (the warm start, when it runs), `actor.log_prob` (when the step scores
+  its samples under the pre-update policy), `actor.update`, `ref.log_prob`, `critic.values`,
+  `critic.update` (and `cost_critic.*`), `reward_model.score` and `cost_model.score`; a
+  length-grouped update is a full-width micro-batch's gradient accumulation (`*.update`, the
+  widest cut) and the optimizer update (`*.update.apply`);
 - `rollout.prefill` and `rollout.decode` (the sampler's programs on the decode layout), and
   `validate.prefill` / `validate.decode` when the validation batch has more rows than the
   training rollout (otherwise the training rollout's programs bound its memory);
@@ -58,9 +62,9 @@ from hfjax import model_source
 from hfjax.algorithms import dataflow
 from hfjax.engine.sampler import SamplingParams, prompt_bucket
 from hfjax.models import transformer
-from hfjax.parallel.mesh import batch_sharding
-from hfjax.run_config import validate_config
+from hfjax.run_config import run_roles, validate_config
 from hfjax.workers import groups
+from hfjax.workers.base import Program, StepShape, WorkerGroup
 from hfjax.workers.reward import RuleReward
 
 GiB = 2**30
@@ -241,10 +245,6 @@ def _abstract(shape: tuple[int, ...], dtype, sharding) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
 
 
-def _padded(n: int, multiple: int) -> int:
-    return n + (-n % multiple)
-
-
 class _Compiler:
     """Compiles programs and keeps their figures, each with its pool's resident state."""
 
@@ -278,6 +278,11 @@ class _Compiler:
         return compiled
 
 
+    def compile_program(self, p: Program, pool: str) -> Any:
+        """Compiles a worker group's listed program (`WorkerGroup.programs`) on `pool`."""
+        return self.compile(p.name, pool, p.fn, p.args, p.replaces, p.named)
+
+
 def _flops(compiled) -> float:
     cost = compiled.cost_analysis()
     if isinstance(cost, list):  # older JAX: one dict per device program
@@ -298,21 +303,8 @@ def dry_run(cfg, *, device_memory_bytes: int | None = None, target: str | None =
     algo, pools = validate_config(cfg)
     platform = platform or jax.devices()[0].platform
     compute = model_source.compute_dtype(cfg, platform)
-    tok = model_source.task_tokenizer(cfg)
-    mcfg = model_source.model_config(cfg, tok, compute)
-    abstract = transformer.abstract(mcfg, "causal_lm")
-    actor = groups.build_actor(cfg, abstract, pools, tok.pad_id, tok.eos_id)
+    actor, tok = _abstract_actor(cfg, pools, compute)
     d, r, c = cfg.data, cfg.rollout, cfg
-    prompt, response = d.max_prompt_length, r.response_length
-    seq = prompt + response
-
-    def rows(mesh, n, width, dtype="int32"):
-        return _abstract((n, width), dtype, batch_sharding(mesh))
-
-    def seq_batch(mesh, n) -> dict[str, jax.ShapeDtypeStruct]:
-        return {"input_ids": rows(mesh, n, seq), "attention_mask": rows(mesh, n, seq),
-                "responses": rows(mesh, n, response), "response_mask": rows(mesh, n, response)}
-
     resident: dict[str, dict[str, int]] = {}
     state: dict[str, int] = {}
 
@@ -326,23 +318,18 @@ def dry_run(cfg, *, device_memory_bytes: int | None = None, target: str | None =
 
     hold("actor", actor)
     out = _Compiler(resident, on_program)
-    apool = actor.pool.name
     # The warm start: the actor alone, with the SFT optimizer (swapped for RL's below).
     if c.sft.steps > 0:
-        n_sft = c.sft.batch_size
-        mb = seq_batch(actor.mesh, n_sft)
-        step = actor.update_program(actor._sft_loss, n_sft // c.sft.micro_batch_size)
-        out.compile("actor.update_sft", apool, step, (actor.params, actor.opt_state, mb),
-                    ("actor params", "actor optimizer"),
-                    {"params": actor.params, "optimizer": actor.opt_state, "batch": mb})
+        sft = StepShape(c.sft.batch_size, d.max_prompt_length, r.response_length)
+        for p in actor.warm_start_programs(c.sft.batch_size, c.sft.micro_batch_size, sft):
+            out.compile_program(p, actor.pool.name)
 
-    reward = RuleReward(tok, num_processes=0, home=actor.mesh)
-    w = groups.build_groups(cfg, actor, reward, algo.roles, pools)
+    w = _groups_around(cfg, algo, actor, tok, pools)
     resident.clear()
     state.clear()
-    for role in ("actor", "ref", "critic"):
-        if (g := getattr(w, role)) is not None:
-            hold(role, g)
+    built = device_groups(w)
+    for role, g in built:
+        hold(role, g)
     _rollout(out, w, cfg, tok, "rollout", d.train_batch_size, r.n,
              temperature=r.temperature, greedy=False)
     v = r.val_kwargs
@@ -354,47 +341,53 @@ def dry_run(cfg, *, device_memory_bytes: int | None = None, target: str | None =
             val_rows > sampler.padded_batch(d.train_batch_size) * r.n):
         _rollout(out, w, cfg, tok, "validate", d.n_test, int(v.n),
                  temperature=float(v.temperature), greedy=float(v.temperature) == 0.0)
-
-    n_seq = d.train_batch_size * r.n
-    a = w.actor
-    if dataflow.needs_old_log_prob(w, _Rows(n_seq), cfg):
-        ids = seq_batch(a.mesh, _padded(n_seq, a.dp_size))
-        out.compile("actor.log_prob", apool, a._logprob,
-                    (a.params, ids["input_ids"], ids["attention_mask"], response,
-                     a.scoring_micro_batches(ids["input_ids"].shape[0])),
-                    ("actor params",), {"params": a.params})
-    if w.ref is not None:
-        ids = seq_batch(w.ref.mesh, _padded(n_seq, w.ref.dp_size))
-        out.compile("ref.log_prob", w.ref.pool.name, w.ref._logprob,
-                    (w.ref.params, ids["input_ids"], ids["attention_mask"], response,
-                     w.ref.scoring_micro_batches(ids["input_ids"].shape[0])),
-                    ("ref params",), {"params": w.ref.params})
-    if w.critic is not None:
-        cr = w.critic
-        ids = seq_batch(cr.mesh, _padded(n_seq, cr.dp_size))
-        out.compile("critic.values", cr.pool.name, cr._values,
-                    (cr.params, ids["input_ids"], ids["attention_mask"], response),
-                    ("critic params",), {"params": cr.params})
-        mini = c.critic.ppo_mini_batch_size * r.n
-        mb = seq_batch(cr.mesh, mini)
-        mb |= {k: rows(cr.mesh, mini, response, "float32") for k in ("values", "returns")}
-        step = cr.update_program(cr._loss, mini // c.critic.ppo_micro_batch_size)
-        out.compile("critic.update", cr.pool.name, step, (cr.params, cr.opt_state, mb),
-                    ("critic params", "critic optimizer"),
-                    {"params": cr.params, "optimizer": cr.opt_state, "batch": mb})
-    mini = c.actor.ppo_mini_batch_size * r.n
-    mb = seq_batch(a.mesh, mini) | {"advantages": rows(a.mesh, mini, response, "float32")}
-    if dataflow.needs_old_log_prob(w, _Rows(n_seq), cfg):
-        mb["old_log_probs"] = rows(a.mesh, mini, response, "float32")
-    if c.actor.use_kl_loss:
-        mb["ref_log_prob"] = rows(a.mesh, mini, response, "float32")
-    step = a.update_program(a._policy_loss, mini // c.actor.ppo_micro_batch_size,
-                            group=a.samples)
-    out.compile("actor.update", apool, step, (a.params, a.opt_state, mb),
-                ("actor params", "actor optimizer"),
-                {"params": a.params, "optimizer": a.opt_state, "batch": mb})
+    shape = step_shape(w, cfg)
+    listed = [(p, g.pool.name) for _, g in built for p in g.programs(shape)]
+    # In the step's order: the scoring passes, then the updates, the actor's last.
+    listed.sort(key=lambda x: (x[0].trains, x[0].trains and x[0].name.startswith("actor.")))
+    for p, pool in listed:
+        out.compile_program(p, pool)
     return DryRun(out.programs, resident, len(jax.devices()), platform, compute,
                   device_memory_bytes, target, state)
+
+
+def abstract_groups(cfg, platform: str | None = None) -> groups.WorkerGroups:
+    """The run's worker groups as the dry run builds them on `jax.devices()`: from abstract
+    models (parameters and optimizer state are ShapeDtypeStructs with their shardings; reward
+    and cost models from their configs, no weight read), with RL's optimizers."""
+    algo, pools = validate_config(cfg)
+    compute = model_source.compute_dtype(cfg, platform or jax.devices()[0].platform)
+    actor, tok = _abstract_actor(cfg, pools, compute)
+    return _groups_around(cfg, algo, actor, tok, pools)
+
+
+def device_groups(w: groups.WorkerGroups) -> list[tuple[str, WorkerGroup]]:
+    """(role, group) of every built role with device programs (not the host's rule reward)."""
+    built = [(role, getattr(w, role)) for role in w.built_roles()]
+    return [(role, g) for role, g in built if isinstance(g, WorkerGroup)]
+
+
+def step_shape(w: groups.WorkerGroups, cfg) -> StepShape:
+    """The widest batch of one RL step of `cfg` (`WorkerGroup.programs`)."""
+    n_seq = cfg.data.train_batch_size * cfg.rollout.n
+    return StepShape(n_seq, cfg.data.max_prompt_length, cfg.rollout.response_length,
+                     dataflow.needs_old_log_prob(w, _Rows(n_seq), cfg))
+
+
+def _abstract_actor(cfg, pools, compute: str):
+    """(the actor built from an abstract model with the warm start's optimizer, the task's
+    tokenizer)."""
+    tok = model_source.task_tokenizer(cfg)
+    mcfg = model_source.model_config(cfg, tok, compute)
+    abstract = transformer.abstract(mcfg, "causal_lm")
+    return groups.build_actor(cfg, abstract, pools, tok.pad_id, tok.eos_id), tok
+
+
+def _groups_around(cfg, algo, actor, tok, pools) -> groups.WorkerGroups:
+    # Every role the run builds, a reward model (`reward_model.path`) included; around an
+    # abstract actor, reward and cost models are built from their configs.
+    reward = RuleReward(tok, num_processes=0, home=actor.mesh)
+    return groups.build_groups(cfg, actor, reward, run_roles(algo, cfg), pools)
 
 
 def _rollout(out: _Compiler, w, cfg, tok, name: str, prompts: int, n: int, *,

@@ -600,6 +600,11 @@ TRAIN_KEYS: dict[str, Callable[[Any], str | None]] = {
     "trainer.nonfinite": Choice(("stop", "skip"),
                                 note="what an update with a non-finite loss or gradient does"),
     "trainer.compilation_cache_dir": Check(_cache_dir),
+    # Read by launch.plan only (hfjax.planner.config.plan_inputs); the runs ignore them.
+    "plan.score_micro": Int(0, note="rows per scoring pass the planner models; 0: the whole "
+                            "batch"),
+    "plan.gen_rows": Int(-1, note="rows per decode replica the planner models; 0: all, -1: "
+                         "the planner picks"),
 }
 
 # Keys whose value is a mapping that is not itself a section of keys.
@@ -617,8 +622,9 @@ def register_keys(rows: Mapping[str, Callable[[Any], str | None]]) -> None:
         _OPTIONAL_KEYS.add(key)
 
 
-# Keys registered by user modules: a config without them is still complete.
-_OPTIONAL_KEYS: set[str] = set()
+# Keys registered by user modules, and launch.plan's own (the runs never read them): a config
+# without them is still complete.
+_OPTIONAL_KEYS: set[str] = {"plan.score_micro", "plan.gen_rows"}
 
 
 def run_roles(algo, cfg) -> tuple[str, ...]:

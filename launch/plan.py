@@ -18,7 +18,7 @@ The models come from the config: the actor (model.path, model.dtype, model.remat
 reference when a KL term reads it, and the critic (the actor's shape with a value head) when
 the algorithm has one. The reward is the config's rule reward, scored on the host, unless
 `--reward_model` names a reward model (a preset, an HF directory or a .gguf file; score head).
-Estimates come from `hfjax.controller.simulator`: published device figures
+Estimates come from `hfjax.planner.simulator`: published device figures
 (`hfjax/parallel/targets.py`) times the efficiency factors (`--efficiency`).
 """
 
@@ -42,17 +42,19 @@ _REWARD = flags.DEFINE_string("reward_model", "", "a reward model to place (pres
                               "directory or .gguf); empty: the config's reward_model.path, else "
                               "its rule reward (host)")
 _EFFICIENCY = flags.DEFINE_string("efficiency", "", "efficiency factors, e.g. "
-                                  "'train=0.4,hbm=0.6' (hfjax/controller/simulator.py)")
+                                  "'train=0.4,hbm=0.6' (hfjax/planner/simulator.py)")
 _NODE = flags.DEFINE_integer("node_size", None, "devices per node on the fast link (default: "
                              "the target's reference system)")
 _SCALE_OUT = flags.DEFINE_float("scale_out_gbps", None, "network bandwidth between nodes per "
                                 "device, GB/s one way (default: the reference system's)")
 _MEMORY = flags.DEFINE_float("memory_fraction", 0.9, "share of device memory a plan may use")
 _ALTERNATIVES = flags.DEFINE_integer("alternatives", 5, "next placements to show")
-_SCORE_MICRO = flags.DEFINE_integer("score_micro", 0, "rows per scoring pass (0: the whole "
-                                    "batch in one call, as hfjax runs them)")
-_GEN_ROWS = flags.DEFINE_integer("gen_rows", 0, "rows a decode replica generates at once "
-                                 "(0: all, as hfjax's sampler does; -1: let the planner pick)")
+_SCORE_MICRO = flags.DEFINE_integer("score_micro", None, "rows per scoring pass (0: the "
+                                    "whole batch in one call, as hfjax runs them); default: "
+                                    "the config's plan.score_micro")
+_GEN_ROWS = flags.DEFINE_integer("gen_rows", None, "rows a decode replica generates at once "
+                                 "(0: all, as hfjax's sampler does; -1: let the planner pick); "
+                                 "default: the config's plan.gen_rows")
 
 
 def _gb(x: float) -> str:
@@ -60,9 +62,9 @@ def _gb(x: float) -> str:
 
 
 def main(argv):
-    from hfjax.controller import planner
-    from hfjax.controller.simulator import Efficiency, cluster_for
-    from hfjax.plan_config import flagfile_lines, plan_inputs
+    from hfjax.planner import search
+    from hfjax.planner.config import flagfile_lines, plan_inputs
+    from hfjax.planner.simulator import Efficiency, cluster_for
 
     cfg = _CONFIG.value
     # The search tries layouts no run will use; their warnings (KV heads a tensor size does not
@@ -74,7 +76,7 @@ def main(argv):
         efficiency = Efficiency.parse(_EFFICIENCY.value, base=cluster.efficiency)
         models, host, workload = plan_inputs(cfg, _REWARD.value, _SCORE_MICRO.value,
                                              _GEN_ROWS.value, cluster.target.platform)
-        result = planner.plan(models, workload, cluster, _DEVICES.value, host_roles=host,
+        result = search.plan(models, workload, cluster, _DEVICES.value, host_roles=host,
                               efficiency=efficiency, memory_fraction=_MEMORY.value,
                               alternatives=_ALTERNATIVES.value)
     except (ValueError, FileNotFoundError) as err:
@@ -104,7 +106,7 @@ def main(argv):
           + f"; old log-probs {'yes' if w.old_log_prob else 'no'}")
     print(f"searched {result.placements} placements, {result.allocations} allocations in "
           f"{result.seconds:.1f} s")
-    print(f"best: {best.mode}, estimated {planner.fmt_seconds(best.iteration_s)} per step, "
+    print(f"best: {best.mode}, estimated {search.fmt_seconds(best.iteration_s)} per step, "
           f"{best.tokens_per_s:,.0f} tokens/s ({best.tokens_per_s / _DEVICES.value:,.1f} per "
           "device)")
     for name, sc in best.sets.items():
@@ -120,11 +122,11 @@ def main(argv):
                             else "in the training layout"))
             print(f"    {role:<7} mesh {ch.layout.mesh}{extra}; state {_gb(ch.state_bytes)}, "
                   f"working {_gb(ch.extra_bytes)} per device")
-    print("\n".join(planner.format_stage_table(best)))
+    print("\n".join(search.format_stage_table(best)))
     if result.alternatives:
         print("next placements (the best allocation of each):")
         for i, p in enumerate(result.alternatives, 1):
-            print(f"  {i}. {planner.describe(p)}")
+            print(f"  {i}. {search.describe(p)}")
     if _EMIT.value:
         lines, missing = flagfile_lines(best, cfg, _config_path(), sys.argv, _REWARD.value)
         with open(_EMIT.value, "w") as f:

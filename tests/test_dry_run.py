@@ -13,8 +13,12 @@ from support import subprocess_env
 
 from configs import ppo_arith
 from hfjax import dry_run as dr
+from hfjax.data import arith
 from hfjax.data.batching import prompt_batch
+from hfjax.models import save_hf, transformer
+from hfjax.models.hf_io import load_score
 from hfjax.trainer import Trainer
+from hfjax.workers.groups import scratch_model_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -166,3 +170,58 @@ def test_bad_input_is_one_line_before_compiling(args, message):
     assert p.returncode == 1
     last = p.stderr.strip().splitlines()[-1]
     assert last.startswith(message), p.stderr[-2000:]
+
+
+def _reward_dir_without_weights(path, cfg) -> str:
+    """A reward model directory whose config.json is valid and whose safetensors file holds
+    only the score head: its headers pass the checkpoint check, its weights cannot load."""
+    from safetensors.numpy import load_file, save_file
+
+    tok = arith.tokenizer()
+    mcfg = scratch_model_config(cfg.model, tok.vocab_size, tok.pad_id, tok.eos_id, 32)
+    out = save_hf(transformer.build(mcfg, "score"), str(path))
+    files = [f for f in os.listdir(out) if f.endswith(".safetensors")]
+    assert files
+    head = None
+    for f in files:
+        tensors = load_file(os.path.join(out, f))
+        head = tensors.get("score.weight", head)
+        os.remove(os.path.join(out, f))
+    save_file({"score.weight": head}, os.path.join(out, "model.safetensors"))
+    return out
+
+
+@pytest.mark.slow
+def test_every_mode_and_the_reward_model_are_listed_without_reading_weights(tmp_path):
+    cfg = _config()
+    cfg.trainer.val_before_train, cfg.trainer.test_freq = False, 0
+    cfg.rollout.n = 2  # shared-prompt rows (actor.share_prompt) of 2 samples
+    cfg.actor.group_by_length = True  # the actor and the reference: length-grouped
+    cfg.critic.use_remove_padding = True  # the critic: packed rows
+    cfg.reward_model.path = _reward_dir_without_weights(tmp_path / "rm", cfg)
+    cfg.reward_model.use_remove_padding = True
+    with pytest.raises(ValueError, match="missing tensor"):  # a real run could not load it
+        load_score(cfg.reward_model.path)
+    report = dr.dry_run(cfg, device_memory_bytes=10**9)
+    names = [p.name for p in report.programs]
+    assert names == ["hybrid.to_decode", "rollout.prefill", "rollout.decode", "hybrid.to_train",
+                     "actor.log_prob", "ref.log_prob", "critic.values", "reward_model.score",
+                     "critic.update", "actor.update", "actor.update.apply"]
+    assert all(p.flops > 0 for p in report.programs if "hybrid" not in p.name)
+    held = report.resident["global"]
+    assert held["reward_model params"] > 0 and "reward_model optimizer" not in held
+    # Each group lists its programs in the mode its config selects.
+    w = dr.abstract_groups(cfg)
+    shape = dr.step_shape(w, cfg)
+    log_prob, update, apply = w.actor.programs(shape)
+    assert log_prob.fn is w.actor._logprob and log_prob.args[-1] == 2  # shared-prompt rows
+    assert log_prob.args[1].shape[0] == cfg.actor.ppo_micro_batch_size  # one full-width cut
+    assert update.fn is w.actor.grouped_program(w.actor._policy_loss).accumulate
+    assert update.args[2]["input_ids"].shape[0] == cfg.actor.ppo_micro_batch_size
+    assert apply.trains and "actor optimizer" in apply.replaces
+    values, critic_update = w.critic.programs(shape)
+    assert values.fn is w.critic._packed_values
+    packed = w.critic.budget.shape(16, shape.width, w.critic.dp_size, "critic")
+    assert critic_update.fn is w.critic.update_program(w.critic._loss, 2, packing=packed)
+    (score,) = w.reward_model.programs(shape)
+    assert score.fn is w.reward_model._packed_score

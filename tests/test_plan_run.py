@@ -65,3 +65,16 @@ def test_bad_input_ends_with_one_clear_line(env, args, message):
     p = _run(["launch.plan", *args], env, timeout=300)
     assert p.returncode != 0
     assert message in p.stderr.strip().splitlines()[-1]
+
+
+def test_the_paper_config_plans_the_docs_row_from_the_command_line(env):
+    # docs/scaling.md: "Llama-2 7B | 16 | colocate | 227.5 | ... | data=2,fsdp=8 → data=2,tensor=8"
+    p = _run(["launch.plan", "--config=configs/hybridflow_paper.py",
+              "--config.model.path=preset:llama2-7b", "--target=a100-80gb", "--num_devices=16"],
+             env, timeout=300)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    plan = json.loads(p.stdout.strip().splitlines()[-1])
+    assert plan["mode"] == "colocate"
+    assert plan["estimated_iteration_s"] == 227.5
+    assert (plan["meshes"]["actor"], plan["rollout_mesh"]) == ("data=2,fsdp=8", "data=2,tensor=8")
+    assert set(plan["meshes"]) == {"actor", "critic", "ref", "reward"}

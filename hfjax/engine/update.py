@@ -175,6 +175,9 @@ def make_grouped_update_step(
             raise ValueError("a grouped update step needs at least one micro-batch")
         return apply(params, opt_state, grads, sums)
 
+    # Its compiled parts, for listings at abstract shapes (`WorkerGroup.programs`): the
+    # normalisers, one micro-batch's gradient accumulation, and the optimizer update.
+    step.totals, step.accumulate, step.apply = totals_of, add, apply
     return step
 
 

@@ -34,7 +34,7 @@ from hfjax.numerics.losses import PolicyLossInputs
 from hfjax.parallel import reshard
 from hfjax.parallel.mesh import batch_sharding
 from hfjax.parallel.transfer import transfer
-from hfjax.workers.base import SEQUENCES, WorkerGroup
+from hfjax.workers.base import SEQUENCES, Program, StepShape, WorkerGroup
 
 
 def response_logprobs(model, input_ids, attention_mask, response_len: int, temperature: float,
@@ -177,6 +177,35 @@ class Reference(WorkerGroup):
         rows = len(mb["input_ids"])
         return self._logprob_fn(params, mb["input_ids"], mb["attention_mask"],
                                 mb["responses"].shape[1], 1, self._sharing(rows))
+
+    def log_prob_programs(self, what: str, shape: StepShape) -> list[Program]:
+        """The log-prob pass over a step's sequences as `_log_probs` runs it: packed rows, a
+        full-width length-grouped micro-batch (the widest cut), or padded rows in strided
+        micro-batches, shared-prompt where the micro-batches' groups split over the devices."""
+        rows = self.padded_rows(shape.sequences)
+        seqs = self.abstract_sequences(rows, shape)
+        ids, mask, r = seqs["input_ids"], seqs["attention_mask"], shape.response_len
+        named = {"params": self.params}
+        name, held = f"{self.name}.{what}", (f"{self.name} params",)
+        if self.grouped:
+            micro = min(self.micro_rows or rows, rows)
+            cut = self.abstract_sequences(micro, shape)
+            group = self.samples if rows % self.samples == 0 else 1
+            share = self._sharing(micro) if group > 1 else 1
+            return [Program(name, self._logprob, (self.params, cut["input_ids"],
+                                                  cut["attention_mask"], r, 1, share),
+                            held, named)]
+        if self.budget is not None:
+            pack = self.budget.shape(rows, shape.width, self.dp_size, self.name)
+            return [Program(name, self._packed_logprob, (self.params, ids, mask, r, pack),
+                            held, named)]
+        n_micro = self.scoring_micro_batches(rows)
+        return [Program(name, self._logprob, (self.params, ids, mask, r, n_micro,
+                                              self._sharing(rows // n_micro)), held, named)]
+
+    def programs(self, shape: StepShape) -> list[Program]:
+        """The reference log-prob pass (`compute_ref_log_prob`)."""
+        return self.log_prob_programs("log_prob", shape)
 
     @method(DP_COMPUTE, reads=SEQUENCES)
     def compute_ref_log_prob(self, batch: Batch) -> Batch:
@@ -365,6 +394,32 @@ class ActorRollout(Reference):
         m["actor/nonfinite_params"] = m.pop("nonfinite_params")
         m.pop("loss")
         return m
+
+    def programs(self, shape: StepShape) -> list[Program]:
+        """The actor's programs of an RL step besides generation: the old-policy log-prob pass
+        (when `shape.old_log_probs`) and the update (`update_actor`) on a mini-batch in the
+        layout the config selects. The sampler's and the hybrid engine's programs are the
+        rollout's (`hfjax.dry_run`)."""
+        a = self.acfg
+        out = self.log_prob_programs("log_prob", shape) if shape.old_log_probs else []
+        mini = a.ppo_mini_batch_size * self.rcfg.n
+        mb = self.abstract_sequences(mini, shape)
+        floats = ["advantages"]
+        if shape.old_log_probs:
+            floats.append("old_log_probs")
+        if a.use_kl_loss:
+            floats.append("ref_log_prob")
+        mb |= {k: self.abstract_rows(mini, shape.response_len, "float32") for k in floats}
+        return out + self.update_programs("update", self._policy_loss, mb,
+                                          a.ppo_micro_batch_size, budget=self.budget,
+                                          grouped=self.grouped, group=self.samples)
+
+    def warm_start_programs(self, batch_size: int, micro: int,
+                            shape: StepShape) -> list[Program]:
+        """The SFT warm start's update (`update_sft`) on `batch_size` sequences in
+        micro-batches of `micro`, with the optimizer installed now (the warm start's)."""
+        mb = self.abstract_sequences(batch_size, shape)
+        return self.update_programs("update_sft", self._sft_loss, mb, micro)
 
     def _sft_nll_fn(self, params, input_ids, attention_mask, responses, response_mask):
         lp, _ = response_logprobs(self.model(params), input_ids, attention_mask,

@@ -10,8 +10,10 @@ batch on.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -24,7 +26,7 @@ from hfjax.controller.batch import Batch
 from hfjax.engine import grouping, update
 from hfjax.engine.packing import PackShape, TokenBudget
 from hfjax.parallel import sharding as shd
-from hfjax.parallel.mesh import MeshSpec, ResourcePool, dp_size
+from hfjax.parallel.mesh import MeshSpec, ResourcePool, batch_sharding, dp_size
 from hfjax.parallel.transfer import transfer
 
 # The arrays every scoring pass reads: the sequences and which of their tokens are responses.
@@ -46,6 +48,40 @@ def _place(x, sharding):
 def is_abstract(tree) -> bool:
     """True when `tree`'s leaves are ShapeDtypeStructs (a worker group built for a dry run)."""
     return any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(tree))
+
+
+@dataclasses.dataclass(frozen=True)
+class StepShape:
+    """The widest batch a run's step hands its worker groups, for listing their programs at
+    abstract shapes (`WorkerGroup.programs`): `sequences` rows (prompts x samples),
+    `prompt_len` + `response_len` columns (the config's caps), and whether the step scores its
+    samples under the pre-update policy (`hfjax.algorithms.dataflow.needs_old_log_prob`)."""
+
+    sequences: int
+    prompt_len: int
+    response_len: int
+    old_log_probs: bool = True
+
+    @property
+    def width(self) -> int:
+        return self.prompt_len + self.response_len
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """One compilable program of a worker group: `fn` (jitted) lowers with `args` (abstract
+    arrays with their shardings, and the static values it takes). `name` is "<group>.<what>";
+    `replaces`: the group's resident state the program takes as arguments (e.g. "critic
+    params", "critic optimizer"), so a pool's other holdings are not counted twice; `named`:
+    arguments whose per-device bytes a report names (params, optimizer, batch, ...);
+    `trains`: part of an update (it changes the group's state)."""
+
+    name: str
+    fn: Any
+    args: tuple
+    replaces: tuple[str, ...]
+    named: dict[str, Any] = dataclasses.field(default_factory=dict)
+    trains: bool = False
 
 
 @functools.partial(jax.jit, static_argnums=1)
@@ -204,6 +240,68 @@ class WorkerGroup:
                 normalisers=normalisers, jit=self.jit, packing=packing, group=group,
             )
         return self._programs[key]
+
+    # -- programs at abstract shapes (the dry run and the pre-run memory check) ----------------
+
+    def programs(self, shape: StepShape) -> list[Program]:
+        """Every program this group compiles for a step of `shape`, at abstract shapes, in the
+        modes its config selects (padded, packed, length-grouped, shared-prompt rows). A
+        group with no device programs lists none."""
+        return []
+
+    def abstract_rows(self, n: int, width: int, dtype: str = "int32") -> jax.ShapeDtypeStruct:
+        """An abstract [n, width] batch array split over this group's data-parallel devices."""
+        return jax.ShapeDtypeStruct((n, width), jnp.dtype(dtype),
+                                    sharding=batch_sharding(self.mesh))
+
+    def abstract_sequences(self, n: int, shape: StepShape) -> dict[str, jax.ShapeDtypeStruct]:
+        """The sequence arrays of `n` rows at `shape`'s widths (`SEQUENCES` and the mask)."""
+        return {"input_ids": self.abstract_rows(n, shape.width),
+                "attention_mask": self.abstract_rows(n, shape.width),
+                "responses": self.abstract_rows(n, shape.response_len),
+                "response_mask": self.abstract_rows(n, shape.response_len)}
+
+    def padded_rows(self, n: int) -> int:
+        """`n` rounded up to this group's data-parallel size, as dispatch pads a batch."""
+        return n + (-n % self.dp_size)
+
+    def update_programs(self, what: str, loss_fn, batch: dict[str, Any], micro: int, *,
+                        budget: TokenBudget | None = None, grouped: bool = False,
+                        group: int = 1, normalisers=update.normalisers) -> list[Program]:
+        """The update programs `train` runs for a mini-batch `batch` (abstract) of `loss_fn`:
+        one strided or packed step, or, length-grouped, a full-width micro-batch's gradient
+        accumulation and the optimizer update (the widest cut bounds every cut's memory)."""
+        name = f"{self.name}.{what}"
+        state = (f"{self.name} params", f"{self.name} optimizer")
+        named = {"params": self.params, "optimizer": self.opt_state, "batch": batch}
+        mini = batch["input_ids"].shape[0]
+        if not grouped:
+            shape = None
+            if budget is not None:
+                shape = budget.shape(mini, batch["input_ids"].shape[1], self.dp_size, self.name)
+            step = self.update_program(loss_fn, mini // micro, normalisers, shape, group)
+            return [Program(name, step, (self.params, self.opt_state, batch), state, named, True)]
+        step = self.grouped_program(loss_fn, normalisers)
+        everywhere = self.layout.replicated()
+
+        def placed(tree):
+            return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                                               sharding=everywhere), tree)
+
+        totals = placed(jax.eval_shape(step.totals, batch))
+        mb = {k: jax.ShapeDtypeStruct((micro, *v.shape[1:]), v.dtype, sharding=v.sharding)
+              for k, v in batch.items()}
+        grads = self.params
+        _, metrics = jax.eval_shape(step.accumulate, self.params, grads, mb, totals)
+        return [
+            Program(name, step.accumulate, (self.params, grads, mb, totals),
+                    (f"{self.name} params",),
+                    {"params": self.params, "gradients": grads, "batch": mb}, True),
+            Program(f"{name}.apply", step.apply,
+                    (self.params, self.opt_state, grads, placed(metrics)), state,
+                    {"params": self.params, "optimizer": self.opt_state, "gradients": grads},
+                    True),
+        ]
 
     @property
     def abstract(self) -> bool:

@@ -10,7 +10,7 @@ from hfjax.controller.protocol import DP_COMPUTE, method
 from hfjax.engine import grouping, packing
 from hfjax.engine.update import share_of_normaliser
 from hfjax.numerics import core, losses
-from hfjax.workers.base import SEQUENCES, WorkerGroup
+from hfjax.workers.base import SEQUENCES, Program, StepShape, WorkerGroup
 
 
 class Critic(WorkerGroup):
@@ -52,6 +52,33 @@ class Critic(WorkerGroup):
     def compute_values(self, batch: Batch) -> Batch:
         """Batch with `values` [B, R]."""
         return self._compute_values(batch)
+
+    def programs(self, shape: StepShape) -> list[Program]:
+        """The value pass over a step's sequences (packed, a full-width length-grouped
+        micro-batch, or the padded batch) and the update on a mini-batch, as
+        `compute_values` and `update_critic` run them."""
+        c, r = self.ccfg, shape.response_len
+        rows = self.padded_rows(shape.sequences)
+        held, named = (f"{self.name} params",), {"params": self.params}
+        name = f"{self.name}.values"
+        if self.grouped:
+            cut = self.abstract_sequences(min(c.ppo_micro_batch_size, rows), shape)
+            values = Program(name, self._values, (self.params, cut["input_ids"],
+                                                  cut["attention_mask"], r), held, named)
+        else:
+            seqs = self.abstract_sequences(rows, shape)
+            ids, mask = seqs["input_ids"], seqs["attention_mask"]
+            if self.budget is not None:
+                pack = self.budget.shape(rows, shape.width, self.dp_size, self.name)
+                values = Program(name, self._packed_values, (self.params, ids, mask, r, pack),
+                                 held, named)
+            else:
+                values = Program(name, self._values, (self.params, ids, mask, r), held, named)
+        mini = c.ppo_mini_batch_size * self.n_samples
+        mb = self.abstract_sequences(mini, shape)
+        mb |= {k: self.abstract_rows(mini, r, "float32") for k in ("values", "returns")}
+        return [values, *self.update_programs("update", self._loss, mb, c.ppo_micro_batch_size,
+                                              budget=self.budget, grouped=self.grouped)]
 
     def _compute_values(self, batch: Batch) -> Batch:
         r = batch["responses"].shape[1]

@@ -33,6 +33,7 @@ from hfjax.engine.update import make_optimizer
 from hfjax.models import transformer
 from hfjax.models.config import ModelConfig
 from hfjax.models.hf_io import load_score
+from hfjax.models.hf_io import model_config as hf_model_config
 from hfjax.numerics.losses import (
     FixedKLController,
     KLController,
@@ -244,8 +245,14 @@ def _critic_builder(role: str, cls: type[Critic], seed_offset: int) -> RoleBuild
 def _score_builder(role: str, output: str) -> RoleBuilder:
     def build(ctx: BuildContext) -> ModelReward:
         s = ctx.section(role)
-        # A checkpoint without a trained score head is refused (run_config checks it first).
-        model = load_score(s.path, what=f"{role}.path", dtype=s.get("dtype", "float32"))
+        dtype = s.get("dtype", "float32")
+        if ctx.actor.abstract:
+            # A dry run: the architecture from config.json (a .gguf's metadata, a preset's
+            # shapes) as `load_score` would build it, shapes only; no weight is read.
+            model = transformer.abstract(hf_model_config(s.path, dtype=dtype), "score")
+        else:
+            # A checkpoint without a trained score head is refused (run_config checks it first).
+            model = load_score(s.path, what=f"{role}.path", dtype=dtype)
         return ModelReward(role, ctx.pools[role], s.mesh, model, output=output, home=ctx.home,
                            budget=token_budget(s))
 

@@ -18,7 +18,7 @@ from hfjax.controller.protocol import DP_COMPUTE, method
 from hfjax.engine import packing
 from hfjax.models.transformer import ScoreModel
 from hfjax.numerics import losses
-from hfjax.workers.base import WorkerGroup
+from hfjax.workers.base import Program, StepShape, WorkerGroup
 
 # A preference pair: the preferred and the other sequence, each prompt (left-padded) + response
 # (right-padded), at the same width.
@@ -69,6 +69,21 @@ class ModelReward(WorkerGroup):
             return Batch({self.output: self._score(self.params, ids, mask)})
         shape = self.budget.shape(len(batch), ids.shape[1], self.dp_size, self.name)
         return Batch({self.output: self._packed_score(self.params, ids, mask, shape)})
+
+    def programs(self, shape: StepShape) -> list[Program]:
+        """The scoring pass over a step's sequences (`compute_score`: padded, or packed rows
+        cut by the token budget). Pairwise training (`update_pairwise`) is launch.train_rm's,
+        not the RL step's."""
+        rows = self.padded_rows(shape.sequences)
+        ids = self.abstract_rows(rows, shape.width)
+        mask = self.abstract_rows(rows, shape.width)
+        held, named = (f"{self.name} params",), {"params": self.params}
+        if self.budget is None:
+            return [Program(f"{self.name}.score", self._score, (self.params, ids, mask), held,
+                            named)]
+        pack = self.budget.shape(rows, shape.width, self.dp_size, self.name)
+        return [Program(f"{self.name}.score", self._packed_score, (self.params, ids, mask, pack),
+                        held, named)]
 
     def _pair_loss(self, params, mb, totals):
         n = mb["chosen_ids"].shape[0]

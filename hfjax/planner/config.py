@@ -2,7 +2,7 @@
 
 `plan_inputs` reads the models (the actor from `model.*`, the critic and the reference where the
 algorithm and its KL terms need them, a reward model when one is named), the roles scored on the
-host, and the step's shape (`hfjax.controller.simulator.Workload`, with the sampler's buckets)
+host, and the step's shape (`hfjax.planner.simulator.Workload`, with the sampler's buckets)
 from a config, without loading any weights. `flagfile_lines` writes a plan as an absl flagfile
 that `launch.train --flagfile=...` runs unchanged.
 """
@@ -11,13 +11,13 @@ from __future__ import annotations
 
 from hfjax import model_source
 from hfjax.algorithms.registry import get_algorithm
-from hfjax.controller.costs import ModelSpec
-from hfjax.controller.simulator import Workload
 from hfjax.data import arith
 from hfjax.engine.sampler import MIN_NEW_TOKENS_BUCKET, bucket_size, prompt_bucket
 from hfjax.engine.shared_prompt import samples_per_row
 from hfjax.models.config import ModelConfig
 from hfjax.models.hf_io import model_config as path_model_config
+from hfjax.planner.pricing import ModelSpec
+from hfjax.planner.simulator import Workload
 from hfjax.workers.groups import needs_ref
 
 
@@ -34,10 +34,17 @@ def reward_model_path(cfg, flag: str = "") -> str:
     return flag or (cfg.get("reward_model") or {}).get("path", "")
 
 
-def plan_inputs(cfg, reward_model: str = "", score_micro: int = 0, gen_rows: int = 0,
-                platform: str = "gpu"):
+def plan_inputs(cfg, reward_model: str = "", score_micro: int | None = None,
+                gen_rows: int | None = None, platform: str = "gpu"):
     """(models, host roles, workload) of the run a config describes on `platform`; the reward
-    model is `reward_model_path(cfg, reward_model)`."""
+    model is `reward_model_path(cfg, reward_model)`; `score_micro` and `gen_rows` (None: the
+    config's `plan.score_micro` and `plan.gen_rows`, 0 where it has none) say how the
+    workload's scoring passes and decode batch their rows (`Workload`)."""
+    plan = cfg.get("plan") or {}
+    if score_micro is None:
+        score_micro = plan.get("score_micro", 0)
+    if gen_rows is None:
+        gen_rows = plan.get("gen_rows", 0)
     algo = get_algorithm(cfg.algorithm)
     actor_cfg = model_config(cfg, platform)
     reward_model = reward_model_path(cfg, reward_model)

@@ -10,15 +10,15 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from hfjax.controller import costs, virtual
-from hfjax.controller.costs import Call, ClosedFormCosts, MeshLayout, ModelSpec
-from hfjax.controller.simulator import Simulator, Workload, cluster_for
 from hfjax.engine import hybrid, shared_prompt
 from hfjax.models import transformer
 from hfjax.models.presets import get_preset
 from hfjax.parallel import reshard
 from hfjax.parallel import sharding as shd
 from hfjax.parallel.mesh import MeshSpec
+from hfjax.planner import pricing, virtual
+from hfjax.planner.pricing import Call, ClosedFormCosts, MeshLayout, ModelSpec
+from hfjax.planner.simulator import Simulator, Workload, cluster_for
 
 # The tiny preset: V=256, D=64, F=128, L=2, N=4, K=2, H=16, tied embeddings, float32.
 TINY = get_preset("tiny")
@@ -59,28 +59,29 @@ def test_shard_bytes_match_the_runs_own_layout(mesh, rules):
         jax.tree.leaves(lay.state_shardings(state)), leaves))
     sizes = spec.resolve(8)
     model = ModelSpec("actor", cfg)
-    assert costs.param_shard_bytes(model, MeshLayout(sizes["data"], sizes["fsdp"],
+    assert pricing.param_shard_bytes(model, MeshLayout(sizes["data"], sizes["fsdp"],
                                                      sizes["tensor"], rules)) == real
 
 
 def test_flops_by_hand():
     d, f, n, k, h, v, layers = 64, 128, 4, 2, 16, 256, 2
     w = d * h * (2 * n + 2 * k) + 3 * d * f
-    assert costs.layer_matmul_params(TINY) == w == 12288 + 24576
+    assert pricing.layer_matmul_params(TINY) == w == 12288 + 24576
     rows, seq, scored = 3, 32, 8
     # Per token and layer: 2 FLOPs per weight, plus q.k and p.v over all seq keys.
     layer_flops = rows * seq * layers * (2 * w + 4 * n * h * seq)
     head = 2 * d * v * rows * scored
-    assert costs.forward_flops(TINY, "causal_lm", rows, seq, scored) == layer_flops + head
-    assert costs.forward_flops(TINY, "value", rows, seq, scored) == layer_flops + 2 * d * rows * seq
+    assert pricing.forward_flops(TINY, "causal_lm", rows, seq, scored) == layer_flops + head
+    assert (pricing.forward_flops(TINY, "value", rows, seq, scored)
+            == layer_flops + 2 * d * rows * seq)
     model = ModelSpec("actor", TINY, "causal_lm", True)
     train = ClosedFormCosts().call(model, MeshLayout(data=2), Call("train", 8, seq, scored, 4))
     # Two micro-batches of 4 rows, 2 of them per device; forward + twice that backward.
-    assert train.flops == 2 * 3 * costs.forward_flops(TINY, "causal_lm", 2, seq, scored)
+    assert train.flops == 2 * 3 * pricing.forward_flops(TINY, "causal_lm", 2, seq, scored)
     remat = ModelSpec("actor", TINY.replace(remat_policy="full"), "causal_lm", True)
     train_remat = ClosedFormCosts().call(remat, MeshLayout(data=2),
                                          Call("train", 8, seq, scored, 4))
-    assert train_remat.flops == train.flops + 2 * costs.layers_flops(TINY, 2, seq, seq)
+    assert train_remat.flops == train.flops + 2 * pricing.layers_flops(TINY, 2, seq, seq)
     # One decode step: every row attends over all 48 slots; the LM head on one position.
     step = ClosedFormCosts().call(model, MeshLayout(data=1, tensor=2, rules="decode"),
                                   Call("decode", 6, 48))
@@ -89,27 +90,27 @@ def test_flops_by_hand():
 
 def test_memory_terms_by_hand():
     # KV cache: keys and values of K=2 heads of 16 floats per layer, 2 layers.
-    assert costs.kv_bytes_per_token(TINY) == 2 * 2 * 2 * 16 * 4 == 512
+    assert pricing.kv_bytes_per_token(TINY) == 2 * 2 * 2 * 16 * 4 == 512
     # A bf16 model's cache is bf16 on GPUs and TPUs, float32 on CPU (transformer.storage_dtype).
     bf16 = TINY.replace(dtype="bfloat16")
-    assert costs.kv_bytes_per_token(bf16, "gpu") == costs.kv_bytes_per_token(bf16, "tpu") == 256
-    assert costs.kv_bytes_per_token(bf16, "cpu") == 512
+    assert pricing.kv_bytes_per_token(bf16, "gpu") == pricing.kv_bytes_per_token(bf16, "tpu") == 256
+    assert pricing.kv_bytes_per_token(bf16, "cpu") == 512
     decode = Call("decode", 8, 48)
     on = {p: ClosedFormCosts(p).call(ModelSpec("actor", bf16, "causal_lm", False), MeshLayout(),
                                      decode) for p in ("gpu", "cpu")}
     assert on["cpu"].bytes_accessed - on["gpu"].bytes_accessed == 8 * 48 * 256
-    assert costs.kv_split(TINY, 2) == 2 and costs.kv_split(TINY, 4) == 1
+    assert pricing.kv_split(TINY, 2) == 2 and pricing.kv_split(TINY, 4) == 1
     # a(32) = 4 (4*64 + (2*4 + 3*2)*16 + 4*16 + 4*128) + 8*64 + 4*32*(4 + 4)
-    assert costs.layer_activation_bytes(TINY, 32, 1) == 4 * 1056 + 512 + 1024 == 5760
-    assert costs.saved_activation_bytes(TINY.replace(remat_policy="full"), 32, 1) == 4 * 64
+    assert pricing.layer_activation_bytes(TINY, 32, 1) == 4 * 1056 + 512 + 1024 == 5760
+    assert pricing.saved_activation_bytes(TINY.replace(remat_policy="full"), 32, 1) == 4 * 64
     # A bf16 model on CPU keeps q/k/v, RoPE, the attention and its output in float32 (a = 4):
     # 2 (4*64 + 4*128) + a ((2*4 + 3*2)*16 + 4*16) + 8*64 + 4*32*(4 + a), a = 2 on GPU.
-    assert costs.layer_activation_bytes(bf16, 32, 1, "gpu") == 1536 + 2 * 288 + 512 + 768
-    assert costs.layer_activation_bytes(bf16, 32, 1, "cpu") == 1536 + 4 * 288 + 512 + 1024
+    assert pricing.layer_activation_bytes(bf16, 32, 1, "gpu") == 1536 + 2 * 288 + 512 + 768
+    assert pricing.layer_activation_bytes(bf16, 32, 1, "cpu") == 1536 + 4 * 288 + 512 + 1024
     # dots_no_batch keeps q/k/v (a (4 + 2*2) 16) and the MLP's and o/down's outputs in c.
     dots = bf16.replace(remat_policy="dots_no_batch")
-    assert costs.saved_activation_bytes(dots, 32, 1, "gpu") == 2 * 128 + 2 * (256 + 128)
-    assert costs.saved_activation_bytes(dots, 32, 1, "cpu") == 4 * 128 + 2 * (256 + 128)
+    assert pricing.saved_activation_bytes(dots, 32, 1, "gpu") == 2 * 128 + 2 * (256 + 128)
+    assert pricing.saved_activation_bytes(dots, 32, 1, "cpu") == 4 * 128 + 2 * (256 + 128)
     model = ModelSpec("actor", TINY, "causal_lm", False)
     step = ClosedFormCosts().call(model, MeshLayout(data=2, rules="decode"),
                                   Call("decode", 8, 48))
@@ -157,7 +158,7 @@ def test_closed_forms_agree_with_compiled_programs(kind):
     # Working memory: an estimate of what XLA keeps, within a factor of two of its temp bytes
     # (the gradients are the program's outputs there, so they are left out here).
     temp = compiled.memory_analysis().temp_size_in_bytes
-    grads = 2 * costs.param_shard_bytes(ModelSpec("actor", cfg, "causal_lm", True),
+    grads = 2 * pricing.param_shard_bytes(ModelSpec("actor", cfg, "causal_lm", True),
                                         MeshLayout())
     estimate = cost.extra_bytes - (grads if kind == "train" else 0)
     assert temp / 2 <= estimate <= 2.5 * temp
@@ -236,7 +237,7 @@ def test_transition_bytes_are_table2_at_scale():
     # 128 devices no machine here has: fsdp=16 x tensor=8 under train rules gathers each
     # device's decode shard (1/t_g of the split weights) from its 1/(fsdp*tensor) share.
     cfg = get_preset("llama2-7b")
-    leaves = costs.model_leaves(ModelSpec("actor", cfg))
+    leaves = pricing.model_leaves(ModelSpec("actor", cfg))
     received, held = virtual.transition_bytes(leaves, "train", virtual.mesh_sizes(fsdp=16,
                                                                                   tensor=8), 4)
     split = sum(leaf.nbytes for leaf in leaves if leaf.axes and "norm" not in leaf.axes)

@@ -1,6 +1,6 @@
 """What one program call of an RLHF step costs a model: the cost source the planner reads.
 
-The planner (`hfjax.controller.planner`) prices a model in a layout through two questions:
+The planner (`hfjax.planner.search`) prices a model in a layout through two questions:
 
 - `state(model, layout)`: the bytes each device keeps between calls (parameters, and Adam's two
   moments for a trained model);
@@ -71,9 +71,9 @@ from typing import Protocol
 
 import numpy as np
 
-from hfjax.controller import virtual
 from hfjax.models.config import ModelConfig
 from hfjax.models.transformer import storage_dtype
+from hfjax.planner import virtual
 
 HEADS = ("causal_lm", "value", "score")
 KINDS = ("forward", "train", "prefill", "decode")

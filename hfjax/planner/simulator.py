@@ -1,6 +1,6 @@
 """The planner's simulator: seconds per stage for one model in one layout on a cluster.
 
-A stage's time is built from a cost source's figures (`hfjax.controller.costs`) and the
+A stage's time is built from a cost source's figures (`hfjax.planner.pricing`) and the
 cluster's published rates:
 
 - **compute-bound calls** (training, scoring passes, prefill): FLOPs / (peak x efficiency), or
@@ -51,8 +51,10 @@ import dataclasses
 import math
 from collections.abc import Mapping
 
-from hfjax.controller import virtual
-from hfjax.controller.costs import (
+from hfjax.engine import shared_prompt
+from hfjax.parallel.targets import Target, get_target
+from hfjax.planner import virtual
+from hfjax.planner.pricing import (
     Call,
     ClosedFormCosts,
     CostSource,
@@ -60,8 +62,6 @@ from hfjax.controller.costs import (
     ModelSpec,
     model_leaves,
 )
-from hfjax.engine import shared_prompt
-from hfjax.parallel.targets import Target, get_target
 
 GB = 10**9
 

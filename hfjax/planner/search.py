@@ -17,7 +17,7 @@ devices each set gets, and every model's mesh, chosen by simulated iteration tim
 4. **Per model** (Algorithm 2): every mesh data x fsdp x tensor of the pool whose sizes the
    model's shapes and micro-batch allow, and for the actor every decode layout data_g x
    tensor_g that the 3D-HybridEngine can nest its training shards in (training rules "train",
-   or "nested_train" when fsdp > 1); each priced by `hfjax.controller.simulator`. Within a
+   or "nested_train" when fsdp > 1); each priced by `hfjax.planner.simulator`. Within a
    colocated set, the layouts that minimise the set's busy time (the sum of its stages) while
    fitting in memory together.
 5. **Cost**: the dataflow's stages scheduled in program order, each when its inputs are ready
@@ -36,15 +36,15 @@ import math
 import time
 from collections.abc import Iterable, Mapping, Sequence
 
-from hfjax.controller import virtual
-from hfjax.controller.costs import (
+from hfjax.planner import virtual
+from hfjax.planner.pricing import (
     CostSource,
     MeshLayout,
     ModelSpec,
     model_leaves,
     param_shard_bytes,
 )
-from hfjax.controller.simulator import (
+from hfjax.planner.simulator import (
     Cluster,
     Efficiency,
     Simulator,

@@ -1,9 +1,11 @@
 """A run config as the planner sees it: models, host roles and the step's shape, and a plan as
 the flagfile launch.train reads."""
 
+import pytest
+
 from configs import grpo_arith, ppo_arith
-from hfjax.controller import planner
-from hfjax.plan_config import flagfile_lines, plan_inputs
+from hfjax.planner import search
+from hfjax.planner.config import flagfile_lines, plan_inputs
 
 
 def test_ppo_default_inputs():
@@ -35,7 +37,7 @@ def test_grpo_inputs_and_a_reward_model():
 def test_flagfile_puts_the_plan_after_the_users_overrides():
     cfg = ppo_arith.get_config()
     models, host, w = plan_inputs(cfg)
-    result = planner.plan(models, w, "cpu", 8, host_roles=host)
+    result = search.plan(models, w, "cpu", 8, host_roles=host)
     argv = ["launch.plan", "--target=cpu", "--config.trainer.total_steps=2",
             "--config.actor.mesh=data=8"]
     lines, missing = flagfile_lines(result.best, cfg, "configs/ppo_arith.py", argv)
@@ -52,7 +54,7 @@ def test_a_reward_model_is_planned_as_the_reward_model_role():
     models, host, w = plan_inputs(cfg, platform="cpu")
     assert [m.role for m in models] == ["actor", "critic", "ref", "reward"] and host == ()
     assert models[-1].config.param_dtype == cfg.reward_model.dtype
-    result = planner.plan(models, w, "cpu", 8, host_roles=host)
+    result = search.plan(models, w, "cpu", 8, host_roles=host)
     lines, missing = flagfile_lines(result.best, cfg, "configs/ppo_arith.py", ["launch.plan"],
                                     reward_model="preset:tiny")
     assert missing == []
@@ -63,3 +65,24 @@ def test_a_reward_model_is_planned_as_the_reward_model_role():
     holder = next(roles for roles in pools if "reward" in roles)
     assert "reward_model" in holder  # placed with the reward it feeds
     assert sum("reward_model" in roles for roles in pools) == 1
+
+
+def test_the_config_says_how_the_programs_batch_and_flags_override_it():
+    from hfjax.run_config import ConfigError, check_config
+
+    cfg = ppo_arith.get_config()
+    w = plan_inputs(cfg)[2]
+    assert (w.score_micro, w.gen_rows) == (0, 0)  # as hfjax's runs do
+    cfg.plan.score_micro, cfg.plan.gen_rows = 32, -1
+    w = plan_inputs(cfg)[2]
+    assert (w.score_micro, w.gen_rows) == (32, -1)
+    w = plan_inputs(cfg, score_micro=0, gen_rows=0)[2]  # launch.plan --score_micro, --gen_rows
+    assert (w.score_micro, w.gen_rows) == (0, 0)
+    # Only the planner reads them: a train config without the section is complete.
+    del cfg["plan"]
+    check_config(cfg)
+    assert plan_inputs(cfg)[2].gen_rows == 0
+    cfg = ppo_arith.get_config()
+    cfg.plan.gen_rows = -2
+    with pytest.raises(ConfigError, match="plan.gen_rows=-2: needs an int >= -1"):
+        check_config(cfg)
