@@ -57,7 +57,7 @@ import numpy as np
 from hfjax import model_source
 from hfjax.algorithms import dataflow
 from hfjax.engine.sampler import SamplingParams, prompt_bucket
-from hfjax.models import transformer
+from hfjax.models import attention, transformer
 from hfjax.parallel.mesh import batch_sharding
 from hfjax.run_config import validate_config
 from hfjax.workers import groups
@@ -294,9 +294,17 @@ def dry_run(cfg, *, device_memory_bytes: int | None = None, target: str | None =
     `platform` is the one `model.dtype=auto` is resolved for (a target's, where the devices
     are simulated CPUs; default: the devices'). `on_program` is called with each program's
     figures as soon as it is compiled. Raises ValueError for a bad config, before compiling.
+    Attention and the decode step are compiled as `platform` runs them
+    (`hfjax.models.attention.compiling_for`: a GPU or TPU target's fused kernels by their
+    memory-linear stand-in, blockwise attention and the chunked cache read).
     """
-    algo, pools = validate_config(cfg)
     platform = platform or jax.devices()[0].platform
+    with attention.compiling_for(platform):
+        return _dry_run(cfg, device_memory_bytes, target, platform, on_program)
+
+
+def _dry_run(cfg, device_memory_bytes, target, platform, on_program) -> DryRun:
+    algo, pools = validate_config(cfg)
     compute = model_source.compute_dtype(cfg, platform)
     tok = model_source.task_tokenizer(cfg)
     mcfg = model_source.model_config(cfg, tok, compute)

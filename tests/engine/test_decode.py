@@ -14,7 +14,13 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "models"))
 from hf_fixtures import make_hf_model  # noqa: E402
 
 import hfjax.models as M  # noqa: E402
-from hfjax.engine.decode import LayerCache, decode_step, empty_cache, split_layers  # noqa: E402
+from hfjax.engine.decode import (  # noqa: E402
+    LayerCache,
+    cache_columns,
+    decode_step,
+    empty_cache,
+    split_layers,
+)
 from hfjax.models.transformer import KVCache  # noqa: E402
 
 PROMPT, NEW, ROWS = 12, 40, 4
@@ -110,6 +116,6 @@ def test_per_row_columns(llama):
 def test_empty_cache_shapes(llama):
     cfg = llama.config
     cache = empty_cache(cfg, 3, 16, 24)
-    assert len(cache) == cfg.num_layers and cache[0].columns == 40
+    assert len(cache) == cfg.num_layers and cache_columns(cache[0]) == 40
     assert cache[0].prompt_k.shape == (3, cfg.num_kv_heads, cfg.head_dim, 16)
     assert cache[0].v.shape == (3, cfg.num_kv_heads, 24, cfg.head_dim)
