@@ -37,7 +37,8 @@ the step has three ways to read the cache (`DecodeOptions.attention`) and two la
 - "pallas" (GPU): the Pallas GPU decode-attention kernel
   (`jax.experimental.pallas.ops.gpu.decode_attention.gqa`), once per part over each row's
   live range (left-padded prompt columns, response columns up to the row's own), merged by
-  the kernel's residuals. Needs the "gpu" layout and left-padded prompts.
+  the kernel's residuals. Needs the "gpu" layout and left-padded prompts; a part whose width
+  the kernel does not take (`pallas_blocks`) is read as "full" (prompt) or "chunked".
 
 Layouts: "cpu" keeps keys [rows, kv_heads, head_dim, columns] and values [rows, kv_heads,
 columns, head_dim] (both products plain batched matmuls on XLA:CPU); "gpu" keeps both as
@@ -287,17 +288,29 @@ def _read_chunked(q, keys, values, ok, acc, live: jax.Array, opts: DecodeOptions
     return jax.lax.fori_loop(1, n, body, acc)
 
 
+def pallas_blocks(width: int) -> tuple[int, int] | None:
+    """(k_splits, block_k) of the Pallas decode kernel for a part of `width` columns, or None
+    where the kernel cannot take it: it splits the columns into k_splits equal runs of at
+    least 16, each read in blocks of block_k (Triton blocks are powers of two)."""
+    for splits in (16, 8, 4, 2, 1):
+        run = width // splits
+        if width % splits == 0 and run >= 16 and run & (run - 1) == 0:
+            return splits, min(run, 128)
+    return None
+
+
 def _read_pallas(q, keys, values, start: jax.Array, stop: jax.Array, acc: _Softmax | None,
                  opts: DecodeOptions) -> _Softmax:
     """The Pallas GPU decode-attention kernel over columns [start, stop) of each row of one
-    part ("gpu" layout), as a `_Softmax` to merge with the other part's."""
+    part ("gpu" layout), as a `_Softmax` to merge with the other part's. The part's width must
+    suit the kernel (`pallas_blocks`)."""
     from jax.experimental.pallas.ops.gpu import decode_attention
 
     R, K, G, H = q.shape
-    width = keys.shape[1]
+    splits, block = pallas_blocks(keys.shape[1])
     out, (total, top) = decode_attention.gqa(
         q.reshape(R, K * G, H), keys, values, start, stop, return_residuals=True,
-        normalize_output=False, block_k=min(128, width), interpret=opts.interpret)
+        normalize_output=False, block_k=block, k_splits=splits, interpret=opts.interpret)
     part = _Softmax(top.reshape(R, K, G, 1).astype(jnp.float32),
                     total.reshape(R, K, G, 1).astype(jnp.float32),
                     out.reshape(R, K, G, H).astype(jnp.float32))
@@ -343,19 +356,21 @@ def _layer(
     # q and the cache are both in the attention's dtype (`storage_dtype`).
     qg = q[:, 0].reshape(rows, kv_heads, group, head_dim)
     width = kv.prompt_k.shape[1] if gpu else kv.prompt_k.shape[-1]
-    if opts.attention == "pallas":
+    pallas = opts.attention == "pallas"
+    if pallas and pallas_blocks(width):
         # Left-padded prompts: a row's real prompt columns are its last ones.
         first = width - jnp.sum(valid[:, :width], axis=1, dtype=jnp.int32)
         acc = _read_pallas(qg, kv.prompt_k, kv.prompt_v, first,
                            jnp.full((rows,), width, jnp.int32), None, opts)
-        stop = jnp.broadcast_to(col + 1, (rows,)).astype(jnp.int32)
-        acc = _read_pallas(qg, ck, cv, jnp.zeros((rows,), jnp.int32), stop, acc, opts)
     else:
         acc = _read(qg, kv.prompt_k, kv.prompt_v, valid[:, :width], None, opts.layout)
-        if opts.attention == "chunked":
-            acc = _read_chunked(qg, ck, cv, valid[:, width:], acc, jnp.max(col) + 1, opts)
-        else:
-            acc = _read(qg, ck, cv, valid[:, width:], acc, opts.layout)
+    if pallas and pallas_blocks(ck.shape[1]):
+        stop = jnp.broadcast_to(col + 1, (rows,)).astype(jnp.int32)
+        acc = _read_pallas(qg, ck, cv, jnp.zeros((rows,), jnp.int32), stop, acc, opts)
+    elif opts.attention == "full":
+        acc = _read(qg, ck, cv, valid[:, width:], acc, opts.layout)
+    else:  # chunked, and Pallas on a width its kernel does not take
+        acc = _read_chunked(qg, ck, cv, valid[:, width:], acc, jnp.max(col) + 1, opts)
     out = (acc.out / acc.total).astype(qg.dtype)
     # Heads flattened in (kv_head, group) order, which is the query-head order.
     attn = out.reshape(rows, 1, cfg.num_heads, head_dim)

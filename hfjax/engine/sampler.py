@@ -271,6 +271,7 @@ class Sampler:
         param_rules: str | dict | None = None,
         decode_attention: str = "auto",
         kv_layout: str = "auto",
+        decode: DecodeOptions | None = None,
     ):
         # rules=None keeps parameters in whatever layout the caller passes (an actor decoding
         # in its training layout); otherwise they are moved to this layout of `mesh`.
@@ -293,8 +294,9 @@ class Sampler:
         self._layout = self._trace_layout if rules is not None else None
         self._dp = mesh_lib.dp_size(mesh) if mesh is not None else 1
         # How decode steps read the cache and lay it out (`hfjax.engine.decode.decode_options`:
-        # "auto" resolved once, for the platform programs are compiled for).
-        self.decode = decode_options(decode_attention, kv_layout)
+        # "auto" resolved once, for the platform programs are compiled for); `decode`, options
+        # already resolved, overrides both.
+        self.decode = decode or decode_options(decode_attention, kv_layout)
         self._shardings = (_carry_shardings(mesh, self.config, self.decode.layout)
                            if mesh is not None else None)
         self._programs: dict[Static, tuple[Any, Any]] = {}

@@ -48,17 +48,18 @@ def blockwise_attention(
     q_offset: jax.Array | int = 0,
     q_segments: jax.Array | None = None,
     k_segments: jax.Array | None = None,
-    q_block: int = Q_BLOCK,
-    k_block: int = K_BLOCK,
+    q_block: int | None = None,
+    k_block: int | None = None,
 ) -> jax.Array:
     """Attention of q [B, T, N, H] over k, v [B, S, K, H] (N a multiple of K: query head
     k * G + g reads kv head k) where `key_valid` [B, S] and the causal / segment conditions
-    allow; scores and softmax in float32, 1/sqrt(H) scaling. Returns [B, T, N, H] in q's dtype.
+    allow; scores and softmax in float32, 1/sqrt(H) scaling. Blocks of `q_block` queries and
+    `k_block` keys (default Q_BLOCK, K_BLOCK). Returns [B, T, N, H] in q's dtype.
     """
     B, T, N, H = q.shape
     S, K = k.shape[1], k.shape[2]
     G = N // K
-    bq, bk = min(q_block, T), min(k_block, S)
+    bq, bk = min(q_block or Q_BLOCK, T), min(k_block or K_BLOCK, S)
     tp, sp = -(-T // bq) * bq, -(-S // bk) * bk
     segmented = q_segments is not None
     if segmented != (k_segments is not None):
