@@ -1,15 +1,18 @@
-"""One layer's attention in a training pass (no cache): every query block against every key
-(`dense_attention`) versus causal query blocks that read only the keys up to their own last
-column (`dense_attention(..., causal=True)`), forward and forward + backward, SmolLM2-135M's
-heads (9 query heads, 3 KV heads of 64) by default, 1 CPU device.
+"""One layer's attention in a training pass (no cache), through the model's entry point
+(`hfjax.models.attention.attention_fn`), one implementation per `--impls` entry side by side:
+forward and forward + backward, SmolLM2-135M's heads (9 query heads, 3 KV heads of 64) by
+default, on the default device.
 
-    python -m bench.attention [--rows=8 --width=384 --dtype=bfloat16 --blocks=64,128]
+    python -m bench.attention [--rows=8 --width=384 --dtype=bfloat16 --impls=dense,blockwise]
+    python -m bench.attention --impls=dense,xla,cudnn,blockwise --width=4096 --rows=4  # a GPU
 
+An implementation that cannot run here is replaced as the model would replace it
+(`hfjax.models.attention.resolve`: e.g. cudnn on a CPU runs blockwise); the line says which ran.
 Prints each variant's best of `--repeats` after a compiling call, the largest difference from
-the unblocked result at real (not padding) queries (0: the skipped keys are masked for them),
-and a JSON line with the ratios.
+the first variant at real (not padding) queries, and a JSON line with every variant's times.
 """
 
+import dataclasses
 import json
 
 import jax
@@ -18,7 +21,7 @@ import numpy as np
 from absl import app, flags
 
 from bench.timing import best_time
-from hfjax.models import transformer
+from hfjax.models import attention as attn
 from hfjax.models.config import ModelConfig
 
 flags.DEFINE_integer("rows", 8, "rows (sequences) of the micro-batch")
@@ -27,50 +30,45 @@ flags.DEFINE_integer("heads", 9, "query heads")
 flags.DEFINE_integer("kv_heads", 3, "key/value heads")
 flags.DEFINE_integer("head_dim", 64, "dimension per head")
 flags.DEFINE_enum("dtype", "bfloat16", ["float32", "bfloat16"], "q, k, v dtype")
-flags.DEFINE_list("blocks", ["64", "96", "128"], "causal query block sizes to time")
+flags.DEFINE_list("impls", ["dense", "xla", "blockwise"],
+                  f"implementations to time, of {attn.IMPLEMENTATIONS}")
 flags.DEFINE_integer("repeats", 5, "timed calls per variant (the best is reported)")
 FLAGS = flags.FLAGS
 
 
 def main(_) -> None:
     b, t, n, k, h = FLAGS.rows, FLAGS.width, FLAGS.heads, FLAGS.kv_heads, FLAGS.head_dim
-    cfg = ModelConfig(vocab_size=256, hidden_size=n * h, intermediate_size=4 * n * h,
-                      num_layers=1, num_heads=n, num_kv_heads=k, head_dim=h)
+    base = ModelConfig(vocab_size=256, hidden_size=n * h, intermediate_size=4 * n * h,
+                       num_layers=1, num_heads=n, num_kv_heads=k, head_dim=h)
     rng = np.random.default_rng(0)
     q, key, v = (jnp.asarray(rng.normal(size=(b, t, m, h)), FLAGS.dtype) for m in (n, k, k))
-    # Left-padded rows of different lengths, as a training batch has.
-    lengths = rng.integers(t // 2, t + 1, b)
-    valid = jnp.asarray(np.arange(t)[None, :] >= (t - lengths)[:, None])
-    mask = (jnp.tril(jnp.ones((t, t), bool))[None] & valid[:, None, :])[:, None]
-
-    def timed(causal: bool):
-        attention = transformer.dense_attention(cfg, mask, causal=causal)
-        fwd = jax.jit(attention)
+    # Left-padded prompts then right-padded responses, as a training batch has.
+    lo = rng.integers(0, t // 4, b)
+    hi = rng.integers(t // 2, t + 1, b)
+    col = np.arange(t)[None, :]
+    valid = jnp.asarray((col >= lo[:, None]) & (col < hi[:, None]))
+    print(f"{b} rows x {t} columns, {n}/{k} heads of {h}, {FLAGS.dtype}, "
+          f"{jax.default_backend()}")
+    out, ref = {"rows": b, "width": t, "dtype": FLAGS.dtype,
+                "backend": jax.default_backend()}, None
+    for impl in FLAGS.impls:
+        cfg = dataclasses.replace(base, attention_impl=impl)
+        ran = attn.resolve(impl, q.dtype, h)
+        fn = attn.attention_fn(cfg, valid, t, q.dtype)
+        fwd = jax.jit(fn)
         grad = jax.jit(jax.grad(
-            lambda q, k, v: jnp.sum(attention(q, k, v).astype(jnp.float32) ** 2), (0, 1, 2)))
+            lambda q, k, v, fn=fn: jnp.sum(jnp.where(valid[:, :, None, None],
+                                                     fn(q, k, v).astype(jnp.float32), 0) ** 2),
+            (0, 1, 2)))
         r = FLAGS.repeats
-        return (best_time(fwd, q, key, v, reps=r)[0], best_time(grad, q, key, v, reps=r)[0],
-                fwd(q, key, v))
-
-    fwd0, both0, ref = timed(False)
-    print(f"{b} rows x {t} columns, {n}/{k} heads of {h}, {FLAGS.dtype}")
-    print(f"unblocked: forward {fwd0 * 1e3:.1f} ms, forward + backward {both0 * 1e3:.1f} ms")
-    out = {"unblocked_fwd_ms": round(fwd0 * 1e3, 1), "unblocked_fwd_bwd_ms": round(both0 * 1e3, 1)}
-    default = transformer.CAUSAL_BLOCK
-    try:
-        for c in map(int, FLAGS.blocks):
-            transformer.CAUSAL_BLOCK = c
-            fwd, both, got = timed(True)
-            # Padding queries see no real key: their (never read) outputs are a mean over
-            # whichever keys a variant reads, so only real queries are compared.
-            err = jnp.abs(got.astype(jnp.float32) - ref.astype(jnp.float32))
-            diff = float(jnp.max(jnp.where(valid[:, :, None, None], err, 0.0)))
-            print(f"causal blocks of {c}: forward {fwd * 1e3:.1f} ms ({fwd0 / fwd:.2f}x), "
-                  f"forward + backward {both * 1e3:.1f} ms ({both0 / both:.2f}x), "
-                  f"max difference {diff:.3g}")
-            out[f"block{c}_fwd_bwd_speedup"] = round(both0 / both, 3)
-    finally:
-        transformer.CAUSAL_BLOCK = default
+        tf, tb = best_time(fwd, q, key, v, reps=r)[0], best_time(grad, q, key, v, reps=r)[0]
+        got = fwd(q, key, v).astype(jnp.float32)
+        ref = got if ref is None else ref
+        diff = float(jnp.max(jnp.where(valid[:, :, None, None], jnp.abs(got - ref), 0.0)))
+        print(f"{impl} (runs {ran}): forward {tf * 1e3:.2f} ms, forward + backward "
+              f"{tb * 1e3:.2f} ms, max difference from {FLAGS.impls[0]} {diff:.3g}")
+        out[impl] = {"runs": ran, "fwd_ms": round(tf * 1e3, 3), "fwd_bwd_ms": round(tb * 1e3, 3),
+                     "max_diff": diff}
     print(json.dumps(out))
 
 

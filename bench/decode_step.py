@@ -32,7 +32,7 @@ flags.DEFINE_integer("repeats", 3, "timed calls per size (the fastest is reporte
 def one_array_step(model, layers, tokens, positions, mask, cache, slot):
     """The naive side: the same step over one [rows, kv_heads, head_dim, columns] key array and
     one [rows, kv_heads, columns, head_dim] value array per layer, attention one softmax over
-    the row (`hfjax.models.transformer.attend`)."""
+    the row (`hfjax.models.attention.attend`)."""
     import jax.numpy as jnp
 
     from hfjax.engine.decode import write

@@ -43,6 +43,9 @@ def get_config() -> config_dict.ConfigDict:
             param_dtype="float32",
             scan_layers=True,
             remat_policy="none",
+            # Attention: auto | dense | xla | cudnn | blockwise | splash; auto picks per
+            # platform (dense on CPU, cudnn on GPU, splash on TPU; hfjax/models/attention.py).
+            attention_impl="auto",
         )
     )
     c.data = config_dict.ConfigDict(
@@ -136,6 +139,11 @@ def get_config() -> config_dict.ConfigDict:
             min_slots=0,  # continuous: the drain's floor; 0: the start of the slots' row range,
             # within which XLA:CPU rounds rows alike (bit-identical to the static engine)
             max_cache_len=0,  # continuous: cache columns per slot; 0 = prompt + response buckets
+            # How a decode step reads its KV cache: auto | full | chunked (only the response
+            # columns some row has written) | pallas (GPU kernel); and its layout: auto | cpu |
+            # gpu. auto: full + cpu on CPUs, chunked + gpu elsewhere (hfjax/engine/decode.py).
+            decode_attention="auto",
+            kv_layout="auto",
             n=1,
             temperature=1.0,
             top_k=0,

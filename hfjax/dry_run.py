@@ -61,7 +61,7 @@ import numpy as np
 from hfjax import model_source
 from hfjax.algorithms import dataflow
 from hfjax.engine.sampler import SamplingParams, prompt_bucket
-from hfjax.models import transformer
+from hfjax.models import attention, transformer
 from hfjax.run_config import run_roles, validate_config
 from hfjax.workers import groups
 from hfjax.workers.base import Program, StepShape, WorkerGroup
@@ -299,9 +299,17 @@ def dry_run(cfg, *, device_memory_bytes: int | None = None, target: str | None =
     `platform` is the one `model.dtype=auto` is resolved for (a target's, where the devices
     are simulated CPUs; default: the devices'). `on_program` is called with each program's
     figures as soon as it is compiled. Raises ValueError for a bad config, before compiling.
+    Attention and the decode step are compiled as `platform` runs them
+    (`hfjax.models.attention.compiling_for`: a GPU or TPU target's fused kernels by their
+    memory-linear stand-in, blockwise attention and the chunked cache read).
     """
-    algo, pools = validate_config(cfg)
     platform = platform or jax.devices()[0].platform
+    with attention.compiling_for(platform):
+        return _dry_run(cfg, device_memory_bytes, target, platform, on_program)
+
+
+def _dry_run(cfg, device_memory_bytes, target, platform, on_program) -> DryRun:
+    algo, pools = validate_config(cfg)
     compute = model_source.compute_dtype(cfg, platform)
     actor, tok = _abstract_actor(cfg, pools, compute)
     d, r, c = cfg.data, cfg.rollout, cfg

@@ -45,7 +45,8 @@ def task_tokenizer(cfg):
 def _overrides(cfg, compute_dtype: str) -> dict:
     m = cfg.model
     return dict(dtype=compute_dtype, param_dtype=m.get("param_dtype", "float32"),
-                scan_layers=m.scan_layers, remat_policy=m.remat_policy)
+                scan_layers=m.scan_layers, remat_policy=m.remat_policy,
+                attention_impl=m.get("attention_impl", "auto"))
 
 
 def compute_dtype(cfg, platform: str) -> str:

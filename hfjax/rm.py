@@ -79,7 +79,8 @@ class RMTrainer:
             # A causal LM gives the trunk (its head starts fresh); a score model continues.
             return load_model(c.model.path, head="score", dtype=c.model.dtype,
                               scan_layers=c.model.scan_layers,
-                              remat_policy=c.model.remat_policy)
+                              remat_policy=c.model.remat_policy,
+                              attention_impl=c.model.get("attention_impl", "auto"))
         mcfg = groups.scratch_model_config(c.model, self.tok.vocab_size, self.tok.pad_id,
                                            self.tok.eos_id, sum(self.width))
         return transformer.build(mcfg, "score", seed=c.seed)

@@ -191,6 +191,12 @@ def _remat_policies() -> tuple[str, ...]:
     return REMAT_POLICIES
 
 
+def _attention_impls() -> tuple[str, ...]:
+    from hfjax.models.config import ATTENTION_IMPLS
+
+    return ATTENTION_IMPLS
+
+
 def _mesh(optional: bool) -> Callable[[Any], str | None]:
     def check(v) -> str | None:
         if optional and v == "":
@@ -428,6 +434,8 @@ TRAIN_KEYS: dict[str, Callable[[Any], str | None]] = {
                                 "state"),
     "model.scan_layers": Bool(),
     "model.remat_policy": Choice(_remat_policies),
+    "model.attention_impl": Choice(_attention_impls, note="auto: dense on CPU, cudnn on GPU, "
+                                   "splash on TPU; blockwise where those cannot run"),
     # data
     "data.task": Choice(("arith", "parquet")),
     "data.train_files": Check(_parquet_files),
@@ -490,6 +498,9 @@ TRAIN_KEYS: dict[str, Callable[[Any], str | None]] = {
     "rollout.mode": Choice(("static", "continuous"),
                            note="continuous: decode slots refilled as rows stop"),
     "rollout.slots": Int(0, note="0: one per sample"),
+    "rollout.decode_attention": Choice(("auto", "full", "chunked", "pallas"),
+                                       note="auto: full on CPU, chunked on GPU and TPU"),
+    "rollout.kv_layout": Choice(("auto", "cpu", "gpu"), note="auto: the platform's"),
     "rollout.refill_every": Int(1),
     "rollout.min_slots": Int(0, note="0: the start of the slots' row range"),
     "rollout.max_cache_len": Int(0, note="0: no limit"),

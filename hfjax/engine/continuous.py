@@ -159,7 +159,8 @@ class ContinuousSampler(Sampler):
         self.prefill_batch = None if prefill_batch is None else int(prefill_batch)
         self.max_cache_len = None if max_cache_len is None else int(max_cache_len)
         mesh = self.mesh
-        self._run_shardings = run_shardings(mesh, self.config) if mesh is not None else None
+        self._run_shardings = (run_shardings(mesh, self.config, self.decode.layout)
+                               if mesh is not None else None)
         self._runs: dict[Plan, Any] = {}
         # Counters of the last call, on device (read them only when needed: reading waits for
         # the rollout): decode_steps, slot_steps, prefill_windows.
@@ -211,6 +212,7 @@ class ContinuousSampler(Sampler):
             refill_every=self.refill_every,
             drain=tuple(drain),
             **params.selection_key(),
+            decode=self.decode,
         )
 
     def _get_run(self, plan: Plan) -> Any:
@@ -280,10 +282,13 @@ def rollout_sampler(model: nnx.Module, rollout: Any, **kw: Any) -> Sampler:
 
     `rollout.mode`: "static" (`Sampler`) or "continuous" (`ContinuousSampler` with
     `rollout.slots`, `rollout.refill_every`, `rollout.min_slots` and `rollout.max_cache_len`,
-    0 for no limit).
+    0 for no limit). Either engine reads its cache as `rollout.decode_attention` and
+    `rollout.kv_layout` say (`hfjax.engine.decode.decode_options`; "auto" by default).
     Raises ValueError naming the key on a bad setting, before anything compiles.
     """
     mode = rollout.get("mode", "static")
+    kw = {"decode_attention": rollout.get("decode_attention", "auto"),
+          "kv_layout": rollout.get("kv_layout", "auto"), **kw}
     if mode == "static":
         return Sampler(model, **kw)
     if mode != "continuous":

@@ -14,7 +14,7 @@ in the padded batch, and its log-prob, value and gradient are the same up to flo
 **Shapes are static, the count is not.** A micro-batch is one packed row per data-parallel
 device, `budget` tokens wide (verl's `ppo_max_token_len_per_gpu`, rounded down to the attention
 block). A sequence is never split across rows, so a row wastes at most the end that no waiting
-sequence fits in. Attention inside a row is banded (`hfjax.models.transformer.banded_attention`):
+sequence fits in. Attention inside a row is banded (`hfjax.models.attention.banded_attention`):
 a token only sees its own segment, at most S = P + R tokens (the padded rows' width, the
 `span`), so a wide row costs per token what a padded row of S columns does, not its width.
 The buffers hold the worst case (every sequence S tokens long); how many micro-batches are in
@@ -48,7 +48,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from hfjax.models import transformer
+from hfjax.models import attention
 from hfjax.parallel import sharding as shd
 
 
@@ -77,7 +77,7 @@ def pack_shape(n_seqs: int, span: int, budget: int, dp: int, who: str = "packing
             f"({span} tokens: prompt + response columns); raise ppo_max_token_len_per_gpu to "
             f"at least data.max_prompt_length + rollout.response_length"
         )
-    chunk = transformer.band_chunk(span)
+    chunk = attention.band_chunk(span)
     width = max(span, budget // chunk * chunk)  # whole attention blocks
     rows_needed = math.ceil(n_seqs / (width // span))  # every sequence `span` long
     return PackShape(width=width, rows=dp, micro=max(1, math.ceil(rows_needed / dp)), span=span)

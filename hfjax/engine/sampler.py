@@ -53,9 +53,11 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from hfjax.engine.decode import (
+    DecodeOptions,
     LayerCache,
     cache_and_row_shardings,
     cache_from_prefill,
+    decode_options,
     decode_step,
     split_layers,
 )
@@ -140,9 +142,9 @@ def _record(c: _Carry, tok: jax.Array, lp: jax.Array, stops: jax.Array, knobs: K
     )
 
 
-def _carry_shardings(mesh: Mesh, cfg: ModelConfig) -> _Carry:
+def _carry_shardings(mesh: Mesh, cfg: ModelConfig, layout: str = "cpu") -> _Carry:
     """NamedShardings of the loop state: rows over (data, fsdp), kv-heads over tensor."""
-    layer, row = cache_and_row_shardings(mesh, cfg)
+    layer, row = cache_and_row_shardings(mesh, cfg, layout)
     return _Carry(
         t=NamedSharding(mesh, P()),
         cache=tuple(LayerCache(layer, layer, layer, layer) for _ in range(cfg.num_layers)),
@@ -164,6 +166,7 @@ def _constrain(c: _Carry, shardings: _Carry | None) -> _Carry:
 def _prefill(
     graphdef: nnx.GraphDef,
     static: Static,
+    opts: DecodeOptions,
     shardings: _Carry | None,
     state: nnx.State,
     ids: jax.Array,
@@ -188,7 +191,7 @@ def _prefill(
     logits = rep(model.logits(hidden[:, -1]))
 
     # Sample j of prompt b becomes row b * n + j; the cache is repeated, never recomputed.
-    layer_cache = cache_from_prefill(cache, n, new)
+    layer_cache = cache_from_prefill(cache, n, new, opts.layout)
     prompt_keys = jax.vmap(lambda s, salt: jax.random.fold_in(jax.random.key(s), salt))(
         seeds, salts
     )
@@ -216,6 +219,7 @@ def _prefill(
 def _decode(
     graphdef: nnx.GraphDef,
     static: Static,
+    opts: DecodeOptions,
     shardings: _Carry | None,
     state: nnx.State,
     carry: _Carry,
@@ -233,7 +237,8 @@ def _decode(
         # Token t-1 sits at slot prompt_bucket + t - 1 and position length + t - 1.
         slot = static.prompt_bucket + c.t - 1
         positions = c.lengths + c.t - 1
-        logits, cache = decode_step(model, layers, c.last, positions, c.attn, c.cache, slot)
+        logits, cache = decode_step(model, layers, c.last, positions, c.attn, c.cache, slot,
+                                    opts)
         tok, lp = select_tokens(logits, _step_keys(c.keys, c.t), static, knobs)
         return _constrain(_record(c._replace(cache=cache), tok, lp, stops, knobs), shardings)
 
@@ -264,6 +269,9 @@ class Sampler:
         pad_id: int | None = None,
         rules: str | dict | None = "decode",
         param_rules: str | dict | None = None,
+        decode_attention: str = "auto",
+        kv_layout: str = "auto",
+        decode: DecodeOptions | None = None,
     ):
         # rules=None keeps parameters in whatever layout the caller passes (an actor decoding
         # in its training layout); otherwise they are moved to this layout of `mesh`.
@@ -285,7 +293,12 @@ class Sampler:
         )
         self._layout = self._trace_layout if rules is not None else None
         self._dp = mesh_lib.dp_size(mesh) if mesh is not None else 1
-        self._shardings = _carry_shardings(mesh, self.config) if mesh is not None else None
+        # How decode steps read the cache and lay it out (`hfjax.engine.decode.decode_options`:
+        # "auto" resolved once, for the platform programs are compiled for); `decode`, options
+        # already resolved, overrides both.
+        self.decode = decode or decode_options(decode_attention, kv_layout)
+        self._shardings = (_carry_shardings(mesh, self.config, self.decode.layout)
+                           if mesh is not None else None)
         self._programs: dict[Static, tuple[Any, Any]] = {}
         self.compile_log: list[Static] = []  # one entry per compiled bucket, in order
 
@@ -394,7 +407,7 @@ class Sampler:
                 static.num_stops,
                 dict(self.mesh.shape) if self.mesh is not None else None,
             )
-            args = (self.graphdef, static, self._shardings)
+            args = (self.graphdef, static, self.decode, self._shardings)
             under = functools.partial(sharding_lib.under_layout, self._trace_layout)
             prefill = jax.jit(under(functools.partial(_prefill, *args)))
             decode = jax.jit(under(functools.partial(_decode, *args)), donate_argnums=(1,))

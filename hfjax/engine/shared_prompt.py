@@ -10,7 +10,7 @@ shrink to a few dozen as training goes, most of a pass's tokens are those copies
 Here a group of n rows [P + R] becomes one row [P + n*R]: the prompt block (left-padded, as in
 the padded rows), then each response block in turn. A prompt token attends to the prompt, a
 response token to the whole prompt and to its own response's earlier tokens
-(`hfjax.models.transformer.shared_prompt_attention`), at the positions its padded row gives it.
+(`hfjax.models.attention.shared_prompt_attention`), at the positions its padded row gives it.
 So each response token sees the same keys at the same RoPE positions as in its padded row, and
 its log-prob and gradient are the padded ones up to float rounding; the prompt's projections,
 MLPs and their gradients are computed once per group instead of n times. The logits that
@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hfjax.models import transformer
-from hfjax.models.transformer import ResponseBlocks, SharedPrompt
+from hfjax.models.attention import ResponseBlocks, SharedPrompt
 from hfjax.parallel import sharding as shd
 
 

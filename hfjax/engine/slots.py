@@ -18,6 +18,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from hfjax.engine.decode import (
+    CPU_OPTIONS,
+    DecodeOptions,
     LayerCache,
     cache_and_row_shardings,
     cache_from_prefill,
@@ -52,6 +54,7 @@ class Plan:
     use_top_p: bool
     use_min_p: bool
     num_stops: int
+    decode: DecodeOptions = CPU_OPTIONS  # how decode steps read and lay out the cache
 
     @property
     def columns(self) -> int:
@@ -117,10 +120,10 @@ class _Shardings(NamedTuple):
     rows: NamedSharding  # output rows, as the static engine returns them
 
 
-def run_shardings(mesh: Mesh, cfg: ModelConfig) -> _Shardings:
+def run_shardings(mesh: Mesh, cfg: ModelConfig, layout: str = "cpu") -> _Shardings:
     """Slots and staged prompts split over the data-parallel axes, kv-heads over `tensor` when
     it divides them (as the static engine's cache); everything else replicated."""
-    layer, row = cache_and_row_shardings(mesh, cfg)
+    layer, row = cache_and_row_shardings(mesh, cfg, layout)
     cache = tuple(LayerCache(layer, layer, layer, layer) for _ in range(cfg.num_layers))
     slots = _Slots(cache, *([row] * (len(_Slots._fields) - 1)))
     return _Shardings(slots, _Stage(NamedSharding(mesh, P()), cache, row), row)
@@ -149,7 +152,7 @@ def _prefill(model, plan: Plan, x: _Inputs, lo: jax.Array) -> tuple[tuple[LayerC
         ids, mask, positions=positions_from_mask(mask), cache=cache, cache_index=0
     )
     # Left padding puts every prompt's last token in the last column.
-    return cache_from_prefill(cache, 1, 0), model.logits(hidden[:, -1])
+    return cache_from_prefill(cache, 1, 0, plan.decode.layout), model.logits(hidden[:, -1])
 
 
 def _admit(plan: Plan, x: _Inputs, st: _State) -> _State:
@@ -245,7 +248,8 @@ def _step(model, layers, plan: Plan, x: _Inputs, shardings, s: _Slots) -> _Slots
     # Token t - 1 is fed at column prompt_bucket + t - 1 and position length + t - 1. Free and
     # finished slots compute too (fixed shapes); what they write stays in their own rows.
     col = plan.prompt_bucket + s.t - 1
-    logits, cache = decode_step(model, layers, s.last, s.lengths + s.t - 1, s.attn, s.cache, col)
+    logits, cache = decode_step(model, layers, s.last, s.lengths + s.t - 1, s.attn, s.cache, col,
+                                plan.decode)
     tok, lp = select_tokens(logits, _fold(s.keys, s.t), plan, x.knobs)
     # A select over the small [slots, new_bucket] history rather than a scatter: elementwise,
     # so it stays on each device's own rows.
@@ -273,7 +277,7 @@ def _init(model, plan: Plan, x: _Inputs) -> _State:
         # A free slot attends to its own (finite) columns: no row ever sees NaN, so a slot's
         # stale columns, masked out after it is reused, stay harmless.
         slots=_Slots(
-            cache=empty_cache(cfg, slots, plan.prompt_bucket, new),
+            cache=empty_cache(cfg, slots, plan.prompt_bucket, new, plan.decode.layout),
             req=jnp.full((slots,), -1, jnp.int32),
             t=jnp.zeros((slots,), jnp.int32),
             last=jnp.zeros((slots,), jnp.int32),
@@ -288,7 +292,7 @@ def _init(model, plan: Plan, x: _Inputs) -> _State:
         # lo = -G: the first request's prompt lies past this empty window.
         stage=_Stage(
             lo=jnp.int32(-g),
-            cache=empty_cache(cfg, g, plan.prompt_bucket, 0),
+            cache=empty_cache(cfg, g, plan.prompt_bucket, 0, plan.decode.layout),
             logits=jnp.zeros((g, cfg.vocab_size), jnp.float32),
         ),
         next=jnp.int32(0),

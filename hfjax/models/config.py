@@ -21,6 +21,8 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
 }
 
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
+# hfjax.models.attention.IMPLEMENTATIONS (kept here so that the config needs no JAX kernels).
+ATTENTION_IMPLS = ("auto", "dense", "xla", "cudnn", "blockwise", "splash")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +55,8 @@ class ModelConfig:
     # Execution: scan over stacked layers (flat compile time) and the remat policy.
     scan_layers: bool = True
     remat_policy: str = "none"
+    # The attention implementation (hfjax.models.attention): auto picks one per platform.
+    attention_impl: str = "auto"
 
     def __post_init__(self):
         if self.model_type not in ARCHITECTURES:
@@ -67,6 +71,10 @@ class ModelConfig:
         if self.remat_policy not in REMAT_POLICIES:
             raise ValueError(
                 f"unknown remat_policy {self.remat_policy!r}; choose one of {REMAT_POLICIES}"
+            )
+        if self.attention_impl not in ATTENTION_IMPLS:
+            raise ValueError(
+                f"unknown attention_impl {self.attention_impl!r}; choose one of {ATTENTION_IMPLS}"
             )
         for name in ("param_dtype", "dtype"):
             if getattr(self, name) not in ("float32", "bfloat16", "float16"):

@@ -19,9 +19,9 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
+from hfjax.models.attention import ResponseBlocks, SharedPrompt, attention_fn
 from hfjax.models.config import ModelConfig
 from hfjax.parallel import sharding as shd
 
@@ -301,212 +301,9 @@ def layer_output(cfg: ModelConfig, p, h, attn):
     return h + _proj(cfg, p, jax.nn.silu(gate) * up, "down_proj", (D,))
 
 
-def attend(q: jax.Array, keys_t: jax.Array, values: jax.Array, valid: jax.Array) -> jax.Array:
-    """Grouped-query attention on head-major operands.
-
-    q [B, K, G, T, H] (query head k * G + g reads kv head k), keys_t [B, K, H, S] (keys
-    transposed), values [B, K, S, H], `valid` bool broadcastable to [B, K, G, T, S]. Scores and
-    softmax in float32. Returns [B, K, G, T, H].
-
-    Both products are plain batched matmuls over (B, K) with the G query heads of a group
-    stacked as rows; on CPU this runs the training forward + backward about 1.4x faster than
-    `jax.nn.dot_product_attention` on [B, T, N, H] operands.
-    """
-    B, K, G, T, H = q.shape
-    scores = jnp.einsum(
-        "bkqh,bkhs->bkqs", q.reshape(B, K, G * T, H), keys_t, preferred_element_type=jnp.float32
-    ).reshape(B, K, G, T, -1) / math.sqrt(H)
-    scores = jnp.where(valid, scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype).reshape(B, K, G * T, -1)
-    return jnp.einsum("bkqs,bksh->bkqh", probs, values).reshape(B, K, G, T, H)
-
-
-def _heads(cfg: ModelConfig, q: jax.Array) -> jax.Array:
-    """q [B, T, N, H] -> [B, K, G, T, H]: the G query heads that read kv head k, stacked."""
-    B, T, N, H = q.shape
-    K = cfg.num_kv_heads
-    return jnp.transpose(q.reshape(B, T, K, N // K, H), (0, 2, 3, 1, 4))
-
-
-def _dense_attend(cfg: ModelConfig, q, k, v, m):
-    """q [B, T, N, H] over keys and values [B, S, K, H] where m [B, 1, T, S] allows."""
-    B, T, N, H = q.shape
-    out = attend(_heads(cfg, q), jnp.transpose(k, (0, 2, 3, 1)), jnp.swapaxes(v, 1, 2),
-                 m[:, :, None])
-    return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(B, T, N, H)
-
-
-def dense_attention(cfg: ModelConfig, mask: jax.Array, causal: bool = False, prefix: int = 0):
-    """Attention over every key of the row (or cache) where `mask` [B, 1, T, S] allows:
-    (q [B, T, N, H], k, v [B, S, K, H]) -> [B, T, N, H].
-
-    `causal`: the keys are `prefix` columns that every query may see, then the queries' own T
-    columns, query t seeing those up to t (S == prefix + T, no cache). The queries then go in
-    blocks of CAUSAL_BLOCK and each block reads only the keys up to its own last column: for a
-    row of 3 blocks that is 6 of 9 blocks of scores. The results are the same, up to float
-    rounding, for every query that sees a key (the skipped keys are masked for it); a padding
-    query sees none, and its output, which nothing reads, is then the mean of the values its
-    block reads rather than of the whole row's."""
-
-    dense = functools.partial(_dense_attend, cfg)
-
-    def fn(q, k, v):
-        T = q.shape[1]
-        if not causal or T <= CAUSAL_BLOCK:
-            return dense(q, k, v, mask)
-        blocks = [(s, prefix + min(s + CAUSAL_BLOCK, T)) for s in range(0, T, CAUSAL_BLOCK)]
-        return jnp.concatenate(
-            [dense(q[:, s : e - prefix], k[:, :e], v[:, :e], mask[:, :, s : e - prefix, :e])
-             for s, e in blocks], axis=1)
-
-    return fn
-
-
-class SharedPrompt(NamedTuple):
-    """The layout of rows that hold one prompt and `samples` responses to it: the prompt's
-    `prompt` columns (left-padded), then each response's columns in turn (right-padded, all
-    the same width). `hfjax.engine.shared_prompt` builds such rows from a padded batch."""
-
-    prompt: int
-    samples: int
-
-
-def shared_prompt_attention(cfg: ModelConfig, attention_mask: jax.Array, layout: SharedPrompt):
-    """Attention in rows of `layout` (`attention_mask` [G, P + n * R] marks real tokens): a
-    prompt token sees the prompt's earlier tokens, a response token the whole prompt and its own
-    response's earlier tokens, which is what it sees in its own padded row [prompt, response].
-    The prompt's keys and values are computed once and read by all n responses."""
-    G, T = attention_mask.shape
-    P, n = layout
-    R = (T - P) // n
-    valid = attention_mask.astype(bool)
-    p_valid, r_valid = valid[:, :P], valid[:, P:].reshape(G * n, R)
-    prompt_mask = (jnp.tril(jnp.ones((P, P), bool))[None] & p_valid[:, None, :])[:, None]
-    own = jnp.tril(jnp.ones((R, R), bool))[None] & r_valid[:, None, :]  # [G*n, R, R]
-    seen = jnp.broadcast_to(jnp.repeat(p_valid, n, axis=0)[:, None, :], (G * n, R, P))
-    response_mask = jnp.concatenate([seen, own], axis=2)[:, None]  # [G*n, 1, R, P + R]
-    on_prompt = dense_attention(cfg, prompt_mask, causal=True)
-    on_responses = dense_attention(cfg, response_mask, causal=True, prefix=P)
-
-    def per_response(x):  # [G, P + n*R, heads, H] -> [G*n, R, heads, H], the responses' part
-        return x[:, P:].reshape(G * n, R, *x.shape[2:])
-
-    def with_prompt(x):  # [G*n, P + R, heads, H]: each response after its prompt's columns
-        return jnp.concatenate([jnp.repeat(x[:, :P], n, axis=0), per_response(x)], axis=1)
-
-    def fn(q, k, v):
-        out_p = on_prompt(q[:, :P], k[:, :P], v[:, :P])
-        out_r = on_responses(per_response(q), with_prompt(k), with_prompt(v))
-        return jnp.concatenate([out_p, out_r.reshape(G, n * R, *q.shape[2:])], axis=1)
-
-    return fn
-
-
-class ResponseBlocks(NamedTuple):
-    """The layout of compact shared-prompt rows (`hfjax.engine.shared_prompt.compact_layout`):
-    each column's block, [B, T] (-1 padding, 0 the prompt's tokens, k the k-th response's),
-    the prompt's columns (`prompt`, the first of the row) and the most tokens a response has
-    (`longest`, static)."""
-
-    blocks: jax.Array
-    prompt: int
-    longest: int
-
-
-def compact_attention(cfg: ModelConfig, layout: ResponseBlocks):
-    """Attention in compact rows: a prompt token sees the prompt's earlier tokens, a response
-    token the prompt and its own response's earlier tokens.
-
-    Queries go in blocks of CAUSAL_BLOCK, and a block past the prompt reads only the prompt's
-    keys and the `longest` - 1 columns before its own (its responses start no earlier), so a
-    token costs what its padded row's would, not the compact row's width."""
-    blocks, p, longest = layout
-    T = blocks.shape[1]
-
-    def spans(s: int, e: int) -> list[tuple[int, int]]:  # key columns of queries [s, e)
-        lo = max(p, s - longest + 1)
-        return [(0, e)] if lo <= p else [(0, p), (lo, e)]
-
-    def fn(q, k, v):
-        outs = []
-        for s in range(0, T, CAUSAL_BLOCK):
-            e = min(s + CAUSAL_BLOCK, T)
-            cols = spans(s, e)
-
-            def keys(x, cols=cols):
-                return jnp.concatenate([x[:, a:b] for a, b in cols], axis=1)
-
-            key_col = np.concatenate([np.arange(a, b) for a, b in cols])
-            causal = key_col[None, :] <= np.arange(s, e)[:, None]  # [C, S]
-            kb, qb = keys(blocks)[:, None, :], blocks[:, s:e, None]
-            m = causal[None] & (kb >= 0) & ((kb == 0) | (kb == qb))
-            outs.append(_dense_attend(cfg, q[:, s:e], keys(k), keys(v), m[:, None]))
-        return jnp.concatenate(outs, axis=1)
-
-    return fn
-
-
-# Query block of causal `dense_attention` (bench/attention.py: 64, 96 and 128 within 4% of
-# each other on the CPU for rows of 384 columns, forward + backward about 1.5x unblocked).
-CAUSAL_BLOCK = 128
-
-
-def band_chunk(span: int) -> int:
-    """Query block of `banded_attention` for segments of at most `span` tokens."""
-    return min(BAND_CHUNK, span)
-
-
-BAND_CHUNK = 128
-
-
-def uses_band(width: int, span: int) -> bool:
-    """Whether packed rows of `width` columns holding segments of at most `span` tokens are
-    attended by blocks (`banded_attention`) rather than over the whole row."""
-    c = band_chunk(span)
-    return width % c == 0 and width > span + c
-
-
-def banded_attention(cfg: ModelConfig, segment_ids: jax.Array, span: int):
-    """Attention in packed rows whose segments are at most `span` tokens long: a query can only
-    see keys of its own segment, so at most `span - 1` columns back. The row is cut into
-    blocks of C = `band_chunk(span)` queries and each block attends to its own keys and the
-    ceil(span / C) blocks before it, so the cost per token is that of span + C keys whatever
-    the row's width (dense attention over a row of W columns costs W keys per token).
-    Same results as `dense_attention` with the segment mask: every key outside the window is
-    masked there anyway."""
-    B, T = segment_ids.shape
-    C = band_chunk(span)
-    back = -(-span // C)
-    nb = T // C
-    window = (back + 1) * C
-
-    def windows(x):  # [B, T, ...] -> [B, nb, window, ...]: block i's keys, blocks i-back..i
-        pad = [(0, 0), (back * C, 0)] + [(0, 0)] * (x.ndim - 2)
-        xp = jnp.pad(x, pad).reshape(B, nb + back, C, *x.shape[2:])
-        return jnp.concatenate([xp[:, j : j + nb] for j in range(back + 1)], axis=2)
-
-    seg_q = segment_ids.reshape(B, nb, C)
-    seg_k = windows(segment_ids)  # the left padding is segment 0: never a real token's
-    # Key w of block i is column i*C - back*C + w; query c is column i*C + c.
-    causal = jnp.arange(window)[None, :] <= jnp.arange(C)[:, None] + back * C  # [C, window]
-    valid = (seg_q[..., :, None] == seg_k[..., None, :]) & causal  # [B, nb, C, window]
-    valid = valid.reshape(B * nb, 1, 1, C, window)
-
-    def fn(q, k, v):
-        _, _, N, H = q.shape
-        K = cfg.num_kv_heads
-        qb = _heads(cfg, q.reshape(B * nb, C, N, H))  # [B*nb, K, G, C, H]
-        kw = windows(k).reshape(B * nb, window, K, H)
-        vw = windows(v).reshape(B * nb, window, K, H)
-        out = attend(qb, jnp.transpose(kw, (0, 2, 3, 1)), jnp.swapaxes(vw, 1, 2), valid)
-        return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(B, T, N, H)
-
-    return fn
-
-
 def _block(cfg: ModelConfig, rope, p, h, attention, cache_kv, cache_index):
     """One decoder layer. p holds this layer's arrays; `attention(q, k, v)` is
-    `dense_attention` or `banded_attention`; cache_kv is (k, v) slots or None.
+    `hfjax.models.attention.attention_fn`'s; cache_kv is (k, v) slots or None.
 
     Returns (new hidden, new (k, v) slots or None).
     """
@@ -592,22 +389,14 @@ class Backbone(nnx.Module):
             if cache is not None:
                 raise ValueError("positions are required when decoding with a KV cache")
             positions = positions_from_mask(attention_mask)
-        q_slot = jnp.arange(T)[:, None] + (0 if cache is None else cache_index)
-        causal = jnp.arange(key_valid.shape[1])[None, :] <= q_slot  # [T, S]
         if shared_prompt is not None or response_blocks is not None:
             if cache is not None or positions is None or segment_ids is not None:
                 raise ValueError("shared-prompt rows take positions, no cache and no segments")
-        if shared_prompt is not None:
-            attention = shared_prompt_attention(cfg, attention_mask, shared_prompt)
-        elif response_blocks is not None:
-            attention = compact_attention(cfg, response_blocks)
-        elif segment_ids is not None and segment_span and uses_band(T, segment_span):
-            attention = banded_attention(cfg, segment_ids, segment_span)
-        else:
-            mask = causal[None] & key_valid[:, None, :]  # [B, T, S]
-            if segment_ids is not None:
-                mask = mask & (segment_ids[:, :, None] == segment_ids[:, None, :])
-            attention = dense_attention(cfg, mask[:, None], causal=cache is None)  # [B, 1, T, S]
+        attention = attention_fn(
+            cfg, key_valid, T, storage_dtype(cfg.jnp_dtype),
+            cache_index=None if cache is None else cache_index, segment_ids=segment_ids,
+            segment_span=segment_span, shared_prompt=shared_prompt,
+            response_blocks=response_blocks, attention_mask=attention_mask)
 
         h = self.embed(input_ids)
         rope = rope_tables(positions, rope_inv_freq(cfg), storage_dtype(cfg.jnp_dtype),

@@ -64,7 +64,8 @@ def plan_inputs(cfg, reward_model: str = "", score_micro: int | None = None,
             # Built as the trainer builds it: `reward_model.dtype` for weights and compute.
             m, dtype = cfg.model, (cfg.get("reward_model") or {}).get("dtype", "float32")
             rcfg = path_model_config(reward_model, dtype=dtype, scan_layers=m.scan_layers,
-                                     remat_policy=m.remat_policy)
+                                     remat_policy=m.remat_policy,
+                                     attention_impl=m.get("attention_impl", "auto"))
             models.append(ModelSpec("reward", rcfg, "score", False, f"reward {reward_model}"))
         else:
             host.append("reward")

@@ -21,6 +21,7 @@ from hf_fixtures import left_padded_batch, make_hf_model  # noqa: E402
 import hfjax.models as M  # noqa: E402
 from hfjax.engine import Sampler, SamplingParams  # noqa: E402
 from hfjax.engine.continuous import ContinuousSampler, rollout_sampler  # noqa: E402
+from hfjax.engine.decode import DecodeOptions  # noqa: E402
 from hfjax.parallel.mesh import MeshSpec  # noqa: E402
 
 LENGTHS = (9, 5, 12, 1, 7, 3)
@@ -335,3 +336,31 @@ def test_drain_stays_in_its_row_range(llama):
     assert ContinuousSampler(llama, slots=64, min_slots=50)._plan(16, 16, 16, params).drain == (50,)
     on_mesh = ContinuousSampler(llama, mesh=mesh_of("data=4,tensor=2"), slots=64)
     assert on_mesh._plan(16, 16, 16, params).drain == (48, 36)
+
+
+@pytest.mark.parametrize("opts", [DecodeOptions("chunked", "gpu", 5),
+                                  DecodeOptions("pallas", "gpu", interpret=True)],
+                         ids=["chunked-gpu", "pallas-gpu"])
+def test_decode_variants_equal_the_cpu_read(llama, prompts, reference, opts):
+    """Both engines reading the cache another way (`hfjax.engine.decode.DecodeOptions`: the
+    chunked read with a short last chunk, the Pallas kernel in interpret mode, both on the
+    GPU layout) give the CPU full read's greedy tokens and log-probs; the continuous engine's
+    slots sit at different columns."""
+    params, want = reference("greedy")
+    for engine in (Sampler(llama, decode=opts),
+                   ContinuousSampler(llama, slots=4, refill_every=1, decode=opts)):
+        got = engine.generate(nnx.state(llama), *prompts, params, SEEDS)
+        assert_same(got, want)
+
+
+def test_config_selects_the_decode_read(llama):
+    for mode in ("static", "continuous"):
+        rollout = config_dict.ConfigDict(dict(mode=mode, decode_attention="chunked",
+                                              kv_layout="gpu"))
+        assert rollout_sampler(llama, rollout).decode[:2] == ("chunked", "gpu")
+        # auto on these CPU devices: today's full read and layout.
+        auto = rollout_sampler(llama, config_dict.ConfigDict(dict(mode=mode)))
+        assert auto.decode == DecodeOptions("full", "cpu")
+    bad = config_dict.ConfigDict(dict(mode="static", decode_attention="pallas", kv_layout="cpu"))
+    with pytest.raises(ValueError, match="kv_layout=gpu"):
+        rollout_sampler(llama, bad)

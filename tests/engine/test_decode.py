@@ -1,6 +1,7 @@
 """The decode step (hfjax.engine.decode) over its two-part cache (prompt columns, response
 columns) against the model's own forward pass over a `KVCache` of all the columns (one
-softmax over the row): same logits up to float rounding, same columns written."""
+softmax over the row): same logits up to float rounding, same columns written; and each way
+of reading the cache (`DecodeOptions`: chunked, Pallas, the GPU layout) against the CPU's."""
 
 import os
 import sys
@@ -14,10 +15,19 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "models"))
 from hf_fixtures import make_hf_model  # noqa: E402
 
 import hfjax.models as M  # noqa: E402
-from hfjax.engine.decode import LayerCache, decode_step, empty_cache, split_layers  # noqa: E402
+from hfjax.engine.decode import (  # noqa: E402
+    DecodeOptions,
+    LayerCache,
+    cache_columns,
+    decode_options,
+    decode_step,
+    empty_cache,
+    pallas_blocks,
+    split_layers,
+)
 from hfjax.models.transformer import KVCache  # noqa: E402
 
-PROMPT, NEW, ROWS = 12, 40, 4
+PROMPT, NEW, ROWS = 16, 64, 4  # widths the Pallas kernel takes (pallas_blocks)
 
 
 @pytest.fixture(scope="module")
@@ -113,6 +123,79 @@ def test_per_row_columns(llama):
 def test_empty_cache_shapes(llama):
     cfg = llama.config
     cache = empty_cache(cfg, 3, 16, 24)
-    assert len(cache) == cfg.num_layers and cache[0].columns == 40
+    assert len(cache) == cfg.num_layers and cache_columns(cache[0]) == 40
+    gpu = empty_cache(cfg, 3, 16, 24, "gpu")
+    assert cache_columns(gpu[0], "gpu") == 40
+    assert gpu[0].prompt_k.shape == gpu[0].prompt_v.shape == (3, 16, cfg.num_kv_heads,
+                                                             cfg.head_dim)
     assert cache[0].prompt_k.shape == (3, cfg.num_kv_heads, cfg.head_dim, 16)
     assert cache[0].v.shape == (3, cfg.num_kv_heads, 24, cfg.head_dim)
+
+
+def in_layout(cache, layout):
+    """A "cpu"-layout cache (LayerCache per layer) in `layout`: "gpu" keys and values are
+    [rows, columns, kv_heads, head_dim]."""
+    if layout == "cpu":
+        return cache
+    return tuple(LayerCache(jnp.transpose(c.prompt_k, (0, 3, 1, 2)), jnp.swapaxes(c.prompt_v, 1, 2),
+                            jnp.transpose(c.k, (0, 3, 1, 2)), jnp.swapaxes(c.v, 1, 2))
+                 for c in cache)
+
+
+def to_cpu(cache, layout):
+    if layout == "cpu":
+        return cache
+    return tuple(LayerCache(jnp.transpose(c.prompt_k, (0, 2, 3, 1)), jnp.swapaxes(c.prompt_v, 1, 2),
+                            jnp.transpose(c.k, (0, 2, 3, 1)), jnp.swapaxes(c.v, 1, 2))
+                 for c in cache)
+
+
+VARIANTS = {
+    "chunked-cpu-7": DecodeOptions("chunked", "cpu", 7),  # 64 columns: a short last chunk
+    "chunked-gpu-16": DecodeOptions("chunked", "gpu", 16),
+    "full-gpu": DecodeOptions("full", "gpu"),
+    "pallas-gpu": DecodeOptions("pallas", "gpu", interpret=True),
+}
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+@pytest.mark.parametrize("per_row", [False, True], ids=["one_column", "per_row"])
+def test_variants_equal_the_full_read(llama, name, per_row):
+    if name.startswith("pallas"):
+        assert pallas_blocks(PROMPT) and pallas_blocks(NEW)  # the kernel reads both parts
+    """Each way of reading the cache gives the CPU full-width read's logits and writes the
+    same columns, for one column of every row and for one column per row (rows at different
+    steps, one of them in the first response column)."""
+    opts = VARIANTS[name]
+    k, v = random_columns(llama.config)
+    slot = (np.array([PROMPT, PROMPT + 9, PROMPT + 21, PROMPT + 3], np.int32) if per_row
+            else np.int32(PROMPT + 17))
+    tokens, positions, mask = inputs(slot)
+    layers = split_layers(llama)
+    base = two_parts(k, v)
+    want_logits, want = jax.jit(lambda c: decode_step(
+        llama, layers, tokens, positions, mask, c, jnp.asarray(slot)))(base)
+    got_logits, got = jax.jit(lambda c: decode_step(
+        llama, layers, tokens, positions, mask, c, jnp.asarray(slot), opts))(
+            in_layout(base, opts.layout))
+    np.testing.assert_allclose(np.asarray(got_logits), np.asarray(want_logits), atol=2e-5,
+                               rtol=1e-5)
+    for g, w in zip(to_cpu(got, opts.layout), want):
+        for a, b in zip(g, w):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
+
+
+def test_options_resolve_per_platform():
+    from hfjax.models import attention
+
+    assert decode_options() == DecodeOptions("full", "cpu")
+    with attention.compiling_for("gpu"):
+        assert decode_options()[:2] == ("chunked", "gpu")
+        # The kernel cannot run on these CPU devices: the chunked read stands in.
+        assert decode_options("pallas")[:2] == ("chunked", "gpu")
+    with attention.compiling_for("tpu"):
+        assert decode_options("auto", "cpu")[:2] == ("chunked", "cpu")
+    with pytest.raises(ValueError, match="kv_layout=gpu"):
+        decode_options("pallas", "cpu")
+    with pytest.raises(ValueError, match="rollout.decode_attention='paged'"):
+        decode_options("paged")

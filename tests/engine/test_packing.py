@@ -17,7 +17,7 @@ from support import padded_rl_batch
 
 from configs import ppo_arith
 from hfjax.engine import grouping, packing, update
-from hfjax.models import transformer
+from hfjax.models import attention, transformer
 from hfjax.models.config import ModelConfig
 from hfjax.parallel.mesh import ResourcePool
 from hfjax.workers.actor import ActorRollout
@@ -161,7 +161,7 @@ def test_banded_attention_equals_the_dense_segment_mask(model):
     attention over the whole row with the segment mask."""
     rng = np.random.default_rng(5)
     span, width = P + R, 6 * (P + R)
-    assert transformer.uses_band(width, span)
+    assert attention.uses_band(width, span)
     seg = np.zeros((2, width), np.int32)
     pos = np.zeros((2, width), np.int32)
     for b in range(2):

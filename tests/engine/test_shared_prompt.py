@@ -18,7 +18,7 @@ from support import padded_rl_batch
 
 from configs import ppo_arith
 from hfjax.engine import grouping, shared_prompt, update
-from hfjax.models import transformer
+from hfjax.models import attention, transformer
 from hfjax.models.config import ModelConfig
 from hfjax.parallel.mesh import ResourcePool
 from hfjax.workers.actor import ActorRollout, compact_logprobs, response_logprobs
@@ -69,7 +69,7 @@ def test_log_probs_and_gradients_equal_the_padded_rows(model, block, monkeypatch
     """The model on shared rows: each response token's log-prob and entropy, and the gradient
     of their sum, equal the padded rows' (causal query blocks of 8 cut the prompt and every
     response into several)."""
-    monkeypatch.setattr(transformer, "CAUSAL_BLOCK", block)
+    monkeypatch.setattr(attention, "CAUSAL_BLOCK", block)
     batch = grouped_batch(1)
     ids, mask = jnp.asarray(batch["input_ids"]), jnp.asarray(batch["attention_mask"])
     m = batch["response_mask"] > 0
@@ -104,7 +104,7 @@ def test_compact_rows_equal_the_padded_rows(model, block, monkeypatch):
     """Compact rows (each response only as long as it is, laid end to end after the prompt):
     each response token's log-prob and entropy, and the gradient of their sum, equal the
     padded rows'. Query blocks of 8 read the prompt and a band before them."""
-    monkeypatch.setattr(transformer, "CAUSAL_BLOCK", block)
+    monkeypatch.setattr(attention, "CAUSAL_BLOCK", block)
     monkeypatch.setattr(shared_prompt, "COMPACT_MAX_FRACTION", 1.0)
     batch = grouped_batch(7)
     ids, mask = jnp.asarray(batch["input_ids"]), jnp.asarray(batch["attention_mask"])

@@ -26,9 +26,9 @@ def _valid_max_diff(a, b, mask):
 def test_logits_match_transformers(hf_model, causal_block, monkeypatch):
     """Rows of 12 columns: one attention block (the default) and causal query blocks of 5
     (blocks of 5, 5 and 2 columns, each reading only the keys up to its end)."""
-    from hfjax.models import transformer
+    from hfjax.models import attention
 
-    monkeypatch.setattr(transformer, "CAUSAL_BLOCK", causal_block)
+    monkeypatch.setattr(attention, "CAUSAL_BLOCK", causal_block)
     kind, ref, path = hf_model
     ids, mask = left_padded_batch(ref.config.vocab_size)
     want = hf_logits(ref, ids, mask)

@@ -1,0 +1,181 @@
+"""The attention entry point (hfjax.models.attention): every implementation that runs on CPU
+gives the batched-matmul path's logits and gradients, on left-padded prompts followed by
+right-padded responses, with grouped kv heads, with and without a KV cache; the blockwise
+kernel against a loop in NumPy; the choice by platform."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from hfjax.models import attention, blockwise, transformer
+from hfjax.models.config import ModelConfig
+
+CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
+                  num_heads=4, num_kv_heads=2, head_dim=8)  # 2 query heads per kv head
+B, T = 3, 24
+# Rows: [left padding, prompt, response, right padding]; the last row is all real.
+FIRST, END = np.array([0, 5, 9]), np.array([24, 19, 22])
+
+
+@pytest.fixture(autouse=True)
+def small_blocks(monkeypatch):
+    # Several query blocks of the dense path and several query and key blocks of the
+    # blockwise one (with causal skipping) on rows of 24 columns.
+    monkeypatch.setattr(attention, "CAUSAL_BLOCK", 8)
+    monkeypatch.setattr(blockwise, "Q_BLOCK", 8)
+    monkeypatch.setattr(blockwise, "K_BLOCK", 16)  # a key block padded past the row
+
+
+def batch():
+    rng = np.random.default_rng(0)
+    ids = jnp.asarray(rng.integers(0, CFG.vocab_size, (B, T)), jnp.int32)
+    col = np.arange(T)[None, :]
+    mask = jnp.asarray((col >= FIRST[:, None]) & (col < END[:, None]), jnp.int32)
+    return ids, mask
+
+
+def model_with(impl: str, dtype: str):
+    cfg = dataclasses.replace(CFG, attention_impl=impl, dtype=dtype)
+    return transformer.build(cfg, seed=1)
+
+
+def logits_and_grads(impl: str, dtype: str):
+    ids, mask = batch()
+    graphdef, state = nnx.split(model_with(impl, dtype))
+
+    def loss(state):
+        logits = nnx.merge(graphdef, state)(ids, mask)
+        lp = jax.nn.log_softmax(logits)[..., :7]  # a few vocab entries keep the sum varied
+        return jnp.sum(jnp.where(mask[..., None] > 0, lp * jnp.arange(7.0), 0.0)), logits
+
+    (_, logits), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(state)
+    return np.asarray(logits)[np.asarray(mask) > 0], jax.tree.leaves(grads)
+
+
+@pytest.mark.parametrize("dtype, tol", [("float32", 1e-5), ("bfloat16", 2e-2)])
+@pytest.mark.parametrize("impl", ["xla", "blockwise"])
+def test_training_pass_equals_the_dense_path(impl, dtype, tol):
+    want_logits, want_grads = logits_and_grads("dense", dtype)
+    got_logits, got_grads = logits_and_grads(impl, dtype)
+    np.testing.assert_allclose(got_logits, want_logits, rtol=tol, atol=tol)
+    for g, w in zip(got_grads, want_grads):
+        scale = float(np.max(np.abs(np.asarray(w, np.float32)))) or 1.0
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32),
+                                   atol=tol * scale)
+
+
+@pytest.mark.parametrize("impl", ["xla", "blockwise"])
+def test_bfloat16_operands_equal_the_dense_path(impl):
+    """q, k, v in bfloat16 (the attention's dtype on GPUs and TPUs), through the entry point."""
+    rng = np.random.default_rng(2)
+    q, k, v = (jnp.asarray(rng.normal(size=(B, T, n, 8)), jnp.bfloat16) for n in (4, 2, 2))
+    valid = batch()[1] > 0
+    want = attention.attention_fn(CFG, valid, T, jnp.bfloat16)(q, k, v)
+    cfg = dataclasses.replace(CFG, attention_impl=impl)
+    got = attention.attention_fn(cfg, valid, T, jnp.bfloat16)(q, k, v)
+    real = np.asarray(valid)
+    np.testing.assert_allclose(np.asarray(got, np.float32)[real],
+                               np.asarray(want, np.float32)[real], atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("impl", ["xla", "blockwise"])
+def test_prefill_and_continuation_through_a_cache(impl):
+    """The prompt's 16 columns prefilled into a 24-slot cache (the cache's columns past them
+    unwritten), then the last 8 columns fed at cache_index 16: the xla implementation takes
+    neither (the keys are not the queries' own columns) and runs blockwise."""
+    ids, mask = batch()
+    pos = transformer.positions_from_mask(mask)
+
+    def run(impl):
+        model = model_with(impl, "float32")
+        cache = transformer.KVCache.zeros(model.config, B, T)
+        first, cache = model(ids[:, :16], mask, positions=pos[:, :16], cache=cache,
+                             cache_index=0)
+        rest, _ = model(ids[:, 16:], mask, positions=pos[:, 16:], cache=cache, cache_index=16)
+        return np.concatenate([first, rest], axis=1)[np.asarray(mask) > 0]
+
+    np.testing.assert_allclose(run(impl), run("dense"), rtol=1e-5, atol=1e-5)
+    # The same logits as the pass without a cache.
+    whole = np.asarray(model_with("dense", "float32")(ids, mask))[np.asarray(mask) > 0]
+    np.testing.assert_allclose(run(impl), whole, rtol=1e-5, atol=1e-5)
+
+
+def test_prefill_of_the_prompt_alone_uses_the_fused_formulation():
+    """A prefill whose cache is as wide as the prompt is self-attention: the xla formulation
+    (rolled rows, causal, sequence lengths) gives the dense path's logits."""
+    ids, mask = batch()
+    mask = mask.at[:, 20:].set(0)  # prompts end at column 20; left padding kept
+    pos = transformer.positions_from_mask(mask)
+
+    def run(impl):
+        model = model_with(impl, "float32")
+        cache = transformer.KVCache.zeros(model.config, B, T)
+        logits, _ = model(ids, mask, positions=pos, cache=cache, cache_index=0)
+        return np.asarray(logits)[np.asarray(mask) > 0]
+
+    np.testing.assert_allclose(run("xla"), run("dense"), rtol=1e-5, atol=1e-5)
+
+
+def numpy_attention(q, k, v, allowed):
+    """Loop reference: q [B, T, N, H], k, v [B, S, K, H], allowed [B, T, S]."""
+    b_, t_, n_, h_ = q.shape
+    group = n_ // k.shape[2]
+    out = np.zeros(q.shape, np.float64)
+    for b in range(b_):
+        for t in range(t_):
+            cols = np.flatnonzero(allowed[b, t])
+            if not len(cols):
+                continue
+            for n in range(n_):
+                s = np.array([q[b, t, n] @ k[b, c, n // group] for c in cols]) / np.sqrt(h_)
+                p = np.exp(s - s.max())
+                p /= p.sum()
+                out[b, t, n] = sum(w * v[b, c, n // group] for w, c in zip(p, cols))
+    return out
+
+
+def test_blockwise_kernel_equals_a_loop():
+    """Keys past the queries (a cache offset of 5), packed segments and key padding, blocks
+    that do not divide the row."""
+    rng = np.random.default_rng(3)
+    t_, s_ = 13, 18
+    q = rng.normal(size=(2, t_, 4, 8)).astype(np.float32)
+    k, v = (rng.normal(size=(2, s_, 2, 8)).astype(np.float32) for _ in range(2))
+    valid = rng.random((2, s_)) > 0.2
+    seg = rng.integers(1, 3, (2, s_))
+    offset = 5
+    got = blockwise.blockwise_attention(
+        jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(valid), causal=True,
+        q_offset=offset, q_segments=jnp.asarray(seg[:, offset:offset + t_]),
+        k_segments=jnp.asarray(seg), q_block=4, k_block=5)
+    tq, ts = np.arange(t_)[:, None] + offset, np.arange(s_)[None, :]
+    allowed = ((ts <= tq)[None] & valid[:, None, :]
+               & (seg[:, offset:offset + t_, None] == seg[:, None, :]))
+    want = numpy_attention(q, k, v, allowed)
+    seen = allowed.any(-1)
+    np.testing.assert_allclose(np.asarray(got)[seen], want[seen], rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(got)[~seen], 0.0)  # sees nothing: zeros
+
+
+def test_choice_by_platform():
+    f32, bf16 = jnp.float32, jnp.bfloat16
+    assert attention.resolve("auto", bf16, 64) == "dense"  # these CPU devices
+    assert attention.resolve("xla", f32, 64) == "xla"
+    assert attention.resolve("cudnn", bf16, 64) == "blockwise"  # no GPU here
+    with attention.compiling_for("gpu"):  # a dry run for a GPU target
+        assert attention.target_platform() == "gpu" and attention.stand_in()
+        assert attention.resolve("auto", bf16, 64) == "blockwise"
+    with attention.compiling_for("tpu"):
+        assert attention.resolve("auto", bf16, 128) == "blockwise"
+    assert attention.target_platform() == "cpu"
+    assert attention.cudnn_takes(f32, 64) is not None
+    assert attention.cudnn_takes(bf16, 60) is not None
+    assert attention.cudnn_takes(bf16, 128) is None
+    with pytest.raises(ValueError, match="attention_impl='flash'"):
+        attention.resolve("flash", f32, 64)
+    with pytest.raises(ValueError, match="unknown attention_impl 'flash'"):
+        dataclasses.replace(CFG, attention_impl="flash")
