@@ -17,7 +17,7 @@ import numpy as np
 from absl import logging
 
 from hfjax import checkpoint as ckpt_lib
-from hfjax import health, model_source, sft
+from hfjax import health, mfu, model_source, sft
 from hfjax.algorithms import dataflow
 from hfjax.algorithms.registry import import_spec
 from hfjax.data.batching import prompt_batch
@@ -28,7 +28,7 @@ from hfjax.numerics.losses import (
     kl_controller_from_state,
     kl_controller_state,
 )
-from hfjax.parallel import distributed
+from hfjax.parallel import distributed, targets
 from hfjax.run_config import run_roles, validate_config
 from hfjax.validation import generation_metrics
 from hfjax.workers import groups
@@ -61,6 +61,8 @@ class Trainer:
                                           home=self.pools["actor"].mesh(cfg.actor.mesh))
         initial = model_source.initial_model(cfg, self.tok, self.compute_dtype, self.pools)
         self.model_cfg = initial.config
+        # Peak dense bf16 FLOP/s of the devices, for perf/mfu/*; None on CPU (no MFU there).
+        self._peak = targets.peak_flops(jax.devices()[0].device_kind)
         if self.tok.vocab_size > self.model_cfg.vocab_size:
             raise ValueError(f"the tokenizer has {self.tok.vocab_size} tokens, the model's "
                              f"vocabulary {self.model_cfg.vocab_size}; give a tokenizer that "
@@ -171,6 +173,14 @@ class Trainer:
         host["timing_s/step"] = wall
         host["perf/total_num_tokens"] = tokens
         host["perf/throughput"] = tokens / wall
+        response_tokens = host.pop("_response_tokens")
+        if w.sync_timing:  # without it the stages' times are dispatch only
+            ref = w.ref if w.ref is not None else w.actor
+            host |= mfu.step_mfu(
+                self.model_cfg, w.timing, rows=len(batch), tokens=tokens,
+                response_tokens=response_tokens, epochs=int(c.actor.ppo_epochs),
+                actor_devices=w.actor.mesh.devices.size, ref_devices=ref.mesh.devices.size,
+                peak=self._peak)
         host["actor/kl_coef"] = float(w.kl_ctrl.value)
         if w.lagrange is not None:
             host["safe_rlhf/lambda"] = float(w.lagrange.value)
