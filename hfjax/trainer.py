@@ -39,8 +39,10 @@ class Trainer:
     """Builds the run's worker groups and drives warm start, RL steps and validation."""
 
     def __init__(self, cfg):
-        self.cfg = cfg
         self.algo, self.pools = validate_config(cfg)
+        if cfg.model.get("remat_policy") == "auto":
+            cfg = _resolve_remat(cfg)
+        self.cfg = cfg
         self.compute_dtype = model_source.compute_dtype(cfg, jax.devices()[0].platform)
         self.roles = run_roles(self.algo, cfg)
         self.tok = model_source.task_tokenizer(cfg)
@@ -407,3 +409,16 @@ def check_resume(cfg, ckpt: ckpt_lib.RunCheckpointer | None, mode: str = "auto")
 def config_json(cfg) -> dict:
     """The resolved config as plain JSON data."""
     return json.loads(cfg.to_json_best_effort(sort_keys=True))
+
+
+def _resolve_remat(cfg):
+    """A copy of `cfg` with `model.remat_policy=auto` resolved by `dry_run.choose_remat` against
+    device 0's memory ("none" where the runtime reports no limit, as on CPU)."""
+    from hfjax.dry_run import choose_remat
+
+    limit = (jax.local_devices()[0].memory_stats() or {}).get("bytes_limit")
+    policy, _ = choose_remat(cfg, limit)
+    cfg = cfg.copy_and_resolve_references()
+    cfg.model.remat_policy = policy
+    logging.info("model.remat_policy=auto: %s", policy)
+    return cfg
