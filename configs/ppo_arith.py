@@ -42,6 +42,8 @@ def get_config() -> config_dict.ConfigDict:
             # Master weights, gradients and optimizer state.
             param_dtype="float32",
             scan_layers=True,
+            # none | full (checkpoint every layer) | dots | dots_no_batch | auto (the dry run
+            # picks none or full from the device memory; none on CPU: docs/scaling.md)
             remat_policy="none",
             # Attention: auto | dense | xla | cudnn | blockwise | splash; auto picks per
             # platform (dense on CPU, cudnn on GPU, splash on TPU; hfjax/models/attention.py).

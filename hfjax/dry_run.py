@@ -57,6 +57,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from absl import logging
 
 from hfjax import model_source
 from hfjax.algorithms import dataflow
@@ -103,6 +104,8 @@ class DryRun:
     # pool -> bytes of its models' parameters and optimizer state in all (every array once,
     # however it is sharded): what the pool must hold somewhere, on however many devices.
     state_bytes: dict[str, int] = dataclasses.field(default_factory=dict)
+    # The remat policy the programs were compiled with (model.remat_policy, or what auto chose).
+    remat_policy: str | None = None
 
     @property
     def worst(self) -> ProgramMemory:
@@ -201,6 +204,7 @@ class DryRun:
             "target": self.target,
             "num_devices": self.num_devices,
             "compute_dtype": self.compute_dtype,
+            "remat_policy": self.remat_policy,
             "min_devices": self.min_devices(),
             "programs": {p.name: {k: getattr(p, k) for k in (
                 "pool", "argument_bytes", "output_bytes", "alias_bytes", "temp_bytes",
@@ -290,6 +294,34 @@ def _flops(compiled) -> float:
     return float((cost or {}).get("flops", 0.0))
 
 
+# `model.remat_policy=auto` keeps every activation when the run's peak without recomputation
+# stays under this share of the device memory (the rest is the runtime's and the compiler's
+# margin: XLA:CPU's temporaries stand in for the accelerator's), else checkpoints every layer.
+REMAT_HEADROOM = 0.9
+
+
+def choose_remat(cfg, device_memory_bytes: int | None, **kw) -> tuple[str, DryRun | None]:
+    """(the remat policy `model.remat_policy=auto` resolves to, the dry run that decided it).
+
+    "none" when no device memory is known (nothing to fit: CPU) or when the dry run without
+    recomputation peaks under REMAT_HEADROOM of `device_memory_bytes`; else "full" (per-layer
+    checkpointing), whose dry run is returned whether it fits or not. `kw` goes to dry_run.
+    """
+    if not device_memory_bytes:
+        return "none", None
+    for policy in ("none", "full"):
+        trial = cfg.copy_and_resolve_references()
+        trial.model.remat_policy = policy
+        report = dry_run(trial, device_memory_bytes=device_memory_bytes, **kw)
+        report.remat_policy = policy
+        if report.peak_bytes_per_device <= REMAT_HEADROOM * device_memory_bytes:
+            break
+    logging.info("model.remat_policy=auto: %s (peak %.2f GiB per device of %.2f GiB, headroom "
+                 "%.0f%%)", policy, report.peak_bytes_per_device / GiB,
+                 device_memory_bytes / GiB, 100 * (1 - REMAT_HEADROOM))
+    return policy, report
+
+
 def dry_run(cfg, *, device_memory_bytes: int | None = None, target: str | None = None,
             platform: str | None = None,
             on_program: Callable[[ProgramMemory], None] | None = None) -> DryRun:
@@ -302,7 +334,19 @@ def dry_run(cfg, *, device_memory_bytes: int | None = None, target: str | None =
     Attention and the decode step are compiled as `platform` runs them
     (`hfjax.models.attention.compiling_for`: a GPU or TPU target's fused kernels by their
     memory-linear stand-in, blockwise attention and the chunked cache read).
+    With `model.remat_policy=auto` the report is `choose_remat`'s (its `remat_policy` says
+    which policy it chose).
     """
+    if cfg.model.get("remat_policy") == "auto":
+        policy, report = choose_remat(cfg, device_memory_bytes, target=target,
+                                      platform=platform, on_program=on_program)
+        if report is None:
+            trial = cfg.copy_and_resolve_references()
+            trial.model.remat_policy = policy
+            report = dry_run(trial, device_memory_bytes=device_memory_bytes, target=target,
+                             platform=platform, on_program=on_program)
+            report.remat_policy = policy
+        return report
     platform = platform or jax.devices()[0].platform
     with attention.compiling_for(platform):
         return _dry_run(cfg, device_memory_bytes, target, platform, on_program)
@@ -356,7 +400,7 @@ def _dry_run(cfg, device_memory_bytes, target, platform, on_program) -> DryRun:
     for p, pool in listed:
         out.compile_program(p, pool)
     return DryRun(out.programs, resident, len(jax.devices()), platform, compute,
-                  device_memory_bytes, target, state)
+                  device_memory_bytes, target, state, remat_policy=c.model.remat_policy)
 
 
 def abstract_groups(cfg, platform: str | None = None) -> groups.WorkerGroups:

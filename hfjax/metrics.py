@@ -36,7 +36,7 @@ TENSORBOARD_DIR = "tensorboard"
 SINK_NAMES = ("console", "jsonl", "tensorboard", "wandb")
 # Keys that measure wall-clock time: they differ between two runs of the same job, so
 # comparisons of runs (the exact-resume test) leave them out.
-TIMING_PREFIXES = ("timing_s/", "perf/throughput", "perf/time_per_step")
+TIMING_PREFIXES = ("timing_s/", "perf/throughput", "perf/time_per_step", "perf/mfu/")
 REWARD_KEY = "critic/score/mean"
 # `val-core/<data_source>/acc/mean@<n>`: the mean score over n samples per held-out prompt.
 _VAL_ACC = re.compile(r"^val-core/.+/acc/mean@\d+$")

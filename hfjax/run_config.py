@@ -188,7 +188,7 @@ def _layout_rules() -> tuple[str, ...]:
 def _remat_policies() -> tuple[str, ...]:
     from hfjax.models.config import REMAT_POLICIES
 
-    return REMAT_POLICIES
+    return (*REMAT_POLICIES, "auto")
 
 
 def _attention_impls() -> tuple[str, ...]:

@@ -17,7 +17,7 @@ import numpy as np
 from absl import logging
 
 from hfjax import checkpoint as ckpt_lib
-from hfjax import health, model_source, sft
+from hfjax import health, mfu, model_source, sft
 from hfjax.algorithms import dataflow
 from hfjax.algorithms.registry import import_spec
 from hfjax.data.batching import prompt_batch
@@ -28,7 +28,7 @@ from hfjax.numerics.losses import (
     kl_controller_from_state,
     kl_controller_state,
 )
-from hfjax.parallel import distributed
+from hfjax.parallel import distributed, targets
 from hfjax.run_config import run_roles, validate_config
 from hfjax.validation import generation_metrics
 from hfjax.workers import groups
@@ -39,8 +39,10 @@ class Trainer:
     """Builds the run's worker groups and drives warm start, RL steps and validation."""
 
     def __init__(self, cfg):
-        self.cfg = cfg
         self.algo, self.pools = validate_config(cfg)
+        if cfg.model.get("remat_policy") == "auto":
+            cfg = _resolve_remat(cfg)
+        self.cfg = cfg
         self.compute_dtype = model_source.compute_dtype(cfg, jax.devices()[0].platform)
         self.roles = run_roles(self.algo, cfg)
         self.tok = model_source.task_tokenizer(cfg)
@@ -61,6 +63,8 @@ class Trainer:
                                           home=self.pools["actor"].mesh(cfg.actor.mesh))
         initial = model_source.initial_model(cfg, self.tok, self.compute_dtype, self.pools)
         self.model_cfg = initial.config
+        # Peak dense bf16 FLOP/s of the devices, for perf/mfu/*; None on CPU (no MFU there).
+        self._peak = targets.peak_flops(jax.devices()[0].device_kind)
         if self.tok.vocab_size > self.model_cfg.vocab_size:
             raise ValueError(f"the tokenizer has {self.tok.vocab_size} tokens, the model's "
                              f"vocabulary {self.model_cfg.vocab_size}; give a tokenizer that "
@@ -171,6 +175,14 @@ class Trainer:
         host["timing_s/step"] = wall
         host["perf/total_num_tokens"] = tokens
         host["perf/throughput"] = tokens / wall
+        response_tokens = host.pop("_response_tokens")
+        if w.sync_timing:  # without it the stages' times are dispatch only
+            ref = w.ref if w.ref is not None else w.actor
+            host |= mfu.step_mfu(
+                self.model_cfg, w.timing, rows=len(batch), tokens=tokens,
+                response_tokens=response_tokens, epochs=int(c.actor.ppo_epochs),
+                actor_devices=w.actor.mesh.devices.size, ref_devices=ref.mesh.devices.size,
+                peak=self._peak)
         host["actor/kl_coef"] = float(w.kl_ctrl.value)
         if w.lagrange is not None:
             host["safe_rlhf/lambda"] = float(w.lagrange.value)
@@ -397,3 +409,16 @@ def check_resume(cfg, ckpt: ckpt_lib.RunCheckpointer | None, mode: str = "auto")
 def config_json(cfg) -> dict:
     """The resolved config as plain JSON data."""
     return json.loads(cfg.to_json_best_effort(sort_keys=True))
+
+
+def _resolve_remat(cfg):
+    """A copy of `cfg` with `model.remat_policy=auto` resolved by `dry_run.choose_remat` against
+    device 0's memory ("none" where the runtime reports no limit, as on CPU)."""
+    from hfjax.dry_run import choose_remat
+
+    limit = (jax.local_devices()[0].memory_stats() or {}).get("bytes_limit")
+    policy, _ = choose_remat(cfg, limit)
+    cfg = cfg.copy_and_resolve_references()
+    cfg.model.remat_policy = policy
+    logging.info("model.remat_policy=auto: %s", policy)
+    return cfg

@@ -43,6 +43,9 @@ _REWARD = flags.DEFINE_string("reward_model", "", "a reward model to place (pres
                               "its rule reward (host)")
 _EFFICIENCY = flags.DEFINE_string("efficiency", "", "efficiency factors, e.g. "
                                   "'train=0.4,hbm=0.6' (hfjax/planner/simulator.py)")
+_CALIBRATION = flags.DEFINE_string(
+    "calibration", "", "measured efficiencies: a file holding python -m bench.accelerator's "
+    "JSON line (its last line is read); --efficiency overrides on top")
 _NODE = flags.DEFINE_integer("node_size", None, "devices per node on the fast link (default: "
                              "the target's reference system)")
 _SCALE_OUT = flags.DEFINE_float("scale_out_gbps", None, "network bandwidth between nodes per "
@@ -64,7 +67,7 @@ def _gb(x: float) -> str:
 def main(argv):
     from hfjax.planner import search
     from hfjax.planner.config import flagfile_lines, plan_inputs
-    from hfjax.planner.simulator import Efficiency, cluster_for
+    from hfjax.planner.simulator import Efficiency, cluster_for, efficiency_from_calibration
 
     cfg = _CONFIG.value
     # The search tries layouts no run will use; their warnings (KV heads a tensor size does not
@@ -73,7 +76,11 @@ def main(argv):
     try:
         cluster = cluster_for(_TARGET.value, _NODE.value,
                               None if _SCALE_OUT.value is None else _SCALE_OUT.value * 1e9)
-        efficiency = Efficiency.parse(_EFFICIENCY.value, base=cluster.efficiency)
+        base = cluster.efficiency
+        if _CALIBRATION.value:
+            base = efficiency_from_calibration(_read_calibration(_CALIBRATION.value),
+                                               cluster.target, base)
+        efficiency = Efficiency.parse(_EFFICIENCY.value, base=base)
         models, host, workload = plan_inputs(cfg, _REWARD.value, _SCORE_MICRO.value,
                                              _GEN_ROWS.value, cluster.target.platform)
         result = search.plan(models, workload, cluster, _DEVICES.value, host_roles=host,
@@ -88,6 +95,10 @@ def main(argv):
           f"{t.memory_bandwidth / 1e12:.2f} TB/s HBM, {t.interconnect_bandwidth / 1e9:.0f} GB/s "
           f"{t.interconnect}; {cluster.node_size} per node, "
           f"{cluster.scale_out_bandwidth / 1e9:.1f} GB/s between nodes)")
+    if _CALIBRATION.value:
+        e = efficiency
+        print(f"  efficiencies measured ({_CALIBRATION.value}): decode {e.decode:.3f}, train "
+              f"{e.train:.3f}, forward {e.forward:.3f} of the peak")
     for m in models:
         kind = "trained" if m.trainable else "frozen"
         count = m.config.num_params()
@@ -135,6 +146,23 @@ def main(argv):
         if missing:
             print(f"  (the config has no field for {', '.join(missing)}; set those by hand)")
     print(json.dumps(best.summary()), flush=True)
+
+
+def _read_calibration(path: str) -> dict:
+    """The JSON object on the last non-empty line of `path` (bench.accelerator's output)."""
+    try:
+        with open(path) as f:
+            lines = [x for x in f.read().splitlines() if x.strip()]
+    except OSError as err:
+        raise ValueError(f"calibration={path}: cannot read it ({err.strerror})") from None
+    try:
+        data = json.loads(lines[-1]) if lines else None
+    except json.JSONDecodeError:
+        data = None
+    if not isinstance(data, dict):
+        raise ValueError(f"calibration={path}: its last line is not a JSON object; save the "
+                         "output of python -m bench.accelerator there")
+    return data
 
 
 def _config_path() -> str:

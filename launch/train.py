@@ -193,6 +193,11 @@ def _memory_check(cfg, say) -> None:
 
     report = dry_run(cfg, device_memory_bytes=int(limit),
                      target=target.name if target else None)
+    if cfg.model.remat_policy == "auto":  # the check decided it: the Trainer need not again
+        cfg.model.remat_policy = report.remat_policy
+        say(f"model.remat_policy=auto: {report.remat_policy} (dry run peak "
+            f"{report.peak_bytes_per_device / 2**30:.2f} GiB per device of "
+            f"{int(limit) / 2**30:.2f} GiB)", flush=True)
     if not report.fits:
         say(report.table())
         say(json.dumps(report.summary()), flush=True)

@@ -225,3 +225,29 @@ def test_every_mode_and_the_reward_model_are_listed_without_reading_weights(tmp_
     assert critic_update.fn is w.critic.update_program(w.critic._loss, 2, packing=packed)
     (score,) = w.reward_model.programs(shape)
     assert score.fn is w.reward_model._packed_score
+
+
+@pytest.mark.slow  # three dry runs: about 40 s on 2 cores
+def test_remat_auto_keeps_activations_where_they_fit_and_checkpoints_where_not():
+    # Long rows on a small model on one device: activations outweigh the state.
+    c = ppo_arith.get_config()
+    c.algorithm = "grpo"
+    c.model.path = "preset:tiny"
+    c.model.remat_policy = "auto"
+    c.sft.steps = 0
+    c.data.n_train, c.data.n_test, c.data.train_batch_size = 64, 8, 8
+    c.rollout.n, c.rollout.response_length = 2, 128
+    c.actor.ppo_mini_batch_size, c.actor.ppo_micro_batch_size = 8, 16
+    c.actor.use_kl_loss, c.algo.adv_estimator = False, "grpo"
+    c.actor.mesh = c.ref.mesh = "fsdp=1"
+    c.placement = "actor=1:actor+ref+reward"
+    c.trainer.test_freq, c.trainer.val_before_train = 0, False
+    c.reward.num_processes = 0
+    c.trainer.out_dir = "/nonexistent"
+    assert dr.choose_remat(c, None) == ("none", None)  # no memory limit known (CPU)
+    roomy = dr.dry_run(c, device_memory_bytes=10**12)
+    assert roomy.remat_policy == "none"
+    tight = int(roomy.peak_bytes_per_device / dr.REMAT_HEADROOM) - 1
+    report = dr.dry_run(c, device_memory_bytes=tight)
+    assert report.summary()["remat_policy"] == "full"
+    assert report.peak_bytes_per_device < roomy.peak_bytes_per_device

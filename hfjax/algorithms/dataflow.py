@@ -159,7 +159,8 @@ def compute_advantage(batch: Batch, cfg, kl_coef: float,
 def step_metrics(a: dict, response_length: int) -> dict:
     """verl's batch metrics of one step (device scalars): scores, rewards, advantages, returns,
     values, response lengths and the share of responses cut off at `response_length`; plus
-    `_tokens`, the step's real tokens, for throughput."""
+    `_tokens`, the step's real tokens, for throughput, and `_response_tokens`, its real
+    response tokens, for MFU."""
     mask = a["response_mask"].astype(jnp.float32)
     score = jnp.sum(a["token_level_scores"], axis=1)
     length = jnp.sum(mask, axis=1)
@@ -175,6 +176,7 @@ def step_metrics(a: dict, response_length: int) -> dict:
         # Responses that used every allowed token (cut off, not finished).
         "response_length/clip_ratio": jnp.mean(length >= response_length),
         "_tokens": jnp.sum(a["attention_mask"]).astype(jnp.float32),
+        "_response_tokens": jnp.sum(mask),
     }
     if "values" in a:
         out["critic/values/mean"] = core.masked_mean(a["values"], mask)

@@ -31,9 +31,12 @@ Baselines for comparison: `naive_bytes()` (gather everything, then slice) and
 `hybridflow_v_bytes()` (decode groups of consecutive ranks, no reordering); the naive
 transition itself and the paper's Table 2 volume are analysis code in bench/hybrid_baselines.py.
 
-A decode layout that cannot nest (e.g. `tensor_g` above a Megatron-style training `tensor`) is
-an error naming the constraint; with `allow_fallback=True` the engine instead reshards both ways
-with plain on-device transfers and logs the extra bytes.
+A parameter whose training boxes do not fit that order (e.g. attention split over `tensor=2`
+only, under NESTED_TRAIN_RULES, because fsdp does not divide its 28 heads, while decoding splits
+heads 4 ways) moves by a plain on-device transfer both ways, and the engine logs which and how
+many bytes. A decode layout in which no parameter nests (e.g. `tensor_g` above a Megatron-style
+training `tensor`) is an error naming the constraint; with `allow_fallback=True` the engine
+instead reshards both ways with plain on-device transfers and logs the extra bytes.
 """
 
 from __future__ import annotations
@@ -90,6 +93,7 @@ class LeafPlan:
     train_t: NamedSharding | None
     decode_t: NamedSharding | None
     gathered: tuple[tuple[int, tuple[str, ...]], ...]
+    direct: bool = False  # moves by a plain on-device transfer both ways (does not nest)
 
 
 @dataclasses.dataclass
@@ -246,43 +250,20 @@ class HybridEngine:
     def _plan_nested(self, decode_specs: list[list[tuple[str, ...]]]) -> None:
         mesh = self.train_mesh
         train_specs = self._train_specs()
-        # Logical axes the decode rules split: the training layout must split them all over the
-        # same ordered axes A. Other split dimensions (kept whole for decoding) share axes B.
+        # Logical axes the decode rules split; plan_nesting finds the axes A that order the
+        # decode groups and which leaves nest under that order.
         rules = (
             shd.RULE_SETS[self.decode_rules]
             if isinstance(self.decode_rules, str)
             else self.decode_rules
         )
         split_logical = {k for k, v in rules.items() if v}
-        a_set: dict[tuple[str, ...], str] = {}
-        b_set: dict[tuple[str, ...], str] = {}
-        for name, axes, entries in zip(self._names, self._axes, train_specs):
-            for dim, entry in enumerate(entries):
-                if entry:
-                    logical = axes[dim] if axes is not None else None
-                    target = a_set if logical in split_logical else b_set
-                    target.setdefault(entry, f"{name} ('{logical}')")
-        if len(a_set) > 1 or len(b_set) > 1:
-            which = a_set if len(a_set) > 1 else b_set
-            raise LayoutError(
-                "training shards cannot nest in decode shards: the training rules split "
-                + " and ".join(f"{v} over {k}" for k, v in which.items())
-                + "; use rules that split all of them over one axis tuple, e.g. "
-                "NESTED_TRAIN_RULES"
-            )
-        A = next(iter(a_set), ())
-        B = next(iter(b_set), ())
-        if set(A) & set(B):
-            raise LayoutError(
-                f"training shards cannot nest in decode shards: mesh axes {sorted(set(A) & set(B))}"
-                " split both dimensions that decoding splits and ones it keeps whole"
-            )
-        n_a = math.prod(mesh.shape[a] for a in A)
+        plan = plan_nesting(self._axes, train_specs, decode_specs, dict(mesh.shape),
+                            self._decode_sizes["tensor"], split_logical)
+        A, B, n_a, lo, t_g = plan.A, plan.B, plan.n_a, plan.lo, plan.t_g
         n_b = math.prod(mesh.shape[a] for a in B)
-        t_g = self._decode_sizes["tensor"]
-        if n_a % t_g:
+        if not plan.ok:
             raise LayoutError(self._no_nest_reason(A, B, n_a, t_g))
-        lo = n_a // t_g
         rep_axes = [a for a in mesh.axis_names if mesh.shape[a] > 1 and a not in A + B]
         n_rep = math.prod(mesh.shape[a] for a in rep_axes)
         grid = np.empty((n_rep, n_b, lo, t_g), dtype=object)
@@ -301,48 +282,78 @@ class HybridEngine:
         )
         self.micro_dp = n_b * lo
         self.split_axes, self.split_ways = A, n_a
-
-        def t_axes(entry: tuple[str, ...]) -> tuple[str, ...]:
-            if entry == A:
-                return tuple(a for a, n in ((_TG, t_g), (_MICRO, lo)) if n > 1)
-            return (_GATHER,) if entry else ()
-
         self.leaves = []
         replicated_kv: set[str] = set()
+        moved: list[str] = []
         for i, aval in enumerate(self._avals):
-            tr, dc = train_specs[i], list(decode_specs[i])
-            tr_t = [t_axes(e) for e in tr]
-            for dim, e in enumerate(dc):
-                if e and tr[dim] != A:
-                    # The training layout keeps this dimension whole (e.g. 3 KV heads on 8
-                    # devices): decoding keeps it whole too, or the way back would gather.
-                    dc[dim] = ()
-                    replicated_kv.add(f"{self._names[i]} dim {dim}")
-            dc_t = [(_TG,) if e else () for e in dc]
-            gathered = []
-            for dim, (a, b) in enumerate(zip(tr_t, dc_t)):
-                if a[: len(b)] != b:
-                    raise LayoutError(f"internal: decode axes {b} are not a prefix of {a}")
-                if len(a) > len(b):
-                    gathered.append((dim, a[len(b) :]))
-            leaf = LeafPlan(
-                name=self._names[i],
-                shape=tuple(aval.shape),
-                dtype=aval.dtype,
-                train=NamedSharding(mesh, _to_spec(tr)),
-                decode=NamedSharding(self.decode_mesh, _to_spec(dc)),
-                train_t=NamedSharding(self.transition_mesh, _to_spec(tr_t)),
-                decode_t=NamedSharding(self.transition_mesh, _to_spec(dc_t)),
-                gathered=tuple(gathered),
-            )
-            self._verify(leaf)
+            tr, (tr_t, dc) = train_specs[i], plan.leaves[i]
+            leaf = None if tr_t is None else self._nested_leaf(i, tr, dc, tr_t)
+            if leaf is not None:
+                replicated_kv.update(f"{self._names[i]} dim {d}" for d, (a, b) in
+                                     enumerate(zip(decode_specs[i], dc)) if a != b)
+            else:
+                leaf = LeafPlan(
+                    name=self._names[i], shape=tuple(aval.shape), dtype=aval.dtype,
+                    train=NamedSharding(mesh, _to_spec(tr)),
+                    decode=NamedSharding(self.decode_mesh, _to_spec(decode_specs[i])),
+                    train_t=None, decode_t=None, gathered=(), direct=True,
+                )
+                moved.append(leaf.name)
             self.leaves.append(leaf)
+        if moved and not any(lf.gathered for lf in self.leaves):
+            raise LayoutError(self._no_nest_reason(A, B, n_a, t_g))
         if replicated_kv:
             logging.info(
                 "hybrid engine: decoding keeps whole what training keeps whole: %s",
                 ", ".join(sorted(replicated_kv)),
             )
+        self.direct = moved
+        if moved:
+            extra = [lf for lf in self.leaves if lf.direct]
+            logging.warning(
+                "hybrid engine: %d of %d parameters (%s) do not nest between training layout %s "
+                "and decode mesh %r (training splits their tensor-parallel dimensions over other "
+                "axes than %s); they move by plain on-device transfers, %d bytes per device to "
+                "decode and %d back",
+                len(moved), len(self.leaves), ", ".join(moved[:4]) + (", ..." if len(moved) > 4
+                                                                      else ""),
+                dict(mesh.shape), self.decode_spec.text, A,
+                reshard.max_bytes(reshard.tree_transfer_bytes(
+                    [lf.train for lf in extra], [lf.decode for lf in extra],
+                    [self._avals[self.leaves.index(lf)] for lf in extra])),
+                reshard.max_bytes(reshard.tree_transfer_bytes(
+                    [lf.decode for lf in extra], [lf.train for lf in extra],
+                    [self._avals[self.leaves.index(lf)] for lf in extra])),
+            )
         self.fallback = False
+
+    def _nested_leaf(self, i: int, tr, dc, tr_t) -> LeafPlan | None:
+        """Leaf i's nested plan, or None when its training boxes do not re-label onto the
+        transition mesh or do not lie inside its decode boxes."""
+        aval = self._avals[i]
+        dc_t = [(_TG,) if e else () for e in dc]
+        gathered = []
+        for dim, (a, b) in enumerate(zip(tr_t, dc_t)):
+            if a[: len(b)] != b:
+                return None
+            if len(a) > len(b):
+                gathered.append((dim, a[len(b) :]))
+        leaf = LeafPlan(
+            name=self._names[i],
+            shape=tuple(aval.shape),
+            dtype=aval.dtype,
+            train=NamedSharding(self.train_mesh, _to_spec(tr)),
+            decode=NamedSharding(self.decode_mesh, _to_spec(dc)),
+            train_t=NamedSharding(self.transition_mesh, _to_spec(tr_t)),
+            decode_t=NamedSharding(self.transition_mesh, _to_spec(dc_t)),
+            gathered=tuple(gathered),
+        )
+        same = reshard.boxes(leaf.train, leaf.shape) == reshard.boxes(
+            leaf.train_t, leaf.shape
+        ) and reshard.boxes(leaf.decode, leaf.shape) == reshard.boxes(leaf.decode_t, leaf.shape)
+        if not same or not reshard.nests(leaf.train, leaf.decode, leaf.shape):
+            return None
+        return leaf
 
     def _no_nest_reason(self, A: tuple[str, ...], B: tuple[str, ...], n_a: int, t_g: int) -> str:
         mesh = self.train_mesh
@@ -368,17 +379,9 @@ class HybridEngine:
             f"tensor-parallel dimensions (over {'x'.join(A)})"
         )
 
-    def _verify(self, leaf: LeafPlan) -> None:
-        # The transition mesh must re-label shards without moving them, and the training box of
-        # every device must lie inside its decode box; anything else is a planning bug.
-        same = reshard.boxes(leaf.train, leaf.shape) == reshard.boxes(
-            leaf.train_t, leaf.shape
-        ) and reshard.boxes(leaf.decode, leaf.shape) == reshard.boxes(leaf.decode_t, leaf.shape)
-        if not same or not reshard.nests(leaf.train, leaf.decode, leaf.shape):
-            raise LayoutError(f"internal: {leaf.name} does not nest under the planned meshes")
-
     def _plan_fallback(self, decode_specs: list[list[tuple[str, ...]]]) -> None:
         self.transition_mesh = None
+        self.direct = []
         self.decode_mesh = self.v_mesh
         self.micro_dp = 0
         self.split_axes, self.split_ways = (), 1
@@ -578,7 +581,7 @@ class HybridEngine:
         """Returns (the moved array, {device: bytes of pieces staged along the way}, whether it
         is a new copy, so that `x` must be freed)."""
         dst = leaf.decode if to_decode else leaf.train
-        if self.fallback:
+        if self.fallback or leaf.direct:
             return transfer(x, dst), {}, True
         if not leaf.gathered:
             # Same boxes in both layouts: a re-label, no program and no copy.
@@ -591,6 +594,97 @@ class HybridEngine:
             y, staged = reshard.gather_by_copies(x_t, leaf.decode, [d for d, _ in leaf.gathered])
             return y, staged, True
         return self._program(self.method, i)(x_t), {}, True
+
+
+@dataclasses.dataclass(frozen=True)
+class NestPlan:
+    """How a training layout's shards nest in a decode layout, from specs and axis sizes alone.
+
+    `A`: the widest axis tuple over which training splits a dimension that decoding splits; the
+    decode tensor group of a device is its split index over A divided by `lo` = n_a / t_g. `B`:
+    an axis tuple disjoint from A that splits dimensions decoding keeps whole (fsdp over embed
+    under TRAIN_RULES); it joins the micro-DP groups. `ok`: t_g divides n_a (else nothing
+    nests). `leaves[i]`: (leaf i's training spec on the transition mesh, or None when its boxes
+    do not fit the order and it moves by a plain transfer; its decode spec, which keeps whole a
+    dimension that training does not split over the decode tensor axis).
+    """
+
+    A: tuple[str, ...]
+    B: tuple[str, ...]
+    n_a: int
+    lo: int
+    t_g: int
+    ok: bool
+    leaves: tuple[tuple[list[tuple[str, ...]] | None, list[tuple[str, ...]]], ...]
+
+
+def plan_nesting(
+    axes_list: Sequence[Sequence[str | None] | None],
+    train_specs: Sequence[Sequence[tuple[str, ...]]],
+    decode_specs: Sequence[Sequence[tuple[str, ...]]],
+    sizes: Mapping[str, int],
+    t_g: int,
+    split_logical: set[str],
+) -> NestPlan:
+    """Returns the NestPlan of leaves with logical `axes_list` split by `train_specs` (per
+    dimension, the mesh axes) on a mesh of `sizes`, decoding in `decode_specs` over decode
+    tensor size `t_g`; `split_logical` names the logical axes the decode rules split. The
+    engine and the planner's virtual layouts both use it, so they agree on what moves."""
+    a_set: dict[tuple[str, ...], int] = {}
+    b_set: dict[tuple[str, ...], int] = {}
+    for axes, entries in zip(axes_list, train_specs):
+        for dim, entry in enumerate(entries):
+            if entry:
+                logical = axes[dim] if axes is not None else None
+                target = a_set if logical in split_logical else b_set
+                target.setdefault(entry, math.prod(sizes[a] for a in entry))
+    A = max(a_set, key=a_set.get, default=())
+    B = next((b for b in b_set if not set(b) & set(A)), ())
+    n_a = math.prod(sizes[a] for a in A)
+    if n_a % t_g:
+        return NestPlan(A, B, n_a, 0, t_g, False, ())
+    lo = n_a // t_g
+    split_a = tuple(a for a, n in ((_TG, t_g), (_MICRO, lo)) if n > 1)
+    # A leaf may split a tensor-parallel dimension over the leading axes of A that make up
+    # exactly the decode tensor size (28 heads over tensor=2 of A = tensor x fsdp), and another
+    # dimension over the trailing axes that make up the micro-DP size (embed over fsdp): the
+    # same boxes as one split over A, on two dimensions.
+    head_a = next((A[:k] for k in range(1, len(A) + 1)
+                   if math.prod(sizes[a] for a in A[:k]) == t_g), None)
+    tail_a = A[len(head_a):] if head_a is not None and lo > 1 else None
+    leaves = []
+    for axes, tr, dc in zip(axes_list, train_specs, decode_specs):
+        axes = axes or (None,) * len(tr)
+        dc = list(dc)
+        tr_t: list[tuple[str, ...]] | None = []
+        whole = []
+        for dim, e in enumerate(tr):
+            split = axes[dim] in split_logical
+            if split and e not in ((), A, head_a):
+                tr_t = None  # split over other axes than A (e.g. tensor only, A=tensor x fsdp)
+                break
+            if not e:
+                tr_t.append(())
+            elif e == A:
+                tr_t.append(split_a)
+            elif split and e == head_a:
+                tr_t.append((_TG,))
+            elif e == B:
+                tr_t.append((_GATHER,))
+            elif e == tail_a:
+                tr_t.append((_MICRO,))
+            else:
+                tr_t = None
+                break
+            if dc[dim] and e not in (A, head_a):
+                whole.append(dim)
+        if tr_t is not None:
+            for dim in whole:
+                # Training keeps this dimension whole (e.g. 3 KV heads on 8 devices), or splits
+                # another one over A: decoding keeps it whole too, or the way back would gather.
+                dc[dim] = ()
+        leaves.append((tr_t, dc))
+    return NestPlan(A, B, n_a, lo, t_g, True, tuple(leaves))
 
 
 def _mixed_radix(digits: Sequence[int], sizes: Sequence[int]) -> int:

@@ -40,10 +40,14 @@ TRAIN_RULES: dict[str, Rule] = {
 DECODE_RULES: dict[str, Rule] = {**TRAIN_RULES, "embed": None}
 
 # Training rules whose shards nest inside DECODE_RULES shards (the hybrid engine's layout):
-# `fsdp` splits the same dimension as `tensor`, and `embed` stays whole.
+# `fsdp` splits the same dimensions as `tensor` where it divides them, so a device's training
+# shard lies inside its decode shard. A tuple rule takes the longest prefix of its axes that
+# divides the dimension (28 heads on tensor=2 x fsdp=4 split over tensor only), and the axes it
+# leaves go to `embed` (a single-axis rule is applied after the tuple rules of the same tensor),
+# as FSDP over the hidden dimension does: every model divides on some dimension.
 NESTED_TRAIN_RULES: dict[str, Rule] = {
     **TRAIN_RULES,
-    "embed": None,
+    "embed": "fsdp",
     "vocab": ("tensor", "fsdp"),
     "heads": ("tensor", "fsdp"),
     "kv_heads": ("tensor", "fsdp"),
@@ -88,20 +92,33 @@ class Layout:
     def spec(self, axes: Sequence[str | None], shape: Sequence[int], name: str = "?") -> P:
         """The PartitionSpec for one tensor with the given logical axes and shape.
 
-        Raises ValueError naming the tensor when a mesh axis does not divide its dimension.
+        Dimensions whose rule is a tuple of mesh axes are placed first, in order, each on the
+        longest prefix of its axes that divides it; then single-axis rules take what is left.
+        Raises ValueError naming the tensor when a single-axis rule does not divide its
+        dimension (unless the dimension is in `replicate_indivisible`).
         """
         if len(axes) != len(shape):
             raise ValueError(f"tensor {name}: logical axes {axes} do not match shape {shape}")
         used: set[str] = set()
-        out = []
-        for logical, dim in zip(axes, shape):
-            rule = self.rules.get(logical) if logical is not None else None
+        out: list[tuple[str, ...]] = [()] * len(shape)
+        rules = [self.rules.get(logical) if logical is not None else None for logical in axes]
+        order = sorted(range(len(shape)), key=lambda i: not isinstance(rules[i], tuple))
+        left: dict[int, tuple[str, ...]] = {}
+        for i in order:
+            logical, dim, rule = axes[i], shape[i], rules[i]
             mesh_axes = (rule,) if isinstance(rule, str) else tuple(rule or ())
             # A mesh axis of size 1 or already used by an earlier dimension is dropped.
             mesh_axes = tuple(
                 a for a in mesh_axes if a not in used and self.mesh.shape.get(a, 1) > 1
             )
-            size = int(np.prod([self.mesh.shape[a] for a in mesh_axes])) if mesh_axes else 1
+            if isinstance(rule, tuple):
+                fit = mesh_axes
+                while fit and dim % _size(self.mesh, fit):
+                    fit = fit[:-1]
+                if fit != mesh_axes:
+                    left[i] = mesh_axes[len(fit):]
+                mesh_axes = fit
+            size = _size(self.mesh, mesh_axes)
             if dim % size:
                 if logical in self.replicate_indivisible:
                     _warn_replicate(name, logical, dim, mesh_axes, size)
@@ -113,10 +130,15 @@ class Layout:
                         f"{'x'.join(mesh_axes)} size divides {dim}"
                     )
             used.update(mesh_axes)
-            out.append(mesh_axes[0] if len(mesh_axes) == 1 else (mesh_axes or None))
-        while out and out[-1] is None:
-            out.pop()
-        return P(*out)
+            out[i] = mesh_axes
+        for i, rest in left.items():
+            idle = tuple(a for a in rest if a not in used)
+            if idle:  # no other dimension of this tensor took them: it is replicated over them
+                _warn_replicate(name, axes[i], shape[i], rest, _size(self.mesh, rest))
+        spec = [e[0] if len(e) == 1 else (e or None) for e in out]
+        while spec and spec[-1] is None:
+            spec.pop()
+        return P(*spec)
 
     def sharding(self, axes, shape, name="?") -> NamedSharding:
         return NamedSharding(self.mesh, self.spec(axes, shape, name))
@@ -186,8 +208,12 @@ def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
         return x
     rules = {**layout.rules, "batch": mesh_lib.dp_axes(layout.mesh)}
     return jax.lax.with_sharding_constraint(
-        x, Layout(layout.mesh, rules).sharding(axes, x.shape, "activation")
+        x, dataclasses.replace(layout, rules=rules).sharding(axes, x.shape, "activation")
     )
+
+
+def _size(mesh: Mesh, mesh_axes: Sequence[str]) -> int:
+    return int(np.prod([mesh.shape[a] for a in mesh_axes])) if mesh_axes else 1
 
 
 _warned: set[tuple] = set()

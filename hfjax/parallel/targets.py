@@ -97,3 +97,26 @@ def get_target(name: str) -> Target:
         raise ValueError(f"unknown target {name!r}; known targets: {', '.join(TARGETS)} "
                          "(figures per device: one GPU or one TPU chip)")
     return TARGETS[key]
+
+
+# Peak dense bf16 FLOP/s per device, by the `device_kind` JAX reports, most specific first.
+# TPU v4: Cloud TPU documentation, "TPU v4" (275 TFLOPs bf16 per chip); the others are the
+# targets' figures above. CPUs have none here: their peak depends on the part and its vector
+# units, so no MFU is reported on CPU.
+_PEAK_BY_KIND = (
+    ("h200", TARGETS["h200"].bf16_flops), ("h100", TARGETS["h100"].bf16_flops),
+    ("a100", TARGETS["a100-80gb"].bf16_flops), ("v6 lite", TARGETS["v6e"].bf16_flops),
+    ("v6e", TARGETS["v6e"].bf16_flops), ("v5 lite", TARGETS["v5e"].bf16_flops),
+    ("v5e", TARGETS["v5e"].bf16_flops), ("v5p", TARGETS["v5p"].bf16_flops),
+    ("v5", TARGETS["v5p"].bf16_flops), ("v4", 275e12),
+)
+
+
+def peak_flops(device_kind: str) -> float | None:
+    """Peak dense bf16 FLOP/s of one device of `device_kind` (e.g. "NVIDIA H200", "TPU v5
+    lite"); None when unknown (CPUs, other accelerators)."""
+    kind = device_kind.lower()
+    for key, flops in _PEAK_BY_KIND:
+        if key in kind:
+            return flops
+    return None

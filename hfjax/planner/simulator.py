@@ -102,7 +102,7 @@ class Efficiency:
     """Fractions of the published peaks that programs reach (module docstring)."""
 
     train: float = 0.45  # FLOP/s of a training call / peak
-    forward: float = 0.45  # scoring passes and decode-step FLOPs
+    forward: float = 0.45  # scoring passes (and decode-step FLOPs while `decode` is None)
     prefill: float = 0.45
     hbm: float = 0.7  # HBM bytes/s of memory-bound calls / peak
     link: float = 0.7  # collective bytes/s / link bandwidth
@@ -111,6 +111,7 @@ class Efficiency:
     latency_inter_s: float = 30e-6
     call_overhead_s: float = 0.0  # fixed cost of a program call (dispatch, launch, sync)
     step_overhead_s: float = 0.0  # fixed cost of one decode step inside the decode loop
+    decode: float | None = None  # decode-step FLOP/s / peak, where measured (None: `forward`)
 
     @classmethod
     def parse(cls, text: str, base: Efficiency | None = None) -> Efficiency:
@@ -140,6 +141,40 @@ class Efficiency:
             elif not 0 < values[key] <= 1:
                 raise ValueError(f"efficiency {key}={value}: a fraction in (0, 1] is expected")
         return dataclasses.replace(base, **values)
+
+
+CALIBRATION_KEYS = ("decode_ms_per_step", "decode_bound_ms", "update_mfu", "ref_mfu")
+
+
+def efficiency_from_calibration(data: dict, target: Target,
+                                base: Efficiency | None = None) -> Efficiency:
+    """The efficiency factors `bench/accelerator.py`'s JSON line measured, as fractions of
+    `target`'s peak bf16 FLOP/s; other factors keep `base`'s values.
+
+    - `decode`: decode_bound_ms / decode_ms_per_step (the share of the measured matmul peak a
+      decode step reaches) times matmul_peak_flops / the target's peak;
+    - `train`: update_mfu, times 4/3 when the measured run recomputed activations
+      (`remat_policy=full`: the simulator counts the recomputed forward pass, MFU does not);
+    - `forward`: ref_mfu.
+    MFU figures are relative to the peak the JSON names (`mfu_peak`: the device kind's table
+    figure, or the measured matmul peak). Raises ValueError naming a missing or bad key.
+    """
+    missing = [k for k in CALIBRATION_KEYS if not isinstance(data.get(k), (int, float))
+               or not data[k] > 0]
+    if missing:
+        raise ValueError(f"calibration: {', '.join(missing)} missing or not a positive number; "
+                         "give the last line that python -m bench.accelerator prints")
+    peak = target.bf16_flops
+    measured = float(data.get("matmul_peak_flops") or peak)
+    mfu_peak = measured if data.get("mfu_peak") == "measured_matmul" else peak
+    remat = (data.get("config") or {}).get("remat_policy")
+    factors = {
+        "decode": data["decode_bound_ms"] / data["decode_ms_per_step"] * measured / peak,
+        "train": data["update_mfu"] * mfu_peak / peak * (4 / 3 if remat == "full" else 1),
+        "forward": data["ref_mfu"] * mfu_peak / peak,
+    }
+    factors = {k: min(1.0, v) for k, v in factors.items()}
+    return dataclasses.replace(base or Efficiency(), **factors)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -441,7 +476,8 @@ class Simulator:
         pre_tp = self.all_reduce(rows_p * w.prompt_len * cfg.hidden_size * _itemsize(cfg.dtype),
                                  tensor_g, span, 2 * cfg.num_layers)
         step = self.costs.call(model, dec, step_call)
-        sc, sm = self.roofline(model, step.flops, step.bytes_accessed, self.eff.forward)
+        sc, sm = self.roofline(model, step.flops, step.bytes_accessed,
+                               self.eff.decode or self.eff.forward)
         step_tp = self.all_reduce(rows * cfg.hidden_size * _itemsize(cfg.dtype), tensor_g, span,
                                   2 * cfg.num_layers)
         step_tp += self.gather(rows * cfg.vocab_size * 4, tensor_g, span)

@@ -29,6 +29,7 @@ import jax
 import numpy as np
 from jax.sharding import AbstractMesh
 
+from hfjax.engine import hybrid
 from hfjax.parallel import reshard
 from hfjax.parallel import sharding as shd
 from hfjax.parallel.mesh import MESH_AXES
@@ -166,31 +167,6 @@ def decode_sizes(n_devices: int, tensor_g: int) -> dict[str, int]:
     return mesh_sizes(data=n_devices // tensor_g, tensor=tensor_g)
 
 
-def split_axes(leaves: Sequence[Leaf], train_specs: Sequence[Sequence[Entry]],
-               decode_rules: str | Mapping[str, Any] = "decode") -> tuple[Entry, Entry]:
-    """(A, B): the one axis tuple over which training splits the dimensions decoding splits,
-    and the one over which it splits the others. Raises NoNesting when either is not unique,
-    or when they share an axis (as the engine does)."""
-    rules = shd.RULE_SETS[decode_rules] if isinstance(decode_rules, str) else decode_rules
-    split_logical = {k for k, v in rules.items() if v}
-    a_set: set[Entry] = set()
-    b_set: set[Entry] = set()
-    for leaf, entries in zip(leaves, train_specs):
-        for dim, entry in enumerate(entries):
-            if entry:
-                logical = leaf.axes[dim] if leaf.axes is not None else None
-                (a_set if logical in split_logical else b_set).add(entry)
-    if len(a_set) > 1 or len(b_set) > 1:
-        raise NoNesting(
-            f"training splits the tensor-parallel dimensions over {sorted(a_set)} and the "
-            f"others over {sorted(b_set)}; nesting needs one axis tuple for each")
-    a = next(iter(a_set), ())
-    b = next(iter(b_set), ())
-    if set(a) & set(b):
-        raise NoNesting(f"mesh axes {sorted(set(a) & set(b))} split both kinds of dimensions")
-    return a, b
-
-
 def sample_devices(n: int, k: int = 16) -> tuple[int, ...]:
     """Up to k device ids spread evenly over 0..n-1, the first and last included."""
     if n <= k:
@@ -210,12 +186,14 @@ def _transition(leaves: tuple[Leaf, ...], rules: str, fsdp: int, tensor: int,
     except ValueError as err:
         raise NoNesting(f"decode mesh data={n // tensor_g},tensor={tensor_g} cannot hold the "
                         f"model: {err}") from None
-    a, _ = split_axes(leaves, train)
-    n_a = math.prod(sizes[x] for x in a)
-    if n_a % tensor_g:
-        raise NoNesting(f"decode tensor={tensor_g} must divide the {n_a} ways training splits "
-                        f"the tensor-parallel dimensions (over {'x'.join(a) or 'nothing'})")
-    lo = n_a // tensor_g
+    split_logical = {k for k, v in shd.DECODE_RULES.items() if v}
+    plan = hybrid.plan_nesting([leaf.axes for leaf in leaves], train, decode, sizes, tensor_g,
+                               split_logical)
+    a = plan.A
+    if not plan.ok:
+        raise NoNesting(f"decode tensor={tensor_g} must divide the {plan.n_a} ways training "
+                        f"splits the tensor-parallel dimensions (over {'x'.join(a) or 'nothing'})")
+    lo = plan.lo
     grid = tuple(sizes[x] for x in MESH_AXES)
     groups = []
     for dev in range(n):
@@ -226,10 +204,14 @@ def _transition(leaves: tuple[Leaf, ...], rules: str, fsdp: int, tensor: int,
     sample = sample_devices(n)
     src, dst, avals = [], [], []
     held = 0
-    for leaf, tr, dc in zip(leaves, train, decode):
-        # A dimension decoding splits but training keeps whole (KV heads that the training
-        # split does not divide) stays whole for decoding too, as in the engine.
-        grouped = [i for i, (t_e, d_e) in enumerate(zip(tr, dc)) if d_e and t_e == a]
+    gathers = direct = False
+    for leaf, tr, dc, (tr_t, nested_dc) in zip(leaves, train, decode, plan.leaves):
+        # As in the engine: a leaf that nests keeps whole for decoding what training does not
+        # split over the decode tensor axis; one that does not moves to its own decode spec.
+        use = nested_dc if tr_t is not None else dc
+        direct |= tr_t is None
+        gathers |= tr_t is not None and any(len(t) > bool(d) for t, d in zip(tr_t, nested_dc))
+        grouped = [i for i, d_e in enumerate(use) if d_e]
         src.append(VirtualSharding(sizes, tr, devices=sample))
         # Every other dimension is whole in the decode layout (gathered by the transition).
         dst.append(VirtualSharding(sizes, [()] * len(tr), grouped, tensor_g, groups,
@@ -237,6 +219,9 @@ def _transition(leaves: tuple[Leaf, ...], rules: str, fsdp: int, tensor: int,
         avals.append(jax.ShapeDtypeStruct(leaf.shape, leaf.dtype))
         held += math.prod(d // tensor_g if i in grouped else d
                           for i, d in enumerate(leaf.shape)) * np.dtype(leaf.dtype).itemsize
+    if direct and not gathers:
+        raise NoNesting(f"no parameter's training shard lies inside its decode shard on decode "
+                        f"tensor={tensor_g}")
     received = reshard.max_bytes(reshard.tree_transfer_bytes(src, dst, avals))
     return received, held
 

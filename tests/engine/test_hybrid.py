@@ -146,25 +146,36 @@ def test_decode_mesh_follows_the_paper_device_order():
         engine.bytes_to_decode())
 
 
+# The 2 KV heads of SMOL_SIZED under nested_train: (ways training splits the KV projections,
+# ways decoding splits them). fsdp does not divide 2 heads, so it splits their embed dimension
+# instead; decoding keeps whole what training does not split over the decode tensor axis.
+NESTED_KV = {"fsdp=8": (8, 1), "fsdp=4,tensor=2": (8, 2), "fsdp=2,tensor=4": (2, 1)}
+
+
 @pytest.mark.parametrize("train,rules,decode", PAIRS)
 def test_smollm2_sized_volumes_match_closed_forms(train, rules, decode):
     cfg = SMOL_SIZED.replace(param_dtype="bfloat16")
     engine = hybrid.HybridEngine(layout(train, rules), decode,
                                  nnx.state(transformer.abstract(cfg)))
-    # 2 KV heads split 4 or 8 ways in no training layout here: replicated in both, they move
-    # nothing, so M is the other tensor-parallel weights.
-    m, _ = tp_bytes(cfg, 2)
+    # Megatron-style: 2 KV heads split 4 or 8 ways in no layout here: replicated in both, they
+    # move nothing, so M is the other tensor-parallel weights.
+    m, kv = tp_bytes(cfg, 2)
     t = MeshSpec.parse(train).resolve(8)["tensor"]
     t_g = MeshSpec.parse(decode).resolve(8)["tensor"]
     n = 8 if rules == "nested_train" else t
+    kv_train, kv_decode = NESTED_KV[train] if rules == "nested_train" else (1, 1)
     moved = engine.bytes_to_decode()
-    assert engine.split_bytes() == m
     assert moved == engine.lower_bound()
-    assert set(moved.values()) == {m // t_g - m // n}
+    assert set(moved.values()) == {m // t_g - m // n + kv // kv_decode - kv // kv_train}
     if rules == "decode":
         assert set(moved.values()) == {table2_bytes(t, t_g, m)}
     assert set(engine.bytes_to_train().values()) == {0}
-    assert set(engine.naive_bytes().values()) == {m - m // n}
+    assert set(engine.naive_bytes().values()) == {m - m // n + kv - kv // kv_train}
+    # With fsdp over embed outside the micro-DP tail of tensor x fsdp (fsdp=2,tensor=4 ->
+    # data=8) the KV projections nest but move by plain transfers, at the same bytes.
+    direct = train == "fsdp=2,tensor=4" and rules == "nested_train"
+    assert engine.split_bytes() == m + (kv if kv_train > 1 and not direct else 0)
+    assert bool(engine.direct) == direct
 
 
 @pytest.mark.parametrize("method", hybrid.METHODS)

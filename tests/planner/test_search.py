@@ -349,3 +349,39 @@ def test_the_docs_table_is_what_the_paper_config_plans():
         assert {m: round(p.iteration_s, 1) for m, p in best.items()} == seconds, (name, n)
         actor = result.best.choices["actor"]
         assert f"{actor.layout.mesh} → {actor.decode_mesh}" == layouts, (name, n)
+
+
+def test_a_calibration_file_moves_the_plan_the_way_it_measured():
+    from hfjax.planner.simulator import efficiency_from_calibration
+    from hfjax.parallel.targets import get_target
+
+    cfg = get_preset("qwen2.5-1.5b").replace(dtype="bfloat16", remat_policy="full")
+    models = [ModelSpec("actor", cfg, "causal_lm", True), ModelSpec("ref", cfg, "causal_lm", False)]
+    w = Workload(prompts=64, n=8, prompt_len=32, response_len=256, actor_mini=512,
+                 actor_micro=128)
+    h200 = get_target("h200")
+
+    def measured(decode_share, mfu):
+        # bench.accelerator's JSON: a decode step at `decode_share` of the matmul bound (the
+        # measured peak = the table's), update and scoring at `mfu` of the table peak.
+        return {"decode_ms_per_step": 10.0, "decode_bound_ms": 10.0 * decode_share,
+                "matmul_peak_flops": h200.bf16_flops, "update_mfu": mfu, "ref_mfu": mfu,
+                "mfu_peak": "table", "config": {"remat_policy": "none"}}
+
+    slow = efficiency_from_calibration(measured(0.05, 0.1), h200)
+    fast = efficiency_from_calibration(measured(0.95, 0.9), h200)
+    assert (slow.decode, slow.train, slow.forward) == pytest.approx((0.05, 0.1, 0.1))
+    assert fast.hbm == Efficiency().hbm  # what was not measured keeps its value
+    # A recomputing run's MFU leaves out the recomputed forward pass the simulator counts.
+    full = efficiency_from_calibration({**measured(0.05, 0.3), "config": {"remat_policy": "full"}},
+                                       h200)
+    assert full.train == pytest.approx(0.4)
+
+    def step_s(eff):
+        return search.plan(models, w, "h200", 8, host_roles=("reward",), efficiency=eff,
+                            alternatives=0).best.iteration_s
+
+    assert step_s(slow) > step_s(None) > step_s(fast)
+    with pytest.raises(ValueError, match="calibration: update_mfu missing"):
+        efficiency_from_calibration({k: v for k, v in measured(0.5, 0.5).items()
+                                     if k != "update_mfu"}, h200)

@@ -1,0 +1,49 @@
+"""perf/mfu/*: the model's FLOPs per stage, written out here per layer and per token, over the
+stage's time and the device kind's peak."""
+
+import math
+
+import pytest
+
+from hfjax import mfu
+from hfjax.models.presets import get_preset
+from hfjax.parallel import targets
+
+
+def test_peaks_by_device_kind():
+    assert targets.peak_flops("NVIDIA H200") == 989.5e12
+    assert targets.peak_flops("NVIDIA H100 80GB HBM3") == 989.5e12
+    assert targets.peak_flops("NVIDIA A100-SXM4-80GB") == 312e12
+    assert targets.peak_flops("TPU v5 lite") == 197e12
+    assert targets.peak_flops("TPU v5p") == 459e12
+    assert targets.peak_flops("TPU v4") == 275e12
+    assert targets.peak_flops("TPU v6 lite") == 918e12
+    assert targets.peak_flops("cpu") is None
+
+
+def test_step_mfu_counts_six_n_plus_attention_over_the_stage_time():
+    cfg = get_preset("qwen2.5-1.5b")
+    rows, length, response = 8, 96, 64
+    d, L, N, K, H, F, V = (cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads,
+                           cfg.head_dim, cfg.intermediate_size, cfg.vocab_size)
+    fwd = 0.0
+    for _ in range(rows):
+        for _ in range(length):
+            for _ in range(L):
+                weights = d * H * (2 * N + 2 * K) + 3 * d * F
+                fwd += 2 * weights + 4 * N * H * length
+        fwd += 2 * d * V * response
+    assert mfu.forward_flops(cfg, rows, rows * length, rows * response) == pytest.approx(fwd)
+    timing = {"timing_s/update_actor": 2.0, "timing_s/ref": 0.5, "timing_s/gen": 9.0}
+    got = mfu.step_mfu(cfg, timing, rows=rows, tokens=rows * length,
+                       response_tokens=rows * response, epochs=2, actor_devices=4,
+                       ref_devices=2, peak=1e12)
+    assert got["perf/mfu/actor"] == pytest.approx(3 * 2 * fwd / (2.0 * 4 * 1e12))
+    assert got["perf/mfu/ref"] == pytest.approx(fwd / (0.5 * 2 * 1e12))
+    assert all(math.isfinite(v) and v > 0 for v in got.values())
+    # No peak (CPU) or a stage that did not run: no entry.
+    assert mfu.step_mfu(cfg, timing, rows=rows, tokens=1.0, response_tokens=1.0, epochs=1,
+                        actor_devices=1, ref_devices=1, peak=None) == {}
+    assert set(mfu.step_mfu(cfg, {"timing_s/ref": 1.0}, rows=rows, tokens=1.0,
+                            response_tokens=1.0, epochs=1, actor_devices=1, ref_devices=1,
+                            peak=1e12)) == {"perf/mfu/ref"}
