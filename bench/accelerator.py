@@ -116,7 +116,7 @@ def matmul_peak(size: int, repeats: int = 5) -> float:
 def decode_step_flops(mcfg, rows: int) -> float:
     """Matmul FLOPs of one decode step over `rows` rows: every layer's projections and the LM
     head (attention over the cache is memory-bound and left out)."""
-    from hfjax.controller.costs import layer_matmul_params
+    from hfjax.models.flops import layer_matmul_params
 
     return 2.0 * rows * (mcfg.num_layers * layer_matmul_params(mcfg)
                          + mcfg.hidden_size * mcfg.vocab_size)

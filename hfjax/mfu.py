@@ -1,7 +1,7 @@
 """Model FLOPs utilisation of a step's stages: the model's FLOPs over the stage's wall time and
 the devices' peak.
 
-FLOPs follow the planner's count (`hfjax.controller.costs`): per token and layer 2W for the
+FLOPs follow the planner's count (`hfjax.models.flops`): per token and layer 2W for the
 matmul weights plus 4·heads·head_dim·context for attention, plus the LM head on response
 tokens; a training pass is 3 forward passes (forward and backward, the 6N convention: a
 recomputed forward under remat is not useful work and is not counted), a scoring pass is 1.
@@ -12,8 +12,8 @@ device without one (CPU) no MFU is reported.
 
 from __future__ import annotations
 
-from hfjax.controller.costs import head_flops, layers_flops
 from hfjax.models.config import ModelConfig
+from hfjax.models.flops import head_flops, layers_flops
 
 
 def forward_flops(cfg: ModelConfig, rows: int, tokens: float, response_tokens: float) -> float:

@@ -352,8 +352,8 @@ def test_the_docs_table_is_what_the_paper_config_plans():
 
 
 def test_a_calibration_file_moves_the_plan_the_way_it_measured():
-    from hfjax.planner.simulator import efficiency_from_calibration
     from hfjax.parallel.targets import get_target
+    from hfjax.planner.simulator import efficiency_from_calibration
 
     cfg = get_preset("qwen2.5-1.5b").replace(dtype="bfloat16", remat_policy="full")
     models = [ModelSpec("actor", cfg, "causal_lm", True), ModelSpec("ref", cfg, "causal_lm", False)]
