@@ -338,7 +338,8 @@ def load(
 
     `head` None takes it from the checkpoint: a `LlamaForSequenceClassification` /
     `Qwen2ForSequenceClassification` directory (one label) loads as a `ScoreModel`, whose
-    `model(ids, attention_mask=mask)` gives one score per row, read at the last real token;
+    `model(ids, attention_mask=mask)` gives one score per row, read where transformers reads it
+    (the last token that is not `pad_token_id`, `transformer.pooled_index`);
     anything else (a GGUF file, a preset) as a `CausalLM`. With a mesh, parameters are placed
     in the training layout (`rules`) of that mesh; without one, on the first device. `dtype`
     sets both the parameter and the compute dtype (give `param_dtype=` as well for, e.g.,
