@@ -18,9 +18,12 @@ import importlib.util
 import inspect
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
-from hfjax.rewards.registry import RewardFn
+# verl's reward signature fn(data_source, solution_str, ground_truth, extra_info) -> float | dict
+# (`hfjax.rewards.registry.RewardFn`; the registry imports this module, not the other way).
+RewardFn = Callable[[str, str, str, dict | None], float | dict]
 
 SPEC_ATTR = "__hfjax_spec__"
 
