@@ -12,7 +12,7 @@ from hfjax.algorithms.registry import register_algorithm, requires
 from hfjax.controller.batch import Batch
 from hfjax.workers.groups import WorkerGroups
 
-ROLES = ("actor", "rollout", "ref", "reward")
+ROLES = ("actor", "ref", "reward")
 
 
 @register_algorithm("grpo", roles=ROLES)

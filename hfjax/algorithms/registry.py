@@ -49,10 +49,14 @@ def register_algorithm(name: str, roles: tuple[str, ...], provides: tuple[str, .
     """Decorator registering a driver step under `name`, needing worker groups `roles`,
     producing the batch arrays `provides` for the advantage estimators, and refusing configs
     that `check(cfg)` raises ValueError on. One step may be registered under several names
-    (variants that differ only in their settings and checks)."""
+    (variants that differ only in their settings and checks). A role alias in `roles`
+    ("rollout": the actor generates) is dropped, as placements drop it."""
+    from hfjax.controller.placement import ROLE_ALIASES
+
+    roles = tuple(r for r in roles if r not in ROLE_ALIASES)
 
     def deco(fn):
-        ALGORITHMS.register(name)(Algorithm(name, fn, tuple(roles), tuple(provides), check))
+        ALGORITHMS.register(name)(Algorithm(name, fn, roles, tuple(provides), check))
         return fn
 
     return deco

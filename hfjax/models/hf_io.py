@@ -23,7 +23,6 @@ import numpy as np
 from absl import logging
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from hfjax.models import presets, transformer
 from hfjax.models.config import ModelConfig
@@ -532,9 +531,3 @@ def save_hf(
         raise
     return out_dir
 
-
-def param_shardings_of(model: nnx.Module) -> dict[str, P]:
-    """Parameter path -> PartitionSpec, for inspection and tests."""
-    return {
-        k: v.get_value().sharding.spec for k, v in _flat_params(nnx.state(model, nnx.Param)).items()
-    }

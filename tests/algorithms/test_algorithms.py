@@ -219,13 +219,13 @@ def test_user_algorithm_as_a_module_path(tmp_path, monkeypatch):
         from hfjax.algorithms.grpo import grpo_step
         from hfjax.algorithms.registry import register_algorithm
 
-        @register_algorithm("my_grpo", roles=("actor", "rollout", "ref", "reward"))
+        @register_algorithm("my_grpo", roles=("actor", "ref", "reward"))
         def step(w, batch, cfg):
             return grpo_step(w, batch, cfg)
     '''))
     monkeypatch.syspath_prepend(str(tmp_path))
     algo = get_algorithm("my_pkg.my_algo:step")
-    assert algo.name == "my_grpo" and algo.roles == ("actor", "rollout", "ref", "reward")
+    assert algo.name == "my_grpo" and algo.roles == ("actor", "ref", "reward")
     assert get_algorithm("my_grpo") is algo
 
 
