@@ -18,11 +18,11 @@ import dataclasses
 import importlib
 import importlib.util
 import os
-import sys
 from collections.abc import Callable
 from typing import Any
 
 from hfjax.numerics.core import Registry
+from hfjax.rewards.custom import import_file
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,19 +139,7 @@ def _import(where: str, spec: str):
         path = os.path.abspath(os.path.expanduser(where))
         if not os.path.isfile(path):
             raise ValueError(f"{spec!r}: file {path} does not exist")
-        # A name derived from the path: loading the same file twice returns the first module.
-        name = "hfjax_user_algorithm_" + "".join(c if c.isalnum() else "_" for c in path)
-        if name in sys.modules:
-            return sys.modules[name]
-        loader = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(loader)
-        sys.modules[name] = module
-        try:
-            loader.loader.exec_module(module)
-        except BaseException:
-            del sys.modules[name]
-            raise
-        return module
+        return import_file(path, "hfjax_user_algorithm_", repr(spec))
     try:
         return importlib.import_module(where)
     except ModuleNotFoundError as err:
