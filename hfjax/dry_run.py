@@ -517,12 +517,3 @@ def _transition(out: _Compiler, engine, pool: str, direction: str,
     out.add(ProgramMemory(
         f"hybrid.{direction}", pool, int(args), int(outs), 0, int(temp), flops, resident,
         int(resident + peak_moment), seconds))
-
-
-def argument_bytes_of(report: DryRun, name: str) -> dict[str, int]:
-    """The named argument bytes (per device) a program of the report was compiled with."""
-    for p in report.programs:
-        if p.name == name:
-            return dict(p.arguments)
-    raise KeyError(f"no program {name!r} in the dry run; it has "
-                   f"{', '.join(p.name for p in report.programs)}")

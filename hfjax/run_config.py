@@ -224,7 +224,7 @@ def _placement(v) -> str | None:
     if isinstance(v, str):
         return None if v in MODES else (
             f"needs one of {', '.join(MODES)}, a mapping {{pool: {{size, roles}}}}, or on the "
-            "command line 'pool=size:role+role;...', e.g. 'gen=4:actor+rollout+ref;"
+            "command line 'pool=size:role+role;...', e.g. 'gen=4:actor+ref;"
             "score=4:critic+reward'")
     if hasattr(v, "items"):
         return None  # the pools and roles are checked against the devices (validate_config)
@@ -654,18 +654,6 @@ def run_roles(algo, cfg) -> tuple[str, ...]:
     return tuple(roles)
 
 
-def provided_by_roles(roles: tuple[str, ...]) -> set[str]:
-    """Batch arrays the advantage stage gets from the run's roles themselves."""
-    out = set()
-    if "critic" in roles:
-        out.add("values")
-    if "cost_critic" in roles:
-        out.add("cost_values")
-    if "cost_model" in roles:
-        out.add("token_level_costs")
-    return out
-
-
 # Roles whose model a config selects by a path (a trained score head).
 MODEL_ROLES = ("reward_model", "cost_model")
 
@@ -725,10 +713,11 @@ def _score_models(c) -> str | None:
 def _estimator_inputs(c) -> str | None:
     from hfjax.numerics import core
 
-    algo, roles = _roles(c)
+    algo, _ = _roles(c)
     need = core.ADV_ESTIMATORS.info(c.algo.adv_estimator).get("needs", ())
-    provided = set(algo.provides) | provided_by_roles(roles)
-    missing = [k for k in need if k not in provided]
+    # What the algorithm's dataflow produces, as it registered it (a critic's values are
+    # PPO's `provides`); the roles a config adds (a reward model) produce none of these.
+    missing = [k for k in need if k not in algo.provides]
     if missing:
         return (f"algo.adv_estimator={c.algo.adv_estimator!r} needs {', '.join(missing)}, which "
                 f"algorithm {algo.name!r} does not produce; choose another estimator or an "
@@ -1139,7 +1128,5 @@ def placement_of(cfg):
 
 
 def active_roles(algo, cfg=None) -> tuple[str, ...]:
-    """The roles that get a pool ("rollout" shares the actor's, through the hybrid engine):
-    the algorithm's, plus those `cfg` selects (`run_roles`)."""
-    roles = algo.roles if cfg is None else run_roles(algo, cfg)
-    return tuple(r for r in roles if r != "rollout")
+    """The roles that get a pool: the algorithm's, plus those `cfg` selects (`run_roles`)."""
+    return algo.roles if cfg is None else run_roles(algo, cfg)

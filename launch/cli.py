@@ -231,6 +231,31 @@ def _dotted(cfg, prefix: str = ""):
             yield from _dotted(v, prefix + k + ".")
 
 
+def define_run_flags(default_config: str):
+    """The flags of an entry point that runs from a config: `--config`, whose default is
+    configs/`default_config` (returned as a path relative to the working directory, for
+    `run(..., config_default=)`), and the process flags (`--cpu_devices`, `--coordinator_address`,
+    `--num_processes`, `--process_id` and the timeouts) of every entry point that can run on
+    several hosts. Returns (default config path, the `--config` flag holder)."""
+    from ml_collections import config_flags
+
+    from hfjax.parallel import distributed
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    default = os.path.normpath(os.path.join(os.path.relpath(root), "configs", default_config))
+    # No default in the flag: `run` supplies it, so that the file is read when the flags are
+    # parsed (where a bad file or override is one line) rather than when the module is imported.
+    holder = config_flags.DEFINE_config_file(
+        "config", None, f"configuration file (configs/*.py; default {default})")
+    distributed.define_flags()
+    return default, holder
+
+
+def rounded(x: float | None, digits: int = 4) -> float | None:
+    """`x` rounded for an entry point's JSON summary line (None stays None)."""
+    return None if x is None else round(x, digits)
+
+
 def start_run(entry: str, cfg, *, before_jax: Callable[[], None] | None = None):
     """The start every training entry point shares, in this order: its flags and its config
     checked (`hfjax.run_config`: one line for any bad setting, before JAX starts or anything is

@@ -29,17 +29,13 @@ import tempfile
 import time
 
 from absl import flags
-from ml_collections import config_flags
 
 from hfjax.checkpoint import export_hf, is_run
 from hfjax.parallel import distributed
 from hfjax.validation import evaluate_policy
 from launch import cli
 
-DEFAULT_CONFIG = os.path.normpath(os.path.join(os.path.relpath(os.path.dirname(os.path.dirname(
-    os.path.abspath(__file__)))), "configs", "ppo_arith.py"))
-_CONFIG = config_flags.DEFINE_config_file(
-    "config", None, f"configuration file (configs/*.py; default {DEFAULT_CONFIG})")
+DEFAULT_CONFIG, _CONFIG = cli.define_run_flags("ppo_arith.py")
 _MODEL = flags.DEFINE_string(
     "model", None, "HF directory, .gguf file, or a training run (out_dir, checkpoint root or "
     "step directory); default: the config's model.path", )
@@ -50,7 +46,6 @@ _SAMPLES = flags.DEFINE_integer("samples", 1, "samples per prompt for pass@k (1:
 _TEMPERATURE = flags.DEFINE_float("temperature", 1.0, "temperature of the samples")
 _LIMIT = flags.DEFINE_integer("limit", 0, "evaluate the first N prompts only (0: all)")
 _RESPONSES = flags.DEFINE_string("responses", None, "write every response to this JSONL file")
-distributed.define_flags()
 
 
 def main(argv):

@@ -17,18 +17,9 @@ import json
 import os
 import time
 
-from ml_collections import config_flags
-
-from hfjax.parallel import distributed
 from launch import cli
 
-DEFAULT_CONFIG = os.path.normpath(os.path.join(os.path.relpath(os.path.dirname(os.path.dirname(
-    os.path.abspath(__file__)))), "configs", "sft_arith.py"))
-# No default here: cli.run supplies DEFAULT_CONFIG (see launch/train.py).
-_CONFIG = config_flags.DEFINE_config_file(
-    "config", None, f"configuration file (configs/*.py; default {DEFAULT_CONFIG})")
-# --cpu_devices and the process flags, as launch.train has them.
-distributed.define_flags()
+DEFAULT_CONFIG, _CONFIG = cli.define_run_flags("sft_arith.py")
 
 
 def main(argv):
@@ -49,19 +40,15 @@ def main(argv):
     print(f"wrote {out}")
     acc = {k: v for k, v in result["after"].items() if k.startswith("val-core/")}
     print(json.dumps({
-        "heldout_loss_before": _round(result["before"].get("val/sft_loss")),
-        "heldout_loss_after": _round(result["after"].get("val/sft_loss")),
-        "heldout_accuracy_before": _round(next(
+        "heldout_loss_before": cli.rounded(result["before"].get("val/sft_loss")),
+        "heldout_loss_after": cli.rounded(result["after"].get("val/sft_loss")),
+        "heldout_accuracy_before": cli.rounded(next(
             (v for k, v in result["before"].items() if k.startswith("val-core/")), None)),
-        "heldout_accuracy_after": _round(next(iter(acc.values()), None)),
+        "heldout_accuracy_after": cli.rounded(next(iter(acc.values()), None)),
         "steps": cfg.sft.steps,
         "wall_s": round(time.perf_counter() - t0, 1),
         "out": out,
     }), flush=True)
-
-
-def _round(x):
-    return None if x is None else round(x, 4)
 
 
 if __name__ == "__main__":

@@ -15,18 +15,9 @@ import json
 import os
 import time
 
-from ml_collections import config_flags
-
-from hfjax.parallel import distributed
 from launch import cli
 
-DEFAULT_CONFIG = os.path.normpath(os.path.join(os.path.relpath(os.path.dirname(os.path.dirname(
-    os.path.abspath(__file__)))), "configs", "rm_arith.py"))
-# No default here: cli.run supplies DEFAULT_CONFIG (see launch/train.py).
-_CONFIG = config_flags.DEFINE_config_file(
-    "config", None, f"configuration file (configs/*.py; default {DEFAULT_CONFIG})")
-# --cpu_devices and the process flags, as launch.train has them.
-distributed.define_flags()
+DEFAULT_CONFIG, _CONFIG = cli.define_run_flags("rm_arith.py")
 
 
 def main(argv):
@@ -51,18 +42,14 @@ def main(argv):
     after, before = result["after"], result["before"]
     print(json.dumps({
         "target": cfg.rm.target,
-        "heldout_pairwise_accuracy_before": _round(before.get("val/pairwise_accuracy")),
-        "heldout_pairwise_accuracy_after": _round(after.get("val/pairwise_accuracy")),
-        "heldout_sign_accuracy_after": _round(after.get("val/sign_accuracy")),
+        "heldout_pairwise_accuracy_before": cli.rounded(before.get("val/pairwise_accuracy")),
+        "heldout_pairwise_accuracy_after": cli.rounded(after.get("val/pairwise_accuracy")),
+        "heldout_sign_accuracy_after": cli.rounded(after.get("val/sign_accuracy")),
         "heldout_pairs": 0 if trainer.val is None else len(trainer.val.pairs),
         "steps": cfg.rm.steps,
         "wall_s": round(time.perf_counter() - t0, 1),
         "out": out,
     }), flush=True)
-
-
-def _round(x):
-    return None if x is None else round(x, 4)
 
 
 if __name__ == "__main__":

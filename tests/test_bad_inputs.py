@@ -3,9 +3,11 @@ names the problem and the fix, a non-zero exit, no traceback, and nothing writte
 
 Most cases go in-process through the checks the entry points call (`hfjax.run_config`, the
 model, tokenizer, data, checkpoint and metrics readers) and through `launch.cli.report`, which
-turns the exception into the entry point's line and exit status. `SUBPROCESS` runs the real
-commands for a subset of every entry point (a few at a time) and checks their whole output,
-exit status and the files around them.
+words the exception as the entry point's line: those rows check the line. `SUBPROCESS` runs the
+real commands, every entry point and every kind of mistake (a config key, a setting's value, a
+flag, a mesh, a data file, a model file, a checkpoint, the processes of a run), a few at a time,
+and checks what only a process can show: its whole output, its exact exit status, the inputs
+it read left as they were and no output written.
 """
 
 from __future__ import annotations
@@ -322,20 +324,19 @@ def test_shipped_configs_pass(files, name):
     run_config.check_config(c)
 
 
+# These rows check the message only: `check_config` and `check_flags` write nothing, and every
+# exception `cli.report` words ends with the same status. What the process does (its exit
+# status, the files it leaves alone) is checked on real processes below (SUBPROCESS).
 @pytest.mark.parametrize("change,message", [c[1:] for c in CONFIG_CASES],
                          ids=[c[0] for c in CONFIG_CASES])
-def test_bad_train_setting_is_one_line_before_anything_is_written(files, tmp_path, change,
-                                                                  message):
+def test_bad_train_setting_is_one_line(files, change, message):
     c = ppo_arith.get_config()
-    c.trainer.out_dir = str(tmp_path / "run")
     change(c, files)
     with pytest.raises(ValueError) as err:
         run_config.check_config(c)
-    line, code = cli.report("train", err.value)
-    assert code == cli.EXIT_ERROR
+    line, _ = cli.report("train", err.value)
     assert "\n" not in line and line.startswith("hfjax train: ")
     assert re.search(message, line), line
-    assert not (tmp_path / "run").exists()
 
 
 # -- the other entry points' flags -----------------------------------------------------------
@@ -404,13 +405,11 @@ def test_bad_flag_is_one_line(files, entry, values, message):
     values = {k: v.format(**files) if isinstance(v, str) else v for k, v in values.items()}
     if entry == "generate":
         values = {**_GENERATE, **values}
-    before = _tree(files["root"])
     with pytest.raises(ValueError) as err:
         run_config.check_flags(entry, values)
-    line, code = cli.report(entry, err.value)
-    assert code == cli.EXIT_ERROR and "\n" not in line
+    line, _ = cli.report(entry, err.value)
+    assert "\n" not in line and line.startswith(f"hfjax {entry}: ")
     assert re.search(message, line), line
-    assert _tree(files["root"]) == before
 
 
 # -- damaged files -------------------------------------------------------------------------------
@@ -451,10 +450,10 @@ def test_damaged_file_is_one_line_and_left_alone(files, load, message, caplog):
     before = _tree(files["root"])
     with pytest.raises((ValueError, CheckpointCorrupt)) as err:
         load(files)
-    line, code = cli.report("generate", err.value)
-    assert code == cli.EXIT_ERROR and "\n" not in line and "internal error" not in line
+    line, _ = cli.report("generate", err.value)
+    assert "\n" not in line and "internal error" not in line
     assert re.search(message, line), line
-    assert _tree(files["root"]) == before
+    assert _tree(files["root"]) == before  # a reader that opened a damaged file wrote nothing
     # A fallback that found nothing readable says so once, in the error, not in warnings too.
     assert not [r for r in caplog.records if "falling back" in r.getMessage()]
 
@@ -469,6 +468,7 @@ class Case:
     message: str
     watch: tuple[str, ...] = ()  # inputs that must be left as they were
     absent: tuple[str, ...] = ()  # outputs that must not appear
+    status: int = cli.EXIT_ERROR  # EXIT_USAGE: a flag that does not parse
 
 
 _TINY = ["--config.data.n_train=64", "--config.data.n_test=8", "--config.data.train_batch_size=16",
@@ -478,12 +478,17 @@ _TINY = ["--config.data.n_train=64", "--config.data.n_test=8", "--config.data.tr
 
 SUBPROCESS = [
     Case("train", ["--config.foo.bar=1", "--config.trainer.out_dir={root}/t1"],
-         r"--config.foo.bar: the config .*ppo_arith.py has no such key", absent=("{root}/t1",)),
-    Case("train", ["--config.trainer.totl_steps=3"], r"did you mean --config.trainer.total_steps"),
-    Case("train", ["--config={root}/missing.py"], r"--config=.*missing.py: no such config file"),
+         r"--config.foo.bar: the config .*ppo_arith.py has no such key", absent=("{root}/t1",),
+         status=cli.EXIT_USAGE),
+    Case("train", ["--config.trainer.totl_steps=3", "--config.trainer.out_dir={root}/t6"],
+         r"did you mean --config.trainer.total_steps", absent=("{root}/t6",),
+         status=cli.EXIT_USAGE),
+    Case("train", ["--config={root}/missing.py"], r"--config=.*missing.py: no such config file",
+         status=cli.EXIT_USAGE),
     Case("train", ["--cpu_devices=-1", "--config.trainer.out_dir={root}/t2"],
          r"--cpu_devices=-1: needs an int >= 0", absent=("{root}/t2",)),
-    Case("train", ["--config.actor.lr=abc"], r"--config.actor.lr=abc"),
+    Case("train", ["--config.actor.lr=abc", "--config.trainer.out_dir={root}/t7"],
+         r"--config.actor.lr=abc", absent=("{root}/t7",), status=cli.EXIT_USAGE),
     Case("train", ["--config.rollout.top_p=1.5", "--config.trainer.out_dir={root}/t3"],
          r"rollout.top_p=1.5: needs a float in \(0, 1\]", absent=("{root}/t3",)),
     Case("train", ["--config=configs/grpo_arith.py", "--config.trainer.out_dir={run}"],
@@ -494,7 +499,8 @@ SUBPROCESS = [
                    "{hang_reward}:fn", "--config.reward.timeout_s=1", *_TINY],
          r"reward.custom_fn .*hang_reward.py:fn.*importing it took longer than 1 s",
          watch=("{hang_reward}",), absent=("{root}/t4",)),
-    Case("train", ["stray"], r"unexpected argument 'stray'"),
+    Case("train", ["stray", "--config.trainer.out_dir={root}/t8"],
+         r"unexpected argument 'stray'", absent=("{root}/t8",)),
     # Across processes and devices (docs/scaling.md), each before anything compiles or is written.
     Case("train", ["--coordinator_address=127.0.0.1:1", "--num_processes=2", "--process_id=2",
                    "--config.trainer.out_dir={root}/d1"],
@@ -516,6 +522,12 @@ SUBPROCESS = [
          absent=("{root}/d5",)),
     Case("sft", ["--cpu_devices=-1", "--config.trainer.out_dir={root}/s1"],
          r"--cpu_devices=-1: needs an int >= 0", absent=("{root}/s1",)),
+    Case("sft", ["--config.sft.stpes=3", "--config.trainer.out_dir={root}/s3"],
+         r"did you mean --config.sft.steps", absent=("{root}/s3",), status=cli.EXIT_USAGE),
+    Case("sft", ["--cpu_devices=2", "--config.actor.mesh=fsdp=4",
+                 "--config.trainer.out_dir={root}/s4"],
+         r"config.actor.mesh 'fsdp=4' needs 4 devices, the run has 2 cpu devices",
+         absent=("{root}/s4",)),
     Case("sft", ["--config.sft.train_files={root}/none.parquet",
                  "--config.trainer.out_dir={root}/s2"],
          r"sft.train_files=.*none.parquet.*no such file", absent=("{root}/s2",)),
@@ -538,7 +550,8 @@ SUBPROCESS = [
          watch=("{hf}",)),
     Case("convert", ["--src={st_text}", "--dst={root}/c1"], r"is not a safetensors file",
          watch=("{st_text}",), absent=("{root}/c1",)),
-    Case("convert", ["--dst={root}/c2"], r"--src is required", absent=("{root}/c2",)),
+    Case("convert", ["--dst={root}/c2"], r"--src is required", absent=("{root}/c2",),
+         status=cli.EXIT_USAGE),
     Case("export", ["--ckpt={run}", "--out={run}"], r"would replace the run directory",
          watch=("{run}",)),
     Case("export", ["--ckpt={run_corrupt}", "--out={root}/e1"],
@@ -548,10 +561,12 @@ SUBPROCESS = [
     Case("evaluate", ["--model={hf}", "--samples=0"], r"--samples=0: needs an int >= 1"),
     Case("evaluate", ["--model={stuff}"], r"is neither an HF model directory",
          watch=("{stuff}",)),
+    Case("evaluate", ["--model={run_corrupt}"], r"every checkpoint in .* is corrupt",
+         watch=("{run_corrupt}",)),
     Case("prepare_data", ["--task=arith", "--out={root}/p1", "--task_config={{bad"],
          r"--task_config=\{{bad: is not JSON", absent=("{root}/p1",)),
     Case("prepare_data", ["--task=gsm", "--out={root}/p2"], r"--task=gsm: value should be one of",
-         absent=("{root}/p2",)),
+         absent=("{root}/p2",), status=cli.EXIT_USAGE),
     Case("prepare_data", ["--task=countdown", "--out={root}/p3", "--n_train=4", "--n_test=2",
                           '--task_config={{"no_such_option": 1}}'],
          r"task config .* for 'countdown'.*no_such_option", absent=("{root}/p3",)),
@@ -591,7 +606,7 @@ def test_entry_point_ends_with_one_line(ran, files, index):
     case = SUBPROCESS[index]
     p, before, after = ran[index]
     lines = [line for line in (p.stdout + p.stderr).splitlines() if line.strip()]
-    assert p.returncode in (cli.EXIT_ERROR, cli.EXIT_USAGE), (p.returncode, lines)
+    assert p.returncode == case.status, (p.returncode, lines)
     assert len(lines) == 1, lines
     assert lines[0].startswith(f"hfjax {case.entry}: "), lines
     assert "Traceback" not in lines[0]

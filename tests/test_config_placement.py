@@ -1,5 +1,5 @@
 """Placement mappings reach the run from both places a user writes them: the command line
-(`--config.placement="gen=4:actor+rollout+ref;score=4:critic+reward"`) and a config derived from
+(`--config.placement="gen=4:actor+ref;score=4:critic+reward"`) and a config derived from
 configs/ppo_arith.py that assigns a {pool: {size, roles}} mapping. Both are parsed by the same
 ml_collections flag the launcher uses, pass the config checks and give the same pools; one PPO
 step under the command-line spelling runs in tests/test_rl_loop.py (PLACEMENTS)."""
@@ -12,14 +12,14 @@ from ml_collections import config_flags
 from hfjax import run_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MAPPING = "gen=4:actor+rollout+ref;score=4:critic+reward"
+MAPPING = "gen=4:actor+ref;score=4:critic+reward"
 DERIVED = '''
 from configs import ppo_arith
 
 
 def get_config():
     c = ppo_arith.get_config()
-    c.placement = {"gen": {"size": 4, "roles": ["actor", "rollout", "ref"]},
+    c.placement = {"gen": {"size": 4, "roles": ["actor", "ref"]},
                    "score": {"size": 4, "roles": ["critic", "reward"]}}
     return c
 '''
@@ -47,7 +47,7 @@ def test_mapping_on_the_command_line_and_in_a_derived_config_give_the_same_pools
     derived_file.write_text(DERIVED)
     derived = _parse(f"--config={derived_file}")
     assert run_config.placement_of(derived) == {
-        "gen": {"size": 4, "roles": ["actor", "rollout", "ref"]},
+        "gen": {"size": 4, "roles": ["actor", "ref"]},
         "score": {"size": 4, "roles": ["critic", "reward"]}}
     want = {"actor": [0, 1, 2, 3], "ref": [0, 1, 2, 3], "critic": [4, 5, 6, 7],
             "reward": [4, 5, 6, 7]}

@@ -97,7 +97,7 @@ def _emulate_fetch_guard_on_cpu(monkeypatch):
 # ----------------------------------------------------------------------------------- placements
 
 # The last is the command-line spelling of a mapping (--config.placement=...): split's pools.
-MAPPING = "gen=4:actor+rollout+ref;score=4:critic+reward"
+MAPPING = "gen=4:actor+ref;score=4:critic+reward"
 PLACEMENTS = {"colocate": [8, 8, 8, 8], "split": [4, 4, 4, 4], "standalone": [2, 2, 2, 2],
               MAPPING: [4, 4, 4, 4]}
 ROLES = ("actor", "ref", "critic", "reward")
@@ -178,7 +178,7 @@ def test_step_moves_nothing_through_the_host(placement_runs, placement, monkeypa
 
 def _ppo_mapping(**changes):
     pools = {
-        "gen": {"size": 4, "roles": ["actor", "rollout", "ref"]},
+        "gen": {"size": 4, "roles": ["actor", "ref"]},
         "score": {"size": 4, "roles": ["critic", "reward"]},
     }
     pools.update(changes)
@@ -195,7 +195,7 @@ def _ppo_mapping(**changes):
         (lambda c: setattr(c.ref, "mesh", "data=3,fsdp=-1"),
          r"mesh 'data=3,fsdp=-1': the fixed axes need a multiple of 3 devices, pool 'ref' has 8"),
         (lambda c: with_placement(c, _ppo_mapping(
-            gen={"devices": [0, 1, 2, 3], "roles": ["actor", "rollout", "ref"]},
+            gen={"devices": [0, 1, 2, 3], "roles": ["actor", "ref"]},
             score={"devices": [3, 4, 5, 6], "roles": ["critic", "reward"]})),
          r"pools 'gen' and 'score' overlap on device 3; pools must be disjoint"),
         (lambda c: with_placement(c, _ppo_mapping(

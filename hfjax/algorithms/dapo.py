@@ -54,7 +54,7 @@ def _check(cfg) -> None:
                          f"rollout.response_length={cfg.rollout.response_length}]")
 
 
-@register_algorithm("dapo", roles=("actor", "rollout", "reward"), check=all_of(
+@register_algorithm("dapo", roles=("actor", "reward"), check=all_of(
     _check, requires("dapo", algo__adv_estimator="grpo", actor__loss_agg_mode="token-mean")))
 def dapo_step(w: WorkerGroups, batch: Batch, cfg) -> tuple[Batch, dict]:
     batch, metrics = sample_varied_groups(w, batch, cfg)

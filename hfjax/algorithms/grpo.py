@@ -12,7 +12,7 @@ from hfjax.algorithms.registry import register_algorithm, requires
 from hfjax.controller.batch import Batch
 from hfjax.workers.groups import WorkerGroups
 
-ROLES = ("actor", "rollout", "ref", "reward")
+ROLES = ("actor", "ref", "reward")
 
 
 @register_algorithm("grpo", roles=ROLES)
@@ -22,6 +22,9 @@ ROLES = ("actor", "rollout", "ref", "reward")
 @register_algorithm("gspo", roles=ROLES, check=requires(
     "gspo", algo__adv_estimator="grpo", actor__policy_loss="gspo"))
 def grpo_step(w: WorkerGroups, batch: Batch, cfg) -> tuple[Batch, dict]:
+    """The critic-free dataflow: sample, score, the advantage of the configured estimator
+    (`algo.adv_estimator`), update the actor. The REINFORCE family runs it too
+    (`hfjax.algorithms.reinforce`): its algorithms differ from GRPO in the estimator alone."""
     batch = sample(w, batch, cfg)
     batch = reward(w, batch, cfg)
     batch, metrics = w.run("adv", compute_advantage, batch, cfg, w.kl_ctrl.value)

@@ -9,7 +9,7 @@ from hfjax.controller.batch import Batch
 from hfjax.workers.groups import WorkerGroups
 
 
-@register_algorithm("ppo", roles=("actor", "rollout", "ref", "critic", "reward"),
+@register_algorithm("ppo", roles=("actor", "ref", "critic", "reward"),
                     provides=("values",))
 def ppo_step(w: WorkerGroups, batch: Batch, cfg) -> tuple[Batch, dict]:
     batch = sample(w, batch, cfg)

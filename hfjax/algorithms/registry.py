@@ -18,11 +18,11 @@ import dataclasses
 import importlib
 import importlib.util
 import os
-import sys
 from collections.abc import Callable
 from typing import Any
 
 from hfjax.numerics.core import Registry
+from hfjax.rewards.custom import import_file
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,10 +49,14 @@ def register_algorithm(name: str, roles: tuple[str, ...], provides: tuple[str, .
     """Decorator registering a driver step under `name`, needing worker groups `roles`,
     producing the batch arrays `provides` for the advantage estimators, and refusing configs
     that `check(cfg)` raises ValueError on. One step may be registered under several names
-    (variants that differ only in their settings and checks)."""
+    (variants that differ only in their settings and checks). A role alias in `roles`
+    ("rollout": the actor generates) is dropped, as placements drop it."""
+    from hfjax.controller.placement import ROLE_ALIASES
+
+    roles = tuple(r for r in roles if r not in ROLE_ALIASES)
 
     def deco(fn):
-        ALGORITHMS.register(name)(Algorithm(name, fn, tuple(roles), tuple(provides), check))
+        ALGORITHMS.register(name)(Algorithm(name, fn, roles, tuple(provides), check))
         return fn
 
     return deco
@@ -135,19 +139,7 @@ def _import(where: str, spec: str):
         path = os.path.abspath(os.path.expanduser(where))
         if not os.path.isfile(path):
             raise ValueError(f"{spec!r}: file {path} does not exist")
-        # A name derived from the path: loading the same file twice returns the first module.
-        name = "hfjax_user_algorithm_" + "".join(c if c.isalnum() else "_" for c in path)
-        if name in sys.modules:
-            return sys.modules[name]
-        loader = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(loader)
-        sys.modules[name] = module
-        try:
-            loader.loader.exec_module(module)
-        except BaseException:
-            del sys.modules[name]
-            raise
-        return module
+        return import_file(path, "hfjax_user_algorithm_", repr(spec))
     try:
         return importlib.import_module(where)
     except ModuleNotFoundError as err:

@@ -13,7 +13,7 @@ from hfjax.controller.batch import Batch
 from hfjax.workers.groups import WorkerGroups
 
 
-@register_algorithm("remax", roles=("actor", "rollout", "ref", "reward"),
+@register_algorithm("remax", roles=("actor", "ref", "reward"),
                     provides=("reward_baselines",),
                     check=requires("remax", algo__adv_estimator="remax"))
 def remax_step(w: WorkerGroups, batch: Batch, cfg) -> tuple[Batch, dict]:

@@ -24,7 +24,7 @@ def _check(cfg) -> None:
 
 @register_algorithm(
     "safe_rlhf",
-    roles=("actor", "rollout", "ref", "critic", "cost_critic", "reward", "reward_model",
+    roles=("actor", "ref", "critic", "cost_critic", "reward", "reward_model",
            "cost_model"),
     provides=("values", "cost_values", "token_level_costs"),
     check=all_of(_check, requires("safe_rlhf", algo__adv_estimator="safe_rlhf")),

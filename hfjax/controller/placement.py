@@ -4,14 +4,18 @@ Roles on the same pool are colocated and take turns on its devices; roles on dif
 concurrently. A placement is either one of the paper's three named modes or an explicit mapping
 from config::
 
-    {"gen": {"size": 4, "roles": ["actor", "rollout", "ref"]},
+    {"gen": {"size": 4, "roles": ["actor", "ref"]},
      "score": {"size": 4, "roles": ["critic", "reward"]}}
 
 A pool entry may give ``"devices": [ids...]`` instead of ``"size"`` to pin exact devices.
 
 On the command line the same mapping is a string of ``pool=size:role+role`` items::
 
-    --config.placement="gen=4:actor+rollout+ref;score=4:critic+reward"
+    --config.placement="gen=4:actor+ref;score=4:critic+reward"
+
+The actor generates too, with its own weights on its own devices (the hybrid engine), so there is
+no separate rollout role. A pool may still list ``rollout`` next to ``actor`` (an alias, dropped);
+listed without ``actor`` it is an error.
 """
 
 from __future__ import annotations
@@ -54,8 +58,11 @@ def known_roles() -> tuple[str, ...]:
     return tuple(_ROLE_SIDES)
 
 
-for _role in ("actor", "rollout", "ref"):
+for _role in ("actor", "ref"):
     register_role(_role, "generate")
+
+# Names a placement accepts for a role they stand for, in that role's pool only.
+ROLE_ALIASES = {"rollout": "actor"}
 for _role in ("critic", "reward", "reward_model", "cost_model", "cost_critic"):
     register_role(_role, "score")
 
@@ -66,10 +73,8 @@ def _split_groups() -> tuple[tuple[str, tuple[str, ...]], ...]:
 
 
 def _standalone_groups() -> tuple[tuple[str, tuple[str, ...]], ...]:
-    # Every model gets its own pool. Rollout stays with the actor because the hybrid engine
-    # generates with the actor's own weights on the actor's devices.
-    rest = tuple((f"{r}_pool", (r,)) for r in _ROLE_SIDES if r not in ("actor", "rollout"))
-    return (("actor_pool", ("actor", "rollout")), *rest)
+    # Every model gets its own pool (the actor's also generates: the hybrid engine).
+    return tuple((f"{r}_pool", (r,)) for r in _ROLE_SIDES)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,7 +168,7 @@ class Placement:
                     f"placement pool {name!r}: 'roles' must be a non-empty list of roles "
                     f"from {', '.join(known_roles())}, got {roles!r}"
                 )
-            roles = _check_roles(roles, where=f"placement pool {name!r}")
+            roles = _check_roles(_drop_aliases(roles, name), where=f"placement pool {name!r}")
             for role in roles:
                 if role in owner:
                     raise ValueError(
@@ -293,11 +298,23 @@ def parse_mapping(text: str) -> dict[str, dict[str, Any]]:
         except ValueError:
             raise ValueError(
                 f"placement item {item!r}: write pool=size:role+role, e.g. "
-                "'gen=4:actor+rollout+ref;score=4:critic+reward'"
+                "'gen=4:actor+ref;score=4:critic+reward'"
             ) from None
         except KeyError as err:
             raise ValueError(f"placement {text!r}: pool {err.args[0]!r} is given twice") from None
     return out
+
+
+def _drop_aliases(roles: Sequence[str], pool: str) -> list[str]:
+    """`roles` without the aliases (`ROLE_ALIASES`) of a role the pool also lists; ValueError
+    for an alias without its role."""
+    for alias, role in ROLE_ALIASES.items():
+        if alias in roles and role not in roles:
+            raise ValueError(
+                f"placement pool {pool!r}: {alias!r} is not a role of its own: the {role} "
+                f"generates with its own weights on its own devices, so {alias!r} runs "
+                f"wherever {role!r} does; put {role!r} in this pool or drop {alias!r}")
+    return [r for r in roles if r not in ROLE_ALIASES]
 
 
 def _check_roles(roles: Iterable[str], where: str = "active roles") -> tuple[str, ...]:

@@ -6,7 +6,6 @@ into what the caller sees, on the caller's mesh (the `home` mesh the dataflow na
 
 - `DP_COMPUTE`: the batch axis is split over the group's data-parallel axes. The batch is padded
   to a multiple of the data-parallel size on dispatch; the padding is dropped on collect.
-- `ONE_TO_ALL`: every device of the group gets the whole input (replicated).
 - `ON_HOST`: the method computes on the host (rule rewards, generation from host prompts).
   Inputs are fetched to the host, whole even when they span processes; outputs are placed on
   the caller's mesh.
@@ -81,16 +80,6 @@ class TransferProtocol(abc.ABC):
         return self.name
 
 
-class OneToAll(TransferProtocol):
-    """Replicates inputs onto every device of the mesh."""
-
-    name = "ONE_TO_ALL"
-
-    def in_sharding(self, mesh: Mesh) -> NamedSharding:
-        """Returns the replicated sharding of `mesh`."""
-        return replicated(mesh)
-
-
 class DPCompute(TransferProtocol):
     """Splits the batch axis over the mesh's data-parallel axes, padding to a multiple first."""
 
@@ -121,10 +110,9 @@ class OnHost(TransferProtocol):
         return rebuild(Batch(host, as_batch.meta, as_batch.info)), 0
 
 
-ONE_TO_ALL = OneToAll()
 DP_COMPUTE = DPCompute()
 ON_HOST = OnHost()
-PROTOCOLS: dict[str, TransferProtocol] = {p.name: p for p in (ONE_TO_ALL, DP_COMPUTE, ON_HOST)}
+PROTOCOLS: dict[str, TransferProtocol] = {p.name: p for p in (DP_COMPUTE, ON_HOST)}
 
 
 def get_protocol(name: str | TransferProtocol) -> TransferProtocol:

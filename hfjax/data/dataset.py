@@ -40,7 +40,6 @@ from hfjax.data import arith
 from hfjax.rewards.registry import check_ground_truth, resolve_reward
 
 REQUIRED_COLUMNS = ("data_source", "prompt", "reward_model")
-OPTIONAL_COLUMNS = ("ability", "extra_info")
 
 # Skip reasons, as they appear in LoadReport.skipped.
 EMPTY_PROMPT = "empty prompt"

@@ -70,7 +70,6 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -229,36 +228,19 @@ class ContinuousSampler(Sampler):
             self.compile_log.append(plan)
         return run
 
-    def generate(
-        self,
-        state: nnx.State,
-        input_ids: Any,
-        attention_mask: Any,
-        params: SamplingParams,
-        seed: int | Sequence[int] | np.ndarray = 0,
-    ) -> GenerateOutput:
-        """As `Sampler.generate` (same rows, columns and values), decoded through the slots.
-
-        Raises ValueError on bad input before compiling.
-        """
-        ids, mask, seeds, salts, batch = self._prepare(input_ids, attention_mask, seed)
+    def _decode(self, state: nnx.State, ids: np.ndarray, mask: np.ndarray, seeds: np.ndarray,
+                salts: np.ndarray, knobs: Knobs, stops: np.ndarray, batch: int,
+                params: SamplingParams) -> GenerateOutput:
+        """As the static engine's (`generate` gives the same rows, columns and values), decoded
+        through the slots."""
         longest = int(mask.sum(axis=1).max())
         width, new = self._buckets(longest, params.max_new_tokens)
         # _prepare left-pads to the static engine's bucket; move to this call's bucket.
         if width < ids.shape[1]:
             ids, mask = ids[:, -width:], mask[:, -width:]
         plan = self._plan(ids.shape[0], width, new, params)
-        knobs = Knobs(
-            temperature=np.float32(params.temperature if not params.greedy else 1.0),
-            top_p=np.float32(params.top_p),
-            min_p=np.float32(params.min_p),
-            max_new=np.int32(params.max_new_tokens),
-            pad_id=np.int32(self.pad_id),
-        )
-        stops = np.asarray(params.eos_ids, np.int32).reshape(-1)
         total = np.int32(batch * params.n)
         run = self._get_run(plan)
-        state = self.place(state)
         args = (ids, mask, seeds, salts, total, knobs, stops)
         if self.mesh is not None:
             # The request's one deliberate upload; prompts are replicated because any slot
@@ -266,7 +248,7 @@ class ContinuousSampler(Sampler):
             with jax.transfer_guard("allow"):
                 args = jax.device_put(args, mesh_lib.replicated(self.mesh))
         out, self.last_stats = run(state, *args)
-        return out.head(batch * params.n, params.max_new_tokens)
+        return out
 
 
 # --------------------------------------------------------------------------------------------

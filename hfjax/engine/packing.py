@@ -281,14 +281,16 @@ def forward(per_token_fn: PerToken, input_ids: jax.Array, attention_mask: jax.Ar
 
 
 def last_tokens(per_token_fn: PerToken, input_ids: jax.Array, attention_mask: jax.Array,
-                shape: PackShape) -> Any:
-    """A pass on packed rows read back at each sequence's last real token [B] (a reward or
-    cost model's score; the packed position of the padded row's last 1 in `attention_mask`)."""
+                shape: PackShape, read: jax.Array) -> Any:
+    """A pass on packed rows read back at one position of each sequence [B]: `read` [B], a
+    position of the padded row (a reward or cost model's `transformer.pooled_index`), moved to
+    where the packing put it."""
     where = plan(attention_mask, shape)
     packed = pack(input_ids, attention_mask, where, shape)
     out = per_token(per_token_fn, packed, where, shape.span)
-    length = jnp.sum(attention_mask.astype(jnp.int32), axis=1)
-    col = jnp.clip(where.start + length - 1, 0, shape.width - 1)
+    real_before = jnp.cumsum(attention_mask.astype(jnp.int32), axis=1)  # as `pack` counts
+    rank = jnp.take_along_axis(real_before, read[:, None].astype(jnp.int32), axis=1)[:, 0] - 1
+    col = jnp.clip(where.start + rank, 0, shape.width - 1)
     return jax.tree.map(lambda v: v[where.row, col], out)
 
 

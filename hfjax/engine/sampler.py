@@ -477,11 +477,24 @@ class Sampler:
         `params.max_new_tokens` columns. Raises ValueError on bad input before compiling.
         """
         ids, mask, seeds, salts, batch = self._prepare(input_ids, attention_mask, seed)
-        static = self.static_for(ids.shape[0], ids.shape[1], params)
         knobs = self._knobs(params)
         stops = np.asarray(params.eos_ids, np.int32).reshape(-1)
+        out = self._decode(self.place(state), ids, mask, seeds, salts, knobs, stops, batch,
+                           params)
+        rows_out, cols = batch * params.n, params.max_new_tokens
+        if out.tokens.shape != (rows_out, cols):
+            out = out.head(rows_out, cols)
+        return out
+
+    def _decode(self, state: nnx.State, ids: np.ndarray, mask: np.ndarray, seeds: np.ndarray,
+                salts: np.ndarray, knobs: Knobs, stops: np.ndarray, batch: int,
+                params: SamplingParams) -> GenerateOutput:
+        """The engine's part of `generate`: the request's prompts (`_prepare`d, `batch` real
+        ones), knobs and stop ids decoded with the placed `state`; at least batch * n rows and
+        max_new_tokens columns (`generate` cuts the rest). Here: one prefill and one decode
+        program for the request's static shapes."""
+        static = self.static_for(ids.shape[0], ids.shape[1], params)
         prefill, decode = self._get_programs(static)
-        state = self.place(state)
         if self.mesh is not None:
             rows, everywhere = self._request_shardings()
             # The request's one deliberate upload (prompts come from the host data pipeline);
@@ -491,11 +504,7 @@ class Sampler:
                 knobs, stops = jax.device_put((knobs, stops), everywhere)
         carry = prefill(state, ids, mask, seeds, salts, knobs, stops)
         carry = decode(state, carry, knobs, stops)
-        rows_out, cols = batch * params.n, params.max_new_tokens
-        out = GenerateOutput(carry.tokens, carry.mask, carry.logprobs)
-        if out.tokens.shape != (rows_out, cols):
-            out = out.head(rows_out, cols)
-        return out
+        return GenerateOutput(carry.tokens, carry.mask, carry.logprobs)
 
 
 # --------------------------------------------------------------------------------------------

@@ -23,7 +23,6 @@ import numpy as np
 from absl import logging
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from hfjax.models import presets, transformer
 from hfjax.models.config import ModelConfig
@@ -338,7 +337,8 @@ def load(
 
     `head` None takes it from the checkpoint: a `LlamaForSequenceClassification` /
     `Qwen2ForSequenceClassification` directory (one label) loads as a `ScoreModel`, whose
-    `model(ids, attention_mask=mask)` gives one score per row, read at the last real token;
+    `model(ids, attention_mask=mask)` gives one score per row, read where transformers reads it
+    (the last token that is not `pad_token_id`, `transformer.pooled_index`);
     anything else (a GGUF file, a preset) as a `CausalLM`. With a mesh, parameters are placed
     in the training layout (`rules`) of that mesh; without one, on the first device. `dtype`
     sets both the parameter and the compute dtype (give `param_dtype=` as well for, e.g.,
@@ -531,9 +531,3 @@ def save_hf(
         raise
     return out_dir
 
-
-def param_shardings_of(model: nnx.Module) -> dict[str, P]:
-    """Parameter path -> PartitionSpec, for inspection and tests."""
-    return {
-        k: v.get_value().sharding.spec for k, v in _flat_params(nnx.state(model, nnx.Param)).items()
-    }

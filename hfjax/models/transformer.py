@@ -484,11 +484,28 @@ class ValueModel(nnx.Module):
                           preferred_element_type=jnp.float32)[..., 0]
 
 
-class ScoreModel(nnx.Module):
-    """A reward or cost model: backbone plus a scalar head read at the last real token.
+def pooled_index(input_ids: jax.Array, attention_mask: jax.Array,
+                 pad_token_id: int | None) -> jax.Array:
+    """The position [B] a sequence-classification head reads, as transformers'
+    `*ForSequenceClassification` picks it: the rightmost token that is not `pad_token_id`
+    (position 0 when every token is the pad). Here only real tokens (attention mask 1) count,
+    which changes nothing when padding holds the pad id, as transformers' tokenizers pad, and
+    keeps padding that holds another id out of the read. Content that ends in the pad id (a pad
+    that doubles as EOS or `<|im_end|>`) is read before it, as transformers reads it. Without a
+    pad id (transformers then scores single rows only, at the last position), the last real
+    token."""
+    mask = attention_mask.astype(jnp.int32) > 0
+    if pad_token_id is not None:
+        mask = mask & (input_ids != pad_token_id)
+    t = jnp.arange(input_ids.shape[1], dtype=jnp.int32)
+    return jnp.argmax(jnp.where(mask, t, -1), axis=1).astype(jnp.int32)
 
-    Returns scores [B] in float32. Right or left padding both work: the last real token is the
-    last position where the attention mask is 1.
+
+class ScoreModel(nnx.Module):
+    """A reward or cost model: backbone plus a scalar head read where transformers'
+    `*ForSequenceClassification` reads it (`pooled_index`).
+
+    Returns scores [B] in float32. Right or left padding both work.
     """
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
@@ -500,14 +517,13 @@ class ScoreModel(nnx.Module):
         if attention_mask is None:
             attention_mask = jnp.ones(input_ids.shape, jnp.int32)
         hidden, _ = self.model(input_ids, attention_mask, **kw)
-        T = input_ids.shape[1]
-        last = T - 1 - jnp.argmax(attention_mask[:, ::-1].astype(jnp.int32), axis=1)
+        last = pooled_index(input_ids, attention_mask, self.config.pad_token_id)
         h_last = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]
         return self._head(h_last)
 
     def token_scores(self, input_ids, attention_mask=None, **kw):
         """The score head at every position [B, T] (float32): a packed row's sequences are
-        each read at their own last token (`hfjax.engine.packing.score`)."""
+        each read at their own `pooled_index` (`hfjax.engine.packing.last_tokens`)."""
         hidden, _ = self.model(input_ids, attention_mask, **kw)
         return self._head(hidden)
 

@@ -426,10 +426,7 @@ def initialize(settings: Settings) -> Topology:
             f"{topology.num_processes}; give every process the same --num_processes")
     _install_exit_paths(settings)
     if topology.num_processes > 1:
-        from jax._src import distributed as jax_distributed
-
-        _WATCH = LossWatch(jax_distributed.global_state.client, topology,
-                           settings.heartbeat_timeout_s)
+        _WATCH = LossWatch(jax_coordination()[0], topology, settings.heartbeat_timeout_s)
         _WATCH.start()
     _TOPOLOGY = topology
     return topology
@@ -438,9 +435,7 @@ def initialize(settings: Settings) -> Topology:
 def _topology(settings: Settings, jax) -> Topology:
     address = settings.coordinator_address
     if address is None and settings.distributed:
-        from jax._src import distributed as jax_distributed
-
-        address = jax_distributed.global_state.coordinator_address
+        address = jax_coordination()[1]
     return Topology(
         process_id=jax.process_index(),
         num_processes=jax.process_count(),
@@ -450,6 +445,50 @@ def _topology(settings: Settings, jax) -> Topology:
         coordinator_address=address,
         source=settings.source,
     )
+
+
+# The JAX versions whose private coordination state `jax_coordination` was checked against.
+COORDINATION_JAX_VERSIONS = ("0.10", "0.11")
+# What of it hfjax uses: the state's attributes and the client's key-value methods.
+COORDINATION_STATE_ATTRS = ("client", "coordinator_address")
+COORDINATION_CLIENT_METHODS = ("key_value_set", "key_value_dir_get")
+
+
+def jax_coordination() -> tuple[Any, str | None]:
+    """(client, coordinator address) of the run `jax.distributed.initialize` joined.
+
+    JAX has no public API for either: `jax.distributed` offers initialize, is_initialized and
+    shutdown, and `multihost_utils.live_devices` is a collective that every process must enter,
+    not a heartbeat a thread can keep. So this is the one place hfjax reads JAX's private
+    `jax._src.distributed.global_state` (its key-value client feeds `LossWatch`);
+    tests/parallel/test_distributed.py fails when a JAX release moves what it reads. Raises
+    DistributedError naming the JAX version when the state is not where it was.
+    """
+    import jax
+
+    version = ".".join(jax.__version__.split(".")[:2])
+    if version not in COORDINATION_JAX_VERSIONS:
+        logging.warning("jax %s: hfjax reads jax._src.distributed.global_state, checked "
+                        "against jax %s only", jax.__version__,
+                        ", ".join(COORDINATION_JAX_VERSIONS))
+    try:
+        from jax._src import distributed as jax_distributed
+
+        state = jax_distributed.global_state
+        client, address = (getattr(state, a) for a in COORDINATION_STATE_ATTRS)
+    except (ImportError, AttributeError) as err:
+        raise DistributedError(
+            f"jax {jax.__version__} moved jax._src.distributed.global_state ({err}), which "
+            "hfjax's lost-process detection reads; install jax "
+            f"{' or '.join(COORDINATION_JAX_VERSIONS)}") from None
+    missing = [m for m in COORDINATION_CLIENT_METHODS
+               if client is not None and not hasattr(client, m)]
+    if missing:
+        raise DistributedError(
+            f"jax {jax.__version__}: the coordination client has no {', '.join(missing)}, "
+            "which hfjax's lost-process detection uses; install jax "
+            f"{' or '.join(COORDINATION_JAX_VERSIONS)}")
+    return client, address
 
 
 def topology() -> Topology:

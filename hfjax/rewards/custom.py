@@ -13,14 +13,17 @@ A file that hangs or fails while importing therefore cannot hang or crash the co
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import inspect
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 
-from hfjax.rewards.registry import RewardFn
+# verl's reward signature fn(data_source, solution_str, ground_truth, extra_info) -> float | dict
+# (`hfjax.rewards.registry.RewardFn`; the registry imports this module, not the other way).
+RewardFn = Callable[[str, str, str, dict | None], float | dict]
 
 SPEC_ATTR = "__hfjax_spec__"
 
@@ -67,14 +70,21 @@ class CustomReward:
         return f"CustomReward({self.spec!r})"
 
 
-@functools.cache
-def _load_module(path: Path):
-    # The module gets a name derived from its path, so two files with the same base name load
-    # as two modules, and loading the same file twice returns the first module.
-    name = "hfjax_custom_reward_" + "".join(c if c.isalnum() else "_" for c in str(path))
+def import_file(path: str, prefix: str, setting: str) -> ModuleType:
+    """The module of the Python file at the absolute `path`, imported once per process (a
+    custom reward's file; user algorithms' files too, `hfjax.algorithms.registry`).
+
+    Its name is `prefix` plus the path with every other character an underscore, so two files
+    with the same base name are two modules, and importing a file again returns the first
+    module. What the file raises while importing propagates (and leaves no half-made module
+    behind); ValueError naming `setting` when the path cannot be imported as a module at all.
+    """
+    name = prefix + "".join(c if c.isalnum() else "_" for c in str(path))
+    if name in sys.modules:
+        return sys.modules[name]
     spec = importlib.util.spec_from_file_location(name, path)
     if spec is None or spec.loader is None:
-        raise ValueError(f"reward.custom_fn: cannot import {path} as a Python module")
+        raise ValueError(f"{setting}: cannot import {path} as a Python module")
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     try:
@@ -83,6 +93,10 @@ def _load_module(path: Path):
         del sys.modules[name]
         raise
     return module
+
+
+def _load_module(path: Path):
+    return import_file(str(path), "hfjax_custom_reward_", "reward.custom_fn")
 
 
 def load_custom_reward(spec: str) -> RewardFn:

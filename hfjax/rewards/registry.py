@@ -15,6 +15,11 @@ Lookup order for a row (`get_reward_fn`):
    can pick its scorer without a new data_source;
 3. a reward registered for the exact `data_source`;
 4. a reward registered for a prefix of it (e.g. every "reasoning_gym/<task>").
+
+Registration points one way: the built-in rewards (`hfjax.rewards.math`,
+`hfjax.rewards.reasoning_gym`) import this module and register themselves, and the package's
+`__init__` imports them, so they are registered before anything here is called; this module
+imports none of them.
 """
 
 from __future__ import annotations
@@ -22,7 +27,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-RewardFn = Callable[[str, str, str, dict | None], float | dict]
+from hfjax.rewards.custom import CustomReward, RewardFn
+
 CheckFn = Callable[[str, dict | None], str | None]
 
 
@@ -73,7 +79,6 @@ def register_prefix(prefix: str, resolver: PrefixResolver) -> None:
 
 def known_sources() -> list[str]:
     """Registered data sources, styles and prefixes, for error messages."""
-    _load_builtin()
     return (
         sorted(_SOURCES)
         + [f"style={s}" for s in sorted(_STYLES)]
@@ -87,10 +92,7 @@ def resolve_reward(
     """The Reward for a row (see the module docstring for the order); ValueError naming the
     known sources when nothing matches."""
     if custom_fn:
-        from hfjax.rewards.custom import CustomReward
-
-        return Reward(CustomReward(custom_fn))  # imported where it is called, not here
-    _load_builtin()
+        return Reward(CustomReward(custom_fn))
     if style and style not in _GENERIC_STYLES and style in _STYLES:
         return _STYLES[style]
     if data_source in _SOURCES:
@@ -133,6 +135,3 @@ def check_ground_truth(
     except Exception as err:  # a check that crashes has still found a row it cannot score
         return f"ground truth check raised {type(err).__name__}: {err}"
 
-
-def _load_builtin() -> None:
-    from hfjax.rewards import math, reasoning_gym  # noqa: F401  (they register on import)

@@ -279,7 +279,7 @@ def build_groups(cfg, actor: ActorRollout, reward: RuleReward, roles: tuple[str,
     ctx = BuildContext(cfg, actor, pools, tuple(roles), actor.model())
     built: dict[str, Any] = {}
     for role in roles:
-        if role in ("actor", "rollout", "reward"):
+        if role in ("actor", "reward"):
             continue
         if role not in ROLE_BUILDERS:
             raise ValueError(f"role {role!r} has no builder; register it with "

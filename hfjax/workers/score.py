@@ -1,5 +1,5 @@
-"""Reward and cost models as worker groups: a `ScoreModel` (one scalar per sequence, read at
-the last real token) on its own pool's mesh, like the critic.
+"""Reward and cost models as worker groups: a `ScoreModel` (one scalar per sequence, read where
+transformers' `*ForSequenceClassification` reads it) on its own pool's mesh, like the critic.
 
 In the RL dataflow a `ModelReward` scores the actor's sequences (prompt + response, as the
 actor holds them) and returns one score per row under its `output` name (`rm_scores` for the
@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from hfjax.controller.batch import Batch
 from hfjax.controller.protocol import DP_COMPUTE, method
 from hfjax.engine import packing
-from hfjax.models.transformer import ScoreModel
+from hfjax.models.transformer import ScoreModel, pooled_index
 from hfjax.numerics import losses
 from hfjax.workers.base import Program, StepShape, WorkerGroup
 
@@ -58,12 +58,14 @@ class ModelReward(WorkerGroup):
 
     def _packed_score_fn(self, params, input_ids, attention_mask, shape):
         scores = self.model(params).token_scores
+        read = pooled_index(input_ids, attention_mask, self.config.pad_token_id)
         return packing.last_tokens(lambda rows, span: packing.apply(scores, rows, span),
-                                   input_ids, attention_mask, shape)
+                                   input_ids, attention_mask, shape, read)
 
     @method(DP_COMPUTE, reads=("input_ids", "attention_mask"))
     def compute_score(self, batch: Batch) -> Batch:
-        """Batch with the scores [B] under `self.output`, read at each row's last real token."""
+        """Batch with the scores [B] under `self.output`, read at each row's last token that is
+        not the pad (`transformer.pooled_index`)."""
         ids, mask = batch["input_ids"], batch["attention_mask"]
         if self.budget is None:
             return Batch({self.output: self._score(self.params, ids, mask)})

@@ -4,6 +4,7 @@ file; DAPO's dynamic sampling when it cannot fill its batch; Safe-RLHF's step en
 tiny reward and cost models."""
 
 import contextlib
+import dataclasses
 import os
 import textwrap
 
@@ -218,13 +219,13 @@ def test_user_algorithm_as_a_module_path(tmp_path, monkeypatch):
         from hfjax.algorithms.grpo import grpo_step
         from hfjax.algorithms.registry import register_algorithm
 
-        @register_algorithm("my_grpo", roles=("actor", "rollout", "ref", "reward"))
+        @register_algorithm("my_grpo", roles=("actor", "ref", "reward"))
         def step(w, batch, cfg):
             return grpo_step(w, batch, cfg)
     '''))
     monkeypatch.syspath_prepend(str(tmp_path))
     algo = get_algorithm("my_pkg.my_algo:step")
-    assert algo.name == "my_grpo" and algo.roles == ("actor", "rollout", "ref", "reward")
+    assert algo.name == "my_grpo" and algo.roles == ("actor", "ref", "reward")
     assert get_algorithm("my_grpo") is algo
 
 
@@ -309,6 +310,37 @@ def test_align_pads_batches_of_different_widths():
 # ----------------------------------------------------------------------------------- Safe-RLHF
 
 
+def _loop_gae(rewards, values, mask, gamma, lam):
+    """GAE per row, from the last response token back (0 off the mask)."""
+    b, t = rewards.shape
+    out = np.zeros((b, t))
+    for i in range(b):
+        next_value, running = 0.0, 0.0
+        for j in range(t - 1, -1, -1):
+            if mask[i, j]:
+                delta = rewards[i, j] + gamma * next_value - values[i, j]
+                running = delta + gamma * lam * running
+                next_value = values[i, j]
+                out[i, j] = running
+    return out
+
+
+def _loop_safe_rlhf_advantage(b, lam, gamma, gae_lam):
+    """(A_r - lam A_c) / (1 + lam) token by token, whitened over the response tokens."""
+    m = b["response_mask"]
+    a_r = _loop_gae(b["token_level_rewards"], b["values"], m, gamma, gae_lam)
+    a_c = _loop_gae(b["token_level_costs"], b["cost_values"], m, gamma, gae_lam)
+    combined, vals = np.zeros(m.shape), []
+    for i in range(m.shape[0]):
+        for j in range(m.shape[1]):
+            if m[i, j]:
+                combined[i, j] = (a_r[i, j] - lam * a_c[i, j]) / (1.0 + lam)
+                vals.append(combined[i, j])
+    mean = sum(vals) / len(vals)
+    std = (sum((v - mean) ** 2 for v in vals) / (len(vals) - 1) + 1e-8) ** 0.5
+    return np.where(m > 0, (combined - mean) / std, 0.0), a_c
+
+
 @pytest.mark.slow
 def test_safe_rlhf_step(score_dirs):
     rm, cost = score_dirs
@@ -319,7 +351,8 @@ def test_safe_rlhf_step(score_dirs):
     cfg.cost_model.reference_fn = "hfjax.data.arith:forbidden_digit_cost"
     cfg.cost_model.use_remove_padding = True  # the cost model scores packed rows, the reward
     s = cfg.algo.safe_rlhf  # model padded ones
-    s.cost_threshold, s.lambda_init, s.lambda_lr = 0.0, 1.0, 0.5
+    # A threshold far below any mean cost the tiny cost model gives: lambda must grow.
+    s.cost_threshold, s.lambda_init, s.lambda_lr = -50.0, 1.0, 0.02
     trainer = Trainer(cfg)
     assert trainer.pools["cost_critic"] is trainer.pools["critic"]  # the scoring side
     assert trainer.workers.cost_model.budget and trainer.workers.reward_model.budget is None
@@ -328,9 +361,33 @@ def test_safe_rlhf_step(score_dirs):
     assert {"critic", "cost_critic", "reward_model", "cost_model"} <= set(w.built_roles())
     for k in ("cost/mean", "cost_critic/vf_loss", "critic/vf_loss", "reward_model/score/mean"):
         assert np.isfinite(m[k]), k
-    # The multiplier took one step on the batch's mean cost.
-    want = np.exp(0.5 * 1.0 * (m["cost/mean"] - 0.0))
+    # The multiplier took one step on the batch's mean cost, upwards: the cost is above the
+    # threshold.
+    assert abs(m["cost/mean"]) < 50
+    want = np.exp(0.02 * 1.0 * (m["cost/mean"] + 50.0))
     assert m["safe_rlhf/lambda"] == pytest.approx(want, rel=1e-6)
+    assert m["safe_rlhf/lambda"] > 1.0
+    # Below the threshold it shrinks (multiplicatively: it stays above 0).
+    lam1 = m["safe_rlhf/lambda"]
+    w.lagrange = dataclasses.replace(w.lagrange, threshold=50.0)
+    m2 = trainer.train_step()
+    assert abs(m2["cost/mean"]) < 50
+    want = lam1 * np.exp(0.02 * lam1 * (m2["cost/mean"] - 50.0))
+    assert m2["safe_rlhf/lambda"] == pytest.approx(want, rel=1e-6)
+    assert 0.0 < m2["safe_rlhf/lambda"] < lam1
+    # The actor's advantage: (A_r - lambda A_c) / (1 + lambda) over the two critics' GAE,
+    # whitened, against a loop over the step's own batch.
+    lam2 = w.lagrange.value
+    out, _ = trainer.algo.step(w, trainer._prompts(next(trainer.train_iter)), cfg)
+    b = out.fetch(["response_mask", "token_level_rewards", "values", "token_level_costs",
+                   "cost_values", "advantages"])
+    b = {k: np.asarray(v, np.float64) for k, v in b.items()}
+    want, a_c = _loop_safe_rlhf_advantage(b, lam2, cfg.algo.gamma, cfg.algo.lam)
+    np.testing.assert_allclose(b["advantages"], want, rtol=1e-4, atol=1e-4)
+    # The cost term moved it: without the multiplier's share the advantage differs.
+    assert np.abs(a_c).max() > 1e-3
+    assert np.abs(_loop_safe_rlhf_advantage(b, 0.0, cfg.algo.gamma, cfg.algo.lam)[0]
+                  - want).max() > 1e-3
     # No rule reward: the scores are the reward model's alone.
     assert m["critic/score/mean"] == pytest.approx(m["reward_model/score/mean"], abs=1e-6)
     val = trainer.validate()
@@ -350,4 +407,4 @@ def test_safe_rlhf_step(score_dirs):
         rule["token_level_scores"].sum(1) + 0.5 * mixed["rm_scores"], rtol=1e-6, atol=1e-6)
     assert np.abs(rule["token_level_scores"]).sum() > 0 and np.abs(mixed["rm_scores"]).sum() > 0
     assert trainer.state_dict()["lagrange"]["log_lambda"] == pytest.approx(
-        np.log(m["safe_rlhf/lambda"]))
+        np.log(m2["safe_rlhf/lambda"]))

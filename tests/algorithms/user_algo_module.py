@@ -81,7 +81,7 @@ def centered(x):
     return adv, adv
 
 
-@register_algorithm("user_grpo_probe", roles=("actor", "rollout", "reward", "probe"))
+@register_algorithm("user_grpo_probe", roles=("actor", "reward", "probe"))
 def step(w, batch, cfg):
     batch = sample(w, batch, cfg)
     batch = reward(w, batch, cfg)

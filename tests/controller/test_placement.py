@@ -6,9 +6,9 @@ from ml_collections import ConfigDict
 
 from hfjax.controller.placement import Placement, build_placement, resolve_placement
 
-PPO = ("actor", "rollout", "ref", "critic")
-GRPO = ("actor", "rollout", "ref")
-FULL = ("actor", "rollout", "ref", "critic", "reward")
+PPO = ("actor", "ref", "critic")
+GRPO = ("actor", "ref")
+FULL = ("actor", "ref", "critic", "reward")
 
 
 def ids(pool):
@@ -24,8 +24,8 @@ def test_colocate_puts_every_role_on_one_global_pool():
 
 
 def test_split_halves_devices_between_generation_and_scoring_sides():
-    pools = resolve_placement("split", ("actor", "rollout", "ref", "critic", "reward"))
-    assert pools["actor"].name == pools["ref"].name == pools["rollout"].name == "actor_pool"
+    pools = resolve_placement("split", ("actor", "ref", "critic", "reward"))
+    assert pools["actor"].name == pools["ref"].name == "actor_pool"
     assert pools["critic"].name == pools["reward"].name == "critic_pool"
     assert ids(pools["actor"]) == (0, 1, 2, 3)
     assert ids(pools["critic"]) == (4, 5, 6, 7)
@@ -39,12 +39,10 @@ def test_split_without_scoring_models_uses_one_pool():
 
 
 def test_standalone_ppo_gives_each_model_two_devices():
-    pools = resolve_placement("standalone", ("actor", "rollout", "ref", "critic", "reward"))
-    assert pools["rollout"] is pools["actor"]
+    pools = resolve_placement("standalone", ("actor", "ref", "critic", "reward"))
     names = {r: p.name for r, p in pools.items()}
     assert names == {
         "actor": "actor_pool",
-        "rollout": "actor_pool",
         "ref": "ref_pool",
         "critic": "critic_pool",
         "reward": "reward_pool",
@@ -58,12 +56,12 @@ def test_standalone_ppo_gives_each_model_two_devices():
 
 
 def test_standalone_gives_remainder_to_actor():
-    # GRPO: actor(+rollout) and ref only -> 4 + 4; PPO's 4 models on 7 devices -> actor gets 4.
+    # GRPO: actor and ref only -> 4 + 4; PPO's 4 models on 7 devices -> actor gets 4.
     pools = resolve_placement("standalone", GRPO)
     assert (pools["actor"].size, pools["ref"].size) == (4, 4)
     pools = resolve_placement("standalone", FULL, jax.devices()[:7])
     sizes = {r: p.size for r, p in pools.items()}
-    assert sizes == {"actor": 4, "rollout": 4, "ref": 1, "critic": 1, "reward": 1}
+    assert sizes == {"actor": 4, "ref": 1, "critic": 1, "reward": 1}
     all_ids = [i for r in ("actor", "ref", "critic", "reward") for i in ids(pools[r])]
     assert sorted(all_ids) == list(range(7))
 
@@ -75,7 +73,7 @@ def test_standalone_needs_a_device_per_model():
 
 def test_explicit_mapping_with_sizes():
     mapping = {
-        "gen": {"size": 6, "roles": ["actor", "rollout", "ref"]},
+        "gen": {"size": 6, "roles": ["actor", "ref"]},
         "score": {"size": 2, "roles": ["critic"]},
     }
     pools = resolve_placement(mapping, PPO)
@@ -87,7 +85,7 @@ def test_explicit_mapping_with_sizes():
 def test_explicit_mapping_from_config_dict_and_inactive_roles_ignored():
     cfg = ConfigDict(
         {
-            "a": {"size": 4, "roles": ["actor", "rollout", "ref"]},
+            "a": {"size": 4, "roles": ["actor", "ref"]},
             "b": {"size": 4, "roles": ["critic", "reward"]},
         }
     )
@@ -104,15 +102,28 @@ def test_explicit_mapping_with_device_ids():
     pools = resolve_placement(mapping, GRPO)
     assert ids(pools["actor"]) == (4, 5, 6, 7)
     assert ids(pools["ref"]) == (0, 1)
+    # "rollout" there is the actor generating: an alias, dropped from the pool's roles.
+    assert build_placement(mapping, GRPO, 8).pools["gen"].roles == ("actor",)
+
+
+def test_rollout_without_the_actor_is_refused():
+    mapping = {"gen": {"size": 4, "roles": ["rollout", "ref"]},
+               "train": {"size": 4, "roles": ["actor"]}}
+    with pytest.raises(ValueError, match=r"placement pool 'gen': 'rollout' is not a role of its "
+                                         r"own: the actor generates .*put 'actor' in this pool "
+                                         r"or drop 'rollout'"):
+        resolve_placement(mapping, GRPO)
+    with pytest.raises(ValueError, match="unknown role 'rollout'"):
+        resolve_placement("colocate", ("actor", "rollout"))
 
 
 @pytest.mark.parametrize(
     "mapping, roles, match",
     [
         (
-            {"gen": {"size": 4, "roles": ["actor", "rollout", "ref"]}},
+            {"gen": {"size": 4, "roles": ["actor", "ref"]}},
             PPO,
-            r"role 'critic' has no pool in placement mapping\{gen=4:\[actor,rollout,ref\]\}; "
+            r"role 'critic' has no pool in placement mapping\{gen=4:\[actor,ref\]\}; "
             r"add it to a pool",
         ),
         (
@@ -175,19 +186,18 @@ def test_placement_object_exposes_role_pool_and_description():
     assert isinstance(placement, Placement)
     assert placement.role_pool == {
         "actor": "actor_pool",
-        "rollout": "actor_pool",
         "ref": "actor_pool",
         "critic": "critic_pool",
     }
-    assert placement.describe() == "split{actor_pool=4:[actor,rollout,ref], critic_pool=4:[critic]}"
+    assert placement.describe() == "split{actor_pool=4:[actor,ref], critic_pool=4:[critic]}"
 
 
 def test_placement_mapping_from_a_flag_string():
     from hfjax.controller.placement import parse_mapping, resolve_placement
 
-    text = "gen=6:actor+rollout+ref;score=2:critic+reward"
+    text = "gen=6:actor+ref;score=2:critic+reward"
     assert parse_mapping(text) == {
-        "gen": {"size": 6, "roles": ["actor", "rollout", "ref"]},
+        "gen": {"size": 6, "roles": ["actor", "ref"]},
         "score": {"size": 2, "roles": ["critic", "reward"]},
     }
     pools = resolve_placement(text, ["actor", "ref", "critic", "reward"])
@@ -203,7 +213,7 @@ def test_registered_roles_place_like_the_built_in_ones():
     register_role("test_scorer", "score")
     register_role("test_scorer", "score")  # registering again with the same side is a no-op
     assert "test_scorer" in known_roles()
-    roles = ("actor", "rollout", "ref", "critic", "test_scorer")
+    roles = ("actor", "ref", "critic", "test_scorer")
     split = Placement.from_mode("split", roles, 8)
     assert split.role_pool["test_scorer"] == split.role_pool["critic"] == "critic_pool"
     standalone = Placement.from_mode("standalone", roles, 8)

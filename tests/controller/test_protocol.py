@@ -12,7 +12,6 @@ from hfjax.controller.batch import Batch
 from hfjax.controller.protocol import (
     DP_COMPUTE,
     ON_HOST,
-    ONE_TO_ALL,
     get_protocol,
     method,
     protocol_of,
@@ -97,18 +96,6 @@ def test_dp_compute_across_disjoint_pools_stays_on_device():
     assert {d.id for d in placed["tokens"].devices()} == {4, 5, 6, 7}
     got = np.asarray(DP_COMPUTE.collect(placed, pad)["tokens"])
     np.testing.assert_array_equal(got, np.arange(21).reshape(7, 3))
-
-
-def test_one_to_all_replicates_and_passes_outputs_through():
-    mesh = pool_mesh(4, 8, "fsdp=2,tensor=2")
-    batch = make_batch(3)
-    placed, pad = ONE_TO_ALL.dispatch(batch, mesh)
-    assert pad == 0
-    for key in ("tokens", "mask"):
-        assert placed[key].sharding == NamedSharding(mesh, P())
-        assert {d.id for d in placed[key].devices()} == {4, 5, 6, 7}
-    out = {"x": placed["tokens"]}
-    assert ONE_TO_ALL.collect(out, pad) is out
 
 
 def test_on_host_fetches_inputs_and_places_outputs_on_home():

@@ -8,6 +8,8 @@ budgets are chosen so that micro-batches hold several sequences per row and ther
 of them.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -306,8 +308,17 @@ SCORE_BUDGETS = {"whole": 0, **BUDGETS}
 @pytest.mark.parametrize("budget", list(SCORE_BUDGETS))
 @pytest.mark.parametrize("mesh", list(MESHES), ids=list(MESHES))
 def test_reward_model_scores_equal_the_padded_ones(mesh, budget):
-    """A reward model scores each sequence at its last real token, packed or padded."""
+    """A reward model scores each sequence at the same token packed or padded: its last one
+    that is not the pad id, which some responses end in (a pad that doubles as EOS)."""
     batch = padded_batch(5)
+    pad = 3
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    last = mask.shape[1] - 1 - np.argmax(mask[:, ::-1], axis=1)
+    mine = np.arange(B) % 3 == 0  # these rows pad with the pad id and end in it
+    ids[mine[:, None] & (mask == 0)] = pad
+    ids[mine, last[mine]] = pad
+    assert (batch["input_ids"][mine, last[mine]] == pad).all()
+    cfg = dataclasses.replace(CFG, pad_token_id=pad)
     spec = MESHES[mesh]
     scores = []
     for remove_padding in (False, True):
@@ -315,7 +326,7 @@ def test_reward_model_scores_equal_the_padded_ones(mesh, budget):
         s.use_remove_padding = remove_padding
         s.forward_max_token_len_per_gpu = SCORE_BUDGETS[budget]
         rm = ModelReward("reward_model", _pool(spec), spec,
-                         transformer.build(CFG, "score", seed=6), budget=packing.token_budget(s))
+                         transformer.build(cfg, "score", seed=6), budget=packing.token_budget(s))
         assert (rm.budget is None) != remove_padding
         scores.append(np.asarray(rm.compute_score(batch)["rm_scores"]))
     assert scores[0].shape == (B,) and np.abs(scores[0]).max() > 1e-3  # a head that is not zero

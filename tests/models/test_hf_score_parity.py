@@ -1,7 +1,7 @@
 """Reward models in HF's sequence-classification format: hfjax's ScoreModel against
 transformers' LlamaForSequenceClassification / Qwen2ForSequenceClassification on a left-padded
-batch, load by architecture, save and reload, and the checks that refuse a checkpoint without a
-score head."""
+batch and on a right-padded one whose content holds the pad id, load by architecture, save and
+reload, and the checks that refuse a checkpoint without a score head."""
 
 import json
 import os
@@ -62,12 +62,41 @@ def test_right_padding_reads_the_last_real_token(hf_score):
     ids, mask = left_padded_batch(ref.config.vocab_size, lengths=(6, 3, 8))
     model = M.load(path)
     left = np.asarray(model(ids, mask))
-    # The same rows right-padded: the score is read at each row's last real token.
+    # The same rows right-padded: the score is read at each row's last token, whichever side
+    # the padding is on.
     right_ids, right_mask = np.zeros_like(ids), np.zeros_like(mask)
     for b in range(len(ids)):
         n = int(mask[b].sum())
         right_ids[b, :n], right_mask[b, :n] = ids[b, -n:], 1
     np.testing.assert_allclose(np.asarray(model(right_ids, right_mask)), left, atol=1e-5)
+
+
+def test_pooling_matches_transformers_when_content_holds_the_pad_id(hf_score):
+    """A pad that doubles as EOS: transformers reads the rightmost token that is not the pad,
+    so a row ending in it is read before it, and a pad inside the content is passed over."""
+    kind, ref, path = hf_score
+    pad = ref.config.pad_token_id
+    ids, mask = left_padded_batch(ref.config.vocab_size, lengths=(6, 3, 8, 5), seed=7)
+    T = ids.shape[1] + 2
+    right_ids, right_mask = np.full((len(ids), T), pad, np.int32), np.zeros((len(ids), T), np.int32)
+    for b in range(len(ids)):
+        row = list(ids[b][mask[b] > 0])
+        if b % 2 == 0:
+            row.append(pad)  # ends in EOS == pad
+        if b == 2:
+            row[2] = pad  # the pad id inside the content too
+        right_ids[b, :len(row)], right_mask[b, :len(row)] = row, 1
+    want = hf_scores(ref, right_ids, right_mask)
+    model = M.load(path)
+    assert model.config.pad_token_id == pad  # from the HF config
+    got = np.asarray(model(right_ids, right_mask))
+    np.testing.assert_allclose(got, want, atol=TOL, rtol=0)
+    # Not vacuous: on the rows that end in the pad, the last real token scores otherwise.
+    per_token = np.asarray(model.token_scores(right_ids, right_mask))
+    last_real = per_token[np.arange(len(ids)), right_mask.sum(1) - 1]
+    ends_in_pad = np.arange(len(ids)) % 2 == 0
+    assert (np.abs(last_real - want)[ends_in_pad] > 1e-3).all()
+    np.testing.assert_allclose(last_real[~ends_in_pad], want[~ends_in_pad], atol=TOL, rtol=0)
 
 
 def test_a_causal_lm_is_not_a_reward_model(tmp_path):

@@ -207,6 +207,36 @@ def _lose(victim: int, heartbeat_s: int = 10):
             p.wait()
 
 
+def test_jax_still_keeps_the_private_coordination_state_hfjax_reads():
+    """Lost-process detection reads JAX's private coordination state (no public API holds
+    it): this fails as soon as a JAX release moves or renames what `jax_coordination` uses."""
+    from jax._src import distributed as jax_distributed
+    from jax._src.lib import _jax
+
+    for attr in dist.COORDINATION_STATE_ATTRS:
+        assert hasattr(jax_distributed.global_state, attr), attr
+    for method in dist.COORDINATION_CLIENT_METHODS:
+        assert callable(getattr(_jax.DistributedRuntimeClient, method, None)), method
+    # One process, not joined: the state is there, empty.
+    assert dist.jax_coordination() == (None, None)
+
+
+def test_a_moved_coordination_state_is_a_clear_error(monkeypatch):
+    from types import SimpleNamespace
+
+    from jax._src import distributed as jax_distributed
+
+    monkeypatch.setattr(jax_distributed, "global_state", SimpleNamespace(client=None))
+    with pytest.raises(DistributedError, match=r"jax .* moved jax._src.distributed.global_state"
+                                               r" .*coordinator_address.*install jax 0.10"):
+        dist.jax_coordination()
+    monkeypatch.setattr(jax_distributed, "global_state",
+                        SimpleNamespace(client=object(), coordinator_address="h:1"))
+    with pytest.raises(DistributedError, match="coordination client has no key_value_set, "
+                                               "key_value_dir_get"):
+        dist.jax_coordination()
+
+
 @pytest.mark.slow
 def test_a_lost_process_is_named_and_the_other_exits():
     code, took, out = _lose(victim=1)
