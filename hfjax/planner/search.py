@@ -520,7 +520,6 @@ def _build_plan(placement, alloc, search: _Search, flow, host_roles, workload: W
         sets[name] = sc
         pool_roles = list(group)
         if "actor" in group:
-            pool_roles.insert(1, "rollout")
             pool_roles += [r for r in host_roles if r not in pool_roles]
         pools[name] = (size, tuple(pool_roles))
         for role in group:
