@@ -31,8 +31,8 @@ so the default invocation measures both mixes an RL run sees, one after the othe
 header that names it, and the JSON holds one entry per workload:
 - `trained`: the lengths of a trained policy (RL shortens responses: on the GRPO recipe's
   trained policy most responses stop within 64 tokens): the policy `--trained_model` names, by
-  default the GRPO recipe's export (`python -m launch.train --config=configs/grpo_smollm2.py`
-  on gsm_symbolic data, then `python -m launch.export --ckpt=runs/grpo_smollm2/checkpoints
+  default the GRPO recipe's export (train configs/grpo_smollm2.py on gsm_symbolic data as its
+  docstring shows, then `python -m launch.export --ckpt=runs/grpo_smollm2
   --out=runs/grpo_smollm2/hf`). docs/benchmarks.md's headline figure is this workload's. When
   the directory does not exist the workload is skipped, saying so (no stand-in is measured);
 - `untuned`: the untuned model's lengths (`--model`, default the SmolLM2 GGUF), where half the
