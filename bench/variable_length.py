@@ -26,15 +26,21 @@ the machine's background load; medians are reported. Useful tokens are real prom
 prompt counted once per sample) plus real response tokens, stop token included: padding is not
 counted. Both sides produce the same tokens (checked and printed). The last line is JSON.
 
-    python -m bench.variable_length  # 16 prompts x 8 samples, 256 new tokens
+**Two workloads.** How much continuous batching and compact rows gain depends on the length mix,
+so the default invocation measures both mixes an RL run sees, one after the other, each under a
+header that names it, and the JSON holds one entry per workload:
+- `trained`: the lengths of a trained policy (RL shortens responses: on the GRPO recipe's
+  trained policy most responses stop within 64 tokens): the policy `--trained_model` names, by
+  default the GRPO recipe's export (train configs/grpo_smollm2.py on gsm_symbolic data as its
+  docstring shows, then `python -m launch.export --ckpt=runs/grpo_smollm2
+  --out=runs/grpo_smollm2/hf`). docs/benchmarks.md's headline figure is this workload's. When
+  the directory does not exist the workload is skipped, saying so (no stand-in is measured);
+- `untuned`: the untuned model's lengths (`--model`, default the SmolLM2 GGUF), where half the
+  responses run to the cap and the gain is small.
 
-A trained policy has another length mix than the untuned one (RL shortens responses): give its
-exported HF directory (`python -m launch.export`) with `--model`, and another prompt set with
-`--task` / `--task_config`, e.g. the chain_sum recipe's:
-
-    python -m bench.variable_length --model=runs/grpo_smollm2_arith/hf --task=chain_sum \
-        --task_config='{"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2}' \
-        --max_new=128
+    python -m bench.variable_length  # both: 16 prompts x 8 samples, cap 256, bf16
+    python -m bench.variable_length --workloads=untuned --task=chain_sum --max_new=128 \
+        --task_config='{"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2}'
 """
 
 from __future__ import annotations
@@ -55,13 +61,22 @@ flags.DEFINE_integer("n", 8, "samples per prompt")
 flags.DEFINE_integer("max_new", 256, "new-token cap (responses stop at EOS before it)")
 flags.DEFINE_list("slots", ["0"], "continuous batching: decode slots (one side per value)")
 flags.DEFINE_list("refill_every", ["8"], "continuous batching: decode steps between refills")
-flags.DEFINE_integer("repeats", 3, "timed runs per side, alternating (median reported)")
+flags.DEFINE_integer("repeats", 1, "timed runs per side, alternating (median reported)")
 flags.DEFINE_integer("seed", 0, "data seed and base of the per-prompt sampling seeds")
-flags.DEFINE_string("dtype", "float32", "model weights and compute dtype")
+flags.DEFINE_string("dtype", "bfloat16", "model weights and compute dtype")
 flags.DEFINE_string("remat", "dots_no_batch", "model.remat_policy, as in the GRPO recipe "
                     "(without it the padded update of 16-row micro-batches needs > 24 GB)")
-flags.DEFINE_string("model", None, "a .gguf file or an HF directory, e.g. a trained run exported "
-                    "by launch.export (default: the SmolLM2-135M-Instruct GGUF)")
+flags.DEFINE_string("model", None, "the `untuned` workload's model: a .gguf file or an HF "
+                    "directory (default: the SmolLM2-135M-Instruct GGUF)")
+flags.DEFINE_string("trained_model", "runs/grpo_smollm2/hf",
+                    "the `trained` workload's policy: an HF directory exported by launch.export "
+                    "(skipped, saying so, when it does not exist)")
+WORKLOADS = {
+    "trained": "trained policy's lengths (short responses, few at the cap)",
+    "untuned": "untuned model's lengths (about half the responses at the cap)",
+}
+flags.DEFINE_list("workloads", list(WORKLOADS), f"which of {', '.join(WORKLOADS)} to run, in "
+                  "that order")
 flags.DEFINE_string("task", "gsm_symbolic", "the prompts: a task of launch.prepare_data")
 flags.DEFINE_string("task_config", "{}", "the task's generator options, JSON (as "
                     "launch.prepare_data's --task_config)")
@@ -70,7 +85,7 @@ flags.DEFINE_integer("bin", 32, "width of the length histogram's bins, in tokens
 flags.DEFINE_bool("train", True,
                   "add the training stages (padded on static, --layout on continuous)")
 LAYOUTS = ("packed", "grouped", "shared", "shared_grouped")
-flags.DEFINE_enum("layout", "packed", list(LAYOUTS),
+flags.DEFINE_enum("layout", "shared_grouped", list(LAYOUTS),
                   "the continuous side's training batches: packed rows, length-grouped ones, "
                   "shared-prompt rows, or length-grouped shared-prompt rows")
 flags.DEFINE_integer("micro", 16, "training: sequences per padded micro-batch (and the packed "
@@ -221,20 +236,43 @@ def histogram(lengths, width: int, cap: int) -> list[str]:
 def main(argv: list[str]) -> None:
     del argv
     import jax
+
+    from hfjax.models.smollm2 import smollm2_gguf_path
+
+    f = flags.FLAGS
+    unknown = [w for w in f.workloads if w not in WORKLOADS]
+    if unknown or not f.workloads:
+        raise app.UsageError(f"--workloads={','.join(f.workloads)}: choose from "
+                             f"{', '.join(WORKLOADS)}")
+    print(
+        f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
+        f"jax {jax.__version__}"
+    )
+    results: dict = {}
+    for name in [w for w in WORKLOADS if w in f.workloads]:
+        path = (f.trained_model if name == "trained"
+                else str(f.model or smollm2_gguf_path()))
+        print(f"\n== workload {name}: {WORKLOADS[name]}; model {path}", flush=True)
+        if name == "trained" and not os.path.isdir(path):
+            print(f"skipped: no trained policy at {path} (--trained_model); train the GRPO "
+                  "recipe and export it (module docstring), or run --workloads=untuned")
+            results[name] = {"skipped": f"no trained policy at {path}"}
+            continue
+        results[name] = run_workload(f, path)
+        print(f"== workload {name} ({WORKLOADS[name]}): "
+              f"speedup_vs_static {results[name].get('speedup_vs_static')}", flush=True)
+    print(json.dumps({"workloads": results}))
+
+
+def run_workload(f, path: str) -> dict:
+    """Both sides on one model's natural lengths; prints the tables and returns the result."""
     import numpy as np
     from flax import nnx
 
     import hfjax.models as M
     from hfjax.engine import Sampler, SamplingParams
     from hfjax.engine.continuous import ContinuousSampler
-    from hfjax.models.smollm2 import smollm2_gguf_path
 
-    f = flags.FLAGS
-    path = str(f.model or smollm2_gguf_path())
-    print(
-        f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
-        f"jax {jax.__version__}"
-    )
     print(
         "uptime at the start:",
         subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip(),
@@ -339,7 +377,7 @@ def main(argv: list[str]) -> None:
             "continuous": tps[names[1]],
             **{k: v for k, v in tps.items() if k not in names[:2]},
         }
-    print(json.dumps(result))
+    return result
 
 
 if __name__ == "__main__":

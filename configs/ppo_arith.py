@@ -288,7 +288,7 @@ def get_config() -> config_dict.ConfigDict:
             # go on. An update that overflows a parameter ends the run either way.
             nonfinite="stop",
             # JAX's persistent compilation cache, so a resumed run compiles nothing it compiled
-            # before: auto ($JAX_COMPILATION_CACHE_DIR, else ~/.cache/hfjax/jax), off, or a dir.
+            # before: auto ($JAX_COMPILATION_CACHE_DIR, else ~/.cache/hfjax/xla), off, or a dir.
             compilation_cache_dir="auto",
         )
     )

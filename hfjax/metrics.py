@@ -35,8 +35,10 @@ PLOT_NAME = "metrics.png"
 TENSORBOARD_DIR = "tensorboard"
 SINK_NAMES = ("console", "jsonl", "tensorboard", "wandb")
 # Keys that measure wall-clock time: they differ between two runs of the same job, so
-# comparisons of runs (the exact-resume test) leave them out.
-TIMING_PREFIXES = ("timing_s/", "perf/throughput", "perf/time_per_step", "perf/mfu/")
+# comparisons of runs (the exact-resume test) leave them out. So do the compile records
+# (`hfjax.controller.compile_log`): a resumed process compiles its programs again.
+TIMING_PREFIXES = ("timing_s/", "perf/throughput", "perf/time_per_step", "perf/mfu/",
+                   "compile/", "compile_s/")
 REWARD_KEY = "critic/score/mean"
 # `val-core/<data_source>/acc/mean@<n>`: the mean score over n samples per held-out prompt.
 _VAL_ACC = re.compile(r"^val-core/.+/acc/mean@\d+$")

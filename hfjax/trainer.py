@@ -20,6 +20,7 @@ from hfjax import checkpoint as ckpt_lib
 from hfjax import health, mfu, model_source, sft
 from hfjax.algorithms import dataflow
 from hfjax.algorithms.registry import import_spec
+from hfjax.controller import compile_log
 from hfjax.data.batching import prompt_batch
 from hfjax.data.dataset import Dataset, task_dataset
 from hfjax.metrics import MetricsLogger
@@ -39,6 +40,9 @@ class Trainer:
     """Builds the run's worker groups and drives warm start, RL steps and validation."""
 
     def __init__(self, cfg):
+        # Compiles from here on are reported with the metrics of the record they precede
+        # (`_with_compiles`): the first RL step's carry the programs it compiled.
+        self._compiles = compile_log.install()
         self.algo, self.pools = validate_config(cfg)
         if cfg.model.get("remat_policy") == "auto":
             cfg = _resolve_remat(cfg)
@@ -326,7 +330,7 @@ class Trainer:
                         self.workers  # noqa: B018  (built now, so step 0 reports their scores)
                     first |= self._timed_validate()
                 if first:
-                    logger.log(self.step, first)
+                    logger.log(self.step, self._with_compiles(first))
                 if t.save_freq > 0:
                     self.save(ckpt)
             total = t.total_steps
@@ -337,7 +341,7 @@ class Trainer:
                 if not stopping and t.test_freq > 0 and (self.step % t.test_freq == 0
                                                          or self.step == total):
                     m |= self._timed_validate()
-                logger.log(self.step, m)
+                logger.log(self.step, self._with_compiles(m))
                 health.check_nonfinite(m, f"RL step {self.step}", self.cfg)
                 if t.save_freq > 0 and (self.step % t.save_freq == 0 or self.step == total):
                     self.save(ckpt)
@@ -352,9 +356,21 @@ class Trainer:
         result.step = self.step
         return result
 
+    def _with_compiles(self, m: dict[str, float]) -> dict[str, float]:
+        """`m` with the compiles since the previous record (`compile_log.metrics`), listed in
+        the log when there were any."""
+        records = self._compiles.take()
+        if records.compiles:
+            logging.info("step %d compiled %d programs in %.1f s (tracing and lowering %.1f s):"
+                         "\n%s", self.step, len(records.compiles),
+                         sum(c.seconds for c in records.compiles), records.trace_s,
+                         "\n".join(compile_log.summary(records)))
+        return m | compile_log.metrics(records)
+
     def _timed_validate(self) -> dict[str, float]:
         t0 = time.perf_counter()
-        out = self.validate()
+        with compile_log.stage("testing"):
+            out = self.validate()
         out["timing_s/testing"] = time.perf_counter() - t0
         return out
 

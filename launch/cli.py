@@ -48,7 +48,7 @@ def run(main: Callable[[list[str]], None], entry: str, *, compilation_cache: boo
         flags.DEFINE_string(
             "compilation_cache_dir", "auto",
             "JAX's persistent compilation cache: auto ($JAX_COMPILATION_CACHE_DIR, else "
-            "~/.cache/hfjax/jax), off, or a directory")
+            "~/.cache/hfjax/xla; off when HFJAX_COMPILATION_CACHE=off), off, or a directory")
     verbose = _verbose_requested(sys.argv)
     _quiet_logs(verbose)
 

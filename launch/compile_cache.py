@@ -4,10 +4,12 @@ Compiled XLA programs are written to a directory and read back by any later proc
 compiles the same program on the same kind of devices: a run resumed after preemption, or a
 second `launch.generate`, skips compiling what an earlier process compiled.
 
-The setting (`--config.trainer.compilation_cache_dir` for launch.train, `--compilation_cache_dir`
-for launch.generate, convert and export) is
-- `auto` (the default): `$JAX_COMPILATION_CACHE_DIR` when set, else `~/.cache/hfjax/jax` (under
-  `$XDG_CACHE_HOME` when set);
+Every entry point that compiles uses it, through this one helper: launch.train, evaluate, sft
+and train_rm take the setting from `--config.trainer.compilation_cache_dir` (`cli.start_run`),
+launch.generate, convert and export from `--compilation_cache_dir` (`cli.run`). The setting is
+- `auto` (the default): `$JAX_COMPILATION_CACHE_DIR` when set, else `~/.cache/hfjax/xla` (under
+  `$XDG_CACHE_HOME` when set); `HFJAX_COMPILATION_CACHE=off` in the environment turns `auto`
+  off for every entry point at once;
 - `off`: no persistent cache;
 - any other value: that directory (created when missing).
 """
@@ -24,13 +26,17 @@ MIN_COMPILE_S = 0.0
 MAX_BYTES = 4 << 30
 
 
+# `HFJAX_COMPILATION_CACHE=off` turns the `auto` setting off.
+OFF_ENV = "HFJAX_COMPILATION_CACHE"
+
+
 def default_dir() -> str:
-    """The `auto` directory: $JAX_COMPILATION_CACHE_DIR, else ~/.cache/hfjax/jax."""
+    """The `auto` directory: $JAX_COMPILATION_CACHE_DIR, else ~/.cache/hfjax/xla."""
     env = os.environ.get("JAX_COMPILATION_CACHE_DIR")
     if env:
         return env
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "hfjax", "jax")
+    return os.path.join(base, "hfjax", "xla")
 
 
 def enable(setting: str, name: str = "compilation_cache_dir") -> str | None:
@@ -39,6 +45,8 @@ def enable(setting: str, name: str = "compilation_cache_dir") -> str | None:
     `name`, when the directory cannot be used."""
     import jax
 
+    if setting == "auto" and os.environ.get(OFF_ENV, "").strip().lower() == "off":
+        setting = "off"
     if setting == "off":
         jax.config.update("jax_enable_compilation_cache", False)
         return None

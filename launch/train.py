@@ -101,6 +101,9 @@ class _Progress:
         if self.steps:
             self.tokens += m["perf/total_num_tokens"]
             self.seconds += m["timing_s/step"]
+        elif m.get("compile/programs"):  # the per-program list: metrics.jsonl, or --verbose
+            self.print(f"step {step}: {m['compile/programs']:.0f} programs compiled in "
+                       f"{m['timing_s/compile']:.1f} s (compile_s/* in metrics.jsonl)")
         self.steps += 1
         self.last = dict(m)
         self.bar.set_postfix(reward=f"{m['critic/score/mean']:.2f}",

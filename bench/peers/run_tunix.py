@@ -16,7 +16,10 @@ Set-up notes (each one changes what Tunix does, not how fast it is allowed to be
   SmolLM2's pad is its `<|im_end|>`, which every chat prompt holds (end of the system and user
   turns); natural-length workloads therefore pad with `<|endoftext|>` (its unk token) instead;
 - actor and rollout share one mesh, hence one model: no weight copy between them;
-- num_iterations=1 and beta=0: no old-policy or reference log-prob passes.
+- num_iterations=1 and beta=0: no old-policy or reference log-prob passes;
+- llama3 models (SmolLM2) get the checkpoint's RoPE base: Tunix 0.1.7's llama3 attention
+  ignores `ModelConfig.rope_theta` and rotates with 1,000,000 (`build_model`). Results written
+  before this fix (2026-12-01 and 12-03 in docs/benchmarks.md) ran SmolLM2 with that base.
 
 Tunix cuts each completion before its stop token (it neither returns nor trains on it); the
 recorded response lengths and token counts add the stop token back where a completion stopped
@@ -32,6 +35,7 @@ and "train" is `RLCluster.update_actor`.
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import time
@@ -76,6 +80,13 @@ def build_model(w: workload.Workload, mesh):
         from tunix.models.llama3 import model as llama_model
         from tunix.models.llama3 import params as llama_params
 
+        # Tunix 0.1.7's llama3 attention calls its module's `apply_rope` without the config's
+        # rope_theta, so every llama3 model gets that function's default base (1,000,000)
+        # whatever the checkpoint says (SmolLM2's is 100,000): a different model, which on
+        # natural lengths samples other (shorter) responses. The model's own base, bound here.
+        theta = common["rope_theta"]
+        rope = getattr(llama_model.apply_rope, "func", llama_model.apply_rope)
+        llama_model.apply_rope = functools.partial(rope, rope_theta=theta)
         cfg = llama_model.ModelConfig(**common, weight_tying=hf["tie_word_embeddings"])
         return llama_params.create_model_from_safe_tensors(w.model_dir, cfg, mesh,
                                                            dtype=jnp.float32)

@@ -12,7 +12,9 @@ tokens, masks and log-probs row for row (see "Same results").
 **One program.** A whole `generate` call is one jitted program. Admission is a
 `lax.while_loop` whose body refills the slots and runs up to `refill_every` (k) decode steps;
 each drain phase is a loop of up to k steps at a time on its own, smaller slot count (3/4 of the
-one before, down to `min_slots`), entered once few enough slots are busy. Which slot is free,
+one before, down to `min_slots`, at most `MAX_DRAIN_PHASES` phases: `drain_sizes`), entered
+once few enough slots are busy. Admission and the first drain phase share one loop, so the
+program holds one decode step per slot count. Which slot is free,
 which request comes next, when to prefill and when to shrink are all decided on device, so
 nothing returns to the host until every request is done: no host round trip per token, per
 refill or per phase. k trades the refill's fixed cost against the steps a finished slot idles
@@ -91,6 +93,8 @@ DEFAULT_MIN_SLOTS = 0  # the start of the row range the slots are in (ROW_RANGES
 # entry (measured on SmolLM2-135M: 4-7, 8-32, 33+; module docstring). A drain that stays inside
 # one range gives each row the bits a static batch in that range gives it.
 ROW_RANGES = (8, 33)
+# Drain phases at most (`drain_sizes`): each compiles its own decode step.
+MAX_DRAIN_PHASES = 3
 # Requests admitted per admission round: the round's gather and scatter cost scales with it,
 # and the first fill of all slots takes slots / ADMIT_ROWS rounds.
 ADMIT_ROWS = 8
@@ -98,6 +102,28 @@ ADMIT_ROWS = 8
 
 def _round_up(x: int, m: int) -> int:
     return -(-x // m) * m
+
+
+def drain_sizes(slots: int, floor: int, dp: int = 1) -> tuple[int, ...]:
+    """The slot counts of the drain phases after the first: 3/4 of the one before each, down
+    to `floor`, multiples of `dp`; when that takes more than MAX_DRAIN_PHASES phases, that
+    many in even ratios instead.
+
+    Every phase compiles its own copy of the decode step (its shapes are its own), so the
+    phases are most of the rollout program's compile time: 3/4 steps from 200 slots to 33 are
+    7 phases, and with the first at 200 the program held 8 decode steps. Fewer, wider steps
+    let a phase's rows get less busy before it shrinks (from 200 slots, 55% instead of 75%: a
+    few row-steps more in the drain) and give the same tokens: the phases stay in one row
+    range."""
+    drain, rows = [], slots
+    while (fewer := max(floor, _round_up(-(-rows * 3 // 4), dp))) < rows:
+        drain.append(rows := fewer)
+    if len(drain) <= MAX_DRAIN_PHASES:
+        return tuple(drain)
+    ratio = (floor / slots) ** (1 / MAX_DRAIN_PHASES)
+    steps = [max(floor, _round_up(math.ceil(slots * ratio**i), dp))
+             for i in range(1, MAX_DRAIN_PHASES)] + [floor]
+    return tuple(sorted({r for r in steps if r < slots}, reverse=True))
 
 
 # --------------------------------------------------------------------------------------------
@@ -187,11 +213,9 @@ class ContinuousSampler(Sampler):
         requests = prompts * params.n
         # Both multiples of the data-parallel size; 0 slots: one per request.
         slots = min(self.slots or requests, requests)
-        # Drain phases take 3/4 of the slots each, down to min_slots.
         least = self.min_slots or max([r for r in ROW_RANGES if r <= slots], default=slots)
-        floor, drain, rows = min(slots, _round_up(least, self._dp)), [], slots
-        while (fewer := max(floor, _round_up(-(-rows * 3 // 4), self._dp))) < rows:
-            drain.append(rows := fewer)
+        floor = min(slots, _round_up(least, self._dp))
+        drain = drain_sizes(slots, floor, self._dp)
         # A window fills every slot at the start. It also holds at least 2 prompts and 64
         # prompt tokens: matmul kernels choose their blocking by row count, and XLA:CPU rounds a
         # row the same way only within a range of row counts (one row alone, then 2 and more in

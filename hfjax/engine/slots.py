@@ -346,7 +346,7 @@ def run(
     def busy_slots(s: _Slots) -> jax.Array:
         return jnp.sum(s.req >= 0, dtype=jnp.int32)
 
-    def decode(st: _State, limit: int) -> _State:
+    def decode(st: _State, limit: int | jax.Array) -> _State:
         """Up to k decode steps, fewer once at most `limit` slots are still decoding; then
         retires the finished slots."""
 
@@ -365,18 +365,27 @@ def run(
         )
         return _retire(plan, st)
 
-    # Admission: refill and decode while requests wait.
+    sizes = (plan.slots, *plan.drain)
+    first_limit = sizes[1] if len(sizes) > 1 else 0
+
+    def admit_then_drain(st: _State) -> _State:
+        # While requests wait: refill, then decode (limit 0). Then the first drain phase, on
+        # the same slots: decode until at most the next phase's slot count is busy. One loop,
+        # so that the decode step at `plan.slots` rows is compiled once, not twice.
+        waiting = st.next < x.total
+        st = jax.lax.cond(waiting, lambda st: _refill(model, plan, x, shardings, st),
+                          lambda st: st, st)
+        return decode(st, jnp.where(waiting, 0, first_limit))
+
     st = jax.lax.while_loop(
-        lambda st: st.next < x.total,
-        lambda st: decode(_refill(model, plan, x, shardings, st), 0),
+        lambda st: (st.next < x.total) | (busy_slots(st.slots) > first_limit),
+        admit_then_drain,
         st,
     )
     # Drain: nothing waits any more; as slots finish, the busy ones move into fewer slots, so
     # a long last request does not keep every slot's rows computing.
-    sizes = (plan.slots, *plan.drain)
-    for i, rows in enumerate(sizes):
-        if i:
-            st = _compact(st, rows, shardings)
+    for i, rows in enumerate(sizes[1:], 1):
+        st = _compact(st, rows, shardings)
         limit = sizes[i + 1] if i + 1 < len(sizes) else 0
         st = jax.lax.while_loop(
             lambda st, limit=limit: busy_slots(st.slots) > limit,

@@ -23,6 +23,7 @@ from flax import nnx
 from jax.sharding import Mesh
 from ml_collections import config_dict
 
+from hfjax.controller import compile_log
 from hfjax.controller.batch import Batch
 from hfjax.controller.placement import register_role as register_placement_role
 from hfjax.engine.continuous import rollout_sampler
@@ -97,12 +98,13 @@ class WorkerGroups:
         without it, only dispatch is timed and worker groups on disjoint pools can overlap.
         """
         t0 = time.perf_counter()
-        out = fn(*args)
-        if self.sync_timing:
-            jax.block_until_ready(
-                jax.tree.map(lambda x: x.arrays if isinstance(x, Batch) else x, out,
-                             is_leaf=lambda x: isinstance(x, Batch))
-            )
+        with compile_log.stage(name):
+            out = fn(*args)
+            if self.sync_timing:
+                jax.block_until_ready(
+                    jax.tree.map(lambda x: x.arrays if isinstance(x, Batch) else x, out,
+                                 is_leaf=lambda x: isinstance(x, Batch))
+                )
         self.timing[f"timing_s/{name}"] = time.perf_counter() - t0
         return out
 
