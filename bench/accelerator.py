@@ -53,6 +53,9 @@ flags.DEFINE_bool("tiny", False, "the tiny preset and a tiny batch (CPU, the tes
 flags.DEFINE_integer("steps", 2, "measured GRPO steps after one warm-up step")
 flags.DEFINE_bool("hf", True, "compare with HF transformers generate when torch has CUDA")
 flags.DEFINE_bool("dry_run", True, "run the dry run at the same config for its predicted peak")
+flags.DEFINE_string("compilation_cache_dir", "auto", "JAX's persistent compilation cache "
+                    "(launch/compile_cache.py): the run's programs are read back from the dry "
+                    "run's compiles; off: none")
 FLAGS = flags.FLAGS
 
 # The shape: (preset, prompts, samples per prompt, new tokens, prompt tokens).
@@ -95,7 +98,7 @@ def configure(cfg, tiny: bool):
     return cfg
 
 
-def matmul_peak(size: int, repeats: int = 5) -> float:
+def matmul_peak(size: int, repeats: int = 10) -> float:
     """FLOP/s of the best of `repeats` [size, size] x [size, size] bf16 matmuls on device 0."""
     import jax
     import jax.numpy as jnp
@@ -162,7 +165,9 @@ def main(argv: list[str]) -> None:
     from hfjax import mfu
     from hfjax.parallel import targets
     from hfjax.trainer import Trainer
+    from launch import compile_cache
 
+    compile_cache.enable(FLAGS.compilation_cache_dir)
     cfg = configure(_CONFIG.value, FLAGS.tiny)
     dev = jax.devices()[0]
     t_start = time.perf_counter()
