@@ -47,3 +47,28 @@ def test_step_mfu_counts_six_n_plus_attention_over_the_stage_time():
     assert set(mfu.step_mfu(cfg, {"timing_s/ref": 1.0}, rows=rows, tokens=1.0,
                             response_tokens=1.0, epochs=1, actor_devices=1, ref_devices=1,
                             peak=1e12)) == {"perf/mfu/ref"}
+
+
+@pytest.mark.slow  # builds a trainer and runs two GRPO steps: about 20 s on 2 cores
+def test_trainer_reports_mfu_where_the_device_has_a_peak(tmp_path):
+    from support import tiny_rl_config
+
+    from hfjax.trainer import Trainer
+
+    c = tiny_rl_config(algorithm="grpo", out_dir=tmp_path)
+    c.rollout.n = 2
+    c.actor.use_kl_loss = True  # the step runs the reference's scoring pass
+    c.algo.adv_estimator = "grpo"
+    trainer = Trainer(c)
+    assert trainer._peak is None  # a CPU: no MFU
+    assert not any(k.startswith("perf/mfu/") for k in trainer.train_step())
+    trainer._peak = 1e12  # as a device kind with a table peak would give
+    m = trainer.train_step()
+    for key, stage in (("perf/mfu/actor", "timing_s/update_actor"),
+                       ("perf/mfu/ref", "timing_s/ref")):
+        assert 0 < m[key] < 1 and stage in m
+    # The actor's figure is its update's FLOPs over that stage's time on the actor's devices.
+    devices = trainer.workers.actor.mesh.devices.size
+    assert m["perf/mfu/actor"] * m["timing_s/update_actor"] * devices * 1e12 == pytest.approx(
+        3 * mfu.forward_flops(trainer.model_cfg, 16 * 2, m["perf/total_num_tokens"],
+                              m["response_length/mean"] * 16 * 2))

@@ -5,13 +5,16 @@ with NESTED_TRAIN_RULES, or Megatron-style `data=2,tensor=4` with params replica
 `data`). The decoding layout is `data=d_g,tensor=t_g` with DECODE_RULES (tensor parallel only).
 
 **Device order.** The training rules split the dimensions that decoding splits (vocab, heads,
-kv_heads, mlp) over an ordered tuple of mesh axes A, N ways; call a device's position along A its
-*split index* s. The decode mesh puts the device with split index s in decode tensor group
-j = s // (N/t_g), so decode tensor groups take split indices at stride N/t_g and the devices
-that share a decode shard (a *micro-DP group*) hold consecutive split indices. Every device's
-training shard then lies inside its decoding shard. Axes that split other dimensions (e.g.
-`fsdp` over `embed` under TRAIN_RULES, which decoding keeps whole) join the micro-DP group;
-axes that split nothing (`data` in a Megatron-style layout) index replicas.
+kv_heads, mlp) over ordered tuples of mesh axes; A is the widest of them (`plan_nesting`), N
+ways; call a device's position along A its *split index* s. The decode mesh puts the device
+with split index s in decode tensor group j = s // (N/t_g), so decode tensor groups take split
+indices at stride N/t_g and the devices that share a decode shard (a *micro-DP group*) hold
+consecutive split indices. Every device's training shard then lies inside its decoding shard.
+Axes that split other dimensions (e.g. `fsdp` over `embed` under TRAIN_RULES, which decoding
+keeps whole) join the micro-DP group; axes that split nothing (`data` in a Megatron-style
+layout) index replicas. A parameter may also split a tensor-parallel dimension over the leading
+axes of A that make up t_g, and another dimension over the rest (28 heads over `tensor`, embed
+over `fsdp`, A = tensor x fsdp): the same boxes.
 
 **Transitions.** Both directions run one small program per parameter, so at most one tensor is
 in flight and the peak is the decode shard plus one tensor's shard:

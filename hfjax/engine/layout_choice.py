@@ -6,8 +6,10 @@ Without a decode mesh (or with the engine off) the actor trains in the standard 
 every device's training shard to lie inside its decoding shard; the candidates are tried in
 order, "train" first (it nests whenever the decode tensor size divides the training tensor
 size: fsdp then joins the micro-DP groups), then "nested_train" (fsdp splits the dimensions
-tensor splits, so any decode tensor size dividing fsdp x tensor nests). The first that nests is
-used and logged; when none does, the LayoutError names each candidate's reason.
+tensor splits where it divides them, so a decode tensor size dividing fsdp x tensor nests; a
+tensor whose heads fsdp does not divide keeps fsdp on embed and, where it cannot nest, moves by
+a plain transfer, logged by the engine). The first that nests is used and logged; when none
+does, the LayoutError names each candidate's reason.
 """
 
 from __future__ import annotations

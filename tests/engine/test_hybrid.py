@@ -307,3 +307,31 @@ def test_offload_parks_arrays_in_host_memory_and_brings_them_back():
     assert jax.tree.map(lambda x: x.sharding, back) == shardings
     for k in want:
         np.testing.assert_array_equal(np.asarray(back[k]), want[k])
+
+
+def test_parameters_that_cannot_nest_move_by_plain_transfers_and_round_trip():
+    # 4 heads on fsdp=4,tensor=2 under the nested rules split over tensor only (8 ways do not
+    # divide 4), while a tensor=4 decode splits them 4 ways: the attention weights cannot nest
+    # and move by plain transfers; the mlp and vocab, split over tensor x fsdp, still nest.
+    cfg = SMALL.replace(num_heads=4, num_kv_heads=4)
+    model = transformer.build(cfg, seed=5)
+    lay = layout("fsdp=4,tensor=2", "nested_train")
+    params = place(model, lay)
+    before = host(params)
+    engine = hybrid.HybridEngine(lay, "data=2,tensor=4", params)
+    direct = {leaf.name for leaf in engine.leaves if leaf.direct}
+    assert direct == {f"model.layers.{p}_proj" for p in "qkvo"}
+    assert any(leaf.gathered for leaf in engine.leaves)
+    dec = engine.to_decode(params)
+    assert all(x.sharding == s for x, s in zip(jax.tree.leaves(dec), engine.decode_shardings()))
+    chex.assert_trees_all_equal(before, [np.asarray(x) for x in jax.tree.leaves(dec)],
+                                strict=True)
+    back = engine.to_train(dec)
+    chex.assert_trees_all_equal(before, host(back), strict=True)
+    assert [x.sharding for x in jax.tree.leaves(back)] == engine.train_shardings()
+    # Only the parameters that do not nest cost anything on the way back.
+    assert reshard.max_bytes(engine.bytes_to_train()) > 0
+    nested = [leaf for leaf in engine.leaves if not leaf.direct]
+    assert set(reshard.tree_transfer_bytes(
+        [lf.decode for lf in nested], [lf.train for lf in nested],
+        [jax.ShapeDtypeStruct(lf.shape, lf.dtype) for lf in nested]).values()) == {0}
