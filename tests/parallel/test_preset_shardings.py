@@ -11,13 +11,13 @@ import pytest
 from flax import nnx
 from jax.sharding import AbstractMesh
 
-from hfjax.controller import virtual
 from hfjax.engine import hybrid
 from hfjax.models import transformer
 from hfjax.models.presets import PRESETS, get_preset
 from hfjax.parallel import reshard
 from hfjax.parallel import sharding as shd
 from hfjax.parallel.mesh import MESH_AXES, MeshSpec
+from hfjax.planner import virtual
 
 
 @functools.cache
