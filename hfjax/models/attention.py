@@ -228,13 +228,13 @@ SPLASH_BLOCK = 128
 
 
 def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
-                     key_valid: jax.Array) -> jax.Array:
+                     key_valid: jax.Array, interpret: bool = False) -> jax.Array:
     """Causal self-attention through the TPU Pallas splash attention kernel: real tokens are
     segment 1 and padding segment 0, so a real query sees the real keys up to itself (whatever
     the row's padding) and a padding query only padding (its output is not read). Grouped kv
     heads go through the kernel's multi-query form, one kv head at a time. Falls back to
     blockwise attention (one log line) when the row's width is not a multiple of
-    SPLASH_BLOCK."""
+    SPLASH_BLOCK. `interpret` runs the kernel in Pallas's interpret mode (tests, on CPU)."""
     B, T, N, H = q.shape
     K = k.shape[2]
     G = N // K
@@ -244,7 +244,8 @@ def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
         return _blockwise(q, k, v, key_valid=key_valid, offset=0, segment_ids=None)
     kernel_lib, mask_lib = _splash_module()
     mask = mask_lib.MultiHeadMask([mask_lib.CausalMask((T, T)) for _ in range(G)])
-    kernel = kernel_lib.make_splash_mqa(mask, head_shards=1, q_seq_shards=1)
+    kernel = kernel_lib.make_splash_mqa(mask, head_shards=1, q_seq_shards=1,
+                                        interpret=interpret)
     seg = key_valid.astype(jnp.int32)
     qh = jnp.transpose(q.reshape(B, T, K, G, H), (0, 2, 3, 1, 4)) / math.sqrt(H)
     kh, vh = jnp.transpose(k, (0, 2, 1, 3)), jnp.transpose(v, (0, 2, 1, 3))  # [B, K, T, H]

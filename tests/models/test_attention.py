@@ -179,3 +179,28 @@ def test_choice_by_platform():
         attention.resolve("flash", f32, 64)
     with pytest.raises(ValueError, match="unknown attention_impl 'flash'"):
         dataclasses.replace(CFG, attention_impl="flash")
+
+
+@pytest.mark.slow  # the interpreter: about a minute on 2 cores
+def test_splash_kernel_in_interpret_mode_equals_the_dense_path():
+    """The TPU splash kernel, run by Pallas's interpreter on CPU: forward and gradients of
+    rows of 128 columns (the kernel's block) with left and right padding."""
+    rng = np.random.default_rng(4)
+    t_ = attention.SPLASH_BLOCK
+    q, k, v = (jnp.asarray(rng.normal(size=(2, t_, n, 16)), jnp.float32) for n in (4, 2, 2))
+    col = np.arange(t_)[None, :]
+    valid = jnp.asarray((col >= np.array([[0], [30]])) & (col < np.array([[100], [128]])))
+    cfg = dataclasses.replace(CFG, head_dim=16)
+    dense = attention.attention_fn(cfg, valid, t_, jnp.float32)
+    w = jnp.asarray(rng.normal(size=q.shape), jnp.float32) * valid[:, :, None, None]
+
+    def splash(q, k, v):
+        return attention.splash_attention(q, k, v, key_valid=valid, interpret=True)
+
+    got, want = jax.jit(splash)(q, k, v), dense(q, k, v)
+    real = np.asarray(valid)
+    np.testing.assert_allclose(np.asarray(got)[real], np.asarray(want)[real], atol=1e-5)
+    grads = [jax.jit(jax.grad(lambda *a, f=f: jnp.sum(f(*a) * w), (0, 1, 2)))(q, k, v)
+             for f in (splash, dense)]
+    for g, h in zip(*grads):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(h), atol=1e-4, rtol=1e-4)
