@@ -204,3 +204,23 @@ def test_splash_kernel_in_interpret_mode_equals_the_dense_path():
              for f in (splash, dense)]
     for g, h in zip(*grads):
         np.testing.assert_allclose(np.asarray(g), np.asarray(h), atol=1e-4, rtol=1e-4)
+
+
+def test_shared_prompt_rows_blockwise_equal_dense():
+    """Rows of one left-padded prompt (6 columns) and 3 right-padded responses (5 columns
+    each): the blockwise parts give the dense parts' outputs at every real query."""
+    from hfjax.models.attention import SharedPrompt, shared_prompt_attention
+
+    rng = np.random.default_rng(5)
+    p_, n_, r_ = 6, 3, 5
+    t_ = p_ + n_ * r_
+    mask = np.ones((2, t_), np.int32)
+    mask[0, :2] = 0  # left padding of the first prompt
+    for j, length in enumerate((5, 2, 4)):
+        mask[1, p_ + j * r_ + length:p_ + (j + 1) * r_] = 0  # right padding of responses
+    q, k, v = (jnp.asarray(rng.normal(size=(2, t_, n, 8)), jnp.float32) for n in (4, 2, 2))
+    layout = SharedPrompt(p_, n_)
+    want = shared_prompt_attention(CFG, jnp.asarray(mask), layout)(q, k, v)
+    got = shared_prompt_attention(CFG, jnp.asarray(mask), layout, blockwise=True)(q, k, v)
+    real = mask > 0
+    np.testing.assert_allclose(np.asarray(got)[real], np.asarray(want)[real], atol=1e-5)
