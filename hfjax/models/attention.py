@@ -24,9 +24,12 @@ compiled for (`target_platform`: the devices' backend, or the target a dry run c
   fused kernels cannot take a case (float32, odd head dims, a KV cache with an offset), and
   the stand-in for cuDNN / splash when a dry run compiles on CPU for a GPU or TPU target.
 
-The other attention patterns (shared-prompt rows, compact shared-prompt rows, banded packed
-rows) are routed through the same entry point but keep their batched-matmul implementations
-on every backend for now; a fused kernel for them would be chosen here too.
+The other attention patterns are routed through the same entry point. Shared-prompt rows run
+their two parts (the prompt's causal attention, the responses' over prompt and own response)
+blockwise wherever the implementation is not "dense"; compact shared-prompt rows and banded
+packed rows keep their batched-matmul implementations on every backend for now (their
+temporaries are bounded by the longest response and the segment span, not the row's width);
+a fused kernel for them would be chosen here too.
 """
 
 from __future__ import annotations
@@ -166,14 +169,15 @@ def attention_fn(
     segment) and `segment_span` (`banded_attention` where it pays); shared-prompt rows give
     `shared_prompt` (with `attention_mask`) or `response_blocks`.
     """
+    impl = resolve(cfg.attention_impl, dtype, cfg.head_dim)
     if shared_prompt is not None:
-        return shared_prompt_attention(cfg, attention_mask, shared_prompt)
+        return shared_prompt_attention(cfg, attention_mask, shared_prompt,
+                                       blockwise=impl != "dense")
     if response_blocks is not None:
         return compact_attention(cfg, response_blocks)
     T = query_count
     if segment_ids is not None and segment_span and uses_band(T, segment_span):
         return banded_attention(cfg, segment_ids, segment_span)
-    impl = resolve(cfg.attention_impl, dtype, cfg.head_dim)
     self_attention = cache_index is None or (
         isinstance(cache_index, int) and cache_index == 0 and key_valid.shape[1] == T)
     if impl in ("xla", "cudnn", "splash") and (segment_ids is not None or not self_attention):
@@ -228,13 +232,13 @@ SPLASH_BLOCK = 128
 
 
 def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
-                     key_valid: jax.Array) -> jax.Array:
+                     key_valid: jax.Array, interpret: bool = False) -> jax.Array:
     """Causal self-attention through the TPU Pallas splash attention kernel: real tokens are
     segment 1 and padding segment 0, so a real query sees the real keys up to itself (whatever
     the row's padding) and a padding query only padding (its output is not read). Grouped kv
     heads go through the kernel's multi-query form, one kv head at a time. Falls back to
     blockwise attention (one log line) when the row's width is not a multiple of
-    SPLASH_BLOCK."""
+    SPLASH_BLOCK. `interpret` runs the kernel in Pallas's interpret mode (tests, on CPU)."""
     B, T, N, H = q.shape
     K = k.shape[2]
     G = N // K
@@ -244,7 +248,8 @@ def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
         return _blockwise(q, k, v, key_valid=key_valid, offset=0, segment_ids=None)
     kernel_lib, mask_lib = _splash_module()
     mask = mask_lib.MultiHeadMask([mask_lib.CausalMask((T, T)) for _ in range(G)])
-    kernel = kernel_lib.make_splash_mqa(mask, head_shards=1, q_seq_shards=1)
+    kernel = kernel_lib.make_splash_mqa(mask, head_shards=1, q_seq_shards=1,
+                                        interpret=interpret)
     seg = key_valid.astype(jnp.int32)
     qh = jnp.transpose(q.reshape(B, T, K, G, H), (0, 2, 3, 1, 4)) / math.sqrt(H)
     kh, vh = jnp.transpose(k, (0, 2, 1, 3)), jnp.transpose(v, (0, 2, 1, 3))  # [B, K, T, H]
@@ -327,11 +332,14 @@ class SharedPrompt(NamedTuple):
     samples: int
 
 
-def shared_prompt_attention(cfg: ModelConfig, attention_mask: jax.Array, layout: SharedPrompt):
+def shared_prompt_attention(cfg: ModelConfig, attention_mask: jax.Array, layout: SharedPrompt,
+                            blockwise: bool = False):
     """Attention in rows of `layout` (`attention_mask` [G, P + n * R] marks real tokens): a
     prompt token sees the prompt's earlier tokens, a response token the whole prompt and its own
     response's earlier tokens, which is what it sees in its own padded row [prompt, response].
-    The prompt's keys and values are computed once and read by all n responses."""
+    The prompt's keys and values are computed once and read by all n responses. With
+    `blockwise`, both parts run as `blockwise_attention` (memory linear in P + R) instead of
+    `dense_attention`."""
     G, T = attention_mask.shape
     P, n = layout
     R = (T - P) // n
@@ -343,6 +351,13 @@ def shared_prompt_attention(cfg: ModelConfig, attention_mask: jax.Array, layout:
     response_mask = jnp.concatenate([seen, own], axis=2)[:, None]  # [G*n, 1, R, P + R]
     on_prompt = dense_attention(cfg, prompt_mask, causal=True)
     on_responses = dense_attention(cfg, response_mask, causal=True, prefix=P)
+    if blockwise:
+        # Response query t (column P + t of its padded row) sees keys up to P + t: every prompt
+        # column and its own response's up to t.
+        response_keys = jnp.concatenate([jnp.repeat(p_valid, n, axis=0), r_valid], axis=1)
+        on_prompt = functools.partial(_blockwise, key_valid=p_valid, offset=0, segment_ids=None)
+        on_responses = functools.partial(_blockwise, key_valid=response_keys, offset=P,
+                                         segment_ids=None)
 
     def per_response(x):  # [G, P + n*R, heads, H] -> [G*n, R, heads, H], the responses' part
         return x[:, P:].reshape(G * n, R, *x.shape[2:])

@@ -179,3 +179,48 @@ def test_choice_by_platform():
         attention.resolve("flash", f32, 64)
     with pytest.raises(ValueError, match="unknown attention_impl 'flash'"):
         dataclasses.replace(CFG, attention_impl="flash")
+
+
+@pytest.mark.slow  # the interpreter: about a minute on 2 cores
+def test_splash_kernel_in_interpret_mode_equals_the_dense_path():
+    """The TPU splash kernel, run by Pallas's interpreter on CPU: forward and gradients of
+    rows of 128 columns (the kernel's block) with left and right padding."""
+    rng = np.random.default_rng(4)
+    t_ = attention.SPLASH_BLOCK
+    q, k, v = (jnp.asarray(rng.normal(size=(2, t_, n, 16)), jnp.float32) for n in (4, 2, 2))
+    col = np.arange(t_)[None, :]
+    valid = jnp.asarray((col >= np.array([[0], [30]])) & (col < np.array([[100], [128]])))
+    cfg = dataclasses.replace(CFG, head_dim=16)
+    dense = attention.attention_fn(cfg, valid, t_, jnp.float32)
+    w = jnp.asarray(rng.normal(size=q.shape), jnp.float32) * valid[:, :, None, None]
+
+    def splash(q, k, v):
+        return attention.splash_attention(q, k, v, key_valid=valid, interpret=True)
+
+    got, want = jax.jit(splash)(q, k, v), dense(q, k, v)
+    real = np.asarray(valid)
+    np.testing.assert_allclose(np.asarray(got)[real], np.asarray(want)[real], atol=1e-5)
+    grads = [jax.jit(jax.grad(lambda *a, f=f: jnp.sum(f(*a) * w), (0, 1, 2)))(q, k, v)
+             for f in (splash, dense)]
+    for g, h in zip(*grads):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(h), atol=1e-4, rtol=1e-4)
+
+
+def test_shared_prompt_rows_blockwise_equal_dense():
+    """Rows of one left-padded prompt (6 columns) and 3 right-padded responses (5 columns
+    each): the blockwise parts give the dense parts' outputs at every real query."""
+    from hfjax.models.attention import SharedPrompt, shared_prompt_attention
+
+    rng = np.random.default_rng(5)
+    p_, n_, r_ = 6, 3, 5
+    t_ = p_ + n_ * r_
+    mask = np.ones((2, t_), np.int32)
+    mask[0, :2] = 0  # left padding of the first prompt
+    for j, length in enumerate((5, 2, 4)):
+        mask[1, p_ + j * r_ + length:p_ + (j + 1) * r_] = 0  # right padding of responses
+    q, k, v = (jnp.asarray(rng.normal(size=(2, t_, n, 8)), jnp.float32) for n in (4, 2, 2))
+    layout = SharedPrompt(p_, n_)
+    want = shared_prompt_attention(CFG, jnp.asarray(mask), layout)(q, k, v)
+    got = shared_prompt_attention(CFG, jnp.asarray(mask), layout, blockwise=True)(q, k, v)
+    real = mask > 0
+    np.testing.assert_allclose(np.asarray(got)[real], np.asarray(want)[real], atol=1e-5)
