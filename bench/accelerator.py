@@ -86,7 +86,7 @@ def configure(cfg, tiny: bool):
     put("rollout.n", n)
     put("rollout.response_length", new)
     put("actor.ppo_mini_batch_size", prompts)
-    put("actor.ppo_micro_batch_size", prompts * n if tiny else 128)
+    put("actor.ppo_micro_batch_size", prompts * n if tiny else 64)
     put("sft.steps", 0)
     if tiny:
         put("data.n_train", 64)

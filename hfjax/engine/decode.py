@@ -30,11 +30,11 @@ bytes it reads, and a rollout's early steps have written few of the response's c
 the step has three ways to read the cache (`DecodeOptions.attention`) and two layouts
 (`DecodeOptions.layout`), resolved once per backend by `decode_options` ("auto"):
 
-- "full" (CPU): both parts over their whole width, columns past a row's own masked.
-- "chunked" (GPU, TPU): the response part in chunks of `chunk` columns, only as many as the
+- "full" (CPU, TPU): both parts over their whole width, columns past a row's own masked.
+- "chunked": the response part in chunks of `chunk` columns, only as many as the
   furthest row has written (a loop with a dynamic trip count; the chunks' softmaxes merge by
   their maxima like the two parts'), so step t reads the prompt and about t columns.
-- "pallas" (GPU): the Pallas GPU decode-attention kernel
+- "pallas" (GPU; "auto" there): the Pallas GPU decode-attention kernel
   (`jax.experimental.pallas.ops.gpu.decode_attention.gqa`), once per part over each row's
   live range (left-padded prompt columns, response columns up to the row's own), merged by
   the kernel's residuals. Needs the "gpu" layout and left-padded prompts; a part whose width
@@ -97,8 +97,10 @@ def decode_options(attention: str = "auto", layout: str = "auto", *,
                    chunk: int = DECODE_CHUNK, interpret: bool = False) -> DecodeOptions:
     """`rollout.decode_attention` and `rollout.kv_layout` resolved for the platform programs
     are compiled for (`hfjax.models.attention.target_platform`): "auto" is the full read and
-    the "cpu" layout on CPU, the chunked read and the "gpu" layout elsewhere. "pallas" where
-    the kernel cannot run (no GPU, and not `interpret`) becomes "chunked", with a log line.
+    the "cpu" layout on CPU, the Pallas read and the "gpu" layout on GPUs, the full read and
+    the "gpu" layout on TPUs. "pallas" where the kernel cannot run (no GPU, and not
+    `interpret`: a dry run for a GPU target compiled on CPU) becomes "chunked", with a log
+    line.
     Raises ValueError for an unknown choice or "pallas" with the "cpu" layout."""
     if attention not in DECODE_ATTENTION:
         raise ValueError(f"rollout.decode_attention={attention!r}; choose one of "
@@ -111,7 +113,11 @@ def decode_options(attention: str = "auto", layout: str = "auto", *,
     if layout == "auto":
         layout = "cpu" if on_cpu else "gpu"
     if attention == "auto":
-        attention = "full" if on_cpu else "chunked"
+        # Measured on an H200 (Qwen2.5-1.5B, 512 rows, 32 + 256 columns; docs/benchmarks.md,
+        # "Decode on an H200"): Pallas 5.98 ms per step, full read 7.25, chunked 8.97. TPUs
+        # have no Pallas decode read here yet, and the chunked loop did not pay on the GPU.
+        attention = "full" if on_cpu else ("pallas" if attention_lib.target_platform() == "gpu"
+                                          else "full")
     if attention == "pallas":
         if layout != "gpu":
             raise ValueError("rollout.decode_attention=pallas reads the 'gpu' cache layout; "

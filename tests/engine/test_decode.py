@@ -190,11 +190,13 @@ def test_options_resolve_per_platform():
 
     assert decode_options() == DecodeOptions("full", "cpu")
     with attention.compiling_for("gpu"):
+        # "auto" is the Pallas read on a GPU; the kernel cannot run on these CPU devices, so
+        # the chunked read stands in (a dry run for a GPU target).
         assert decode_options()[:2] == ("chunked", "gpu")
-        # The kernel cannot run on these CPU devices: the chunked read stands in.
         assert decode_options("pallas")[:2] == ("chunked", "gpu")
     with attention.compiling_for("tpu"):
-        assert decode_options("auto", "cpu")[:2] == ("chunked", "cpu")
+        assert decode_options("auto", "cpu")[:2] == ("full", "cpu")
+        assert decode_options()[:2] == ("full", "gpu")
     with pytest.raises(ValueError, match="kv_layout=gpu"):
         decode_options("pallas", "cpu")
     with pytest.raises(ValueError, match="rollout.decode_attention='paged'"):
