@@ -20,6 +20,7 @@ import jax
 import numpy as np
 from absl import logging
 
+from hfjax import model_source
 from hfjax.controller.batch import Batch
 from hfjax.controller.placement import resolve_placement
 from hfjax.data import arith, preferences
@@ -74,15 +75,19 @@ class RMTrainer:
             optimizer=make_optimizer(r.lr, weight_decay=r.weight_decay, grad_clip=r.grad_clip))
 
     def _initial_model(self):
+        """The model before training, its weights in `model.param_dtype` and its compute in
+        `model.dtype` resolved for this platform as an RL run resolves it (`auto`)."""
         c = self.cfg
+        compute = model_source.compute_dtype(c, jax.devices()[0].platform)
         if c.model.path:
             # A causal LM gives the trunk (its head starts fresh); a score model continues.
-            return load_model(c.model.path, head="score", dtype=c.model.dtype,
+            return load_model(c.model.path, head="score", dtype=compute,
+                              param_dtype=c.model.get("param_dtype", "float32"),
                               scan_layers=c.model.scan_layers,
                               remat_policy=c.model.remat_policy,
                               attention_impl=c.model.get("attention_impl", "auto"))
         mcfg = groups.scratch_model_config(c.model, self.tok.vocab_size, self.tok.pad_id,
-                                           self.tok.eos_id, sum(self.width))
+                                           self.tok.eos_id, sum(self.width), compute)
         return transformer.build(mcfg, "score", seed=c.seed)
 
     def _arrays(self, data: preferences.PreferenceData) -> Batch:

@@ -13,6 +13,7 @@
   finishes the step, saves and exits).
 - With `compilation_cache=True` the entry point gets `--compilation_cache_dir` (see
   `launch.compile_cache`); launch.train takes it from its config instead.
+- `HFJAX_SMOKE=1` shrinks the flags and config to a smoke run's sizes (`launch.smoke`).
 - With `config_default`, `--config` (an ml_collections config file flag, defined by the entry
   point with default None) gets that file when not given, and a missing file or an unknown
   `--config.a.b` key is one line too.
@@ -29,6 +30,8 @@ import sys
 from collections.abc import Callable
 
 from absl import app, flags, logging
+
+from launch import smoke
 
 FLAGS = flags.FLAGS
 _VERBOSE = flags.DEFINE_bool("verbose", False,
@@ -68,6 +71,8 @@ def run(main: Callable[[list[str]], None], entry: str, *, compilation_cache: boo
             if len(argv) > 1:
                 raise UserError(f"unexpected argument {argv[1]!r}: every setting is a flag, "
                                 "--name=value (see --helpshort)")
+            # HFJAX_SMOKE=1: the least work that runs the same code path (launch.smoke).
+            smoke.apply(entry, FLAGS)
             if compilation_cache:
                 from launch import compile_cache
 

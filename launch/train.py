@@ -4,7 +4,8 @@
     python -m launch.train --config=configs/grpo_arith.py
     python -m launch.train --config.placement=split --config.actor.mesh=fsdp=2,tensor=2
 
-Prints a progress bar, per-stage timings and tokens/s; the last stdout line is JSON with the
+Prints a progress bar (a plain line every tenth of the run or 30 s when stdout is not a
+terminal), per-stage timings and tokens/s; the last stdout line is JSON with the
 held-out accuracy before and after RL, the throughput, the wall time, the step reached, the step
 the run resumed from (null: a fresh start) and whether SIGTERM cut it short.
 
@@ -76,15 +77,28 @@ _STAGES = ("gen_greedy", "reward_greedy", "reward_greedy_model", "gen", "filter"
 
 
 class _Progress:
-    """A metrics sink for the console: the tqdm bar (step, reward, tokens/s) and the run's
-    throughput, counted over this process's RL steps after its first (which compiles)."""
+    """A metrics sink for the console: the progress (step, reward, tokens/s) and the run's
+    throughput, counted over this process's RL steps after its first (which compiles).
 
-    def __init__(self, total: int, desc: str, ckpt_dir: str):
+    On a terminal the progress is a tqdm bar. Written to a file or a pipe (a cluster job's
+    log) a bar's redraws would pile up as carriage returns, so there it is a plain line every
+    `total / PLAIN_LINES` steps, every PLAIN_EVERY_S seconds when steps are slower, and at the
+    last step."""
+
+    PLAIN_LINES = 10
+    PLAIN_EVERY_S = 30.0
+
+    def __init__(self, total: int, desc: str, ckpt_dir: str, stream=None):
         self.total, self.desc, self.ckpt_dir = total, desc, ckpt_dir
+        self.stream = stream or sys.stdout
         self.bar = None
         self.tokens = self.seconds = 0.0
         self.steps = 0
         self.last: dict = {}
+        isatty = getattr(self.stream, "isatty", None)
+        self.plain = not (isatty and isatty())
+        self.every = max(1, -(-total // self.PLAIN_LINES))
+        self.t0 = self.last_line = None
 
     def start(self, resumed_from):
         if resumed_from is not None:
@@ -93,11 +107,6 @@ class _Progress:
     def write(self, step, m):
         if "perf/total_num_tokens" not in m:  # step 0: warm start and validation only
             return
-        if self.bar is None:  # opened at the first RL step, after the warm start's lines
-            from tqdm import tqdm
-
-            self.bar = tqdm(total=self.total, initial=step - 1, desc=self.desc,
-                            file=sys.stdout, dynamic_ncols=True)
         if self.steps:
             self.tokens += m["perf/total_num_tokens"]
             self.seconds += m["timing_s/step"]
@@ -106,9 +115,30 @@ class _Progress:
                        f"{m['timing_s/compile']:.1f} s (compile_s/* in metrics.jsonl)")
         self.steps += 1
         self.last = dict(m)
+        if self.plain:
+            self._plain_line(step, m)
+            return
+        if self.bar is None:  # opened at the first RL step, after the warm start's lines
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=self.total, initial=step - 1, desc=self.desc,
+                            file=self.stream, dynamic_ncols=True)
         self.bar.set_postfix(reward=f"{m['critic/score/mean']:.2f}",
                              tok_s=f"{m['perf/throughput']:.0f}")
         self.bar.update(1)
+
+    def _plain_line(self, step, m):
+        now = time.perf_counter()
+        if self.t0 is None:
+            self.t0 = self.last_line = now - m.get("timing_s/step", 0.0)
+        due = (step % self.every == 0 or step >= self.total
+               or now - self.last_line >= self.PLAIN_EVERY_S)
+        if not due:
+            return
+        self.last_line = now
+        print(f"{self.desc}: step {step}/{self.total}, reward {m['critic/score/mean']:.2f}, "
+              f"{m['perf/throughput']:.0f} tok/s, {now - self.t0:.0f}s elapsed",
+              file=self.stream, flush=True)
 
     def print(self, line: str):
         if self.bar is not None:

@@ -73,6 +73,12 @@ TEST_OPTIONS: dict[str, dict] = {
     # Real multi-process training runs and whole-run compilations.
     "tests/test_trainer_processes.py": {"size": "large"},
     "tests/test_dry_run.py": {"size": "large"},
+    # A real training run writing its log to a file.
+    "tests/test_train_log.py": {"size": "large"},
+    # The smoke tier runs every command of README.md and docs/ (files outside the runfiles) in
+    # a scratch copy of the checkout: pytest runs it (-m smoke, .ci/run), Bazel only on request.
+    "tests/test_documented_commands.py": {"size": "enormous",
+                                          "tags": ["manual", "external", "local"]},
     # It reads the source tree (not the runfiles, which hold only declared files), so Bazel must
     # neither sandbox it nor cache its result, which depends on files it does not declare.
     "tests/test_bazel_build.py": {"tags": ["external", "local"]},

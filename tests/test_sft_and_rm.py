@@ -14,6 +14,7 @@ from support import subprocess_env, tiny_rl_config
 
 from hfjax.data import prepare
 from hfjax.models.hf_io import load_score
+from hfjax.rm import RMTrainer
 from hfjax.sft import SFTTrainer
 from hfjax.trainer import Trainer
 
@@ -80,3 +81,19 @@ def test_launch_train_rm_learns_held_out_pairs(tmp_path):
     assert summary["heldout_pairwise_accuracy_after"] > summary["heldout_pairwise_accuracy_before"]
     model = load_score(str(out / "hf"), what="cost_model.path")  # an RL run can load it
     assert type(model).__name__ == "ScoreModel"
+
+
+def test_reward_model_from_a_policy_resolves_the_compute_dtype(tmp_path):
+    """model.dtype is the compute dtype (`auto` resolved as an RL run resolves it), never the
+    parameters': a reward model started from an SFT policy keeps model.param_dtype weights."""
+    prepare.prepare("arith_prefs", 32, 8, tmp_path / "prefs", seed=0,
+                    config={"max_b": 9, "pairs_per_prompt": 1})
+    policy = SFTTrainer(sft_config()).save(str(tmp_path / "sft" / "hf"))
+    for dtype, want in (("auto", "float32"), ("bfloat16", "bfloat16")):
+        cfg = sft_config()
+        cfg.model.path, cfg.model.dtype = policy, dtype
+        cfg.rm.train_files = str(tmp_path / "prefs" / "train.parquet")
+        cfg.rm.steps, cfg.rm.batch_size, cfg.rm.micro_batch_size = 1, 8, 8
+        group = RMTrainer(cfg).group
+        assert group.config.dtype == want  # a tiny model on CPU: auto is float32
+        assert {str(x.dtype) for x in jax.tree.leaves(group.params)} == {"float32"}

