@@ -45,6 +45,8 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 from absl import app, flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
+from launch import smoke  # noqa: E402
+
 _CONFIG = config_flags.DEFINE_config_file(
     "config", os.path.join(os.path.dirname(__file__), "..", "configs", "grpo_arith.py"),
     "the run config (GRPO on the arithmetic task); --config.KEY=VALUE overrides any key after "
@@ -175,6 +177,8 @@ def main(argv: list[str]) -> None:
     from launch import compile_cache
 
     compile_cache.enable(FLAGS.compilation_cache_dir)
+    # Smoke mode (HFJAX_SMOKE=1, launch/smoke.py) runs the tiny shape.
+    FLAGS.tiny = FLAGS.tiny or smoke.enabled()
     cfg = configure(_CONFIG.value, FLAGS.tiny)
     dev = jax.devices()[0]
     t_start = time.perf_counter()

@@ -56,6 +56,16 @@ EXCLUDED: dict[str, str] = {
         "algorithm, with the config keys it needs; tests/algorithms/test_algorithms.py runs the "
         "example module (tests/algorithms/user_algo_module.py) through a Trainer",
     "python -m launch.train --config.algorithm=path/to/my_algo.py:step": "as above",
+    'pip install -e ".[cuda]"': "installs jax's CUDA plugin (for NVIDIA GPUs); CI has no GPU",
+    'pip install -e ".[tpu]"': "installs libtpu (for Cloud TPU VMs); CI has no TPU",
+    "python -m bench.attention --impls=dense,xla,cudnn,blockwise --rows=4 --width=4096":
+        "a GPU comparison at GPU sizes; the same entry point at a CPU size runs below",
+    "python -m bench.decode_step --model=preset:qwen2.5-1.5b --rows=512 --prompt=256 --new=256 "
+    "--variants=full/cpu,full/gpu,chunked/gpu,pallas/gpu --nonaive": "a GPU comparison at the "
+        "GRPO shape (a 1.5B model at 512 rows); `bench.decode_profile --preset=tiny` runs the "
+        "same variants below",
+    "python -m bench.decode_profile": "the GPU measurement (a 1.5B model at 512 rows); its "
+        "tiny form runs below",
 }
 
 # Placeholders in documented commands -> what the smoke tier runs instead. "{scratch}" is the

@@ -8,19 +8,22 @@ compiled for (`target_platform`: the devices' backend, or the target a dry run c
 - "dense": the batched-matmul path (`attend`; causal rows by query blocks, `dense_attention`)
   that materialises float32 scores per query block. "auto" on CPU: tuned there.
 - "cudnn": `jax.nn.dot_product_attention(implementation="cudnn")`, cuDNN's fused flash
-  attention. "auto" on GPU for bfloat16 / float16 and head dims cuDNN takes (a multiple of 8,
-  at most 256). Padding is expressed with linear memory: each row is rolled so that its real
-  tokens start at column 0 (RoPE is already applied, so rolling q, k and v is exact), then
-  attended with a causal mask and per-row sequence lengths, and the output rolled back.
-  That needs each row's real tokens to be one contiguous run, which hfjax's rows are (a
-  left-padded prompt followed by a right-padded response).
+  attention, for bfloat16 / float16 and head dims cuDNN takes (a multiple of 8, at most 256);
+  opt-in (`model.attention_impl=cudnn`): on an H200 its programs did not finish compiling
+  within 40 s at 16 rows x 2048 columns, so "auto" on GPUs is "blockwise". Padding is
+  expressed with linear memory: each row is rolled so that its real tokens start at column 0
+  (RoPE is already applied, so rolling q, k and v is exact), then attended with a causal mask
+  and per-row sequence lengths, and the output rolled back. That needs each row's real tokens
+  to be one contiguous run, which hfjax's rows are (a left-padded prompt followed by a
+  right-padded response).
 - "xla": the same formulation through `implementation="xla"`: XLA's own lowering (it forms
   the [T, S] mask and scores, so it is no lighter than "dense"), which runs on CPU and is what
   the tests compare the cuDNN formulation against.
 - "splash": the TPU Pallas splash attention kernel, with padding as segment ids. "auto" on TPU
   when the kernel imports and the shapes suit it (columns a multiple of 128).
 - "blockwise": `hfjax.models.blockwise`, flash-style attention in plain JAX with a written-out
-  backward pass; memory linear in the row's width on any backend. The fallback wherever the
+  backward pass; memory linear in the row's width on any backend. "auto" on GPUs (measured
+  there: the GRPO update of Qwen2.5-1.5B at 39% MFU, the default job). The fallback wherever the
   fused kernels cannot take a case (float32, odd head dims, a KV cache with an offset), and
   the stand-in for cuDNN / splash when a dry run compiles on CPU for a GPU or TPU target.
 
@@ -126,7 +129,10 @@ def resolve(impl: str, dtype, head_dim: int) -> str:
         raise ValueError(f"model.attention_impl={impl!r}; choose one of {IMPLEMENTATIONS}")
     target = target_platform()
     if impl == "auto":
-        impl = {"cpu": "dense", "gpu": "cudnn", "tpu": "splash"}.get(target, "dense")
+        # GPUs: blockwise, measured on an H200 (the GRPO update at 39% MFU, the default job);
+        # "cudnn" is opt-in: there its programs did not finish compiling within 40 s at
+        # 16 x 2048 columns (docs/benchmarks.md, "Decode on an H200").
+        impl = {"cpu": "dense", "gpu": "blockwise", "tpu": "splash"}.get(target, "dense")
     if impl == "cudnn":
         why = cudnn_takes(dtype, head_dim)
         if why is None and device_platform() != "gpu":
