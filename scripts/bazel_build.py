@@ -82,6 +82,9 @@ TEST_OPTIONS: dict[str, dict] = {
     # It reads the source tree (not the runfiles, which hold only declared files), so Bazel must
     # neither sandbox it nor cache its result, which depends on files it does not declare.
     "tests/test_bazel_build.py": {"tags": ["external", "local"]},
+    # These read the checkout beside the runfiles (bench/ as a process; docs/scaling.md's table).
+    "tests/test_bench_accelerator.py": {"size": "large", "tags": ["external", "local"]},
+    "tests/planner/test_search.py": {"tags": ["external", "local"]},
 }
 
 HEADER = (

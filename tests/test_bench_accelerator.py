@@ -10,7 +10,9 @@ import sys
 import pytest
 from support import subprocess_env
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The checkout itself (realpath: under Bazel this file is a link in the runfiles, which hold
+# no bench/).
+ROOT = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
 POSITIVE = ("decode_ms_per_step", "decode_bound_ms", "matmul_peak_flops", "rollout_tokens_per_s",
             "update_mfu", "ref_mfu", "dry_run_peak_bytes", "step_s", "gen_s", "update_actor_s")
 

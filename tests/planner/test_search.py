@@ -321,7 +321,9 @@ def _doc_table():
 
     names = {"Llama-2 7B": "llama2-7b", "Llama-2 13B": "llama2-13b",
              "Code Llama 34B": "codellama-34b"}
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    # The checkout (realpath: under Bazel this file is a link in the runfiles, which hold no
+    # docs/).
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(__file__))))
     with open(os.path.join(root, "docs", "scaling.md")) as f:
         text = f.read()
     table = text[text.index("### The paper's findings"):text.index("### Example plans")]
