@@ -183,7 +183,7 @@ def fuse_projections() -> bool:
     here, the loop runs the merged matmuls on weights that are already whole. On a tensor
     axis the concatenation would have to move shards between devices, and on CPU the separate
     matmuls are what XLA:CPU runs well, so both keep the separate weights."""
-    if jax.default_backend() == "cpu":
+    if attention_lib.target_platform() == "cpu":
         return False
     layout = shd.active_layout()
     return layout is None or layout.mesh.shape.get("tensor", 1) == 1

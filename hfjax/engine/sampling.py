@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from hfjax.models import attention as attention_lib
 from hfjax.parallel import sharding as shd
 
 # --------------------------------------------------------------------------------------------
@@ -134,6 +135,11 @@ class Knobs(NamedTuple):
     pad_id: jax.Array
 
 
+def last_with_mass(probs: jax.Array) -> jax.Array:
+    """Per row of probs [R, V], the last index whose probability is above 0 (int32 [R])."""
+    return probs.shape[-1] - 1 - jnp.argmax(probs[:, ::-1] > 0, axis=-1).astype(jnp.int32)
+
+
 def inverse_cdf(probs: jax.Array, u: jax.Array) -> jax.Array:
     """Index drawn from each row of `probs` [R, V] with one uniform u [R] per row.
 
@@ -144,8 +150,7 @@ def inverse_cdf(probs: jax.Array, u: jax.Array) -> jax.Array:
     target = u * cdf[:, -1]
     choice = jnp.sum(cdf <= target[:, None], axis=-1, dtype=jnp.int32)
     # u * total can round up to total itself; the last index with mass is then the right answer.
-    last = probs.shape[-1] - 1 - jnp.argmax(probs[:, ::-1] > 0, axis=-1).astype(jnp.int32)
-    return jnp.minimum(choice, last)
+    return jnp.minimum(choice, last_with_mass(probs))
 
 
 CDF_BLOCK = 1024
@@ -166,14 +171,13 @@ def blocked_inverse_cdf(probs: jax.Array, u: jax.Array, block: int = CDF_BLOCK) 
     # The block holding the draw; rounding can put `target` at the total, past the last block
     # with mass, which then holds it.
     j = jnp.sum(mass <= target[:, None], axis=-1, dtype=jnp.int32)
-    j = jnp.minimum(j, nb - 1 - jnp.argmax(per_block[:, ::-1] > 0, axis=-1).astype(jnp.int32))
+    j = jnp.minimum(j, last_with_mass(per_block))
     inside = jnp.take_along_axis(blocks, j[:, None, None], axis=1)[:, 0]  # [R, block]
     before = jnp.where(j > 0, jnp.take_along_axis(mass, jnp.maximum(j - 1, 0)[:, None],
                                                   axis=-1)[:, 0], 0.0)
     cdf = before[:, None] + jnp.cumsum(inside, axis=-1)
     k = jnp.sum(cdf <= target[:, None], axis=-1, dtype=jnp.int32)
-    last = block - 1 - jnp.argmax(inside[:, ::-1] > 0, axis=-1).astype(jnp.int32)
-    return j * block + jnp.minimum(k, last)
+    return j * block + jnp.minimum(k, last_with_mass(inside))
 
 
 def top_p_threshold(probs: jax.Array, top_p: jax.Array) -> jax.Array:
@@ -237,7 +241,7 @@ def select_tokens(
     logp = jax.nn.log_softmax(vals, axis=-1)
     u = jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(keys)
     # The vocabulary-wide cumulative sum is cheap on CPU and a slow pass on accelerators.
-    draw = inverse_cdf if jax.default_backend() == "cpu" else blocked_inverse_cdf
+    draw = inverse_cdf if attention_lib.target_platform() == "cpu" else blocked_inverse_cdf
     choice = draw(jnp.exp(logp), u)
     lp = jnp.take_along_axis(logp, choice[:, None], axis=-1)[:, 0]
     tok = choice if idx is None else jnp.take_along_axis(idx, choice[:, None], axis=-1)[:, 0]

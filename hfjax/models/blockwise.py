@@ -86,6 +86,13 @@ def _key_blocks(causal: bool, i, offset, bq: int, bk: int, nk: int):
     return jnp.clip(last // bk + 1, 0, nk)
 
 
+def _key_block(kh, vh, valid, qs, ks, offset, causal, i, j, bq, bk):
+    """Key block j's keys and values and the mask of query block i over it."""
+    kb = jax.lax.dynamic_slice_in_dim(kh, j * bk, bk, axis=2)
+    vb = jax.lax.dynamic_slice_in_dim(vh, j * bk, bk, axis=2)
+    return kb, vb, _block_mask(valid, qs, ks, offset, causal, i, j, bq, bk)
+
+
 def _block_mask(valid, qs, ks, offset, causal, i, j, bq, bk):
     """[B, 1, 1, bq, bk] mask of query block i against key block j."""
     kv = jax.lax.dynamic_slice_in_dim(valid, j * bk, bk, axis=1)
@@ -117,9 +124,7 @@ def _forward(qh, kh, vh, valid, qs, ks, offset, causal, bq, bk):
 
         def k_step(j, acc):
             top, total, o = acc
-            kb = jax.lax.dynamic_slice_in_dim(kh, j * bk, bk, axis=2)
-            vb = jax.lax.dynamic_slice_in_dim(vh, j * bk, bk, axis=2)
-            m = _block_mask(valid, qs, ks, offset, causal, i, j, bq, bk)
+            kb, vb, m = _key_block(kh, vh, valid, qs, ks, offset, causal, i, j, bq, bk)
             s = jnp.where(m, _scores(qb, kb, scale), neg)
             new_top = jnp.maximum(top, jnp.max(s, axis=-1))
             p = jnp.where(m, jnp.exp(s - new_top[..., None]), 0.0)
@@ -171,9 +176,7 @@ def _flash_bwd(causal, bq, bk, res, g):
 
         def k_step(j, acc):
             dqb, dk, dv = acc
-            kb = jax.lax.dynamic_slice_in_dim(kh, j * bk, bk, axis=2)
-            vb = jax.lax.dynamic_slice_in_dim(vh, j * bk, bk, axis=2)
-            m = _block_mask(valid, qs, ks, offset, causal, i, j, bq, bk)
+            kb, vb, m = _key_block(kh, vh, valid, qs, ks, offset, causal, i, j, bq, bk)
             p = jnp.where(m, jnp.exp(_scores(qb, kb, scale) - lb[..., None]), 0.0)
             dp = jnp.einsum("bkgqh,bksh->bkgqs", gb, vb, preferred_element_type=f32)
             ds = (p * (dp - db[..., None]) * scale).astype(qh.dtype)
