@@ -17,13 +17,13 @@ loop). Figures are medians over the measured steps:
   head over the rows, per device) over the peak bf16 matmul FLOP/s measured in this run
   (`matmul_peak_flops`: the best of a few large square bf16 matmuls on one device);
 - `rollout_tokens_per_s`: rows x new tokens over the generation stage's time;
-- `update_mfu`, `ref_mfu`: `hfjax.mfu` (6N + attention per trained token, 2N + attention per
+- `update_mfu`, `ref_mfu`: `hfjax.run.mfu` (6N + attention per trained token, 2N + attention per
   scored token) over the stage times and the device kind's peak (`targets.peak_flops`), or the
   measured matmul peak where the kind has none (CPU); `mfu_peak` says which;
 - `hf_generate_ratio`: hfjax's rollout tokens/s over HF `generate` (random-weight Qwen2 from
   `transformers.Qwen2Config` with the model's sizes, bf16, sampling the same rows x new tokens
   from the same prompt length); null unless torch with CUDA is importable;
-- `dry_run_peak_bytes`: `hfjax.dry_run` at the same config on these devices (abstract shapes);
+- `dry_run_peak_bytes`: `hfjax.run.dry_run` at the same config on these devices (abstract shapes);
   `measured_peak_bytes`: `memory_stats()["peak_bytes_in_use"]` of device 0 after the steps
   (null on CPU).
 
@@ -171,9 +171,9 @@ def main(argv: list[str]) -> None:
     del argv
     import jax
 
-    from hfjax import mfu
     from hfjax.parallel import targets
-    from hfjax.trainer import Trainer
+    from hfjax.run import mfu
+    from hfjax.run.trainer import Trainer
     from launch import compile_cache
 
     compile_cache.enable(FLAGS.compilation_cache_dir)
@@ -185,7 +185,7 @@ def main(argv: list[str]) -> None:
 
     dry_peak = None
     if FLAGS.dry_run:
-        from hfjax.dry_run import dry_run
+        from hfjax.run.dry_run import dry_run
 
         dry_peak = dry_run(cfg).peak_bytes_per_device
 

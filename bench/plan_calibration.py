@@ -12,7 +12,7 @@ Usage: python bench/plan_calibration.py [--steps=5] [--reps=5] [--runs=default,w
    each; per stage the median of the steps after the first (which compiles).
 3. **FLOPs, compiled**: a cost source that replaces the closed forms' FLOPs and HBM bytes of
    scoring and training calls with XLA's `cost_analysis()` of the same programs compiled for
-   one device's rows (`CompiledFlops`, a `CostSource` plugged in as `Simulator(costs=...)`).
+   one device's rows (`CompiledFlops`, a `PriceSource` plugged in as `Simulator(costs=...)`).
 4. **Fit**: per stage kind, measured seconds = calls x overhead + ideal seconds / efficiency,
    where ideal seconds is the simulator's time at efficiency 1 and zero overhead from the
    measured device figures and compiled FLOPs; least squares over the runs. Then each run is
@@ -53,7 +53,7 @@ from hfjax.parallel.mesh import MeshSpec  # noqa: E402
 from hfjax.parallel.targets import Target  # noqa: E402
 from hfjax.planner import search  # noqa: E402
 from hfjax.planner.config import plan_inputs  # noqa: E402
-from hfjax.planner.pricing import Call, CallCost, ClosedFormCosts, MeshLayout  # noqa: E402
+from hfjax.planner.pricing import Call, CallPrice, ClosedFormPrices, MeshLayout  # noqa: E402
 from hfjax.planner.simulator import Cluster, Efficiency, Simulator  # noqa: E402
 
 _STEPS = flags.DEFINE_integer("steps", 5, "RL steps per run (the first compiles and is dropped)")
@@ -146,14 +146,14 @@ def measure_run(run: str, steps: int) -> dict[str, float]:
 # -- 3. compiled FLOPs ---------------------------------------------------------------------------
 
 
-class CompiledFlops(ClosedFormCosts):
+class CompiledFlops(ClosedFormPrices):
     """Closed forms, with FLOPs and HBM bytes of scoring and training calls taken from XLA's
     cost analysis of the programs compiled for one device's rows."""
 
     def __init__(self):
         self._cache: dict = {}
 
-    def call(self, model, layout: MeshLayout, call: Call) -> CallCost:
+    def call(self, model, layout: MeshLayout, call: Call) -> CallPrice:
         base = super().call(model, layout, call)
         if call.kind not in ("forward", "train") or layout.tensor != 1:
             return base
@@ -163,7 +163,7 @@ class CompiledFlops(ClosedFormCosts):
             self._cache[key] = _compiled(model, call.kind, rows, call.seq, call.scored)
         flops, nbytes = self._cache[key]
         n = (call.rows // call.micro) if call.kind == "train" and call.micro else 1
-        return CallCost(n * flops, n * nbytes, base.extra_bytes)
+        return CallPrice(n * flops, n * nbytes, base.extra_bytes)
 
 
 def _compiled(model, kind: str, rows: int, seq: int, scored: int) -> tuple[float, float]:
@@ -301,7 +301,7 @@ def main(argv):
           f"{figures['memory_bandwidth'] / 1e9:.2f} GB/s, all-gather "
           f"{figures['gather_bandwidth'] / 1e9:.2f} GB/s received")
     costs = CompiledFlops()
-    closed = ClosedFormCosts("cpu")
+    closed = ClosedFormPrices("cpu")
     ideal = {}
     for run in _RUNS.value:
         ideal[run] = ideal_stage_times(run, cluster, costs)

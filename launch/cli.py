@@ -110,7 +110,7 @@ def is_user_error(err: BaseException) -> bool:
     # The library's errors for a damaged checkpoint and a refused non-finite update; looked up
     # only once loaded, so that this module never imports JAX.
     kinds = tuple(getattr(sys.modules.get(mod), name, None) for mod, name in (
-        ("hfjax.checkpoint", "CheckpointCorrupt"), ("hfjax.health", "NonFiniteError")))
+        ("hfjax.run.checkpoint", "CheckpointCorrupt"), ("hfjax.run.health", "NonFiniteError")))
     kinds = tuple(k for k in kinds if k is not None)
     return bool(kinds) and isinstance(err, kinds)
 
@@ -263,17 +263,17 @@ def rounded(x: float | None, digits: int = 4) -> float | None:
 
 def start_run(entry: str, cfg, *, before_jax: Callable[[], None] | None = None):
     """The start every training entry point shares, in this order: its flags and its config
-    checked (`hfjax.run_config`: one line for any bad setting, before JAX starts or anything is
+    checked (`hfjax.config`: one line for any bad setting, before JAX starts or anything is
     written); `before_jax()` if given (launch.train's dry run exits there); the compilation
     cache (`trainer.compilation_cache_dir`); this process's devices and, on several hosts, the
     jax.distributed join; the config's meshes against the devices of all processes. Returns
     the topology (`hfjax.parallel.distributed.Topology`)."""
-    from hfjax import run_config
+    from hfjax.config import FLAG_KEYS, check_config, check_flags
     from hfjax.parallel import distributed
     from launch import compile_cache
 
-    run_config.check_flags(entry, {k: FLAGS[k].value for k in run_config.FLAG_KEYS[entry]})
-    run_config.check_config(cfg)
+    check_flags(entry, {k: FLAGS[k].value for k in FLAG_KEYS[entry]})
+    check_config(cfg)
     if before_jax is not None:
         before_jax()
     compile_cache.enable(cfg.trainer.compilation_cache_dir, "trainer.compilation_cache_dir")

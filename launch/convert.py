@@ -18,10 +18,10 @@ _DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "weights
 
 def main(argv):
     del argv
-    from hfjax import run_config
+    from hfjax.config import FLAG_KEYS, check_flags
 
-    run_config.check_flags("convert", {k: flags.FLAGS[k].value
-                                       for k in run_config.FLAG_KEYS["convert"]})
+    check_flags("convert", {k: flags.FLAGS[k].value
+                                       for k in FLAG_KEYS["convert"]})
     import hfjax.models as M
 
     model = M.load(_SRC.value, dtype=_DTYPE.value)

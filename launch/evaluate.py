@@ -30,9 +30,10 @@ import time
 
 from absl import flags
 
-from hfjax.checkpoint import export_hf, is_run
+from hfjax.config.run_dir import is_run
 from hfjax.parallel import distributed
-from hfjax.validation import evaluate_policy
+from hfjax.run.checkpoint import export_hf
+from hfjax.run.validation import evaluate_policy
 from launch import cli
 
 DEFAULT_CONFIG, _CONFIG = cli.define_run_flags("ppo_arith.py")
@@ -75,8 +76,8 @@ def main(argv):
             # The run's actor as an HF directory with the run's tokenizer: one loading path.
             cfg.model.path = export_hf(model, os.path.join(tmp, "hf"), _STEP.value)
             cfg.model.tokenizer = ""
+        from hfjax.config.model_source import task_tokenizer
         from hfjax.data.dataset import task_dataset
-        from hfjax.model_source import task_tokenizer
 
         tok = task_tokenizer(cfg)
         rows = task_dataset(cfg, tok, "test").rows

@@ -29,12 +29,12 @@ distributed.define_flags()
 
 def main(argv):
     del argv
-    from hfjax import run_config
+    from hfjax.config import FLAG_KEYS, check_flags
 
-    run_config.check_flags("export", {k: flags.FLAGS[k].value
-                                      for k in run_config.FLAG_KEYS["export"]})
+    check_flags("export", {k: flags.FLAGS[k].value
+                                      for k in FLAG_KEYS["export"]})
     topo = distributed.initialize_from_flags()
-    from hfjax.checkpoint import export_hf
+    from hfjax.run.checkpoint import export_hf
 
     out = export_hf(_CKPT.value, _OUT.value, _STEP.value, _TOKENIZER.value)
     if topo.process_id == 0:

@@ -31,10 +31,10 @@ _CONFIG = flags.DEFINE_string(
 
 def main(argv):
     del argv
-    from hfjax import run_config
+    from hfjax.config import FLAG_KEYS, check_flags
 
-    run_config.check_flags("prepare_data", {k: flags.FLAGS[k].value
-                                            for k in run_config.FLAG_KEYS["prepare_data"]})
+    check_flags("prepare_data", {k: flags.FLAGS[k].value
+                                            for k in FLAG_KEYS["prepare_data"]})
     config = json.loads(_CONFIG.value)
     paths = prepare.prepare(_TASK.value, _N_TRAIN.value, _N_TEST.value, _OUT.value,
                             seed=_SEED.value, config=config)

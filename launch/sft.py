@@ -28,7 +28,7 @@ def main(argv):
     cli.start_run("sft", cfg)
     import jax
 
-    from hfjax.sft import SFTTrainer
+    from hfjax.run.sft import SFTTrainer
 
     t0 = time.perf_counter()
     trainer = SFTTrainer(cfg)  # a bad setting or file is one line (launch.cli)

@@ -19,7 +19,7 @@ default; `disable` starts fresh; a path resumes from that checkpoint). On SIGTER
 (SIGINT) the run finishes its current step, saves a checkpoint and exits (status 0 after SIGTERM,
 130 after Ctrl-C); a second signal ends it at once.
 
-Every setting is checked before anything is built or written (`hfjax.run_config`); a bad one,
+Every setting is checked before anything is built or written (`hfjax.config`); a bad one,
 like any other mistake, ends the run with one line naming it (`launch.cli`; `--verbose` for
 tracebacks).
 """
@@ -31,20 +31,14 @@ import sys
 import time
 
 from absl import flags, logging
-from ml_collections import config_flags
 
+from hfjax.config.validators import parse_sink_names
 from hfjax.parallel import distributed, targets
 from launch import cli
 
-DEFAULT_CONFIG = os.path.normpath(os.path.join(os.path.relpath(os.path.dirname(os.path.dirname(
-    os.path.abspath(__file__)))), "configs", "ppo_arith.py"))
-# No default here: cli.run supplies DEFAULT_CONFIG, so that the file is read when the flags are
-# parsed (where a bad file or override is one line) rather than when this module is imported.
-_CONFIG = config_flags.DEFINE_config_file(
-    "config", None, f"configuration file (configs/*.py; default {DEFAULT_CONFIG})")
-# --cpu_devices and the process flags (--coordinator_address, --num_processes, --process_id and
-# the timeouts) are shared by every entry point that can run on several hosts.
-distributed.define_flags()
+# --config, and the process flags (--cpu_devices, --coordinator_address, --num_processes,
+# --process_id and the timeouts) shared by every entry point that can run on several hosts.
+DEFAULT_CONFIG, _CONFIG = cli.define_run_flags("ppo_arith.py")
 _DRY_RUN = flags.DEFINE_bool(
     "dry_run", False,
     "build every program of the configured run from abstract shapes, compile each ahead of "
@@ -160,7 +154,7 @@ def _memory_limit(target) -> int | None:
 
 
 def _target():
-    # The name was checked with the other flags (hfjax.run_config.FLAG_KEYS["train"]).
+    # The name was checked with the other flags (hfjax.config.FLAG_KEYS["train"]).
     return targets.get_target(_TARGET.value) if _TARGET.value else None
 
 
@@ -180,7 +174,7 @@ def dry_run_main() -> int:
     jax.config.update("jax_platforms", "cpu")
     topo = distributed.initialize(distributed.Settings("single process", cpu_devices=n))
     distributed.check_config_meshes(_CONFIG.value, topo)
-    from hfjax.dry_run import dry_run
+    from hfjax.run.dry_run import dry_run
 
     cfg = _CONFIG.value
     limit = _memory_limit(target)
@@ -222,7 +216,7 @@ def _memory_check(cfg, say) -> None:
         limit = stats.get("bytes_limit")
     if not _MEMORY_CHECK.value or limit is None:
         return
-    from hfjax.dry_run import dry_run
+    from hfjax.run.dry_run import dry_run
 
     report = dry_run(cfg, device_memory_bytes=int(limit),
                      target=target.name if target else None)
@@ -252,9 +246,10 @@ def main(argv):
 
     topo = cli.start_run("train", cfg, before_jax=dry_run)
 
-    from hfjax import metrics
-    from hfjax.checkpoint import RunCheckpointer
-    from hfjax.trainer import Trainer, check_resume, config_json
+    from hfjax.run import metrics
+    from hfjax.run.checkpoint import RunCheckpointer
+    from hfjax.run.resume import check_resume, config_json
+    from hfjax.run.trainer import Trainer
 
     t_start = time.perf_counter()
     stop = _StopRequest()
@@ -272,7 +267,7 @@ def main(argv):
     # they all take the same answer.)
     exists = distributed.any_process(os.path.isdir(ckpt_dir))
     existing = RunCheckpointer(ckpt_dir, read_only=True) if exists else None
-    if check_resume(cfg, existing, t.resume) and "jsonl" in metrics.parse_sink_names(t.logger):
+    if check_resume(cfg, existing, t.resume) and "jsonl" in parse_sink_names(t.logger):
         metrics.read_jsonl(os.path.join(t.out_dir, metrics.JSONL_NAME))
     _memory_check(cfg, say)
     trainer = Trainer(cfg)  # checks devices, data and rewards; builds, writes nothing

@@ -25,7 +25,7 @@ def main(argv):
     cfg = _CONFIG.value
     cli.start_run("train_rm", cfg)
 
-    from hfjax.rm import RMTrainer
+    from hfjax.run.rm import RMTrainer
 
     t0 = time.perf_counter()
     trainer = RMTrainer(cfg)  # a bad setting or file is one line (launch.cli)

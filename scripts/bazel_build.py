@@ -11,7 +11,7 @@ module moves. This script derives them from the code:
 - hfjax/, configs/: a py_library per Python package (a glob of its modules) that depends on every
   first-party package its modules import. A package with subpackages splits its __init__.py off
   as `:init`, which the subpackages need without also pulling in the parent's other modules
-  (hfjax/trainer.py imports every subpackage).
+  (hfjax/run/trainer.py imports every subpackage).
 - Packages that import each other share one py_library, declared in the BUILD file of their
   closest common ancestor, but only while they are listed in KNOWN_CYCLES: any other cycle is an
   error that names the imports forming it.
@@ -66,15 +66,15 @@ TEST_OPTIONS: dict[str, dict] = {
     # Two GRPO steps of SmolLM2-135M's real weights.
     "tests/test_smollm2_grpo.py": {"size": "large"},
     # One module fixture saves the checkpoint that most of its tests restore: not sharded.
-    "tests/test_checkpoint.py": {"size": "large"},
+    "tests/run/test_checkpoint.py": {"size": "large"},
     # One module fixture runs the uninterrupted job that its tests compare with: not sharded.
-    "tests/test_resume.py": {"size": "large"},
-    "tests/test_rl_loop.py": {"size": "large", "shard_count": 2},
+    "tests/run/test_resume.py": {"size": "large"},
+    "tests/run/test_rl_loop.py": {"size": "large", "shard_count": 2},
     # Real multi-process training runs and whole-run compilations.
-    "tests/test_trainer_processes.py": {"size": "large"},
-    "tests/test_dry_run.py": {"size": "large"},
+    "tests/run/test_trainer_processes.py": {"size": "large"},
+    "tests/run/test_dry_run.py": {"size": "large"},
     # A real training run writing its log to a file.
-    "tests/test_train_log.py": {"size": "large"},
+    "tests/run/test_train_log.py": {"size": "large"},
     # The smoke tier runs every command of README.md and docs/ (files outside the runfiles) in
     # a scratch copy of the checkout: pytest runs it (-m smoke, .ci/run), Bazel only on request.
     "tests/test_documented_commands.py": {"size": "enormous",
@@ -202,7 +202,7 @@ class Sources:
                 if top in local:
                     add(module, node, True)
                 elif top in self.tops:
-                    # `from hfjax import metrics` imports the module hfjax.metrics;
+                    # `from hfjax.run import metrics` imports the module hfjax.run.metrics;
                     # `from hfjax.engine import Sampler` imports the package hfjax.engine.
                     subs = [f"{module}.{a.name}" for a in node.names]
                     found = [s for s in subs if self.exists(s)]

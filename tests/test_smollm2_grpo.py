@@ -9,7 +9,7 @@ import pytest
 from configs import grpo_smollm2_arith
 from configs.last_number_reward import last_number
 from hfjax.data import prepare
-from hfjax.trainer import Trainer
+from hfjax.run.trainer import Trainer
 
 
 def test_the_reward_reads_the_final_number():

@@ -34,13 +34,13 @@ MODES: tuple[str, ...] = ("colocate", "split", "standalone")
 # generating side (the actor and the models that read its samples token by token, like the
 # reference) on one half of the devices and the scoring side (critics, reward and cost models)
 # on the other. The built-in roles are registered below; an algorithm with a role of its own
-# registers it (`register_role`, or `hfjax.workers.groups.register_role` with its builder) and
+# registers it (`place_role`, or `hfjax.workers.groups.register_role` with its builder) and
 # it places like these.
 SIDES: tuple[str, ...] = ("generate", "score")
 _ROLE_SIDES: dict[str, str] = {}
 
 
-def register_role(name: str, side: str = "score") -> None:
+def place_role(name: str, side: str = "score") -> None:
     """Makes `name` a role that placements accept, on `side` ("generate" or "score") of a
     `split` placement. Registering a known role again with the same side is a no-op."""
     if not isinstance(name, str) or not name.isidentifier():
@@ -59,12 +59,12 @@ def known_roles() -> tuple[str, ...]:
 
 
 for _role in ("actor", "ref"):
-    register_role(_role, "generate")
+    place_role(_role, "generate")
 
 # Names a placement accepts for a role they stand for, in that role's pool only.
 ROLE_ALIASES = {"rollout": "actor"}
 for _role in ("critic", "reward", "reward_model", "cost_model", "cost_critic"):
-    register_role(_role, "score")
+    place_role(_role, "score")
 
 
 def _split_groups() -> tuple[tuple[str, tuple[str, ...]], ...]:

@@ -80,9 +80,9 @@ from absl import logging
 from flax import nnx
 
 from hfjax.engine.sampler import Sampler, bucket_size, prompt_bucket
-from hfjax.engine.sampling import GenerateOutput, Knobs, SamplingParams
 from hfjax.engine.slots import Plan, run_shardings
 from hfjax.engine.slots import run as run_program
+from hfjax.engine.token_select import GenerateOutput, Knobs, SamplingParams
 from hfjax.parallel import mesh as mesh_lib
 from hfjax.parallel import sharding as sharding_lib
 

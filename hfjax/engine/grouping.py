@@ -28,8 +28,8 @@ a cut's program varies with its prompt and compact widths only.
 The grouping is decided on the host from the sequences' lengths (one [2, B] int fetch per
 batch), and each distinct micro-batch shape is its own compiled program: where the packed
 layout (`hfjax.engine.packing`) keeps one program whatever the lengths, grouping keeps dense
-causal attention on narrower rows. The dry run (`hfjax.dry_run`) sizes a full-width micro-batch's
-programs, whose memory bounds every cut's.
+causal attention on narrower rows. The dry run (`hfjax.run.dry_run`) sizes a full-width
+micro-batch's programs, whose memory bounds every cut's.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ use depends on the lengths and is decided on device, so the micro-batch loop is 
 `lax.while_loop` with that trip count. No length goes to the host and the program compiles once
 per (batch, S) shape.
 
-**Placement.** Sequences are placed first-fit in decreasing length order (`plan`), computed on
+**Packing.** Sequences are placed first-fit in decreasing length order (`plan`), computed on
 device by a scan over the sequences; the rows a placement uses are a prefix of the buffer, and
 micro-batch i is rows [i*G, (i+1)*G), split over the data-parallel devices like any batch.
 
@@ -83,7 +83,7 @@ def pack_shape(n_seqs: int, span: int, budget: int, dp: int, who: str = "packing
     return PackShape(width=width, rows=dp, micro=max(1, math.ceil(rows_needed / dp)), span=span)
 
 
-class Placement(NamedTuple):
+class Packing(NamedTuple):
     """Where each sequence of a batch goes (device arrays)."""
 
     row: jax.Array  # [B] packed row
@@ -91,7 +91,7 @@ class Placement(NamedTuple):
     n_micro: jax.Array  # scalar: micro-batches in use
 
 
-def plan(attention_mask: jax.Array, shape: PackShape) -> Placement:
+def plan(attention_mask: jax.Array, shape: PackShape) -> Packing:
     """First-fit decreasing placement of the sequences' real tokens (`attention_mask` [B, L])
     into rows of `shape.width` columns; runs on device."""
     lengths = jnp.sum(attention_mask.astype(jnp.int32), axis=1)
@@ -106,7 +106,7 @@ def plan(attention_mask: jax.Array, shape: PackShape) -> Placement:
     inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
     used = jnp.sum(fill > 0)  # first fit opens rows in order: the used rows are a prefix
     n_micro = (used + shape.rows - 1) // shape.rows
-    return Placement(rows[inverse].astype(jnp.int32), starts[inverse].astype(jnp.int32),
+    return Packing(rows[inverse].astype(jnp.int32), starts[inverse].astype(jnp.int32),
                      n_micro.astype(jnp.int32))
 
 
@@ -121,7 +121,7 @@ class Packed(NamedTuple):
     scored: jax.Array
 
 
-def pack(input_ids: jax.Array, attention_mask: jax.Array, where: Placement,
+def pack(input_ids: jax.Array, attention_mask: jax.Array, where: Packing,
          shape: PackShape) -> Packed:
     """Copies the real tokens of `input_ids` [B, L] into packed rows, `where` says where."""
     b, length = input_ids.shape
@@ -154,7 +154,7 @@ def micro_batch(packed: Packed, i: jax.Array) -> Packed:
     return Packed(*(jax.lax.dynamic_index_in_dim(x, i, 0, keepdims=False) for x in packed))
 
 
-def response_index(attention_mask: jax.Array, where: Placement, response_len: int, shape: PackShape,
+def response_index(attention_mask: jax.Array, where: Packing, response_len: int, shape: PackShape,
                    ) -> tuple[jax.Array, jax.Array]:
     """(packed row, column) [B, R] of the token whose output predicts response token t: the
     padded column P + t - 1 (positions are clipped into the row where it is padding)."""
@@ -230,7 +230,7 @@ PerToken = Callable[[Packed, int], Any]
 longest a segment can be, for the model's `segment_span`."""
 
 
-def per_token(fn: PerToken, packed: Packed, where: Placement, span: int) -> Any:
+def per_token(fn: PerToken, packed: Packed, where: Packing, span: int) -> Any:
     """`fn` over the micro-batches in use, collected into [micro * G, W, ...] buffers (rows of
     unused micro-batches hold zeros)."""
     out_shape = jax.eval_shape(lambda rows: fn(rows, span), micro_batch(packed, jnp.int32(0)))
@@ -245,7 +245,7 @@ def per_token(fn: PerToken, packed: Packed, where: Placement, span: int) -> Any:
 
 
 def packed_batch(input_ids: jax.Array, attention_mask: jax.Array, response_len: int,
-                 shape: PackShape) -> tuple[Packed, Placement, jax.Array, jax.Array]:
+                 shape: PackShape) -> tuple[Packed, Packing, jax.Array, jax.Array]:
     """A padded batch's placement, packed rows, and (row, column) [B, R] of each response
     token's predicting position (`response_index`)."""
     where = plan(attention_mask, shape)

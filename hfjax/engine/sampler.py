@@ -6,7 +6,7 @@ Two compiled programs per shape bucket:
   `prompt_bucket` slots, repeats that cache (and the last-position logits) n times for n samples
   per prompt, appends `new_tokens_bucket` empty slots, and samples the first response token;
 - **decode** runs a `lax.while_loop` that feeds one token per step into the cache and samples
-  the next (`hfjax.engine.sampling.select_tokens`), until every row has hit a stop token or
+  the next (`hfjax.engine.token_select.select_tokens`), until every row has hit a stop token or
   `max_new_tokens` is reached. The loop state (cache included) is donated, so the cache is
   updated in place. The step itself is `hfjax.engine.decode.decode_step` (per-layer cache,
   layers unrolled over weights sliced once per call; that module says why), which holds one
@@ -61,7 +61,7 @@ from hfjax.engine.decode import (
     decode_step,
     split_layers,
 )
-from hfjax.engine.sampling import (
+from hfjax.engine.token_select import (
     GenerateOutput,
     Knobs,
     SamplingParams,

@@ -27,7 +27,7 @@ from hfjax.engine.decode import (
     empty_cache,
     split_layers,
 )
-from hfjax.engine.sampling import GenerateOutput, Knobs, select_tokens
+from hfjax.engine.token_select import GenerateOutput, Knobs, select_tokens
 from hfjax.models.config import ModelConfig
 from hfjax.models.transformer import KVCache, positions_from_mask
 

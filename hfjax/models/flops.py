@@ -1,5 +1,5 @@
 """FLOP counts of a decoder model's passes, from its config: what the planner prices
-(`hfjax.planner.pricing`) and what MFU is measured against (`hfjax.mfu`)."""
+(`hfjax.planner.pricing`) and what MFU is measured against (`hfjax.run.mfu`)."""
 
 from __future__ import annotations
 

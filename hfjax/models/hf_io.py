@@ -353,7 +353,7 @@ def load(
     architecture with random weights from `seed`, each parameter created directly in its
     sharding. `config_overrides` change any ModelConfig field of it or of a checkpoint's config.
     """
-    cfg = model_config(path, dtype=dtype, **config_overrides)
+    cfg = read_model_config(path, dtype=dtype, **config_overrides)
     if presets.preset_name(path) is not None:
         head = head or "causal_lm"
         if head != "causal_lm" and require_head:
@@ -378,7 +378,7 @@ def load(
                     replicate_indivisible=replicate_indivisible)
 
 
-def model_config(path: str, *, dtype: str = "float32", **config_overrides) -> ModelConfig:
+def read_model_config(path: str, *, dtype: str = "float32", **config_overrides) -> ModelConfig:
     """The ModelConfig `load(path, dtype=..., **config_overrides)` builds, read without loading
     any weight: a preset's, a `.gguf` file's header or an HF directory's config.json."""
     overrides = {"param_dtype": dtype, "dtype": dtype, **config_overrides}

@@ -9,21 +9,21 @@ that `launch.train --flagfile=...` runs unchanged.
 
 from __future__ import annotations
 
-from hfjax import model_source
 from hfjax.algorithms.registry import get_algorithm
+from hfjax.config import model_source
 from hfjax.data import arith
 from hfjax.engine.sampler import MIN_NEW_TOKENS_BUCKET, bucket_size, prompt_bucket
 from hfjax.engine.shared_prompt import samples_per_row
 from hfjax.models.config import ModelConfig
-from hfjax.models.hf_io import model_config as path_model_config
+from hfjax.models.hf_io import read_model_config
 from hfjax.planner.pricing import ModelSpec
 from hfjax.planner.simulator import Workload
 from hfjax.workers.groups import needs_ref
 
 
-def model_config(cfg, platform: str = "gpu") -> ModelConfig:
+def planned_model_config(cfg, platform: str = "gpu") -> ModelConfig:
     """The actor's ModelConfig as the trainer builds it on `platform` (where `model.dtype=auto`
-    resolves), without loading weights (`hfjax.model_source.model_config`)."""
+    resolves), without loading weights (`hfjax.config.model_source.model_config`)."""
     compute = model_source.compute_dtype(cfg, platform)
     if cfg.model.get("remat_policy") == "auto":
         # A run resolves auto from its own dry run; a plan prices the policy auto falls back
@@ -51,7 +51,7 @@ def plan_inputs(cfg, reward_model: str = "", score_micro: int | None = None,
     if gen_rows is None:
         gen_rows = plan.get("gen_rows", 0)
     algo = get_algorithm(cfg.algorithm)
-    actor_cfg = model_config(cfg, platform)
+    actor_cfg = planned_model_config(cfg, platform)
     reward_model = reward_model_path(cfg, reward_model)
     name = cfg.model.path or "scratch model"
     models = [ModelSpec("actor", actor_cfg, "causal_lm", True, f"actor {name}")]
@@ -68,7 +68,7 @@ def plan_inputs(cfg, reward_model: str = "", score_micro: int | None = None,
         if reward_model:
             # Built as the trainer builds it: `reward_model.dtype` for weights and compute.
             m, dtype = cfg.model, (cfg.get("reward_model") or {}).get("dtype", "float32")
-            rcfg = path_model_config(reward_model, dtype=dtype, scan_layers=m.scan_layers,
+            rcfg = read_model_config(reward_model, dtype=dtype, scan_layers=m.scan_layers,
                                      remat_policy=actor_cfg.remat_policy,
                                      attention_impl=m.get("attention_impl", "auto"))
             models.append(ModelSpec("reward", rcfg, "score", False, f"reward {reward_model}"))

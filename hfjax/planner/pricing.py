@@ -8,11 +8,11 @@ The planner (`hfjax.planner.search`) prices a model in a layout through two ques
   mini-batch update, a prefill, one decode step), the FLOPs and HBM bytes per device, and the
   bytes each device holds on top of its state while the call runs.
 
-`CostSource` is that protocol. `ClosedFormCosts` answers it from the model's shapes with the
+`PriceSource` is that protocol. `ClosedFormPrices` answers it from the model's shapes with the
 formulas below. A source that compiles each program from abstract shapes and reads XLA's
 `cost_analysis()` (flops, bytes accessed) and `memory_analysis()` (argument and temp bytes, less
 the state) answers the same questions for the programs a run really compiles; the planner takes
-any `CostSource` (`plan(..., costs=...)`).
+any `PriceSource` (`plan(..., costs=...)`).
 
 ## The closed forms
 
@@ -190,7 +190,7 @@ class StateBytes:
 
 
 @dataclasses.dataclass(frozen=True)
-class CallCost:
+class CallPrice:
     """Per device, one call: FLOPs, HBM bytes moved, and bytes held on top of the state."""
 
     flops: float
@@ -198,12 +198,12 @@ class CallCost:
     extra_bytes: float
 
 
-class CostSource(Protocol):
+class PriceSource(Protocol):
     """Answers the planner's two questions about a model in a layout."""
 
     def state(self, model: ModelSpec, layout: MeshLayout) -> StateBytes: ...
 
-    def call(self, model: ModelSpec, layout: MeshLayout, call: Call) -> CallCost: ...
+    def call(self, model: ModelSpec, layout: MeshLayout, call: Call) -> CallPrice: ...
 
 
 # Keyed by repr: a ModelConfig with a dict field (llama3 RoPE scaling) is not hashable.
@@ -292,8 +292,8 @@ def _itemsize(dtype: str) -> int:
     return int(np.dtype(dtype).itemsize)
 
 
-class ClosedFormCosts:
-    """The `CostSource` of the closed forms in this module's docstring, for devices of
+class ClosedFormPrices:
+    """The `PriceSource` of the closed forms in this module's docstring, for devices of
     `platform` ("gpu", "tpu" or "cpu": it decides the KV cache's dtype)."""
 
     def __init__(self, platform: str = "gpu"):
@@ -303,7 +303,7 @@ class ClosedFormCosts:
         params = param_shard_bytes(model, layout)
         return StateBytes(params, 2 * params if model.trainable else 0)
 
-    def call(self, model: ModelSpec, layout: MeshLayout, call: Call) -> CallCost:
+    def call(self, model: ModelSpec, layout: MeshLayout, call: Call) -> CallPrice:
         cfg, t = model.config, layout.tensor
         weights = sum(leaf.nbytes for leaf in model_leaves(model)) / t  # one pass reads these
         r = math.ceil(call.rows / layout.dp)
@@ -313,21 +313,21 @@ class ClosedFormCosts:
             flops = (layers_flops(cfg, r, 1, call.seq) + 2.0 * cfg.hidden_size * cfg.vocab_size
                      * r) / t
             shard = param_shard_bytes(model, layout)
-            return CallCost(flops, shard + kv + logits, kv + shard + 2 * logits)
+            return CallPrice(flops, shard + kv + logits, kv + shard + 2 * logits)
         act = layer_activation_bytes(cfg, call.context, t, self.platform)
         if call.kind == "prefill":
             flops = (layers_flops(cfg, r, call.seq, call.seq)
                      + 2.0 * cfg.hidden_size * cfg.vocab_size * r) / t
             kv = r * call.seq * kv_bytes_per_token(cfg, self.platform) / kv_split(cfg, t)
             working = r * call.seq * act
-            return CallCost(flops, weights + 2 * r * call.seq * cfg.num_layers * act,
+            return CallPrice(flops, weights + 2 * r * call.seq * cfg.num_layers * act,
                             working + kv)
         logits = _head_bytes(cfg, model.head, r, call.seq, call.scored, t)
         if call.kind == "forward":
             flops = call.forward_flops(cfg, model.head, r) / t
             traffic = weights + 2 * r * call.seq * cfg.num_layers * act
             hidden = 2 * r * call.seq * cfg.hidden_size * _itemsize(cfg.dtype)
-            return CallCost(flops, traffic, r * call.seq * act + hidden + 2 * logits)
+            return CallPrice(flops, traffic, r * call.seq * act + hidden + 2 * logits)
         # train: one mini-batch of call.rows rows in micro-batches of call.micro rows.
         micro = call.micro or call.rows
         n_micro = call.rows // micro
@@ -342,7 +342,7 @@ class ClosedFormCosts:
         grads = 2 * param_shard_bytes(model, layout)
         held = saved + m * call.seq * act + 3 * _head_bytes(cfg, model.head, m, call.seq,
                                                             call.scored, t) + grads
-        return CallCost(flops, traffic, held)
+        return CallPrice(flops, traffic, held)
 
 
 def _head_bytes(cfg: ModelConfig, head: str, rows: int, seq: int, scored: int,

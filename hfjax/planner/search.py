@@ -26,7 +26,7 @@ devices each set gets, and every model's mesh, chosen by simulated iteration tim
 
 The planner takes the models and the dataflow from its caller (`launch/plan.py` reads them from
 a run config and the algorithm registry); it imports no workers or algorithms. Its figures come
-from a `CostSource` (closed forms by default; a compiled source plugs in as `costs=`).
+from a `PriceSource` (closed forms by default; a compiled source plugs in as `costs=`).
 """
 
 from __future__ import annotations
@@ -38,9 +38,9 @@ from collections.abc import Iterable, Mapping, Sequence
 
 from hfjax.planner import virtual
 from hfjax.planner.pricing import (
-    CostSource,
     MeshLayout,
     ModelSpec,
+    PriceSource,
     model_leaves,
     param_shard_bytes,
 )
@@ -440,7 +440,7 @@ def plan(
     dataflow: Sequence[Stage] | None = None,
     host_roles: Sequence[str] = (),
     efficiency: Efficiency | None = None,
-    costs: CostSource | None = None,
+    costs: PriceSource | None = None,
     memory_fraction: float = 0.9,
     alternatives: int = 5,
 ) -> PlanResult:

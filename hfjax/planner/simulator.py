@@ -56,10 +56,10 @@ from hfjax.parallel.targets import Target, get_target
 from hfjax.planner import virtual
 from hfjax.planner.pricing import (
     Call,
-    ClosedFormCosts,
-    CostSource,
+    ClosedFormPrices,
     MeshLayout,
     ModelSpec,
+    PriceSource,
     model_leaves,
 )
 
@@ -322,11 +322,11 @@ class Simulator:
     """Prices a model's stages in a layout on `cluster` from `costs` (closed forms by default)."""
 
     def __init__(self, cluster: Cluster, workload: Workload,
-                 efficiency: Efficiency | None = None, costs: CostSource | None = None):
+                 efficiency: Efficiency | None = None, costs: PriceSource | None = None):
         self.cluster = cluster
         self.workload = workload
         self.eff = efficiency or cluster.efficiency or Efficiency()
-        self.costs = costs or ClosedFormCosts(cluster.target.platform)
+        self.costs = costs or ClosedFormPrices(cluster.target.platform)
 
     # -- rates -----------------------------------------------------------------------------------
 

@@ -349,7 +349,7 @@ class ActorRollout(Reference):
             "actor/ppo_kl": ppo_kl * weight,
             "actor/pg_clipfrac_lower": clipfrac_lower * weight,
             # The mini-batch's mean token entropy, whatever the aggregation mode: how close the
-            # policy is to uniform (hfjax.health).
+            # policy is to uniform (hfjax.run.health).
             "actor/token_entropy": core.masked_sum(jax.lax.stop_gradient(ent), mask)
             / totals["tokens"],
         }
@@ -399,7 +399,7 @@ class ActorRollout(Reference):
         """The actor's programs of an RL step besides generation: the old-policy log-prob pass
         (when `shape.old_log_probs`) and the update (`update_actor`) on a mini-batch in the
         layout the config selects. The sampler's and the hybrid engine's programs are the
-        rollout's (`hfjax.dry_run`)."""
+        rollout's (`hfjax.run.dry_run`)."""
         a = self.acfg
         out = self.log_prob_programs("log_prob", shape) if shape.old_log_probs else []
         mini = a.ppo_mini_batch_size * self.rcfg.n

@@ -25,7 +25,7 @@ from ml_collections import config_dict
 
 from hfjax.controller import compile_log
 from hfjax.controller.batch import Batch
-from hfjax.controller.placement import register_role as register_placement_role
+from hfjax.controller.placement import place_role
 from hfjax.engine.continuous import rollout_sampler
 from hfjax.engine.layout_choice import actor_rules_and_engine
 from hfjax.engine.packing import token_budget
@@ -33,8 +33,7 @@ from hfjax.engine.shared_prompt import samples_per_row
 from hfjax.engine.update import make_optimizer
 from hfjax.models import transformer
 from hfjax.models.config import ModelConfig
-from hfjax.models.hf_io import load_score
-from hfjax.models.hf_io import model_config as hf_model_config
+from hfjax.models.hf_io import load_score, read_model_config
 from hfjax.numerics.losses import (
     FixedKLController,
     KLController,
@@ -210,7 +209,7 @@ def register_role(name: str, builder: RoleBuilder, *, side: str = "score") -> No
     for any algorithm that lists it in its roles. A driver reads the group as `w.<name>`."""
     if name in ("actor", "rollout", "reward"):
         raise ValueError(f"role {name!r} is built by the trainer, not by a role builder")
-    register_placement_role(name, side)
+    place_role(name, side)
     ROLE_BUILDERS[name] = builder
 
 
@@ -252,7 +251,7 @@ def _score_builder(role: str, output: str) -> RoleBuilder:
         if ctx.actor.abstract:
             # A dry run: the architecture from config.json (a .gguf's metadata, a preset's
             # shapes) as `load_score` would build it, shapes only; no weight is read.
-            model = transformer.abstract(hf_model_config(s.path, dtype=dtype), "score")
+            model = transformer.abstract(read_model_config(s.path, dtype=dtype), "score")
         else:
             # A checkpoint without a trained score head is refused (run_config checks it first).
             model = load_score(s.path, what=f"{role}.path", dtype=dtype)

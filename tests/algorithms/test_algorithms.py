@@ -16,12 +16,12 @@ from support import tiny_rl_config
 
 from hfjax.algorithms import dapo
 from hfjax.algorithms.registry import get_algorithm
+from hfjax.config import check_config, validate_config
 from hfjax.controller.batch import Batch
 from hfjax.data import arith
 from hfjax.models import save_hf, transformer
 from hfjax.rewards.registry import register_reward
-from hfjax.run_config import check_config, validate_config
-from hfjax.trainer import Trainer
+from hfjax.run.trainer import Trainer
 from hfjax.workers.groups import scratch_model_config
 
 HERE = os.path.dirname(os.path.abspath(__file__))

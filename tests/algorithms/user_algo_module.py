@@ -9,12 +9,12 @@ from flax import nnx
 
 from hfjax.algorithms.dataflow import compute_advantage, reward, sample
 from hfjax.algorithms.registry import register_algorithm
+from hfjax.config import Check, register_keys
 from hfjax.controller.batch import Batch
 from hfjax.controller.protocol import DP_COMPUTE, method
 from hfjax.models import transformer
 from hfjax.numerics import ADV_ESTIMATORS
 from hfjax.parallel.mesh import MeshSpec
-from hfjax.run_config import Check, register_keys
 from hfjax.workers.base import WorkerGroup
 from hfjax.workers.groups import register_role
 

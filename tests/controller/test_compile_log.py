@@ -8,8 +8,8 @@ import pytest
 from support import tiny_rl_config
 
 from hfjax.controller import compile_log
-from hfjax.metrics import MetricsLogger
-from hfjax.trainer import Trainer
+from hfjax.run.metrics import MetricsLogger
+from hfjax.run.trainer import Trainer
 
 
 def _double_ids(ids, mask):

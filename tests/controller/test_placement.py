@@ -208,10 +208,10 @@ def test_placement_mapping_from_a_flag_string():
 
 
 def test_registered_roles_place_like_the_built_in_ones():
-    from hfjax.controller.placement import known_roles, register_role
+    from hfjax.controller.placement import known_roles, place_role
 
-    register_role("test_scorer", "score")
-    register_role("test_scorer", "score")  # registering again with the same side is a no-op
+    place_role("test_scorer", "score")
+    place_role("test_scorer", "score")  # registering again with the same side is a no-op
     assert "test_scorer" in known_roles()
     roles = ("actor", "ref", "critic", "test_scorer")
     split = Placement.from_mode("split", roles, 8)
@@ -220,8 +220,8 @@ def test_registered_roles_place_like_the_built_in_ones():
     assert standalone.role_pool["test_scorer"] == "test_scorer_pool"
     assert len(standalone.pools) == 4
     with pytest.raises(ValueError, match=r"already registered on the 'score' side"):
-        register_role("test_scorer", "generate")
+        place_role("test_scorer", "generate")
     with pytest.raises(ValueError, match=r"must be a Python identifier"):
-        register_role("my-role")
+        place_role("my-role")
     with pytest.raises(ValueError, match=r"unknown role 'tset_scorer'.*register_role"):
         Placement.from_mode("colocate", ("actor", "tset_scorer"), 8)

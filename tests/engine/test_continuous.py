@@ -222,7 +222,7 @@ def test_actor_generates_the_same_through_continuous_batching():
     from support import tiny_rl_config
 
     from hfjax.data.batching import prompt_batch
-    from hfjax.trainer import Trainer
+    from hfjax.run.trainer import Trainer
 
     trainers = {}
     for mode in ("static", "continuous"):
@@ -286,7 +286,7 @@ def test_max_new_tokens_must_be_positive(max_new):
         SamplingParams(max_new_tokens=max_new)
     # A training run with continuous batching is refused with its config, before building.
     from configs import ppo_arith
-    from hfjax.trainer import validate_config
+    from hfjax.run.trainer import validate_config
 
     c = ppo_arith.get_config()
     c.rollout.mode, c.rollout.response_length = "continuous", max_new

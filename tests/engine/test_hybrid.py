@@ -270,7 +270,7 @@ def engine_config(hybrid_engine):
 @pytest.mark.slow
 def test_actor_generates_through_the_engine_and_keeps_training():
     from hfjax.data.batching import prompt_batch
-    from hfjax.trainer import Trainer
+    from hfjax.run.trainer import Trainer
 
     on, off = Trainer(engine_config(True)), Trainer(engine_config(False))
     assert off.actor.hybrid is None and on.actor.hybrid is not None

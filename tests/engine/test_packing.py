@@ -339,7 +339,7 @@ def test_a_ppo_step_runs_on_packed_batches():
     losses are finite and the update was applied."""
     from support import tiny_rl_config
 
-    from hfjax.trainer import Trainer
+    from hfjax.run.trainer import Trainer
 
     c = tiny_rl_config(mesh="fsdp=4,tensor=2")
     # An untrained model scores 0 everywhere, so its advantages are 0: the entropy bonus gives

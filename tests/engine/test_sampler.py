@@ -501,7 +501,7 @@ def test_blocked_inverse_cdf_draws_the_tokens_of_the_plain_one():
     running sum in float64: the same token wherever the draw is not within rounding of a
     boundary, and never a zero-probability token (zeros inside blocks, whole empty blocks, an
     empty tail, and blocks that do not divide the vocabulary)."""
-    from hfjax.engine.sampling import blocked_inverse_cdf
+    from hfjax.engine.token_select import blocked_inverse_cdf
 
     rng = np.random.default_rng(0)
     R, V = 64, 203

@@ -58,7 +58,7 @@ def test_embedding_lookup_and_gradient_move_no_token_ids_between_devices():
 def test_token_selection_runs_on_whole_rows_of_vocab_split_logits():
     """Tensor-parallel logits arrive split over the vocabulary; sampling reverses and slices
     them, which XLA otherwise does with collective-permutes between the tensor pairs."""
-    from hfjax.engine.sampling import Knobs, Static, select_tokens
+    from hfjax.engine.token_select import Knobs, Static, select_tokens
 
     mesh = ResourcePool("all", tuple(jax.devices())).mesh("data=4,tensor=2")
     layout = shd.layout(mesh, "decode")

@@ -68,7 +68,7 @@ def test_a_reward_model_is_planned_as_the_reward_model_role():
 
 
 def test_the_config_says_how_the_programs_batch_and_flags_override_it():
-    from hfjax.run_config import ConfigError, check_config
+    from hfjax.config import ConfigError, check_config
 
     cfg = ppo_arith.get_config()
     w = plan_inputs(cfg)[2]

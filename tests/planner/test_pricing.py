@@ -17,7 +17,7 @@ from hfjax.parallel import reshard
 from hfjax.parallel import sharding as shd
 from hfjax.parallel.mesh import MeshSpec
 from hfjax.planner import pricing, virtual
-from hfjax.planner.pricing import Call, ClosedFormCosts, MeshLayout, ModelSpec
+from hfjax.planner.pricing import Call, ClosedFormPrices, MeshLayout, ModelSpec
 from hfjax.planner.simulator import Simulator, Workload, cluster_for
 
 # The tiny preset: V=256, D=64, F=128, L=2, N=4, K=2, H=16, tied embeddings, float32.
@@ -31,7 +31,7 @@ def test_tiny_parameter_count_and_shards_by_hand():
     total = 256 * 64 + 2 * layer + 64
     assert total == 90432 == TINY.num_params()
     actor = ModelSpec("actor", TINY, "causal_lm", True)
-    src = ClosedFormCosts()
+    src = ClosedFormPrices()
     assert src.state(actor, MeshLayout()).params == 4 * total
     # fsdp=2 x tensor=2, train rules: every matrix splits 4 ways (K=2 divides tensor=2); the
     # norms (2 layers x 2 x 64, plus 64) stay whole.
@@ -75,15 +75,15 @@ def test_flops_by_hand():
     assert (pricing.forward_flops(TINY, "value", rows, seq, scored)
             == layer_flops + 2 * d * rows * seq)
     model = ModelSpec("actor", TINY, "causal_lm", True)
-    train = ClosedFormCosts().call(model, MeshLayout(data=2), Call("train", 8, seq, scored, 4))
+    train = ClosedFormPrices().call(model, MeshLayout(data=2), Call("train", 8, seq, scored, 4))
     # Two micro-batches of 4 rows, 2 of them per device; forward + twice that backward.
     assert train.flops == 2 * 3 * pricing.forward_flops(TINY, "causal_lm", 2, seq, scored)
     remat = ModelSpec("actor", TINY.replace(remat_policy="full"), "causal_lm", True)
-    train_remat = ClosedFormCosts().call(remat, MeshLayout(data=2),
+    train_remat = ClosedFormPrices().call(remat, MeshLayout(data=2),
                                          Call("train", 8, seq, scored, 4))
     assert train_remat.flops == train.flops + 2 * pricing.layers_flops(TINY, 2, seq, seq)
     # One decode step: every row attends over all 48 slots; the LM head on one position.
-    step = ClosedFormCosts().call(model, MeshLayout(data=1, tensor=2, rules="decode"),
+    step = ClosedFormPrices().call(model, MeshLayout(data=1, tensor=2, rules="decode"),
                                   Call("decode", 6, 48))
     assert step.flops == (6 * layers * (2 * w + 4 * n * h * 48) + 2 * d * v * 6) / 2
 
@@ -96,7 +96,7 @@ def test_memory_terms_by_hand():
     assert pricing.kv_bytes_per_token(bf16, "gpu") == pricing.kv_bytes_per_token(bf16, "tpu") == 256
     assert pricing.kv_bytes_per_token(bf16, "cpu") == 512
     decode = Call("decode", 8, 48)
-    on = {p: ClosedFormCosts(p).call(ModelSpec("actor", bf16, "causal_lm", False), MeshLayout(),
+    on = {p: ClosedFormPrices(p).call(ModelSpec("actor", bf16, "causal_lm", False), MeshLayout(),
                                      decode) for p in ("gpu", "cpu")}
     assert on["cpu"].bytes_accessed - on["gpu"].bytes_accessed == 8 * 48 * 256
     assert pricing.kv_split(TINY, 2) == 2 and pricing.kv_split(TINY, 4) == 1
@@ -112,7 +112,7 @@ def test_memory_terms_by_hand():
     assert pricing.saved_activation_bytes(dots, 32, 1, "gpu") == 2 * 128 + 2 * (256 + 128)
     assert pricing.saved_activation_bytes(dots, 32, 1, "cpu") == 4 * 128 + 2 * (256 + 128)
     model = ModelSpec("actor", TINY, "causal_lm", False)
-    step = ClosedFormCosts().call(model, MeshLayout(data=2, rules="decode"),
+    step = ClosedFormPrices().call(model, MeshLayout(data=2, rules="decode"),
                                   Call("decode", 8, 48))
     kv = 4 * 48 * 512  # 4 rows per replica, 48 slots
     weights = 4 * TINY.num_params()
@@ -150,7 +150,7 @@ def test_closed_forms_agree_with_compiled_programs(kind):
         return hidden[:, -scored - 1:-1]
 
     compiled = _compiled(kind, rows, seq, scored_hidden)
-    cost = ClosedFormCosts().call(ModelSpec("actor", cfg, "causal_lm", True), MeshLayout(),
+    cost = ClosedFormPrices().call(ModelSpec("actor", cfg, "causal_lm", True), MeshLayout(),
                                   Call(kind, rows, seq, scored, rows))
     flops = compiled.cost_analysis()["flops"]
     # The closed forms count matmuls only; norms, softmax and RoPE add a little.
@@ -172,13 +172,13 @@ def test_shared_prompt_rows_agree_with_compiled_programs(kind):
     call = Call(kind, groups, prompt + k * response, k * response, groups, k)
     assert call.context == prompt + response
     model = ModelSpec("actor", UNROLLED, "causal_lm", True)
-    cost = ClosedFormCosts().call(model, MeshLayout(), call)
+    cost = ClosedFormPrices().call(model, MeshLayout(), call)
     compiled = _compiled(kind, groups * k, prompt + response, lambda m, ids: (
         shared_prompt.response_hidden(m.model, ids, jnp.ones_like(ids), response, k)))
     flops = compiled.cost_analysis()["flops"]
     assert cost.flops <= flops <= 1.05 * cost.flops
     # The prompt once per group instead of once per sample.
-    padded = ClosedFormCosts().call(model, MeshLayout(), Call(
+    padded = ClosedFormPrices().call(model, MeshLayout(), Call(
         kind, groups * k, prompt + response, response, groups * k))
     prompt_share = prompt / (prompt + response)
     assert cost.flops < (1 - 0.5 * prompt_share) * padded.flops

@@ -2,16 +2,16 @@
 (`--config.placement="gen=4:actor+ref;score=4:critic+reward"`) and a config derived from
 configs/ppo_arith.py that assigns a {pool: {size, roles}} mapping. Both are parsed by the same
 ml_collections flag the launcher uses, pass the config checks and give the same pools; one PPO
-step under the command-line spelling runs in tests/test_rl_loop.py (PLACEMENTS)."""
+step under the command-line spelling runs in tests/run/test_rl_loop.py (PLACEMENTS)."""
 
 import os
 
 from absl import flags
 from ml_collections import config_flags
 
-from hfjax import run_config
+from hfjax.config import check_config, placement_of, validate_config
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MAPPING = "gen=4:actor+ref;score=4:critic+reward"
 DERIVED = '''
 from configs import ppo_arith
@@ -35,7 +35,7 @@ def _parse(*args):
 
 
 def _pools(cfg):
-    _, pools = run_config.validate_config(cfg)
+    _, pools = validate_config(cfg)
     return {role: sorted(d.id for d in pool.devices) for role, pool in pools.items()}
 
 
@@ -46,7 +46,7 @@ def test_mapping_on_the_command_line_and_in_a_derived_config_give_the_same_pools
     derived_file = tmp_path / "derived.py"
     derived_file.write_text(DERIVED)
     derived = _parse(f"--config={derived_file}")
-    assert run_config.placement_of(derived) == {
+    assert placement_of(derived) == {
         "gen": {"size": 4, "roles": ["actor", "ref"]},
         "score": {"size": 4, "roles": ["critic", "reward"]}}
     want = {"actor": [0, 1, 2, 3], "ref": [0, 1, 2, 3], "critic": [4, 5, 6, 7],
@@ -61,7 +61,7 @@ def test_a_mode_overrides_a_derived_mapping_and_back(tmp_path):
     derived_file.write_text(DERIVED)
     cfg = _parse(f"--config={derived_file}", "--config.placement=split")
     assert cfg.placement == "split"
-    run_config.check_config(cfg)
+    check_config(cfg)
     cfg = _parse(f"--config={derived_file}", f"--config.placement={MAPPING}")
     assert cfg.placement == MAPPING
-    run_config.check_config(cfg)
+    check_config(cfg)

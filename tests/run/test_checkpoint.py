@@ -18,8 +18,8 @@ import pytest
 from flax import nnx
 from support import tiny_rl_config
 
-from hfjax import checkpoint as ck
-from hfjax.trainer import Trainer
+from hfjax.run import checkpoint as ck
+from hfjax.run.trainer import Trainer
 
 # A failed read leaves Orbax's pending read coroutines to be collected unfinished; harmless.
 pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
@@ -229,7 +229,7 @@ def test_resume_disable_refuses_a_directory_with_checkpoints(saved, tmp_path):
 
 
 def test_explicit_step_and_export_loader(saved):
-    from hfjax.checkpoint import load_actor
+    from hfjax.run.checkpoint import load_actor
 
     model, restored = load_actor(str(saved[0] / "checkpoints" / "2"))
     assert restored.step == 2

@@ -12,14 +12,14 @@ import optax
 import pytest
 from support import tiny_rl_config
 
-from hfjax import health
-from hfjax import metrics as metrics_lib
-from hfjax.checkpoint import RunCheckpointer
 from hfjax.engine.update import make_update_step
-from hfjax.health import NonFiniteError
-from hfjax.metrics import JsonlSink, MetricsLogger
 from hfjax.rewards.registry import register_reward
-from hfjax.trainer import Trainer
+from hfjax.run import health
+from hfjax.run import metrics as metrics_lib
+from hfjax.run.checkpoint import RunCheckpointer
+from hfjax.run.health import NonFiniteError
+from hfjax.run.metrics import JsonlSink, MetricsLogger
+from hfjax.run.trainer import Trainer
 
 
 def _strict_records(path) -> list[dict]:

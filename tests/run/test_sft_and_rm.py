@@ -14,11 +14,11 @@ from support import subprocess_env, tiny_rl_config
 
 from hfjax.data import prepare
 from hfjax.models.hf_io import load_score
-from hfjax.rm import RMTrainer
-from hfjax.sft import SFTTrainer
-from hfjax.trainer import Trainer
+from hfjax.run.rm import RMTrainer
+from hfjax.run.sft import SFTTrainer
+from hfjax.run.trainer import Trainer
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def sft_config(out_dir=None):

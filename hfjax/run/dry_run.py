@@ -59,11 +59,10 @@ import jax
 import numpy as np
 from absl import logging
 
-from hfjax import model_source
 from hfjax.algorithms import dataflow
+from hfjax.config import model_source, run_roles, validate_config
 from hfjax.engine.sampler import SamplingParams, prompt_bucket
 from hfjax.models import attention, transformer
-from hfjax.run_config import run_roles, validate_config
 from hfjax.workers import groups
 from hfjax.workers.base import Program, StepShape, WorkerGroup
 from hfjax.workers.reward import RuleReward
@@ -517,3 +516,14 @@ def _transition(out: _Compiler, engine, pool: str, direction: str,
     out.add(ProgramMemory(
         f"hybrid.{direction}", pool, int(args), int(outs), 0, int(temp), flops, resident,
         int(resident + peak_moment), seconds))
+
+
+def resolve_remat(cfg):
+    """A copy of `cfg` with `model.remat_policy=auto` resolved by `dry_run.choose_remat` against
+    device 0's memory ("none" where the runtime reports no limit, as on CPU)."""
+    limit = (jax.local_devices()[0].memory_stats() or {}).get("bytes_limit")
+    policy, _ = choose_remat(cfg, limit)
+    cfg = cfg.copy_and_resolve_references()
+    cfg.model.remat_policy = policy
+    logging.info("model.remat_policy=auto: %s", policy)
+    return cfg

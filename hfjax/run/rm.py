@@ -20,7 +20,7 @@ import jax
 import numpy as np
 from absl import logging
 
-from hfjax import model_source
+from hfjax.config import model_source
 from hfjax.controller.batch import Batch
 from hfjax.controller.placement import resolve_placement
 from hfjax.data import arith, preferences

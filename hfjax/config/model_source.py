@@ -22,7 +22,7 @@ from hfjax.engine import layout_choice
 from hfjax.models import load as load_model
 from hfjax.models import load_tokenizer, precision, presets, transformer
 from hfjax.models.config import ModelConfig
-from hfjax.models.hf_io import model_config as path_model_config
+from hfjax.models.hf_io import read_model_config
 from hfjax.parallel.mesh import ResourcePool
 from hfjax.workers.groups import scratch_model_config
 
@@ -56,7 +56,7 @@ def compute_dtype(cfg, platform: str) -> str:
     m = cfg.model
     hidden = None
     if m.dtype == "auto" and platform == "cpu":
-        hidden = path_model_config(m.path).hidden_size if m.path else m.hidden_size
+        hidden = read_model_config(m.path).hidden_size if m.path else m.hidden_size
     return precision.resolve_compute_dtype(m.dtype, platform, hidden)
 
 
@@ -80,7 +80,7 @@ def model_config(cfg, tokenizer, compute_dtype: str) -> ModelConfig:
     ValueError for an unknown preset."""
     m = cfg.model
     if m.path:
-        return path_model_config(m.path, **_overrides(cfg, compute_dtype))
+        return read_model_config(m.path, **_overrides(cfg, compute_dtype))
     positions = cfg.data.max_prompt_length + cfg.rollout.response_length
     return scratch_model_config(m, tokenizer.vocab_size, tokenizer.pad_id, tokenizer.eos_id,
                                 positions, compute_dtype)

@@ -30,10 +30,11 @@ from typing import Any, Protocol
 
 from absl import logging
 
+from hfjax.config.validators import parse_sink_names
+
 JSONL_NAME = "metrics.jsonl"
 PLOT_NAME = "metrics.png"
 TENSORBOARD_DIR = "tensorboard"
-SINK_NAMES = ("console", "jsonl", "tensorboard", "wandb")
 # Keys that measure wall-clock time: they differ between two runs of the same job, so
 # comparisons of runs (the exact-resume test) leave them out. So do the compile records
 # (`hfjax.controller.compile_log`): a resumed process compiles its programs again.
@@ -265,17 +266,6 @@ class MetricsLogger:
     def close(self) -> None:
         for s in self.sinks:
             s.close()
-
-
-def parse_sink_names(names: str | Iterable[str]) -> list[str]:
-    """`"console,jsonl"` or a list -> validated names (see SINK_NAMES)."""
-    if isinstance(names, str):
-        names = [n.strip() for n in names.split(",")]
-    names = [n for n in names if n]
-    bad = [n for n in names if n not in SINK_NAMES]
-    if bad:
-        raise ValueError(f"trainer.logger: unknown sink(s) {bad}; choose from {SINK_NAMES}")
-    return names
 
 
 def make_logger(

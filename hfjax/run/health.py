@@ -17,6 +17,8 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
+from absl import logging
+
 # {count metric: (stage, its loss metric, the config section whose lr drives it)}
 NONFINITE = {
     "sft/nonfinite_updates": ("the warm start (sft)", "sft/loss", "sft"),
@@ -83,3 +85,25 @@ def near_uniform(metrics: Mapping[str, float], vocab_size: int) -> bool:
 def _fmt(metrics: Mapping[str, float], key: str) -> str:
     v = metrics.get(key)
     return "n/a" if v is None else f"{v:.4g}"
+
+
+class CollapseWatch:
+    """Watches a run's steps for a policy that collapses to near-uniform sampling after it had
+    peaked, and warns once (per process) when it does."""
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size
+        self.peaked = self.reported = False
+
+    def observe(self, metrics: Mapping[str, float], step: int) -> bool:
+        """Whether the step's policy is near uniform (`near_uniform`); logs the first collapse
+        after a peaked step."""
+        uniform = near_uniform(metrics, self.vocab_size)
+        if not uniform:
+            self.peaked = True
+        elif self.peaked and not self.reported:
+            self.reported = True
+            logging.warning("step %d: the policy collapsed: its mean token entropy %.3g is near "
+                            "log(vocab) = %.3g, it samples almost uniformly; lower actor.lr",
+                            step, metrics[ENTROPY_KEY], math.log(self.vocab_size))
+        return uniform

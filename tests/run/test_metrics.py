@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-from hfjax import metrics
+from hfjax.run import metrics
 
 
 def _bits(x: float) -> bytes:

@@ -16,22 +16,24 @@ import jax
 import numpy as np
 from absl import logging
 
-from hfjax import checkpoint as ckpt_lib
-from hfjax import health, mfu, model_source, sft
 from hfjax.algorithms import dataflow
 from hfjax.algorithms.registry import import_spec
+from hfjax.config import model_source, run_roles, validate_config
 from hfjax.controller import compile_log
 from hfjax.data.batching import prompt_batch
 from hfjax.data.dataset import Dataset, task_dataset
-from hfjax.metrics import MetricsLogger
-from hfjax.numerics.losses import (
-    LagrangeMultiplier,
-    kl_controller_from_state,
-    kl_controller_state,
-)
 from hfjax.parallel import distributed, targets
-from hfjax.run_config import run_roles, validate_config
-from hfjax.validation import generation_metrics
+from hfjax.run import checkpoint as ckpt_lib
+from hfjax.run import health, mfu, sft
+from hfjax.run.metrics import MetricsLogger
+from hfjax.run.resume import (
+    check_resume,
+    checkpoint_items,
+    config_json,
+    host_state,
+    load_state,
+)
+from hfjax.run.validation import generation_metrics
 from hfjax.workers import groups
 from hfjax.workers.groups import WorkerGroups
 
@@ -45,7 +47,9 @@ class Trainer:
         self._compiles = compile_log.install()
         self.algo, self.pools = validate_config(cfg)
         if cfg.model.get("remat_policy") == "auto":
-            cfg = _resolve_remat(cfg)
+            from hfjax.run.dry_run import resolve_remat
+
+            cfg = resolve_remat(cfg)
         self.cfg = cfg
         self.compute_dtype = model_source.compute_dtype(cfg, jax.devices()[0].platform)
         self.roles = run_roles(self.algo, cfg)
@@ -75,8 +79,7 @@ class Trainer:
                              "fits the model (--config.model.tokenizer)")
         self.actor = groups.build_actor(cfg, initial, self.pools, self.tok.pad_id, self.tok.eos_id)
         self._groups: WorkerGroups | None = None
-        # Whether this process has seen the policy away from uniform, and told of a collapse.
-        self._peaked = self._collapse_reported = False
+        self._collapse = health.CollapseWatch(self.model_cfg.vocab_size)
 
     # -- construction ------------------------------------------------------------------------
 
@@ -99,7 +102,7 @@ class Trainer:
     def warm_start(self, on_log: Callable | None = None,
                    should_stop: Callable[[], bool] | None = None) -> dict:
         """Supervised steps on the task's imperfect demonstrations (the general SFT loop,
-        `hfjax.sft.sft_steps`); returns the last metrics (empty when `should_stop` ended it
+        `hfjax.run.sft.sft_steps`); returns the last metrics (empty when `should_stop` ended it
         early), with `sft/nonfinite_updates` counting the steps whose update was not applied
         (NonFiniteError for the first such step under trainer.nonfinite=stop)."""
         s, c = self.cfg.sft, self.cfg
@@ -191,76 +194,25 @@ class Trainer:
         if w.lagrange is not None:
             host["safe_rlhf/lambda"] = float(w.lagrange.value)
         host |= w.reward.pop_metrics()
-        uniform = health.near_uniform(host, self.model_cfg.vocab_size)
-        host[health.UNIFORM_KEY] = float(uniform)
-        if not uniform:
-            self._peaked = True
-        elif self._peaked and not self._collapse_reported:
-            self._collapse_reported = True
-            logging.warning("step %d: the policy collapsed: its mean token entropy %.3g is near "
-                            "log(vocab) = %.3g, it samples almost uniformly; lower actor.lr",
-                            self.step + 1, host[health.ENTROPY_KEY],
-                            math.log(self.model_cfg.vocab_size))
+        host[health.UNIFORM_KEY] = float(self._collapse.observe(host, self.step + 1))
         self.step += 1
         return host
 
     # -- checkpoints ---------------------------------------------------------------------------
 
     def checkpoint_items(self) -> dict[str, Any]:
-        """The arrays a checkpoint holds: params and optimizer state of each trained group, and
-        the reference's params (saved rather than rebuilt: they are the warm-started actor's)."""
-        w = self.workers
-        items = {"actor_params": w.actor.params, "actor_opt_state": w.actor.opt_state}
-        if w.ref is not None:
-            items["ref_params"] = w.ref.params
-        for name, g in self._trained().items():
-            if name != "actor":
-                items[f"{name}_params"] = g.params
-                items[f"{name}_opt_state"] = g.opt_state
-        return items
-
-    def _trained(self) -> dict[str, Any]:
-        """The groups that take updates (and so have optimizer state to save)."""
-        w = self.workers
-        pairs = [("actor", w.actor), ("critic", w.critic), ("cost_critic", w.cost_critic)]
-        pairs += [(k, g) for k, g in w.roles.items() if getattr(g, "opt_state", None)]
-        return {name: g for name, g in pairs if g is not None}
+        """The arrays a checkpoint holds (`resume.checkpoint_items`)."""
+        return checkpoint_items(self.workers)
 
     def state_dict(self) -> dict:
         """The host state that, with `checkpoint_items()`, fixes every later step (JSON-able).
         Sampling seeds are a function of (seed, step), so the step carries them."""
-        return {
-            "step": self.step,
-            "seed": self.cfg.seed,
-            "data": self.train_iter.state(),
-            "kl_ctrl": kl_controller_state(self.workers.kl_ctrl),
-            "lagrange": None if self.workers.lagrange is None else self.workers.lagrange.state(),
-            # Update programs shuffle mini-batches with a seed that counts their calls.
-            "train_calls": {name: g._train_calls for name, g in self._trained().items()},
-            "model_config": dataclasses.asdict(self.model_cfg),
-        }
+        return host_state(self.workers, step=self.step, seed=self.cfg.seed,
+                          data=self.train_iter.state(), model_cfg=self.model_cfg)
 
     def load_state(self, restored: ckpt_lib.Restored) -> None:
         """Installs a restored checkpoint: arrays into the worker groups, host state here."""
-        w = self.workers
-        it, st = restored.items, restored.state
-        w.actor.params, w.actor.opt_state = it["actor_params"], it["actor_opt_state"]
-        if w.ref is not None:
-            w.ref.params = it["ref_params"]
-        for name, g in self._trained().items():
-            if name != "actor":
-                g.params, g.opt_state = it[f"{name}_params"], it[f"{name}_opt_state"]
-        try:
-            self.train_iter.restore(st["data"])
-        except ValueError as err:
-            raise ckpt_lib.CheckpointMismatch(str(err)) from None
-        w.kl_ctrl = kl_controller_from_state(st["kl_ctrl"])
-        if st.get("lagrange") is not None:
-            w.lagrange = LagrangeMultiplier.from_state(st["lagrange"])
-        trained = self._trained()
-        for name, n in st["train_calls"].items():
-            trained[name]._train_calls = int(n)
-        self.step = int(st["step"])
+        self.step = load_state(self.workers, restored, self.train_iter)
 
     def resume(self, ckpt: ckpt_lib.RunCheckpointer | None,
                mode: str = "auto") -> ckpt_lib.Restored | None:
@@ -394,47 +346,3 @@ class FitResult:
     skipped: list[str] = dataclasses.field(default_factory=list)
     preempted: bool = False
     step: int = 0
-
-
-def check_resume(cfg, ckpt: ckpt_lib.RunCheckpointer | None, mode: str = "auto") -> bool:
-    """Whether `trainer.resume` resumes (see `checkpoint.resume_source`), reading only the
-    checkpoints' JSON; raises before anything is built, restored or written when the setting
-    contradicts what `ckpt` holds, or when the checkpoint to resume was saved by another
-    algorithm (CheckpointMismatch)."""
-    plan = ckpt_lib.resume_source(ckpt, mode)
-    if plan is None:
-        return False
-    source, step = plan
-    for s in [step] if step is not None else reversed(source.steps()):
-        try:
-            _, saved = source.read_json(s)
-        except ckpt_lib.CheckpointCorrupt:
-            continue  # restore_latest passes over it (or says that none is readable)
-        algo = saved.get("algorithm")
-        if algo and algo != cfg.algorithm:
-            out_dir = os.path.dirname(source.directory)
-            raise ckpt_lib.CheckpointMismatch(
-                f"{source.step_dir(s)} was saved by a {algo!r} run and this config runs "
-                f"{cfg.algorithm!r}; resume it with the config it was started with (saved in "
-                f"{source.step_dir(s)}/config), or start a new run: "
-                f"--config.trainer.out_dir={out_dir}-{cfg.algorithm}")
-        break
-    return True
-
-
-def config_json(cfg) -> dict:
-    """The resolved config as plain JSON data."""
-    return json.loads(cfg.to_json_best_effort(sort_keys=True))
-
-
-def _resolve_remat(cfg):
-    """A copy of `cfg` with `model.remat_policy=auto` resolved by `dry_run.choose_remat` against
-    device 0's memory ("none" where the runtime reports no limit, as on CPU)."""
-    from hfjax.dry_run import choose_remat
-
-    limit = (jax.local_devices()[0].memory_stats() or {}).get("bytes_limit")
-    policy, _ = choose_remat(cfg, limit)
-    cfg = cfg.copy_and_resolve_references()
-    cfg.model.remat_policy = policy
-    logging.info("model.remat_policy=auto: %s", policy)
-    return cfg

@@ -5,9 +5,9 @@ import math
 
 import pytest
 
-from hfjax import mfu
 from hfjax.models.presets import get_preset
 from hfjax.parallel import targets
+from hfjax.run import mfu
 
 
 def test_peaks_by_device_kind():
@@ -53,7 +53,7 @@ def test_step_mfu_counts_six_n_plus_attention_over_the_stage_time():
 def test_trainer_reports_mfu_where_the_device_has_a_peak(tmp_path):
     from support import tiny_rl_config
 
-    from hfjax.trainer import Trainer
+    from hfjax.run.trainer import Trainer
 
     c = tiny_rl_config(algorithm="grpo", out_dir=tmp_path)
     c.rollout.n = 2

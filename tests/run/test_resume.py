@@ -1,7 +1,7 @@
 """Exact resume, end to end: `python -m launch.train` runs as a subprocess, is killed (SIGKILL at
 a random moment after step 3) or stopped (SIGTERM), and the same command is run again. The
 resumed run's metrics JSONL must equal an uninterrupted run's bit for bit, leaving out only the
-wall-clock keys (`timing_s/*`, `perf/throughput`, see `hfjax.metrics.is_timing_key`): every
+wall-clock keys (`timing_s/*`, `perf/throughput`, see `hfjax.run.metrics.is_timing_key`): every
 loss, reward, KL, entropy and validation accuracy after the resume is recomputed and compared.
 
 Ctrl-C (SIGINT) is checked the same way as SIGTERM; a second Ctrl-C ends the run at once.
@@ -25,11 +25,11 @@ import numpy as np
 import pytest
 from support import subprocess_env
 
-from hfjax.metrics import is_timing_key, read_jsonl
+from hfjax.run.metrics import is_timing_key, read_jsonl
 
 pytestmark = pytest.mark.slow
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TOTAL = 12
 OVERRIDES = {
     "sft.steps": 150, "sft.batch_size": 16, "sft.micro_batch_size": 16, "sft.corruption": "none",
@@ -180,7 +180,7 @@ def test_export_cli_loads_in_transformers_with_matching_logits(tmp_path, referen
     import torch
     import transformers
 
-    from hfjax.checkpoint import load_actor
+    from hfjax.run.checkpoint import load_actor
 
     run = reference[0]
     hf_dir = tmp_path / "hf"

@@ -30,13 +30,13 @@ import partial_credit_reward
 import pytest
 from support import subprocess_env
 
-from hfjax.metrics import is_timing_key, read_jsonl
 from hfjax.parallel import distributed as dist
+from hfjax.run.metrics import is_timing_key, read_jsonl
 from launch import local_cluster
 
 pytestmark = pytest.mark.slow
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TOTAL = 3
 OVERRIDES = {
     "sft.steps": 0,

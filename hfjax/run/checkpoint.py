@@ -40,7 +40,8 @@ import orbax.checkpoint as ocp
 from absl import logging
 from jax.experimental import multihost_utils
 
-TRAINER_ITEM = "trainer"
+from hfjax.config.run_dir import TRAINER_ITEM
+
 CONFIG_ITEM = "config"
 RESERVED = (TRAINER_ITEM, CONFIG_ITEM)
 ARRAYS = "arrays"
@@ -152,18 +153,6 @@ def locate(path: str) -> tuple[str, int | None]:
     if base.isdigit() and os.path.isdir(os.path.join(path, TRAINER_ITEM)):
         return os.path.dirname(path), int(base)
     return path, None
-
-
-def is_run(path: str) -> bool:
-    """Whether `path` is a training run's out_dir, checkpoint root or step directory (what
-    `locate` takes) rather than a model directory."""
-    if not os.path.isdir(path) or os.path.isfile(os.path.join(path, "config.json")):
-        return False
-    if os.path.isdir(os.path.join(path, "checkpoints")):
-        return True
-    if os.path.basename(os.path.normpath(path)).isdigit():
-        return os.path.isdir(os.path.join(path, TRAINER_ITEM))
-    return any(name.isdigit() for name in os.listdir(path))
 
 
 Targets = Mapping[str, Any] | Callable[[dict], Mapping[str, Any]]

@@ -10,13 +10,14 @@ import zlib
 import pytest
 from support import subprocess_env, tiny_rl_config
 
-from hfjax.checkpoint import RunCheckpointer, export_hf, is_run
-from hfjax.model_source import task_tokenizer
+from hfjax.config.model_source import task_tokenizer
+from hfjax.config.run_dir import is_run
 from hfjax.rewards.registry import register_reward
-from hfjax.trainer import Trainer
-from hfjax.validation import evaluate_policy
+from hfjax.run.checkpoint import RunCheckpointer, export_hf
+from hfjax.run.trainer import Trainer
+from hfjax.run.validation import evaluate_policy
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # A score that depends on every character of a response (a barely trained model would score 0
 # on the task's own rule everywhere): equal means mean equal responses.
 SOURCE = "tests/evaluate/text_hash"

@@ -14,11 +14,11 @@ import optax
 import pytest
 from support import tiny_rl_config
 
-from hfjax import metrics as metrics_lib
+from hfjax.config import validate_config
 from hfjax.controller.batch import Batch
 from hfjax.rewards.registry import register_reward
-from hfjax.run_config import validate_config
-from hfjax.trainer import Trainer
+from hfjax.run import metrics as metrics_lib
+from hfjax.run.trainer import Trainer
 
 # A dense test reward, so that one step from a randomly initialised model already has non-zero
 # advantages, returns and gradients (the exact-answer rule scores such a model 0 everywhere).

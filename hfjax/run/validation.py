@@ -68,7 +68,7 @@ def evaluate_policy(cfg, tokenizer, rows, samples: int = 1, temperature: float =
     `rows`: greedy, and with samples > 1 also `samples` samples per prompt at `temperature`.
     What `launch.evaluate` prints. With `records` (a dict), its "greedy" and "sampled" lists
     receive the per-response records."""
-    from hfjax import model_source
+    from hfjax.config import model_source
     from hfjax.workers import groups
 
     _, actor = model_source.policy_alone(cfg, tokenizer)

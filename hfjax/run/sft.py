@@ -19,7 +19,7 @@ import jax
 import numpy as np
 from absl import logging
 
-from hfjax import health, model_source
+from hfjax.config import model_source
 from hfjax.controller.batch import Batch
 from hfjax.data import arith
 from hfjax.data import sft as sft_data
@@ -27,7 +27,8 @@ from hfjax.data.batching import sft_arrays, sft_batches
 from hfjax.data.dataset import task_dataset
 from hfjax.models import save_hf
 from hfjax.parallel.mesh import dp_size
-from hfjax.validation import generation_metrics
+from hfjax.run import health
+from hfjax.run.validation import generation_metrics
 from hfjax.workers import groups
 
 # Steps between checks for non-finite updates (each check is one small fetch).
@@ -45,7 +46,7 @@ def sft_steps(policy, batches: Iterator[Batch], steps: int, micro: int, *, cfg,
 
     Non-finite updates are checked every `log_every` steps and at the end (one fetch of those
     steps' metrics each time), and raise NonFiniteError naming the first such step (as
-    `step_name` N) under `cfg.trainer.nonfinite`=stop (`hfjax.health`)."""
+    `step_name` N) under `cfg.trainer.nonfinite`=stop (`hfjax.run.health`)."""
     m, pending, skipped = {}, [], 0
     for i in range(steps):
         if should_stop is not None and should_stop():

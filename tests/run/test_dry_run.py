@@ -12,15 +12,15 @@ import pytest
 from support import subprocess_env
 
 from configs import ppo_arith
-from hfjax import dry_run as dr
 from hfjax.data import arith
 from hfjax.data.batching import prompt_batch
 from hfjax.models import save_hf, transformer
 from hfjax.models.hf_io import load_score
-from hfjax.trainer import Trainer
+from hfjax.run import dry_run as dr
+from hfjax.run.trainer import Trainer
 from hfjax.workers.groups import scratch_model_config
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _config():

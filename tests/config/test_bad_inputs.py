@@ -1,7 +1,7 @@
 """Bad settings and damaged inputs, across the entry points: each must end in one line that
 names the problem and the fix, a non-zero exit, no traceback, and nothing written.
 
-Most cases go in-process through the checks the entry points call (`hfjax.run_config`, the
+Most cases go in-process through the checks the entry points call (`hfjax.config`, the
 model, tokenizer, data, checkpoint and metrics readers) and through `launch.cli.report`, which
 words the exception as the entry point's line: those rows check the line. `SUBPROCESS` runs the
 real commands, every entry point and every kind of mistake (a config key, a setting's value, a
@@ -29,16 +29,17 @@ from support import subprocess_env
 
 import hfjax.models as M
 from configs import ppo_arith
-from hfjax import metrics, run_config
-from hfjax.checkpoint import CheckpointCorrupt, RunCheckpointer
+from hfjax.config import check_config, check_flags
 from hfjax.data import arith, prepare
 from hfjax.data.dataset import Dataset
 from hfjax.models import transformer
 from hfjax.models.config import ModelConfig
 from hfjax.models.smollm2 import smollm2_gguf_path
+from hfjax.run import metrics
+from hfjax.run.checkpoint import CheckpointCorrupt, RunCheckpointer
 from launch import cli
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 # -- the inputs, good and damaged --------------------------------------------------------------
@@ -321,7 +322,7 @@ def test_shipped_configs_pass(files, name):
     c = importlib.import_module(f"configs.{name}").get_config()
     if c.data.task == "parquet":  # the data files are given on the command line
         c.data.train_files = c.data.val_files = files["parquet"]
-    run_config.check_config(c)
+    check_config(c)
 
 
 # These rows check the message only: `check_config` and `check_flags` write nothing, and every
@@ -333,7 +334,7 @@ def test_bad_train_setting_is_one_line(files, change, message):
     c = ppo_arith.get_config()
     change(c, files)
     with pytest.raises(ValueError) as err:
-        run_config.check_config(c)
+        check_config(c)
     line, _ = cli.report("train", err.value)
     assert "\n" not in line and line.startswith("hfjax train: ")
     assert re.search(message, line), line
@@ -406,7 +407,7 @@ def test_bad_flag_is_one_line(files, entry, values, message):
     if entry == "generate":
         values = {**_GENERATE, **values}
     with pytest.raises(ValueError) as err:
-        run_config.check_flags(entry, values)
+        check_flags(entry, values)
     line, _ = cli.report(entry, err.value)
     assert "\n" not in line and line.startswith(f"hfjax {entry}: ")
     assert re.search(message, line), line
@@ -439,7 +440,7 @@ FILE_CASES = [
 
 
 def _restore(run):
-    from hfjax.checkpoint import load_actor
+    from hfjax.run.checkpoint import load_actor
 
     return load_actor(run)
 

@@ -8,7 +8,7 @@ import sys
 
 from support import subprocess_env
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = ["--config.model.hidden_size=32", "--config.model.intermediate_size=64",
         "--config.model.head_dim=16", "--config.model.num_layers=1",
         "--config.model.num_heads=2", "--config.model.num_kv_heads=1",

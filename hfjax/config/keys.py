@@ -1,0 +1,265 @@
+"""The train config's key table: one row per key (`TRAIN_KEYS`), what a valid value is, and
+`register_keys` for the keys of a user algorithm's own roles."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from hfjax.config.validators import (
+    algorithm,
+    attention_impls,
+    cache_dir,
+    corruptions,
+    custom_reward,
+    existing,
+    kl_controllers,
+    kl_names,
+    layout_rules,
+    mesh,
+    model_path,
+    output_dir,
+    parquet_files,
+    placement,
+    registry,
+    remat_policies,
+    resume,
+    rm_targets,
+    sinks,
+    source_weights,
+    spec,
+)
+from hfjax.config.values import Bool, Check, Choice, Float, Int, Text
+
+_FRACTION = Float(0.0, 1.0)
+_LR = Float(0.0, note="0 freezes the model")
+_CLIP = Float(0.0)
+_BUDGET = ("tokens per data-parallel device and micro-batch with use_remove_padding; "
+           "0: ppo_micro_batch_size padded rows")
+_FORWARD_BUDGET = ("tokens per data-parallel device and micro-batch of the scoring pass with "
+                   "use_remove_padding; 0: the whole batch")
+
+TRAIN_KEYS: dict[str, Callable[[Any], str | None]] = {
+    # First: a user algorithm's module, imported by this check, may register estimators,
+    # losses and the rows of its own config keys that later checks look up.
+    "algorithm": Check(algorithm),
+    "seed": Int(0),
+    "placement": Check(placement),
+    # model
+    "model.path": Check(model_path(optional=True, preset=True)),
+    "model.tokenizer": Check(existing("tokenizer directory or .gguf file", optional=True)),
+    "model.vocab_size": Int(0, note="0: the tokenizer's size"),
+    "model.hidden_size": Int(1),
+    "model.intermediate_size": Int(1),
+    "model.num_layers": Int(1),
+    "model.num_heads": Int(1),
+    "model.num_kv_heads": Int(1),
+    "model.head_dim": Int(2),
+    "model.dtype": Choice(("float32", "bfloat16", "auto"), note="compute; auto: bfloat16 on "
+                          "GPUs, TPUs and AMX CPUs for hidden >= 512, else float32"),
+    "model.param_dtype": Choice(("float32", "bfloat16"), note="master weights and optimizer "
+                                "state"),
+    "model.scan_layers": Bool(),
+    "model.remat_policy": Choice(remat_policies),
+    "model.attention_impl": Choice(attention_impls, note="auto: dense on CPU, cudnn on GPU, "
+                                   "splash on TPU; blockwise where those cannot run"),
+    # data
+    "data.task": Choice(("arith", "parquet")),
+    "data.train_files": Check(parquet_files),
+    "data.val_files": Check(parquet_files),
+    "data.n_train": Int(1),
+    "data.n_test": Int(1),
+    "data.train_batch_size": Int(1),
+    "data.max_b": Int(1),
+    "data.max_prompt_length": Int(1),
+    # warm start
+    "sft.steps": Int(0, note="0: no warm start"),
+    "sft.batch_size": Int(1),
+    "sft.micro_batch_size": Int(1),
+    "sft.lr": _LR,
+    "sft.corruption": Choice(corruptions),
+    "sft.corrupt_frac": _FRACTION,
+    # python -m launch.sft on SFT parquet (hfjax.data.sft); empty: the task's demonstrations
+    "sft.train_files": Check(parquet_files),
+    "sft.val_files": Check(parquet_files),
+    "sft.prompt_key": Text(nonempty=True),
+    "sft.response_key": Text(nonempty=True),
+    "sft.messages_key": Text(nonempty=True),
+    "sft.max_response_length": Int(0, note="0: rollout.response_length"),
+    # actor
+    "actor.mesh": Check(mesh(optional=False)),
+    "actor.rules": Choice(layout_rules),
+    "actor.lr": _LR,
+    "actor.weight_decay": Float(0.0),
+    "actor.grad_clip": Float(0.0, note="0: no clipping"),
+    "actor.ppo_mini_batch_size": Int(1),
+    "actor.ppo_micro_batch_size": Int(1),
+    "actor.use_remove_padding": Bool(),
+    "actor.group_by_length": Bool(),
+    "actor.share_prompt": Bool(),
+    "actor.ppo_max_token_len_per_gpu": Int(0, note=_BUDGET),
+    "actor.ppo_epochs": Int(1),
+    "actor.shuffle": Bool(),
+    "actor.policy_loss": Choice(registry("POLICY_LOSSES")),
+    "actor.clip_ratio": _CLIP,
+    "actor.clip_ratio_low": _CLIP,
+    "actor.clip_ratio_high": _CLIP,
+    "actor.clip_ratio_c": Float(1.0, lo_open=True, note="the dual-clip bound"),
+    "actor.loss_agg_mode": Choice(registry("LOSS_AGG_MODES")),
+    "actor.entropy_coeff": Float(),
+    "actor.use_kl_loss": Bool(),
+    "actor.kl_loss_coef": Float(0.0),
+    "actor.kl_loss_type": Choice(kl_names),
+    # rollout
+    "rollout.mesh": Check(mesh(optional=True)),
+    "rollout.hybrid_engine": Bool(),
+    "rollout.offload_optimizer": Bool(),
+    "rollout.n": Int(1),
+    "rollout.temperature": Float(0.0, lo_open=True,
+                                 note="training log-probs are divided by it; greedy "
+                                      "validation is rollout.val_kwargs.temperature=0"),
+    "rollout.top_k": Int(0, note="0: off"),
+    "rollout.top_p": Float(0.0, 1.0, lo_open=True, note="1.0: off"),
+    "rollout.min_p": Float(0.0, 1.0, hi_open=True, note="0.0: off"),
+    "rollout.response_length": Int(1),
+    "rollout.mode": Choice(("static", "continuous"),
+                           note="continuous: decode slots refilled as rows stop"),
+    "rollout.slots": Int(0, note="0: one per sample"),
+    "rollout.decode_attention": Choice(("auto", "full", "chunked", "pallas"),
+                                       note="auto: full on CPU, chunked on GPU and TPU"),
+    "rollout.kv_layout": Choice(("auto", "cpu", "gpu"), note="auto: the platform's"),
+    "rollout.refill_every": Int(1),
+    "rollout.min_slots": Int(0, note="0: the start of the slots' row range"),
+    "rollout.max_cache_len": Int(0, note="0: no limit"),
+    "rollout.val_kwargs.n": Int(1),
+    "rollout.val_kwargs.temperature": Float(0.0, note="0: greedy"),
+    # reference and critic
+    "ref.mesh": Check(mesh(optional=False)),
+    "critic.mesh": Check(mesh(optional=False)),
+    "critic.lr": _LR,
+    "critic.weight_decay": Float(0.0),
+    "critic.grad_clip": Float(0.0, note="0: no clipping"),
+    "critic.ppo_mini_batch_size": Int(1),
+    "critic.ppo_micro_batch_size": Int(1),
+    "critic.use_remove_padding": Bool(),
+    "critic.group_by_length": Bool(),
+    "critic.ppo_max_token_len_per_gpu": Int(0, note=_BUDGET),
+    "critic.ppo_epochs": Int(1),
+    "critic.shuffle": Bool(),
+    "critic.cliprange_value": Float(0.0, lo_open=True),
+    "critic.loss_agg_mode": Choice(registry("LOSS_AGG_MODES")),
+    # Safe-RLHF's cost critic
+    "cost_critic.mesh": Check(mesh(optional=False)),
+    "cost_critic.lr": _LR,
+    "cost_critic.weight_decay": Float(0.0),
+    "cost_critic.grad_clip": Float(0.0, note="0: no clipping"),
+    "cost_critic.ppo_mini_batch_size": Int(1),
+    "cost_critic.ppo_micro_batch_size": Int(1),
+    "cost_critic.use_remove_padding": Bool(),
+    "cost_critic.group_by_length": Bool(),
+    "cost_critic.ppo_max_token_len_per_gpu": Int(0, note=_BUDGET),
+    "cost_critic.ppo_epochs": Int(1),
+    "cost_critic.shuffle": Bool(),
+    "cost_critic.cliprange_value": Float(0.0, lo_open=True),
+    "cost_critic.loss_agg_mode": Choice(registry("LOSS_AGG_MODES")),
+    # advantages and KL
+    "algo.adv_estimator": Choice(registry("ADV_ESTIMATORS")),
+    "algo.gamma": _FRACTION,
+    "algo.lam": _FRACTION,
+    "algo.norm_adv_by_std_in_grpo": Bool(),
+    "algo.use_kl_in_reward": Bool(),
+    "algo.kl_penalty": Choice(kl_names),
+    "algo.kl_ctrl.type": Choice(kl_controllers),
+    "algo.kl_ctrl.kl_coef": Float(0.0),
+    "algo.kl_ctrl.target_kl": Float(0.0, lo_open=True),
+    "algo.kl_ctrl.horizon": Float(0.0, lo_open=True),
+    # Safe-RLHF's Lagrange multiplier (hfjax.numerics.losses.LagrangeMultiplier)
+    "algo.safe_rlhf.cost_threshold": Float(),
+    "algo.safe_rlhf.lambda_init": Float(0.0, lo_open=True),
+    "algo.safe_rlhf.lambda_lr": Float(0.0, lo_open=True),
+    "algo.safe_rlhf.lambda_max": Float(0.0, lo_open=True),
+    # DAPO's dynamic sampling and overlong shaping (hfjax.algorithms.dapo)
+    "algo.filter_groups.enable": Bool(),
+    "algo.filter_groups.max_num_gen_batches": Int(0, note="0: no cap"),
+    "algo.filter_groups.on_exhausted": Choice(("error", "fill")),
+    "algo.overlong_buffer.enable": Bool(),
+    "algo.overlong_buffer.len": Int(1),
+    "algo.overlong_buffer.penalty_factor": Float(0.0),
+    # rewards
+    "reward.custom_fn": Check(custom_reward),
+    "reward.num_processes": Int(0, note="0: score in the controller, without timeouts"),
+    "reward.timeout_s": Float(0.0, lo_open=True),
+    "reward.rule_weight": Float(),
+    "reward.model_weight": Float(),
+    "reward.sources": Check(source_weights),
+    # learned reward and cost models (HF *ForSequenceClassification directories)
+    "reward_model.path": Check(model_path(optional=True)),
+    "reward_model.mesh": Check(mesh(optional=False)),
+    "reward_model.dtype": Choice(("float32", "bfloat16")),
+    "reward_model.use_remove_padding": Bool(),
+    "reward_model.forward_max_token_len_per_gpu": Int(0, note=_FORWARD_BUDGET),
+    "cost_model.path": Check(model_path(optional=True)),
+    "cost_model.mesh": Check(mesh(optional=False)),
+    "cost_model.dtype": Choice(("float32", "bfloat16")),
+    "cost_model.use_remove_padding": Bool(),
+    "cost_model.forward_max_token_len_per_gpu": Int(0, note=_FORWARD_BUDGET),
+    "cost_model.reference_fn": Check(spec),
+    # python -m launch.train_rm (hfjax.run.rm)
+    "rm.target": Choice(rm_targets),
+    "rm.train_files": Check(parquet_files),
+    "rm.val_files": Check(parquet_files),
+    "rm.max_response_length": Int(0, note="0: rollout.response_length"),
+    "rm.steps": Int(1),
+    "rm.batch_size": Int(1),
+    "rm.micro_batch_size": Int(1),
+    "rm.lr": _LR,
+    "rm.weight_decay": Float(0.0),
+    "rm.grad_clip": Float(0.0, note="0: no clipping"),
+    "rm.sign_coef": Float(0.0, note="Safe-RLHF's cost-sign term; needs unsafe labels"),
+    "rm.center_coef": Float(0.0),
+    "rm.mesh": Check(mesh(optional=False)),
+    "rm.eval_every": Int(0, note="0: only before and after"),
+    # the run
+    "trainer.total_steps": Int(0),
+    "trainer.test_freq": Int(0, note="0: never"),
+    "trainer.val_before_train": Bool(),
+    "trainer.sync_stage_timing": Bool(),
+    "trainer.log_every": Int(0, note="0: validation lines only"),
+    "trainer.logger": Check(sinks),
+    "trainer.project_name": Text(),
+    "trainer.experiment_name": Text(),
+    "trainer.plot": Bool(),
+    "trainer.jax_smi": Bool(),
+    "trainer.out_dir": Check(output_dir),
+    "trainer.save_freq": Int(note="<= 0: only at a stop signal"),
+    "trainer.max_to_keep": Int(0, note="0: keep every checkpoint"),
+    "trainer.async_save": Bool(),
+    "trainer.resume": Check(resume),
+    "trainer.nonfinite": Choice(("stop", "skip"),
+                                note="what an update with a non-finite loss or gradient does"),
+    "trainer.compilation_cache_dir": Check(cache_dir),
+    # Read by launch.plan only (hfjax.planner.config.plan_inputs); the runs ignore them.
+    "plan.score_micro": Int(0, note="rows per scoring pass the planner models; 0: the whole "
+                            "batch"),
+    "plan.gen_rows": Int(-1, note="rows per decode replica the planner models; 0: all, -1: "
+                         "the planner picks"),
+}
+
+# Keys whose value is a mapping that is not itself a section of keys.
+LEAF_MAPPINGS = ("placement",)
+
+
+def register_keys(rows: Mapping[str, Callable[[Any], str | None]]) -> None:
+    """Adds rows to `TRAIN_KEYS` for the config keys of a user algorithm's own roles (e.g.
+    {"probe.mesh": Check(...)}), so that configs setting them are accepted; a key hfjax already
+    declares is refused unless its check is the same object (a module imported twice)."""
+    for key, check in rows.items():
+        if key in TRAIN_KEYS and TRAIN_KEYS[key] is not check:
+            raise ValueError(f"config key {key} is already declared in hfjax/config/")
+        TRAIN_KEYS[key] = check
+        OPTIONAL_KEYS.add(key)
+
+
+# Keys registered by user modules, and launch.plan's own (the runs never read them): a config
+# without them is still complete.
+OPTIONAL_KEYS: set[str] = {"plan.score_micro", "plan.gen_rows"}

@@ -1,0 +1,282 @@
+"""The rules that tie train-config keys together (`TRAIN_RULES`), and the roles a config
+runs (`run_roles`, `active_roles`)."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from typing import Any
+
+from hfjax.config.validators import split
+
+
+def run_roles(algo, cfg) -> tuple[str, ...]:
+    """The algorithm's roles plus those the config selects: a reward model
+    (`reward_model.path`) scores for any algorithm with a reward. A cost model is part of an
+    algorithm that uses costs (Safe-RLHF); configuring one for another algorithm is a
+    ValueError, since nothing would read it."""
+    roles = list(algo.roles)
+    rm = cfg.get("reward_model")
+    if rm is not None and rm.path and "reward" in roles and "reward_model" not in roles:
+        roles.append("reward_model")
+    cm = cfg.get("cost_model")
+    if cm is not None and cm.path and "cost_model" not in roles:
+        raise ValueError(f"cost_model.path is set but algorithm {algo.name!r} has no cost; "
+                         "unset it, or use an algorithm with a cost model (safe_rlhf)")
+    return tuple(roles)
+
+
+# Roles whose model a config selects by a path (a trained score head).
+MODEL_ROLES = ("reward_model", "cost_model")
+
+
+def _roles(c) -> tuple:
+    from hfjax.algorithms.registry import get_algorithm
+
+    algo = get_algorithm(c.algorithm)
+    return algo, run_roles(algo, c)
+
+
+def _selected_models(c) -> str | None:
+    try:
+        _roles(c)
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def _algorithm_settings(c) -> str | None:
+    from hfjax.algorithms.registry import get_algorithm
+
+    algo = get_algorithm(c.algorithm)
+    if algo.check is None:
+        return None
+    try:  # the algorithm's own refusals (DAPO with a KL term, Safe-RLHF without a cost model)
+        algo.check(c)
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def _group_needs_samples(c) -> str | None:
+    from hfjax.numerics import core
+
+    estimator = c.algo.adv_estimator
+    if core.ADV_ESTIMATORS.info(estimator).get("group") and c.rollout.n < 2:
+        return (f"algo.adv_estimator={estimator!r} compares the samples of each prompt, but "
+                f"rollout.n={c.rollout.n} draws one; set --config.rollout.n to 2 or more "
+                "(e.g. 8)")
+    return None
+
+
+def _score_models(c) -> str | None:
+    from hfjax.models.hf_io import check_score_checkpoint
+
+    _, roles = _roles(c)
+    for role in MODEL_ROLES:
+        if role in roles:
+            try:  # reads config.json and the safetensors headers only
+                check_score_checkpoint(c[role].path, f"{role}.path")
+            except (ValueError, OSError) as err:
+                return str(err)
+    return None
+
+
+def _estimator_inputs(c) -> str | None:
+    from hfjax.numerics import core
+
+    algo, _ = _roles(c)
+    need = core.ADV_ESTIMATORS.info(c.algo.adv_estimator).get("needs", ())
+    # What the algorithm's dataflow produces, as it registered it (a critic's values are
+    # PPO's `provides`); the roles a config adds (a reward model) produce none of these.
+    missing = [k for k in need if k not in algo.provides]
+    if missing:
+        return (f"algo.adv_estimator={c.algo.adv_estimator!r} needs {', '.join(missing)}, which "
+                f"algorithm {algo.name!r} does not produce; choose another estimator or an "
+                "algorithm that produces them")
+    return None
+
+
+def _kl_needs_a_reference(c) -> str | None:
+    algo, roles = _roles(c)
+    if "ref" not in roles and (c.actor.use_kl_loss or c.algo.use_kl_in_reward):
+        return (f"algorithm {algo.name!r} has no reference policy, so it has no KL term; set "
+                "--config.actor.use_kl_loss=False and --config.algo.use_kl_in_reward=False")
+    return None
+
+
+def _data_files(c) -> str | None:
+    d = c.data
+    if d.task == "parquet":
+        for key in ("train_files", "val_files"):
+            if not split(d[key]):
+                return (f"data.task='parquet' needs data.{key}: set "
+                        f"--config.data.{key}=path/to/{key.split('_')[0]}.parquet "
+                        "(launch.prepare_data writes them)")
+    elif d.train_files or d.val_files:
+        return ("data.train_files/val_files are set but data.task='arith' ignores them; set "
+                "--config.data.task=parquet to train on them")
+    return None
+
+
+def _warm_start_needs_arith(c) -> str | None:
+    if c.sft.steps > 0 and c.data.task != "arith":
+        return (f"sft.steps={c.sft.steps}: the warm start uses the arith task's "
+                f"demonstrations, and data.task={c.data.task!r}; set --config.sft.steps=0")
+    return None
+
+
+def _sft_micro_batches(c) -> str | None:
+    s = c.sft
+    if s.steps > 0 and s.batch_size % s.micro_batch_size:
+        return (f"sft.micro_batch_size={s.micro_batch_size} does not divide "
+                f"sft.batch_size={s.batch_size}; pick a divisor")
+    return None
+
+
+def _arith_sizes(c) -> str | None:
+    d = c.data
+    if d.task == "arith" and d.n_train < d.train_batch_size:
+        return (f"data.n_train={d.n_train} is smaller than one batch "
+                f"(data.train_batch_size={d.train_batch_size}); raise n_train or lower the batch")
+    return None
+
+
+def _mini_batches_fit(c) -> str | None:
+    _, roles = _roles(c)
+    for role in ("actor", "critic", "cost_critic"):
+        if role not in roles:
+            continue
+        s = c[role]
+        if s.ppo_mini_batch_size > c.data.train_batch_size:
+            return (f"{role}.ppo_mini_batch_size={s.ppo_mini_batch_size} prompts is more than "
+                    f"data.train_batch_size={c.data.train_batch_size}; lower it")
+    return None
+
+
+def _scratch_model(c) -> str | None:
+    m = c.model
+    if m.path:
+        return None  # the sizes below are ignored; the checkpoint's config is used
+    if m.num_heads % m.num_kv_heads:
+        return (f"model.num_heads={m.num_heads} is not a multiple of model.num_kv_heads="
+                f"{m.num_kv_heads}; grouped-query attention needs whole groups")
+    if m.head_dim % 2:
+        return f"model.head_dim={m.head_dim} must be even (rotary embeddings pair dimensions)"
+    if m.vocab_size:
+        from hfjax.data import arith
+
+        need = arith.tokenizer().vocab_size
+        if m.vocab_size < need:
+            return (f"model.vocab_size={m.vocab_size} is smaller than the tokenizer's {need}; "
+                    "set 0 (the tokenizer's size) or more")
+    return None
+
+
+def _positions(c) -> str | None:
+    if not c.model.path:
+        return None  # a model from scratch is sized to hold them
+    from hfjax.models.config import ModelConfig
+
+    try:
+        if c.model.path.startswith("preset:"):
+            from hfjax.models import presets
+
+            hf = None
+            limit = presets.get_preset(presets.preset_name(c.model.path)).max_position_embeddings
+        elif c.model.path.endswith(".gguf"):
+            from hfjax.models.gguf_io import read_gguf_config
+
+            hf = read_gguf_config(c.model.path)
+        else:
+            with open(os.path.join(c.model.path, "config.json")) as f:
+                hf = json.load(f)
+        if hf is not None:
+            limit = ModelConfig.from_hf_config(hf).max_position_embeddings
+    except (OSError, ValueError, KeyError) as err:
+        return f"model.path={c.model.path!r}: cannot read its config ({err})"
+    need = c.data.max_prompt_length + c.rollout.response_length
+    if need > limit:
+        return (f"data.max_prompt_length + rollout.response_length = {need} positions, more "
+                f"than the model's max_position_embeddings={limit}; shorten them")
+    return None
+
+
+def _adaptive_kl(c) -> str | None:
+    k = c.algo.kl_ctrl
+    if k.type == "adaptive" and not c.algo.use_kl_in_reward:
+        return ("algo.kl_ctrl.type='adaptive' adapts the KL-in-reward coefficient, and "
+                "algo.use_kl_in_reward=False; set it to True or use type 'fixed'")
+    return None
+
+
+def _slot_cache(c) -> str | None:
+    r = c.rollout
+    need = c.data.max_prompt_length + r.response_length
+    if r.mode == "continuous" and r.max_cache_len and r.max_cache_len < need:
+        return (f"rollout.max_cache_len={r.max_cache_len} cache columns per slot cannot hold a "
+                f"request of data.max_prompt_length + rollout.response_length = {need} tokens; "
+                f"set --config.rollout.max_cache_len={need} or more, or 0 (no limit)")
+    return None
+
+
+def _token_budget(c) -> str | None:
+    need = c.data.max_prompt_length + c.rollout.response_length
+    for role, key, zero in (("actor", "ppo_max_token_len_per_gpu", "ppo_micro_batch_size"),
+                            ("critic", "ppo_max_token_len_per_gpu", "ppo_micro_batch_size"),
+                            ("cost_critic", "ppo_max_token_len_per_gpu", "ppo_micro_batch_size"),
+                            ("reward_model", "forward_max_token_len_per_gpu", None),
+                            ("cost_model", "forward_max_token_len_per_gpu", None)):
+        s = c.get(role)
+        if s is None or key not in s:
+            continue
+        budget = s[key]
+        if s.use_remove_padding and budget and budget < need:
+            zero = f"{role}.{zero} padded rows' worth" if zero else "the whole batch's tokens"
+            return (f"{role}.{key}={budget} tokens is smaller than one sequence "
+                    f"(data.max_prompt_length + rollout.response_length = {need}); set "
+                    f"--config.{role}.{key}={need} or more, or 0 ({zero})")
+    return None
+
+
+def _one_length_layout(c) -> str | None:
+    for role in ("actor", "critic", "cost_critic"):
+        s = c.get(role)
+        if s is not None and s.get("group_by_length") and s.get("use_remove_padding"):
+            return (f"{role}.group_by_length and {role}.use_remove_padding both cut micro-batches "
+                    f"to real tokens (grouped padded rows vs packed rows); set one of them to "
+                    f"False, e.g. --config.{role}.use_remove_padding=False")
+    return None
+
+
+TRAIN_RULES: tuple[Callable[[Any], str | None], ...] = (
+    _selected_models,
+    _estimator_inputs,
+    _group_needs_samples,
+    _algorithm_settings,  # before the generic KL rule: its message is the algorithm's own
+    _kl_needs_a_reference,
+    _score_models,
+    _data_files,
+    _warm_start_needs_arith,
+    _sft_micro_batches,
+    _arith_sizes,
+    _mini_batches_fit,
+    _scratch_model,
+    _adaptive_kl,
+    _positions,
+    _slot_cache,
+    _token_budget,
+    _one_length_layout,
+)
+
+
+def placement_of(cfg):
+    """The config's placement: a mode name or a plain {pool: {size, roles}} mapping."""
+    p = cfg.placement
+    return p.to_dict() if hasattr(p, "to_dict") else p
+
+
+def active_roles(algo, cfg=None) -> tuple[str, ...]:
+    """The roles that get a pool: the algorithm's, plus those `cfg` selects (`run_roles`)."""
+    return algo.roles if cfg is None else run_roles(algo, cfg)
