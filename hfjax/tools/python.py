@@ -14,8 +14,9 @@ What holds (Linux; docs/agents.md says the same):
   whatever the code does. Where it does not work, only the audit hook below stands in the way.
 - **Files, processes, sockets: an audit hook** (PEP 578), installed before the snippet runs,
   refuses: opening a file for writing outside the temporary directory, deleting, renaming or
-  creating anything outside it, creating a socket, starting a process (fork, exec, subprocess,
-  os.system), and importing ctypes. The snippet runs with `python -I` (no user site, no PYTHON*
+  creating anything outside it, creating a socket or resolving a name, starting a process
+  (fork, exec, subprocess, os.system), sending signals, changing environment variables, and
+  importing ctypes. The snippet runs with `python -I` (no user site, no PYTHON*
   variables), in a fresh temporary directory that is deleted afterwards, with a minimal
   environment.
 
@@ -50,9 +51,10 @@ _BOOTSTRAP = r'''
 import ast, os, resource, sys
 work, snippet_path, mem, fsize, cpu = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:6])
 src = open(snippet_path, encoding="utf-8").read()
-for lim, val in ((resource.RLIMIT_AS, mem), (resource.RLIMIT_FSIZE, fsize),
-                 (resource.RLIMIT_CPU, cpu), (resource.RLIMIT_CORE, 0)):
-    resource.setrlimit(lim, (val, val))
+for lim, soft, hard in ((resource.RLIMIT_AS, mem, mem), (resource.RLIMIT_FSIZE, fsize, fsize),
+                        (resource.RLIMIT_CPU, cpu, cpu + 1), (resource.RLIMIT_CORE, 0, 0)):
+    # CPU: SIGXCPU at the soft limit (a clear message), SIGKILL a second later regardless.
+    resource.setrlimit(lim, (soft, hard))
 os.chdir(work)
 _real = os.path.realpath
 _inside = work + os.sep
@@ -68,9 +70,10 @@ _PATH_EVENTS = {"os.remove": 1, "os.rmdir": 1, "os.mkdir": 1, "os.rename": 2, "o
                 "os.symlink": 2, "os.truncate": 1, "os.chmod": 1, "os.chown": 1, "os.utime": 1,
                 "shutil.rmtree": 1, "shutil.move": 2, "shutil.copyfile": 2}
 _BLOCKED = ("socket.__new__", "socket.connect", "socket.bind", "socket.getaddrinfo",
+            "socket.gethostbyname", "socket.gethostbyaddr",
             "os.system", "os.fork", "os.forkpty", "os.exec", "os.posix_spawn", "os.spawn",
             "subprocess.Popen", "os.kill", "os.killpg", "ctypes.dlopen", "ctypes.dlsym",
-            "os.putenv", "os.unsetenv", "sys.addaudithook")
+            "os.putenv", "os.unsetenv")
 def _hook(event, args):
     if event == "open":
         path, mode, flags = args
@@ -104,6 +107,9 @@ if tail is not None:
     if _value is not None:
         print(repr(_value))
 '''
+
+
+_SIGNALS = {int(s) for s in signal.Signals}
 
 
 @functools.cache
@@ -220,10 +226,15 @@ class Python(Tool):
         if rc == -signal.SIGXFSZ:
             raise ToolError(f"the output (or a file written) exceeded {self.max_output_bytes} "
                             f"bytes and the code was stopped; output so far:\n{stdout}")
-        if rc == -signal.SIGXCPU or rc == -signal.SIGKILL:
+        if rc == -signal.SIGXCPU:
             raise ToolError(f"the code used more than {self.cpu_s} s of CPU and was stopped")
+        if rc == -signal.SIGKILL:
+            raise ToolError(f"the code was killed (SIGKILL: past its {self.cpu_s} s of CPU, or "
+                            "the machine ran out of memory)")
         if rc != 0:
-            detail = stderr.strip() or f"exit status {rc}"
+            how = (f"killed by {signal.Signals(-rc).name}" if rc < 0 and -rc in _SIGNALS
+                   else f"exit status {rc}")
+            detail = stderr.strip() or how
             raise ToolError(f"the code failed:\n{detail}"
                             + (f"\noutput before the failure:\n{stdout}" if stdout else ""))
         return stdout if not stderr else f"{stdout}\n[stderr]\n{stderr}"

@@ -36,6 +36,12 @@ def test_hang_is_killed_within_the_wall_clock(py):
     assert not os.path.exists(f"/proc/{pid}")
 
 
+def test_cpu_limit():
+    tool = Python(wall_s=60.0, cpu_s=1)
+    with pytest.raises(ToolError, match="more than 1 s of CPU"):
+        tool.call({"code": "while True:\n    pass"})
+
+
 def test_memory_bomb_fails_cleanly(py):
     with pytest.raises(ToolError, match="MemoryError"):
         py.call({"code": "b = bytearray(2 * 1024 ** 3)"})
@@ -81,6 +87,7 @@ def test_nothing_is_written_outside_the_temporary_directory(py):
         f"import os\nos.mkdir({target!r})",
         f"import shutil\nshutil.copy('/etc/hostname', {target!r})",
         "open('../escape', 'w')",
+        "import os\nos.chdir('/')\nopen('escape', 'w')",
     ]
     for code in attempts:
         with pytest.raises(ToolError, match="sandbox"):
@@ -93,7 +100,7 @@ def test_nothing_is_written_outside_the_temporary_directory(py):
     assert text == "hi" and not os.path.exists(cwd)
 
 
-def test_processes_deleting_and_ctypes_are_refused(py):
+def test_processes_signals_renames_environment_and_ctypes_are_refused(py):
     victim = tempfile.NamedTemporaryFile(delete=False)
     victim.close()
     try:
@@ -101,6 +108,13 @@ def test_processes_deleting_and_ctypes_are_refused(py):
                           ("import subprocess\nsubprocess.run(['true'])", "subprocess.Popen"),
                           ("import os\nos.fork()", "os.fork"),
                           (f"import os\nos.remove({victim.name!r})", "os.remove"),
+                          (f"import os\nos.replace({victim.name!r}, 'x')", "os.rename"),
+                          ("import os\nos.kill(1, 0)", "os.kill"),
+                          ("import os\nos.environ['X'] = '1'", "os.putenv"),
+                          ("import socket\nsocket.gethostbyname('localhost')",
+                           "socket.gethostbyname"),
+                          ("import multiprocessing\nmultiprocessing.Process(target=print)"
+                           ".start()", "os.fork"),
                           ("import ctypes", "ctypes")]:
             with pytest.raises(ToolError, match=f"sandbox: .*{why}"):
                 py.call({"code": code})
@@ -110,8 +124,10 @@ def test_processes_deleting_and_ctypes_are_refused(py):
 
 
 def test_crash_and_exit_status(py):
-    with pytest.raises(ToolError, match="exit status -6"):
+    with pytest.raises(ToolError, match="killed by SIGABRT"):
         py.call({"code": "import os\nos.abort()"})
+    with pytest.raises(ToolError, match="killed by SIGSEGV"):
+        py.call({"code": "import faulthandler\nfaulthandler.disable()\nfaulthandler._sigsegv()"})
     with pytest.raises(ToolError, match="exit status 3"):
         py.call({"code": "raise SystemExit(3)"})
     with pytest.raises(ToolError, match="EOFError"):

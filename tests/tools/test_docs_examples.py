@@ -1,0 +1,27 @@
+"""docs/agents.md's Python examples run as written and do what the page says."""
+
+import os
+import re
+
+from hfjax.tools import Observation, ToolCall, ToolRunner, resolve_tools
+
+DOC = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "agents.md")
+
+
+def test_agents_md_examples(capsys):
+    with open(DOC, encoding="utf-8") as f:
+        blocks = re.findall(r"```python\n(.*?)```", f.read(), re.S)
+    assert len(blocks) == 2
+    for block in blocks:
+        exec(compile(block, DOC, "exec"), {"__name__": "agents_md"})
+    # The second block prints what its comment says.
+    assert capsys.readouterr().out.strip() == "[Observation(text='7006652', error=False)]"
+    # The first registered word_count, which behaves as documented.
+    with ToolRunner(resolve_tools("word_count")) as runner:
+        two, empty, unknown = runner.run([
+            ToolCall("word_count", {"text": "a b a", "word": "a"}),
+            ToolCall("word_count", {"text": "a b", "word": " "}),
+            ToolCall("word_count", {"text": "a", "n": 1})])
+    assert two == Observation("2", False)
+    assert empty.error and empty.text.startswith("Error: word_count: word is empty")
+    assert unknown.error and "unknown 'n'" in unknown.text
