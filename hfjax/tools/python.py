@@ -15,15 +15,16 @@ What holds (Linux; docs/agents.md says the same):
 - **Files, processes, sockets: an audit hook** (PEP 578), installed before the snippet runs,
   refuses: opening a file for writing outside the temporary directory, deleting, renaming or
   creating anything outside it, creating a socket or resolving a name, starting a process
-  (fork, exec, subprocess, os.system), sending signals, changing environment variables, and
-  importing ctypes. The snippet runs with `python -I` (no user site, no PYTHON*
-  variables), in a fresh temporary directory that is deleted afterwards, with a minimal
-  environment.
+  (fork, exec, subprocess, os.system), sending signals, and using ctypes to reach native code
+  (loading a library by name, looking up a symbol, a foreign call, reading memory at an
+  address; importing ctypes is allowed, as sympy does it). The snippet runs with `python -I`
+  (no user site, no PYTHON* variables), in a fresh temporary directory that is deleted
+  afterwards, with a minimal environment.
 
 What does not hold: the audit hook is a tripwire for honest mistakes and naive attempts, not a
 security boundary. Reading files is not restricted beyond the OS's permissions, and code that
-escapes the interpreter (a C extension already installed) is not contained. Run untrusted
-policies' code in a container or VM as well.
+escapes the interpreter's checks (ctypes' ready-made memmove and memset, a C extension already
+installed) is not contained. Run untrusted policies' code in a container or VM as well.
 
 The limits are applied by the child itself, before the snippet runs, rather than in a
 `preexec_fn`: the parent is a multi-threaded JAX process, where `preexec_fn` can deadlock.
@@ -69,11 +70,14 @@ def _ok(path):
 _PATH_EVENTS = {"os.remove": 1, "os.rmdir": 1, "os.mkdir": 1, "os.rename": 2, "os.link": 2,
                 "os.symlink": 2, "os.truncate": 1, "os.chmod": 1, "os.chown": 1, "os.utime": 1,
                 "shutil.rmtree": 1, "shutil.move": 2, "shutil.copyfile": 2}
+# ctypes may be imported (sympy does), but not used to reach native code: no library loaded
+# by name, no symbol looked up, no foreign call, no raw memory read or written.
 _BLOCKED = ("socket.__new__", "socket.connect", "socket.bind", "socket.getaddrinfo",
             "socket.gethostbyname", "socket.gethostbyaddr",
             "os.system", "os.fork", "os.forkpty", "os.exec", "os.posix_spawn", "os.spawn",
-            "subprocess.Popen", "os.kill", "os.killpg", "ctypes.dlopen", "ctypes.dlsym",
-            "os.putenv", "os.unsetenv")
+            "subprocess.Popen", "os.kill", "os.killpg", "ctypes.dlsym", "ctypes.dlsym/handle",
+            "ctypes.call_function", "ctypes.cdata", "ctypes.cdata/buffer", "ctypes.string_at",
+            "ctypes.wstring_at")
 def _hook(event, args):
     if event == "open":
         path, mode, flags = args
@@ -88,10 +92,8 @@ def _hook(event, args):
             if not _ok(path):
                 raise PermissionError(f"sandbox: {event} on {path!r} outside the working "
                                       "directory is not allowed")
-    elif event in _BLOCKED:
+    elif event in _BLOCKED or (event == "ctypes.dlopen" and args[0] is not None):
         raise PermissionError(f"sandbox: {event} is not allowed")
-    elif event == "import" and args[0] in ("ctypes", "_ctypes"):
-        raise PermissionError("sandbox: importing ctypes is not allowed")
 sys.addaudithook(_hook)
 tree = ast.parse(src, "<snippet>", "exec")
 if tree.body and isinstance(tree.body[-1], ast.Expr):
@@ -199,8 +201,12 @@ class Python(Tool):
                 str(self.memory_mb * 1024 * 1024), str(self.max_output_bytes), str(self.cpu_s)]
         if self.network_namespace:
             argv = [shutil.which("unshare") or "unshare", "--user", "--net", "--"] + argv
+        # One thread per numeric library (their pools reserve address space per thread, which
+        # RLIMIT_AS counts), and no accelerator for a snippet that imports an ML framework.
         env = {"PATH": "/usr/bin:/bin", "HOME": work, "TMPDIR": work, "LANG": "C.UTF-8",
-               "PYTHONIOENCODING": "utf-8"}
+               "PYTHONIOENCODING": "utf-8", "OMP_NUM_THREADS": "1",
+               "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "",
+               "JAX_PLATFORMS": "cpu"}
         out_path, err_path = os.path.join(root, "stdout"), os.path.join(root, "stderr")
         with open(out_path, "wb") as out, open(err_path, "wb") as err:
             proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=err,

@@ -70,6 +70,11 @@ class ToolRunner:
         for key, tool in tools.items():
             if not isinstance(tool, Tool):
                 raise ValueError(f"ToolRunner: tools[{key!r}] = {tool!r} is not a Tool")
+            timeout = getattr(tool, "timeout_s", None)
+            if (not isinstance(timeout, (int, float)) or isinstance(timeout, bool)
+                    or not 0 < timeout < float("inf")):
+                raise ValueError(f"ToolRunner: tool {key!r} has timeout_s={timeout!r}; give a "
+                                 "finite number of seconds > 0")
         self.tools = dict(tools)
         self.max_workers = max_workers
         self.max_output_chars = max_output_chars

@@ -195,3 +195,7 @@ def test_runner_refuses_bad_settings():
         ToolRunner({}, max_workers=0)
     with pytest.raises(ValueError, match=r"tools\['x'\].*is not a Tool"):
         ToolRunner({"x": object()})
+    echo = Echo()
+    echo.timeout_s = None
+    with pytest.raises(ValueError, match="timeout_s=None; give a finite number"):
+        ToolRunner({"echo": echo})
