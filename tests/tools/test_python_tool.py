@@ -67,7 +67,9 @@ def test_huge_output_is_stopped_and_cut(py):
     assert out.startswith("y" * 2000) and out.endswith("[output truncated]") and len(out) < 2100
 
 
-def test_socket_is_refused(py):
+@pytest.mark.parametrize("namespace", [False, None])  # the audit hook alone; as configured
+def test_socket_is_refused(namespace):
+    py = Python(wall_s=5.0, network_namespace=namespace)
     for code in ("import socket\nsocket.socket()",
                  "import socket\nsocket.create_connection(('127.0.0.1', 9))",
                  "import _socket\n_socket.socket()",
