@@ -1,6 +1,7 @@
 """Tools by name or pkg.mod:Class, and the runner: concurrent, ordered, never raising."""
 
 import threading
+import time
 
 import pytest
 
@@ -199,3 +200,41 @@ def test_runner_refuses_bad_settings():
     echo.timeout_s = None
     with pytest.raises(ValueError, match="timeout_s=None; give a finite number"):
         ToolRunner({"echo": echo})
+
+
+class Slow(Tool):
+    """Echoes after a short, varying pause, so calls finish out of order."""
+
+    name = "slow"
+    description = "echoes slowly"
+    parameters = {"type": "object", "properties": {"i": {"type": "integer"}},
+                  "required": ["i"]}
+
+    def call(self, arguments):
+        time.sleep((arguments["i"] * 7919 % 5) / 1000)
+        return str(arguments["i"])
+
+
+def test_many_submitters_get_their_own_results_in_order():
+    errors = []
+    with ToolRunner({"slow": Slow(), "echo": Echo()}, max_workers=3) as runner:
+        def submitter(t):
+            try:
+                for k in range(25):
+                    base = 1000 * t + 10 * k
+                    calls = [ToolCall("slow", {"i": base + j}) for j in range(4)]
+                    calls.insert(2, ToolCall("nope", {}))
+                    out = runner.submit(calls).result(timeout=60)
+                    texts = [o.text for o in out]
+                    want = [str(base), str(base + 1), texts[2], str(base + 2), str(base + 3)]
+                    if texts != want or not out[2].error:
+                        errors.append((t, k, texts))
+            except Exception as err:  # surfaced below: a thread's exception is not a failure
+                errors.append((t, repr(err)))
+
+        threads = [threading.Thread(target=submitter, args=(t,)) for t in range(4)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(120)
+    assert errors == []
