@@ -47,7 +47,8 @@ from hfjax.tools.registry import register_tool
 
 # The child's bootstrap: argv = [work_dir, snippet_path, memory_bytes, file_bytes, cpu_s].
 # It sets the limits, installs the audit hook, then runs the snippet; the last expression
-# statement's value is printed as in a REPL.
+# statement's value is printed as in a REPL. The child runs unbuffered (-u), so a snippet
+# killed at the wall clock still shows what it printed.
 _BOOTSTRAP = r'''
 import ast, os, resource, sys
 work, snippet_path, mem, fsize, cpu = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:6])
@@ -95,7 +96,12 @@ def _hook(event, args):
     elif event in _BLOCKED or (event == "ctypes.dlopen" and args[0] is not None):
         raise PermissionError(f"sandbox: {event} is not allowed")
 sys.addaudithook(_hook)
-tree = ast.parse(src, "<snippet>", "exec")
+try:
+    tree = ast.parse(src, "<snippet>", "exec")
+except (SyntaxError, ValueError) as err:
+    import traceback
+    sys.stderr.write("".join(traceback.format_exception_only(err)))
+    sys.exit(1)
 if tree.body and isinstance(tree.body[-1], ast.Expr):
     last = ast.Expression(tree.body.pop().value)
     code, tail = compile(tree, "<snippet>", "exec"), compile(last, "<snippet>", "eval")
@@ -197,7 +203,7 @@ class Python(Tool):
         snippet = os.path.join(root, "snippet.py")
         with open(snippet, "w", encoding="utf-8") as f:
             f.write(code)
-        argv = [sys.executable, "-I", "-c", _BOOTSTRAP, work, snippet,
+        argv = [sys.executable, "-I", "-u", "-c", _BOOTSTRAP, work, snippet,
                 str(self.memory_mb * 1024 * 1024), str(self.max_output_bytes), str(self.cpu_s)]
         if self.network_namespace:
             argv = [shutil.which("unshare") or "unshare", "--user", "--net", "--"] + argv

@@ -11,9 +11,10 @@ DOC = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "agents.md")
 def test_agents_md_examples(capsys):
     with open(DOC, encoding="utf-8") as f:
         blocks = re.findall(r"```python\n(.*?)```", f.read(), re.S)
-    assert len(blocks) == 2
+    assert len(blocks) == 3
+    scope = {"__name__": "agents_md"}
     for block in blocks:
-        exec(compile(block, DOC, "exec"), {"__name__": "agents_md"})
+        exec(compile(block, DOC, "exec"), scope)
     # The second block prints what its comment says.
     assert capsys.readouterr().out.strip() == "[Observation(text='7006652', error=False)]"
     # The first registered word_count, which behaves as documented.
@@ -25,3 +26,6 @@ def test_agents_md_examples(capsys):
     assert two == Observation("2", False)
     assert empty.error and empty.text.startswith("Error: word_count: word is empty")
     assert unknown.error and "unknown 'n'" in unknown.text
+    # The third is the python tool with other limits.
+    slow = scope["SlowPython"]()
+    assert (slow.name, slow.wall_s, slow.memory_mb, slow.cpu_s) == ("python", 30.0, 2048, 40)

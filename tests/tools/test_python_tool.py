@@ -35,8 +35,15 @@ def test_exception_is_reported_with_its_traceback_tail(py):
     assert 'File "<string>"' not in str(err.value)  # the bootstrap's frames are left out
 
 
+def test_syntax_error_is_reported_plainly(py):
+    with pytest.raises(ToolError, match=r"(?s)failed:.*SyntaxError: '\(' was never") as err:
+        py.call({"code": "x = (1,\nprint(x)"})
+    assert "Traceback" not in str(err.value)
+
+
 def test_hang_is_killed_within_the_wall_clock(py):
-    code = "import os\nprint(os.getpid(), flush=True)\nwhile True:\n    pass"
+    # Printed without a flush: the child is unbuffered, so the line survives the kill.
+    code = "import os\nprint(os.getpid())\nwhile True:\n    pass"
     with pytest.raises(ToolError, match="ran longer than 2 s") as err:
         py.call({"code": code})
     pid = int(str(err.value).rsplit("\n", 2)[-2])
