@@ -5,7 +5,8 @@ import re
 
 from hfjax.tools import Observation, ToolCall, ToolRunner, resolve_tools
 
-DOC = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "agents.md")
+# The checkout (realpath: under Bazel this file is a link in the runfiles, which hold no docs).
+DOC = os.path.join(os.path.dirname(os.path.realpath(__file__)), "..", "..", "docs", "agents.md")
 
 
 def test_agents_md_examples(capsys):
