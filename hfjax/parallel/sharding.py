@@ -254,4 +254,17 @@ def layout(mesh: Mesh, rules: str | Mapping[str, Rule] = "train", **kw) -> Layou
         if rules not in RULE_SETS:
             raise ValueError(f"unknown layout rules {rules!r}; choose one of {sorted(RULE_SETS)}")
         rules = RULE_SETS[rules]
+    if mesh.shape.get("sequence", 1) > 1:
+        # Sequence parallelism splits rows, not parameters: without this the parameters and
+        # optimizer state would be replicated over `sequence`. FSDP spans it too.
+        rules = {k: _with_sequence(r) for k, r in rules.items()}
     return Layout(mesh, dict(rules), **kw)
+
+
+def _with_sequence(rule: Rule) -> Rule:
+    """`rule` with `sequence` after each `fsdp` it names."""
+    axes = (rule,) if isinstance(rule, str) else tuple(rule or ())
+    if "fsdp" not in axes or "sequence" in axes:
+        return rule
+    i = axes.index("fsdp")
+    return axes[:i + 1] + ("sequence",) + axes[i + 1:]

@@ -177,3 +177,10 @@ def test_ulysses_needs_kv_heads_divisible_by_the_sequence_size():
     assert group.layout.sequence_parallel == "ring"
     with pytest.raises(ValueError, match="choose one of"):
         WorkerGroup("actor", pool, "fsdp=8", transformer.build(cfg), sequence_parallel="rings")
+
+
+def test_parameters_are_sharded_over_fsdp_and_sequence():
+    from jax.sharding import PartitionSpec as P
+
+    assert layout("fsdp=2,sequence=4").spec(("embed", "mlp"), (32, 48)) == P(("fsdp", "sequence"))
+    assert layout("fsdp=8").spec(("embed", "mlp"), (32, 48)) == P("fsdp")
