@@ -163,7 +163,12 @@ class DryRun:
         more = (f"its models' parameters and optimizer state alone are {state / size:.1f} "
                 f"{unit}, at least {need} devices of {mem / size:.1f} {unit} even with nothing "
                 "else on them; " if need and need > self.num_devices else "")
-        return (f"{more}shard over more devices (--num_devices, and meshes that span them), "
+        w = self.worst
+        rows = ("" if w.name.startswith(("rollout", "val", "hybrid")) else
+                f"split each row's tokens over the sequence mesh axis (sequence parallelism: "
+                f"{w.name.split('.')[0]}.mesh with sequence=2, 4 or 8, e.g. "
+                "fsdp=2,sequence=4; docs/scaling.md, \"Long responses\"), ")
+        return (f"{more}{rows}shard over more devices (--num_devices, and meshes that span them), "
                 "put the models on separate pools (placement), keep master weights in "
                 "bfloat16 (model.param_dtype), recompute activations (model.remat_policy=full) "
                 "or shrink batches and sequence lengths (data.train_batch_size, "
