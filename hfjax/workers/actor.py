@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 from hfjax.controller.batch import Batch
 from hfjax.controller.protocol import DP_COMPUTE, ON_HOST, method
-from hfjax.engine import grouping, head_chunks, packing, shared_prompt
+from hfjax.engine import grouping, head_chunks, packing, sampling, shared_prompt
 from hfjax.engine.hybrid import HybridEngine
 from hfjax.engine.sampler import (
     MIN_NEW_TOKENS_BUCKET,
@@ -275,7 +275,8 @@ class ActorRollout(Reference):
         """Samples n responses per prompt of a host batch (prompts, prompt_mask, seeds).
 
         Returns the batch repeated n times (interleaved: rows b*n .. b*n+n-1 share prompt b)
-        with responses, response_mask, input_ids, attention_mask and rollout_log_probs. The
+        with responses, response_mask, input_ids, attention_mask, rollout_log_probs and
+        truncated (1 where a response reached `rollout.response_length` without a stop token). The
         sampler needs the prompts on the host (it buckets their lengths), hence ON_HOST; the
         responses never leave the devices.
         """
@@ -318,6 +319,8 @@ class ActorRollout(Reference):
         resp, rmask = out.tokens, out.mask.astype(pmask.dtype)
         arrays = _join(prompts, pmask, resp, rmask)
         arrays["rollout_log_probs"] = out.logprobs
+        # Cut off at the length limit without a stop token (verl's response_length/clip_ratio).
+        arrays["truncated"] = _truncated(resp, rmask, r.response_length, self.eos_ids)
         return rep.union(Batch(arrays))
 
     @method(DP_COMPUTE, reads=SEQUENCES)
@@ -481,6 +484,9 @@ def trim_responses(out: GenerateOutput) -> GenerateOutput:
         longest = int(jnp.max(jnp.sum(out.mask, axis=1)))
     keep = bucket_size(longest, MIN_NEW_TOKENS_BUCKET, cap=width)
     return out if keep == width else out.head(rows, keep)
+
+
+_truncated = jax.jit(sampling.truncated, static_argnums=(2, 3))
 
 
 @jax.jit
