@@ -89,6 +89,12 @@ def get_config() -> config_dict.ConfigDict:
             # shards; auto picks train, or nested_train when only it nests in rollout.mesh
             # (hfjax/engine/layout_choice.py), and says so in the log.
             rules="auto",
+            # A mesh with sequence > 1 splits each row's tokens over that axis (activations of
+            # the update and of the scoring passes); attention crosses the shards by ulysses
+            # (all-to-all between tokens and heads; kv heads divisible by the sequence size)
+            # or ring (K/V blocks passed round). Same key for ref, critic and the reward
+            # and cost models (hfjax/models/sequence_parallel.py).
+            sequence_parallel="ulysses",
             lr=1e-4,
             weight_decay=0.0,
             grad_clip=1.0,
@@ -161,10 +167,11 @@ def get_config() -> config_dict.ConfigDict:
             val_kwargs=config_dict.ConfigDict(dict(n=1, temperature=0.0)),
         )
     )
-    c.ref = config_dict.ConfigDict(dict(mesh="fsdp=-1"))
+    c.ref = config_dict.ConfigDict(dict(mesh="fsdp=-1", sequence_parallel="ulysses"))
     c.critic = config_dict.ConfigDict(
         dict(
             mesh="fsdp=-1",
+            sequence_parallel="ulysses",
             lr=1e-3,
             weight_decay=0.0,
             grad_clip=1.0,
@@ -228,12 +235,13 @@ def get_config() -> config_dict.ConfigDict:
     # use_remove_padding: score packed rows (real tokens only) in micro-batches of
     # forward_max_token_len_per_gpu tokens per data-parallel device (0: the whole batch's).
     c.reward_model = config_dict.ConfigDict(
-        dict(path="", mesh="fsdp=-1", dtype="float32", use_remove_padding=False,
-             forward_max_token_len_per_gpu=0))
+        dict(path="", mesh="fsdp=-1", sequence_parallel="ulysses", dtype="float32",
+             use_remove_padding=False, forward_max_token_len_per_gpu=0))
     c.cost_model = config_dict.ConfigDict(
         dict(
             path="",
             mesh="fsdp=-1",
+            sequence_parallel="ulysses",
             dtype="float32",
             use_remove_padding=False,
             forward_max_token_len_per_gpu=0,

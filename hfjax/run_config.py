@@ -409,6 +409,9 @@ _LR = Float(0.0, note="0 freezes the model")
 _CLIP = Float(0.0)
 _BUDGET = ("tokens per data-parallel device and micro-batch with use_remove_padding; "
            "0: ppo_micro_batch_size padded rows")
+_SP = Choice(("ulysses", "ring"), note="attention across a row split over the mesh's sequence "
+             "axis: ulysses (all-to-all, needs kv heads divisible by the sequence size) or ring "
+             "(K/V blocks passed round)")
 _FORWARD_BUDGET = ("tokens per data-parallel device and micro-batch of the scoring pass with "
                    "use_remove_padding; 0: the whole batch")
 
@@ -462,6 +465,7 @@ TRAIN_KEYS: dict[str, Callable[[Any], str | None]] = {
     # actor
     "actor.mesh": Check(_mesh(optional=False)),
     "actor.rules": Choice(_layout_rules),
+    "actor.sequence_parallel": _SP,
     "actor.lr": _LR,
     "actor.weight_decay": Float(0.0),
     "actor.grad_clip": Float(0.0, note="0: no clipping"),
@@ -510,7 +514,9 @@ TRAIN_KEYS: dict[str, Callable[[Any], str | None]] = {
     "rollout.val_kwargs.temperature": Float(0.0, note="0: greedy"),
     # reference and critic
     "ref.mesh": Check(_mesh(optional=False)),
+    "ref.sequence_parallel": _SP,
     "critic.mesh": Check(_mesh(optional=False)),
+    "critic.sequence_parallel": _SP,
     "critic.lr": _LR,
     "critic.weight_decay": Float(0.0),
     "critic.grad_clip": Float(0.0, note="0: no clipping"),
@@ -525,6 +531,7 @@ TRAIN_KEYS: dict[str, Callable[[Any], str | None]] = {
     "critic.loss_agg_mode": Choice(_registry("LOSS_AGG_MODES")),
     # Safe-RLHF's cost critic
     "cost_critic.mesh": Check(_mesh(optional=False)),
+    "cost_critic.sequence_parallel": _SP,
     "cost_critic.lr": _LR,
     "cost_critic.weight_decay": Float(0.0),
     "cost_critic.grad_clip": Float(0.0, note="0: no clipping"),
@@ -570,11 +577,13 @@ TRAIN_KEYS: dict[str, Callable[[Any], str | None]] = {
     # learned reward and cost models (HF *ForSequenceClassification directories)
     "reward_model.path": Check(_model_path(optional=True)),
     "reward_model.mesh": Check(_mesh(optional=False)),
+    "reward_model.sequence_parallel": _SP,
     "reward_model.dtype": Choice(("float32", "bfloat16")),
     "reward_model.use_remove_padding": Bool(),
     "reward_model.forward_max_token_len_per_gpu": Int(0, note=_FORWARD_BUDGET),
     "cost_model.path": Check(_model_path(optional=True)),
     "cost_model.mesh": Check(_mesh(optional=False)),
+    "cost_model.sequence_parallel": _SP,
     "cost_model.dtype": Choice(("float32", "bfloat16")),
     "cost_model.use_remove_padding": Bool(),
     "cost_model.forward_max_token_len_per_gpu": Int(0, note=_FORWARD_BUDGET),

@@ -706,4 +706,13 @@ def engine_for(train_layout: shd.Layout, rollout_cfg: Any, state: Any) -> Hybrid
     spec = rollout_cfg.get("mesh", "")
     if not rollout_cfg.get("hybrid_engine", True) or not spec:
         return None
-    return HybridEngine(train_layout, spec, state)
+    return HybridEngine(train_layout, spec, state,
+                        allow_fallback=splits_rows(train_layout.mesh))
+
+
+def splits_rows(mesh) -> bool:
+    """Whether a training mesh splits rows over `sequence` (sequence parallelism). Its
+    parameters are replicated over `sequence`, so its shards rarely nest in a decode layout's;
+    the engine then reshards them with plain on-device transfers (logged with the extra bytes)
+    rather than refusing the decode layout."""
+    return mesh.shape.get("sequence", 1) > 1

@@ -9,7 +9,9 @@ size: fsdp then joins the micro-DP groups), then "nested_train" (fsdp splits the
 tensor splits where it divides them, so a decode tensor size dividing fsdp x tensor nests; a
 tensor whose heads fsdp does not divide keeps fsdp on embed and, where it cannot nest, moves by
 a plain transfer, logged by the engine). The first that nests is used and logged; when none
-does, the LayoutError names each candidate's reason.
+does, the LayoutError names each candidate's reason, except on a mesh that splits rows over
+`sequence`, whose parameters (replicated over it) the engine then reshards by plain transfers
+under "train".
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import Any
 from absl import logging
 from jax.sharding import Mesh
 
-from hfjax.engine.hybrid import HybridEngine, LayoutError, engine_for
+from hfjax.engine.hybrid import HybridEngine, LayoutError, engine_for, splits_rows
 from hfjax.parallel.sharding import layout
 
 AUTO = "auto"
@@ -51,6 +53,9 @@ def actor_rules_and_engine(mesh: Mesh, rules: Any, rollout_cfg: Any,
                      "actor.mesh %s%s", candidate, spec, dict(mesh.shape),
                      f" ({'; '.join(reasons)})" if reasons else "")
         return candidate, engine
+    if splits_rows(mesh):
+        # Sequence parallelism: no rules nest; the engine reshards by plain transfers.
+        return CANDIDATES[0], engine_for(layout(mesh, CANDIDATES[0]), rollout_cfg, state)
     used = {a: n for a, n in mesh.shape.items() if n > 1}
     raise LayoutError(
         f"rollout.mesh {spec!r} cannot hold the training shards of the actor's mesh {used} "

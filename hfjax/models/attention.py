@@ -48,8 +48,10 @@ import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
+from hfjax.models import sequence_parallel as sp
 from hfjax.models.blockwise import blockwise_attention
 from hfjax.models.config import ATTENTION_IMPLS, ModelConfig
+from hfjax.parallel import sharding as shd
 
 IMPLEMENTATIONS = ATTENTION_IMPLS
 
@@ -174,7 +176,72 @@ def attention_fn(
     slots up to their own. Packed rows give `segment_ids` [B, T] (a query sees only its own
     segment) and `segment_span` (`banded_attention` where it pays); shared-prompt rows give
     `shared_prompt` (with `attention_mask`) or `response_blocks`.
+
+    Under a layout whose mesh splits rows over `sequence` (no cache: training and scoring),
+    q/k/v arrive [B, W, ...] with W >= T a multiple of the sequence size (the row padded at the
+    end) and the attention runs across the shards (`hfjax.models.sequence_parallel`): Ulysses
+    around this same function, or ring attention over the pattern's mask.
     """
+    layout = shd.active_layout()
+    if cache_index is None and sp.sequence_size(layout) > 1:
+        return _split_attention(cfg, layout, key_valid, query_count, dtype,
+                                segment_ids=segment_ids, segment_span=segment_span,
+                                shared_prompt=shared_prompt, response_blocks=response_blocks,
+                                attention_mask=attention_mask)
+    return _attention(cfg, key_valid, query_count, dtype, cache_index=cache_index,
+                      segment_ids=segment_ids, segment_span=segment_span,
+                      shared_prompt=shared_prompt, response_blocks=response_blocks,
+                      attention_mask=attention_mask)
+
+
+def _split_attention(cfg, layout, key_valid, query_count, dtype, *, segment_ids, segment_span,
+                     shared_prompt, response_blocks, attention_mask):
+    """`attention_fn` for rows split over `sequence`: the masks go whole to every device, the
+    row's own attention (`_attention`, on the per-device heads) runs inside Ulysses, and ring
+    attention reads the pattern as column groups (`sequence_parallel.Pattern`)."""
+    T = query_count
+    masks = {"key_valid": key_valid}
+    if segment_ids is not None:
+        masks["segment_ids"] = segment_ids
+    if attention_mask is not None:
+        masks["attention_mask"] = attention_mask
+    if response_blocks is not None:
+        masks["blocks"] = response_blocks.blocks
+
+    def local(c, key_valid, segment_ids=None, attention_mask=None, blocks=None):
+        rb = None if response_blocks is None else response_blocks._replace(blocks=blocks)
+        return _attention(c, key_valid, T, dtype, segment_ids=segment_ids,
+                          segment_span=segment_span, shared_prompt=shared_prompt,
+                          response_blocks=rb, attention_mask=attention_mask)
+
+    pattern = None
+    if segment_ids is not None:
+        pattern = sp.Pattern(segment_ids)
+    elif response_blocks is not None:
+        pattern = sp.Pattern(response_blocks.blocks, shared=True)
+    elif shared_prompt is not None:
+        P, n = shared_prompt
+        R = (T - P) // n
+        cols = jnp.arange(T)
+        groups = jnp.where(cols < P, 0, 1 + (cols - P) // max(R, 1))
+        pattern = sp.Pattern(jnp.broadcast_to(groups, key_valid.shape), shared=True)
+    return sp.attention(cfg, layout, T, local, masks, pattern)
+
+
+def _attention(
+    cfg: ModelConfig,
+    key_valid: jax.Array,
+    query_count: int,
+    dtype,
+    *,
+    cache_index: jax.Array | int | None = None,
+    segment_ids: jax.Array | None = None,
+    segment_span: int | None = None,
+    shared_prompt: SharedPrompt | None = None,
+    response_blocks: ResponseBlocks | None = None,
+    attention_mask: jax.Array | None = None,
+):
+    """`attention_fn` on rows whole on each device."""
     impl = resolve(cfg.attention_impl, dtype, cfg.head_dim)
     if shared_prompt is not None:
         return shared_prompt_attention(cfg, attention_mask, shared_prompt,

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from hfjax.models import sequence_parallel as sp
 from hfjax.models.attention import ResponseBlocks, SharedPrompt, attention_fn
 from hfjax.models.config import ModelConfig
 from hfjax.parallel import sharding as shd
@@ -327,8 +328,9 @@ class Backbone(nnx.Module):
         self.layers = Layers(cfg, rngs)
         self.norm = _param(rngs, cfg, (cfg.hidden_size,), ("norm",), "ones")
 
-    def embed(self, input_ids: jax.Array) -> jax.Array:
-        """Token embeddings [B, T, D] of input_ids [B, T].
+    def embed(self, input_ids: jax.Array, split: bool = False) -> jax.Array:
+        """Token embeddings [B, T, D] of input_ids [B, T]; with `split`, T is split over the
+        `sequence` mesh axis (sequence parallelism: every later activation follows).
 
         Under a worker group's layout the table is whole along `embed` (as FSDP gathers any weight
         before use) and split along `vocab` only, and the rows come out split like the token
@@ -338,7 +340,7 @@ class Backbone(nnx.Module):
         """
         table = shd.constrain(self.embed_tokens[...], ("vocab", None))
         h = jnp.take(table, input_ids, axis=0).astype(self.config.jnp_dtype)
-        return shd.constrain(h, ("batch", None, None))
+        return shd.constrain(h, ("batch", "length" if split else None, None))
 
     def __call__(
         self,
@@ -398,7 +400,16 @@ class Backbone(nnx.Module):
             segment_span=segment_span, shared_prompt=shared_prompt,
             response_blocks=response_blocks, attention_mask=attention_mask)
 
-        h = self.embed(input_ids)
+        # Sequence parallelism (`hfjax.models.sequence_parallel`): without a cache, a mesh
+        # with `sequence` > 1 splits the row's tokens; the row is padded at the end to a
+        # multiple of the split (masked out of every attention) and cut back after the layers.
+        width = T
+        split = cache is None and sp.sequence_size(shd.active_layout()) > 1
+        if split:
+            width = sp.padded_width(T, shd.active_layout())
+            pad = [(0, 0), (0, width - T)]
+            input_ids, positions = jnp.pad(input_ids, pad), jnp.pad(positions, pad)
+        h = self.embed(input_ids, split=split)
         rope = rope_tables(positions, rope_inv_freq(cfg), storage_dtype(cfg.jnp_dtype),
                            key_valid.shape[1])
         params = self.layers.arrays()
@@ -435,6 +446,8 @@ class Backbone(nnx.Module):
                     carry, _ = step(carry, (i, {k: v[i] for k, v in params.items()}))
             h, ck, cv = carry
             new_cache = KVCache(ck, cv)
+        if width != T:
+            h = h[:, :T]
         return rms_norm(h, self.norm[...], cfg.rms_norm_eps), new_cache
 
 

@@ -83,11 +83,15 @@ class Layout:
     `replicate_indivisible` lists logical axes that are replicated, with a logged warning, when
     their mesh axes do not divide them (for example 3 KV heads on `tensor=2`: replicating the KV
     projections is the common practice). Any other indivisible dimension is an error.
+
+    `sequence_parallel` ("ulysses" or "ring") is how attention runs when the mesh splits a
+    row's tokens over `sequence` (`hfjax.models.sequence_parallel`).
     """
 
     mesh: Mesh
     rules: Mapping[str, Rule] = dataclasses.field(default_factory=lambda: dict(TRAIN_RULES))
     replicate_indivisible: Sequence[str] = ("kv_heads",)
+    sequence_parallel: str = "ulysses"
 
     def spec(self, axes: Sequence[str | None], shape: Sequence[int], name: str = "?") -> P:
         """The PartitionSpec for one tensor with the given logical axes and shape.
@@ -201,12 +205,13 @@ def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
     """x with a sharding constraint from its logical axes under the active layout; x itself
     when no layout is active (single device, or code traced outside a worker group's programs).
 
-    Besides the parameter axes, activations may name "batch": the data-parallel mesh axes.
+    Besides the parameter axes, activations may name "batch" (the data-parallel mesh axes) and
+    "length" (a row's tokens: the `sequence` axis).
     """
     layout = _ACTIVE.get()
     if layout is None:
         return x
-    rules = {**layout.rules, "batch": mesh_lib.dp_axes(layout.mesh)}
+    rules = {**layout.rules, "batch": mesh_lib.dp_axes(layout.mesh), "length": "sequence"}
     return jax.lax.with_sharding_constraint(
         x, dataclasses.replace(layout, rules=rules).sharding(axes, x.shape, "activation")
     )

@@ -25,6 +25,7 @@ from jax.sharding import Mesh
 from hfjax.controller.batch import Batch
 from hfjax.engine import grouping, update
 from hfjax.engine.packing import PackShape, TokenBudget
+from hfjax.models import sequence_parallel as sp
 from hfjax.parallel import sharding as shd
 from hfjax.parallel.mesh import MeshSpec, ResourcePool, batch_sharding, dp_size
 from hfjax.parallel.transfer import transfer
@@ -103,14 +104,22 @@ class WorkerGroup:
         rules: str | dict = "train",
         optimizer: optax.GradientTransformation | None = None,
         home: Mesh | None = None,
+        sequence_parallel: str = "ulysses",
     ):
         self.name = name
         self.pool = pool
         self.mesh = pool.mesh(mesh_spec)
         # Where the dataflow keeps its batch: methods' Batch outputs are collected onto it.
         self.home = home
-        self.layout = shd.layout(self.mesh, rules)
         self.config = model.config
+        # A mesh with `sequence` > 1 splits rows' tokens; attention then crosses the shards by
+        # `sequence_parallel` (hfjax.models.sequence_parallel), refused here if it cannot.
+        problem = sp.heads_problem(self.config.num_heads, self.config.num_kv_heads,
+                                   self.mesh.shape, sequence_parallel,
+                                   key=f"{name}.sequence_parallel")
+        if problem:
+            raise ValueError(f"{name} on mesh {MeshSpec.parse(mesh_spec).text!r}: {problem}")
+        self.layout = shd.layout(self.mesh, rules, sequence_parallel=sequence_parallel)
         self.graphdef, state = nnx.split(model)
         self.param_shardings = self.layout.state_shardings(state)
         # A model built on another mesh (or loaded elsewhere) moves device to device here.

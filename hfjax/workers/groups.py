@@ -159,6 +159,7 @@ def build_actor(cfg, model: nnx.Module, pools: Mapping[str, ResourcePool], pad_i
         sampler=sampler, actor_cfg=c.actor, rollout_cfg=c.rollout,
         optimizer=make_optimizer(c.sft.lr, grad_clip=c.actor.grad_clip),
         eos_ids=(eos_id,), hybrid=engine, home=mesh,
+        sequence_parallel=c.actor.get("sequence_parallel", "ulysses"),
     )
 
 
@@ -225,7 +226,8 @@ def _build_ref(ctx: BuildContext) -> Reference | None:
                      micro_rows=c.actor.ppo_micro_batch_size,  # as in verl
                      grouped=c.actor.get("group_by_length", False),
                      samples=samples_per_row(c.actor, c.rollout.n),
-                     chunk=c.actor.get("logprob_chunk", head_chunks.DEFAULT_CHUNK))
+                     chunk=c.actor.get("logprob_chunk", head_chunks.DEFAULT_CHUNK),
+                     sequence_parallel=c.ref.get("sequence_parallel", "ulysses"))
 
 
 def _critic_builder(role: str, cls: type[Critic], seed_offset: int) -> RoleBuilder:
@@ -241,7 +243,7 @@ def _critic_builder(role: str, cls: type[Critic], seed_offset: int) -> RoleBuild
             role, ctx.pools[role], s.mesh, value_model,
             critic_cfg=s, n_samples=c.rollout.n, horizon=c.rollout.response_length,
             optimizer=make_optimizer(s.lr, weight_decay=s.weight_decay, grad_clip=s.grad_clip),
-            home=ctx.home,
+            home=ctx.home, sequence_parallel=s.get("sequence_parallel", "ulysses"),
         )
 
     return build
@@ -259,7 +261,8 @@ def _score_builder(role: str, output: str) -> RoleBuilder:
             # A checkpoint without a trained score head is refused (run_config checks it first).
             model = load_score(s.path, what=f"{role}.path", dtype=dtype)
         return ModelReward(role, ctx.pools[role], s.mesh, model, output=output, home=ctx.home,
-                           budget=token_budget(s))
+                           budget=token_budget(s),
+                           sequence_parallel=s.get("sequence_parallel", "ulysses"))
 
     return build
 

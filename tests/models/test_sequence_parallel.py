@@ -1,0 +1,179 @@
+"""Sequence parallelism (hfjax.models.sequence_parallel): rows split over the `sequence` mesh
+axis give the logits, values and gradients of whole rows (float32, within 1e-5), by Ulysses and
+by ring attention, for padded, packed and shared-prompt rows; and the head-count check."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from hfjax.models import sequence_parallel as sp
+from hfjax.models import transformer
+from hfjax.models.attention import ResponseBlocks, SharedPrompt
+from hfjax.models.config import ModelConfig
+from hfjax.parallel import sharding as shd
+from hfjax.parallel.mesh import ResourcePool
+from hfjax.workers.base import WorkerGroup
+
+CFG = ModelConfig(vocab_size=48, hidden_size=32, intermediate_size=48, num_layers=2,
+                  num_heads=8, num_kv_heads=4, head_dim=8)  # 2 query heads per kv head
+B, T = 4, 22  # 22 columns: not a multiple of 4, so the split row is padded
+
+
+def layout(mesh: str | None, mode: str = "ulysses"):
+    if mesh is None:
+        return None
+    n = int(np.prod([int(item.split("=")[1]) for item in mesh.split(",")]))
+    pool = ResourcePool("all", tuple(jax.devices())[:n])
+    return shd.layout(pool.mesh(mesh), "train", sequence_parallel=mode)
+
+
+def padded():
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, CFG.vocab_size, (B, T))
+    col = np.arange(T)[None, :]
+    first, end = np.array([0, 5, 9, 3]), np.array([22, 19, 20, 13])
+    mask = (col >= first[:, None]) & (col < end[:, None])
+    return dict(input_ids=jnp.asarray(ids, jnp.int32)), jnp.asarray(mask)
+
+
+def packed():
+    """Rows holding 2-3 sequences end to end (`hfjax.engine.packing`'s layout)."""
+    rng = np.random.default_rng(1)
+    lengths = [[7, 9, 4], [12, 6], [5, 5, 8], [20]]
+    seg, pos = np.zeros((B, T), np.int32), np.zeros((B, T), np.int32)
+    for r, ls in enumerate(lengths):
+        c = 0
+        for s, n in enumerate(ls, start=1):
+            seg[r, c:c + n], pos[r, c:c + n] = s, np.arange(n)
+            c += n
+    ids = rng.integers(0, CFG.vocab_size, (B, T))
+    return (dict(input_ids=jnp.asarray(ids, jnp.int32), positions=jnp.asarray(pos),
+                 segment_ids=jnp.asarray(seg), segment_span=12), jnp.asarray(seg > 0))
+
+
+def shared():
+    """Rows of one left-padded prompt (6 columns) and 2 right-padded responses (8 each)."""
+    rng = np.random.default_rng(2)
+    P, n, R = 6, 2, 8
+    width = P + n * R
+    prompt_first = np.array([0, 2, 4, 1])
+    resp_len = np.array([[8, 3], [5, 8], [1, 6], [7, 2]])
+    mask, pos = np.zeros((B, width), bool), np.zeros((B, width), np.int32)
+    for r in range(B):
+        mask[r, prompt_first[r]:P] = True
+        plen = P - prompt_first[r]
+        pos[r, prompt_first[r]:P] = np.arange(plen)
+        for k in range(n):
+            s = P + k * R
+            mask[r, s:s + resp_len[r, k]] = True
+            pos[r, s:s + R] = plen + np.arange(R)
+    ids = rng.integers(0, CFG.vocab_size, (B, width))
+    return (dict(input_ids=jnp.asarray(ids, jnp.int32), positions=jnp.asarray(pos),
+                 shared_prompt=SharedPrompt(P, n)), jnp.asarray(mask))
+
+
+def compact():
+    """Compact shared-prompt rows: a 5-column prompt (block 0), then responses end to end."""
+    rng = np.random.default_rng(3)
+    blocks = np.full((B, T), -1, np.int32)
+    pos = np.zeros((B, T), np.int32)
+    lengths = [[6, 9], [4, 4, 3], [10], [8, 2, 7]]
+    for r, ls in enumerate(lengths):
+        blocks[r, :5], pos[r, :5] = 0, np.arange(5)
+        c = 5
+        for k, n in enumerate(ls, start=1):
+            blocks[r, c:c + n], pos[r, c:c + n] = k, 5 + np.arange(n)
+            c += n
+    ids = rng.integers(0, CFG.vocab_size, (B, T))
+    return (dict(input_ids=jnp.asarray(ids, jnp.int32), positions=jnp.asarray(pos),
+                 response_blocks=ResponseBlocks(jnp.asarray(blocks), 5, 10)),
+            jnp.asarray(blocks >= 0))
+
+
+ROWS = {"padded": padded, "packed": packed, "shared": shared, "compact": compact}
+
+
+def outputs_and_grads(head: str, rows: str, lay, impl: str = "dense"):
+    """The head's outputs on real tokens and the gradient of a weighted sum of them, with the
+    model's forward traced under `lay`."""
+    kw, mask = ROWS[rows]()
+    cfg = dataclasses.replace(CFG, attention_impl=impl)
+    graphdef, state = nnx.split(transformer.build(cfg, head, seed=1))
+    static = {k: v for k, v in kw.items() if not isinstance(v, jax.Array)}
+    arrays = {k: v for k, v in kw.items() if isinstance(v, jax.Array)}
+    attn_mask = None if "segment_ids" in kw else mask.astype(jnp.int32)
+    if "response_blocks" in kw:
+        static.pop("response_blocks")
+        arrays["blocks"] = kw["response_blocks"].blocks
+
+    def loss(state, arrays):
+        a = dict(arrays)
+        if "blocks" in a:
+            a["response_blocks"] = kw["response_blocks"]._replace(blocks=a.pop("blocks"))
+        out = nnx.merge(graphdef, state)(attention_mask=attn_mask, **a, **static)
+        if head == "causal_lm":
+            out = jax.nn.log_softmax(out)[..., :7] @ jnp.arange(7.0)
+        weighted = jnp.where(mask, out * jnp.linspace(0.5, 1.5, out.shape[1]), 0.0)
+        return jnp.sum(weighted) / jnp.sum(mask), out  # a mean: gradients of order 1
+
+    fn = jax.value_and_grad(loss, has_aux=True)
+    (_, out), grads = jax.jit(shd.under_layout(lay, fn))(state, arrays)
+    return np.asarray(out)[np.asarray(mask)], [np.asarray(g) for g in jax.tree.leaves(grads)]
+
+
+def assert_same(got, want, tol=1e-5):
+    np.testing.assert_allclose(got[0], want[0], rtol=tol, atol=tol)
+    for g, w in zip(got[1], want[1], strict=True):
+        np.testing.assert_allclose(g, w, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("rows", sorted(ROWS))
+@pytest.mark.parametrize("mode", sp.MODES)
+def test_split_rows_equal_whole_rows(rows, mode):
+    want = outputs_and_grads("causal_lm", rows, None)
+    meshes = ("sequence=4", "fsdp=2,sequence=4") if rows == "padded" else ("fsdp=2,sequence=4",)
+    for mesh in meshes:
+        assert_same(outputs_and_grads("causal_lm", rows, layout(mesh, mode)), want)
+
+
+@pytest.mark.parametrize("mode", sp.MODES)
+def test_values_and_blockwise_attention_split(mode):
+    want = outputs_and_grads("value", "padded", None)
+    assert_same(outputs_and_grads("value", "padded", layout("fsdp=2,sequence=4", mode)), want)
+    # Ulysses runs the row's own attention on its heads: here the blockwise kernel.
+    assert_same(outputs_and_grads("value", "packed", layout("fsdp=2,sequence=2,tensor=2", mode),
+                                  impl="blockwise"),
+                outputs_and_grads("value", "packed", None, impl="blockwise"))
+
+
+def test_activations_are_split_over_sequence():
+    lay = layout("fsdp=2,sequence=4")
+    kw, mask = padded()
+    model = transformer.build(CFG, seed=1)
+    graphdef, state = nnx.split(model)
+
+    def hidden(state, ids, mask):
+        return nnx.merge(graphdef, state).model(ids, mask)[0]
+
+    text = jax.jit(shd.under_layout(lay, hidden)).lower(
+        state, kw["input_ids"], mask.astype(jnp.int32)).compile().as_text()
+    assert "all-to-all" in text  # Ulysses' exchanges
+    # The embeddings come out [B/2, 24/4, D] per device: rows padded to 24, split 4 ways.
+    assert "f32[2,6,32]" in text
+
+
+def test_ulysses_needs_kv_heads_divisible_by_the_sequence_size():
+    pool = ResourcePool("all", tuple(jax.devices()))
+    cfg = dataclasses.replace(CFG, num_kv_heads=2)
+    with pytest.raises(ValueError, match=r"actor.sequence_parallel=ulysses .* 2 kv heads.*"
+                                         r"use actor.sequence_parallel=ring"):
+        WorkerGroup("actor", pool, "fsdp=2,sequence=4", transformer.build(cfg))
+    group = WorkerGroup("actor", pool, "fsdp=2,sequence=4", transformer.build(cfg),
+                        sequence_parallel="ring")
+    assert group.layout.sequence_parallel == "ring"
+    with pytest.raises(ValueError, match="choose one of"):
+        WorkerGroup("actor", pool, "fsdp=8", transformer.build(cfg), sequence_parallel="rings")
