@@ -106,7 +106,7 @@ def test_chunked_compact_rows_equal_whole_rows(model, monkeypatch):
     _assert_close(grad(state, 4), want, atol=TOL * _grad_scale(want))
 
 
-def _actor(model, chunk):
+def _actor(model, chunk, mesh="data=2,fsdp=2,tensor=2"):
     c = ppo_arith.get_config()
     a = c.actor
     a.use_kl_loss, a.entropy_coeff = True, 0.01
@@ -114,18 +114,20 @@ def _actor(model, chunk):
     a.logprob_chunk = chunk
     c.rollout.n, c.rollout.response_length = N, R
     pool = ResourcePool("devices0-8", tuple(jax.devices()[:8]))
-    return ActorRollout("actor", pool, "data=2,fsdp=2,tensor=2", model, rules="train",
+    return ActorRollout("actor", pool, mesh, model, rules="train", sequence_parallel="ring",
                         sampler=None, actor_cfg=a, rollout_cfg=c.rollout,
                         optimizer=update.make_optimizer(1e-2, grad_clip=0.0))
 
 
-def test_worker_scores_and_update_equal_whole_rows(model):
-    """`actor.logprob_chunk=6` on a data=2,fsdp=2,tensor=2 mesh: compute_log_prob and one
-    update_actor step give what whole rows give (metrics within 1e-6, parameters within
-    Adam's rounding of near-zero gradients)."""
+@pytest.mark.parametrize("mesh", ["data=2,fsdp=2,tensor=2", "fsdp=2,sequence=4"])
+def test_worker_scores_and_update_equal_whole_rows(model, mesh):
+    """`actor.logprob_chunk=6` on a data=2,fsdp=2,tensor=2 mesh and on one whose `sequence`
+    axis splits the rows' tokens: compute_log_prob and one update_actor step give what whole
+    rows give (metrics within 1e-6, parameters within Adam's rounding of near-zero
+    gradients)."""
     batch = padded_rl_batch(3, B, P, R, CFG.vocab_size, samples=N)
     twins = [nnx.merge(*nnx.split(jax.tree.map(lambda x: x.copy(), model))) for _ in range(2)]
-    actors = [_actor(twin, chunk) for twin, chunk in zip(twins, (0, 6))]
+    actors = [_actor(twin, chunk, mesh) for twin, chunk in zip(twins, (0, 6))]
     assert [a.chunk for a in actors] == [0, 6]
     m = batch["response_mask"] > 0
     scored = [a.compute_log_prob(batch) for a in actors]
