@@ -89,6 +89,8 @@ TRAIN_KEYS: dict[str, Callable[[Any], str | None]] = {
     "sft.response_key": Text(nonempty=True),
     "sft.messages_key": Text(nonempty=True),
     "sft.max_response_length": Int(0, note="0: rollout.response_length"),
+    "sft.scratchpad_lines": Int(0, 1000, note="arith demonstrations: lines of worked "
+                                              "scratchpad before the answer (0: none)"),
     # actor
     "actor.mesh": Check(mesh(optional=False)),
     "actor.rules": Choice(layout_rules),
@@ -102,6 +104,8 @@ TRAIN_KEYS: dict[str, Callable[[Any], str | None]] = {
     "actor.group_by_length": Bool(),
     "actor.share_prompt": Bool(),
     "actor.ppo_max_token_len_per_gpu": Int(0, note=_BUDGET),
+    "actor.logprob_chunk": Int(0, note="positions per row the LM head takes at a time in "
+                                       "log-probs and entropy (0: whole rows)"),
     "actor.ppo_epochs": Int(1),
     "actor.shuffle": Bool(),
     "actor.policy_loss": Choice(registry("POLICY_LOSSES")),
