@@ -398,6 +398,21 @@ def _prompts(v) -> str | None:
     return None
 
 
+def _lora_targets(v) -> str | None:
+    from hfjax.models.lora import parse_targets
+
+    if not isinstance(v, str):
+        return "needs a string: all-linear or a comma list of projections"
+    try:
+        parse_targets(v)
+    except ValueError as e:
+        return str(e).removeprefix("lora.targets: ")
+    return None
+
+
+_LORA_DROPOUT = "adapter dropout is not implemented; 0 is the only value"
+
+
 def _split(files: str) -> list[str]:
     return [f.strip() for f in files.split(",") if f.strip()]
 
@@ -483,6 +498,10 @@ TRAIN_KEYS: dict[str, Callable[[Any], str | None]] = {
     "actor.use_kl_loss": Bool(),
     "actor.kl_loss_coef": Float(0.0),
     "actor.kl_loss_type": Choice(_kl_names),
+    "actor.lora.rank": Int(0, note="0: train full weights"),
+    "actor.lora.alpha": Float(0.0, lo_open=True),
+    "actor.lora.targets": Check(_lora_targets),
+    "actor.lora.dropout": Float(0.0, 0.0, note=_LORA_DROPOUT),
     # rollout
     "rollout.mesh": Check(_mesh(optional=True)),
     "rollout.hybrid_engine": Bool(),
@@ -512,6 +531,10 @@ TRAIN_KEYS: dict[str, Callable[[Any], str | None]] = {
     "critic.lr": _LR,
     "critic.weight_decay": Float(0.0),
     "critic.grad_clip": Float(0.0, note="0: no clipping"),
+    "critic.lora.rank": Int(0, note="0: train full weights"),
+    "critic.lora.alpha": Float(0.0, lo_open=True),
+    "critic.lora.targets": Check(_lora_targets),
+    "critic.lora.dropout": Float(0.0, 0.0, note=_LORA_DROPOUT),
     "critic.ppo_mini_batch_size": Int(1),
     "critic.ppo_micro_batch_size": Int(1),
     "critic.use_remove_padding": Bool(),
@@ -526,6 +549,10 @@ TRAIN_KEYS: dict[str, Callable[[Any], str | None]] = {
     "cost_critic.lr": _LR,
     "cost_critic.weight_decay": Float(0.0),
     "cost_critic.grad_clip": Float(0.0, note="0: no clipping"),
+    "cost_critic.lora.rank": Int(0, note="0: train full weights"),
+    "cost_critic.lora.alpha": Float(0.0, lo_open=True),
+    "cost_critic.lora.targets": Check(_lora_targets),
+    "cost_critic.lora.dropout": Float(0.0, 0.0, note=_LORA_DROPOUT),
     "cost_critic.ppo_mini_batch_size": Int(1),
     "cost_critic.ppo_micro_batch_size": Int(1),
     "cost_critic.use_remove_padding": Bool(),
@@ -1107,6 +1134,11 @@ def validate_config(cfg):
         check_mini_batching(cfg.sft.batch_size, cfg.sft.batch_size, cfg.sft.micro_batch_size,
                             dp, "sft (warm start)")
     if needs_ref(cfg, roles):
+        if cfg.actor.lora.rank and pools["ref"].name != pools["actor"].name:
+            raise ConfigError(
+                f"actor.lora: the reference reads the actor's frozen base weights, so it runs "
+                f"on the actor's pool, not on pool {pools['ref'].name!r}; place ref with the "
+                "actor (e.g. --config.placement=colocate) or set actor.lora.rank=0")
         # Built only after the warm start, so a bad mesh must be caught here, not there.
         MeshSpec.parse(cfg.ref.mesh).build(pools["ref"].devices, "ref")
     for critic in ("critic", "cost_critic"):

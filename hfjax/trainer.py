@@ -32,7 +32,8 @@ from hfjax.numerics.losses import (
 from hfjax.parallel import distributed, targets
 from hfjax.run_config import run_roles, validate_config
 from hfjax.validation import generation_metrics
-from hfjax.workers import groups
+from hfjax.workers import groups, lora_state
+from hfjax.workers.actor import BaseReference
 from hfjax.workers.groups import WorkerGroups
 
 
@@ -210,8 +211,13 @@ class Trainer:
         """The arrays a checkpoint holds: params and optimizer state of each trained group, and
         the reference's params (saved rather than rebuilt: they are the warm-started actor's)."""
         w = self.workers
-        items = {"actor_params": w.actor.params, "actor_opt_state": w.actor.opt_state}
-        if w.ref is not None:
+        if w.actor.trainable is not None:
+            # LoRA: the adapters and their optimizer state, plus the base only when no path
+            # names it (`hfjax.workers.lora_state`).
+            items = lora_state.items(w.actor, self.cfg)
+        else:
+            items = {"actor_params": w.actor.params, "actor_opt_state": w.actor.opt_state}
+        if w.ref is not None and not isinstance(w.ref, BaseReference):
             items["ref_params"] = w.ref.params
         for name, g in self._trained().items():
             if name != "actor":
@@ -238,14 +244,21 @@ class Trainer:
             # Update programs shuffle mini-batches with a seed that counts their calls.
             "train_calls": {name: g._train_calls for name, g in self._trained().items()},
             "model_config": dataclasses.asdict(self.model_cfg),
+            **({"lora": lora_state.state(self.workers.actor, self.cfg, ckpt_lib.fingerprints)}
+               if self.workers.actor.trainable is not None else {}),
         }
 
     def load_state(self, restored: ckpt_lib.Restored) -> None:
         """Installs a restored checkpoint: arrays into the worker groups, host state here."""
         w = self.workers
         it, st = restored.items, restored.state
-        w.actor.params, w.actor.opt_state = it["actor_params"], it["actor_opt_state"]
-        if w.ref is not None:
+        if w.actor.trainable is not None:
+            problem = lora_state.install(w.actor, it, st.get("lora"), ckpt_lib.fingerprints)
+            if problem:
+                raise ckpt_lib.CheckpointMismatch(problem)
+        else:
+            w.actor.params, w.actor.opt_state = it["actor_params"], it["actor_opt_state"]
+        if w.ref is not None and not isinstance(w.ref, BaseReference):
             w.ref.params = it["ref_params"]
         for name, g in self._trained().items():
             if name != "actor":
