@@ -971,6 +971,8 @@ FLAG_KEYS: dict[str, dict[str, Callable[[Any], str | None]]] = {
         "out": Check(_output_dir),
         "step": Check(lambda v: None if v is None else Int(0)(v)),
         "tokenizer": Check(_existing("tokenizer directory or .gguf file", optional=True)),
+        "format": Choice(("merged", "hf", "peft"),
+                         note="peft: a LoRA run's adapters; merged and hf: a full HF directory"),
         "compilation_cache_dir": _CACHE,
     },
     "prepare_data": {

@@ -189,6 +189,12 @@ def base_graphdef(model: nnx.Module) -> nnx.GraphDef:
     return nnx.split(transformer.abstract(cfg, head))[0]
 
 
+def leaf_names(state) -> dict[str, jax.Array]:
+    """{pytree path: array} of a state's leaves (the names fingerprints are recorded under)."""
+    return {jax.tree_util.keystr(path): x
+            for path, x in jax.tree_util.tree_flatten_with_path(state)[0]}
+
+
 def merge_deltas(arrays: dict[str, jax.Array], scale: float) -> dict[str, jax.Array]:
     """Layer arrays {name: stacked array} with every adapted projection replaced by
     W + scale * A @ B in W's dtype (the product in float32) and the adapters dropped: the

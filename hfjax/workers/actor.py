@@ -96,6 +96,11 @@ class Reference(WorkerGroup):
         super().__init__(*args, **kw)
         self._init_scoring(temperature, budget, micro_rows, grouped, samples)
 
+    @property
+    def resident_params(self) -> tuple[str, ...]:
+        """The resident holdings (dry run) a scoring pass takes as its params argument."""
+        return (f"{self.name} params",)
+
     def _init_scoring(self, temperature: float, budget: packing.TokenBudget | None,
                       micro_rows: int, grouped: bool, samples: int) -> None:
         self.temperature = temperature
@@ -191,7 +196,7 @@ class Reference(WorkerGroup):
         seqs = self.abstract_sequences(rows, shape)
         ids, mask, r = seqs["input_ids"], seqs["attention_mask"], shape.response_len
         named = {"params": self.params}
-        name, held = f"{self.name}.{what}", (f"{self.name} params",)
+        name, held = f"{self.name}.{what}", self.resident_params
         if self.grouped:
             micro = min(self.micro_rows or rows, rows)
             cut = self.abstract_sequences(micro, shape)
@@ -242,6 +247,11 @@ class BaseReference(Reference):
         self._train_calls = 0
         self.set_optimizer(None)
         self._init_scoring(temperature, budget, micro_rows, grouped, samples)
+
+    # The dry run's accounting: a pass takes the actor's base as its argument, in place of
+    # the actor's resident params (their adapters, a fraction of a percent, go uncounted
+    # during the pass).
+    resident_params = ("actor params",)
 
     @property
     def params(self):
@@ -294,14 +304,19 @@ class ActorRollout(Reference):
             return self.params
         return self.hybrid.to_decode(self.params)
 
-    def merged_params(self):
-        """The base params with the adapters merged in, in the training layout (LoRA only)."""
+    def merge_program(self):
+        """The jitted program params -> base params with the adapters merged in, in the
+        training layout (LoRA only)."""
         if not hasattr(self, "_merge"):
             shardings = self.layout.state_shardings(self.base_params())
             self._merge = self.jit(
                 lambda p: lora.merged_state(self.graphdef, self.base_graphdef, p),
                 out_shardings=shardings)
-        return self._merge(self.params)
+        return self._merge
+
+    def merged_params(self):
+        """The base params with the adapters merged in, in the training layout (LoRA only)."""
+        return self.merge_program()(self.params)
 
     def release_rollout_params(self, params) -> None:
         """Restores the training params after generation (a local slice with the engine);

@@ -14,9 +14,9 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import jax
 from flax import nnx
 
+from hfjax.models import lora
 from hfjax.workers.base import WorkerGroup
 
 Fingerprints = Callable[[Mapping[str, Any]], dict[str, int]]
@@ -40,9 +40,7 @@ def items(actor: WorkerGroup, cfg) -> dict[str, Any]:
 def base_fingerprints(actor: WorkerGroup, fingerprints: Fingerprints) -> dict[str, int]:
     """{array name: fingerprint} of the actor's base (computed once: the base is frozen)."""
     if getattr(actor, "_base_fingerprints", None) is None:
-        named = {jax.tree_util.keystr(path): x for path, x in
-                 jax.tree_util.tree_flatten_with_path(actor.base_params())[0]}
-        actor._base_fingerprints = fingerprints(named)
+        actor._base_fingerprints = fingerprints(lora.leaf_names(actor.base_params()))
     return actor._base_fingerprints
 
 
