@@ -135,6 +135,12 @@ def get_config() -> config_dict.ConfigDict:
             use_kl_loss=False,
             kl_loss_coef=0.001,
             kl_loss_type="low_var_kl",
+            # LoRA (hfjax/models/lora.py): rank > 0 trains low-rank adapters on the model RL
+            # starts from (after the warm start) instead of its full weights; that base stays
+            # frozen in model.param_dtype and is the reference (no second copy). targets:
+            # all-linear or a comma list of q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,
+            # down_proj; adapters scaled by alpha / rank.
+            lora=dict(rank=0, alpha=32.0, targets="all-linear", dropout=0.0),
         )
     )
     c.rollout = config_dict.ConfigDict(
@@ -178,6 +184,7 @@ def get_config() -> config_dict.ConfigDict:
             lr=1e-3,
             weight_decay=0.0,
             grad_clip=1.0,
+            lora=dict(rank=0, alpha=32.0, targets="all-linear", dropout=0.0),  # as actor.lora
             ppo_mini_batch_size=64,
             ppo_micro_batch_size=64,
             use_remove_padding=False,  # as actor.use_remove_padding, for the value passes

@@ -99,6 +99,11 @@ def validate_config(cfg):
         check_mini_batching(cfg.sft.batch_size, cfg.sft.batch_size, cfg.sft.micro_batch_size,
                             dp, "sft (warm start)")
     if needs_ref(cfg, roles):
+        if cfg.actor.lora.rank and pools["ref"].name != pools["actor"].name:
+            raise ConfigError(
+                f"actor.lora: the reference reads the actor's frozen base weights, so it runs "
+                f"on the actor's pool, not on pool {pools['ref'].name!r}; place ref with the "
+                "actor (e.g. --config.placement=colocate) or set actor.lora.rank=0")
         # Built only after the warm start, so a bad mesh must be caught here, not there.
         MeshSpec.parse(cfg.ref.mesh).build(pools["ref"].devices, "ref")
     for critic in ("critic", "cost_critic"):

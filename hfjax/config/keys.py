@@ -16,6 +16,7 @@ from hfjax.config.validators import (
     kl_controllers,
     kl_names,
     layout_rules,
+    lora_targets,
     mesh,
     model_path,
     output_dir,
@@ -39,6 +40,7 @@ _BUDGET = ("tokens per data-parallel device and micro-batch with use_remove_padd
 _SP = Choice(("ulysses", "ring"), note="attention across a row split over the mesh's sequence "
              "axis: ulysses (all-to-all, needs kv heads divisible by the sequence size) or ring "
              "(K/V blocks passed round)")
+_LORA_DROPOUT = "adapter dropout is not implemented; 0 is the only value"
 _FORWARD_BUDGET = ("tokens per data-parallel device and micro-batch of the scoring pass with "
                    "use_remove_padding; 0: the whole batch")
 
@@ -118,6 +120,10 @@ TRAIN_KEYS: dict[str, Callable[[Any], str | None]] = {
     "actor.use_kl_loss": Bool(),
     "actor.kl_loss_coef": Float(0.0),
     "actor.kl_loss_type": Choice(kl_names),
+    "actor.lora.rank": Int(0, note="0: train full weights"),
+    "actor.lora.alpha": Float(0.0, lo_open=True),
+    "actor.lora.targets": Check(lora_targets),
+    "actor.lora.dropout": Float(0.0, 0.0, note=_LORA_DROPOUT),
     # rollout
     "rollout.mesh": Check(mesh(optional=True)),
     "rollout.hybrid_engine": Bool(),
@@ -149,6 +155,10 @@ TRAIN_KEYS: dict[str, Callable[[Any], str | None]] = {
     "critic.lr": _LR,
     "critic.weight_decay": Float(0.0),
     "critic.grad_clip": Float(0.0, note="0: no clipping"),
+    "critic.lora.rank": Int(0, note="0: train full weights"),
+    "critic.lora.alpha": Float(0.0, lo_open=True),
+    "critic.lora.targets": Check(lora_targets),
+    "critic.lora.dropout": Float(0.0, 0.0, note=_LORA_DROPOUT),
     "critic.ppo_mini_batch_size": Int(1),
     "critic.ppo_micro_batch_size": Int(1),
     "critic.use_remove_padding": Bool(),
@@ -164,6 +174,10 @@ TRAIN_KEYS: dict[str, Callable[[Any], str | None]] = {
     "cost_critic.lr": _LR,
     "cost_critic.weight_decay": Float(0.0),
     "cost_critic.grad_clip": Float(0.0, note="0: no clipping"),
+    "cost_critic.lora.rank": Int(0, note="0: train full weights"),
+    "cost_critic.lora.alpha": Float(0.0, lo_open=True),
+    "cost_critic.lora.targets": Check(lora_targets),
+    "cost_critic.lora.dropout": Float(0.0, 0.0, note=_LORA_DROPOUT),
     "cost_critic.ppo_mini_batch_size": Int(1),
     "cost_critic.ppo_micro_batch_size": Int(1),
     "cost_critic.use_remove_padding": Bool(),

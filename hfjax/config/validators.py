@@ -279,5 +279,17 @@ def prompts(v) -> str | None:
     return None
 
 
+def lora_targets(v) -> str | None:
+    from hfjax.models.lora import parse_targets
+
+    if not isinstance(v, str):
+        return "needs a string: all-linear or a comma list of projections"
+    try:
+        parse_targets(v)
+    except ValueError as e:
+        return str(e).removeprefix("lora.targets: ")
+    return None
+
+
 def split(files: str) -> list[str]:
     return [f.strip() for f in files.split(",") if f.strip()]

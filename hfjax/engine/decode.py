@@ -209,7 +209,9 @@ def split_layers(model, fuse: bool | None = None) -> list[dict[str, jax.Array]]:
         # stay as they are: each op casts them to its own operand's dtype.
         stacked = {k: v.astype(cfg.jnp_dtype) if k.endswith("_proj") else v
                    for k, v in stacked.items()}
-    if fuse_projections() if fuse is None else fuse:
+    # Unmerged LoRA adapters (`hfjax.models.lora`) apply per projection: no fusion then.
+    adapters = any("_lora_" in k for k in stacked)
+    if (fuse_projections() if fuse is None else fuse) and not adapters:
         L, D = cfg.num_layers, cfg.hidden_size
         for fused, names in _FUSED.items():
             stacked[fused] = jnp.concatenate(

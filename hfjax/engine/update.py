@@ -31,7 +31,6 @@ flags with the step's metrics):
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -39,6 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from flax import nnx
 
 from hfjax.engine import packing as packing_lib
 from hfjax.engine.packing import PackShape
@@ -81,6 +81,27 @@ def scoring_micro_batches(rows: int, micro_rows: int) -> int:
     return rows // micro_rows
 
 
+def split_trainable(params, trainable) -> tuple[Any, Any]:
+    """(what trains, what stays frozen) of a model state: `trainable` is an NNX filter (e.g.
+    `nnx.LoRAParam`, `hfjax.models.lora`) or None (everything trains; frozen is None)."""
+    if trainable is None:
+        return params, None
+    return nnx.split_state(params, trainable, ...)
+
+
+def with_frozen(loss_fn: LossFn, frozen) -> LossFn:
+    """`loss_fn` as a function of the trainable part of the state, `frozen` held fixed (no
+    gradient is formed for it, so no accumulator or optimizer state either)."""
+    if frozen is None:
+        return loss_fn
+    return lambda train, mb, totals: loss_fn(nnx.merge_state(train, frozen), mb, totals)
+
+
+def join_trainable(train, frozen):
+    """The inverse of `split_trainable`."""
+    return train if frozen is None else nnx.merge_state(train, frozen)
+
+
 def make_update_step(
     loss_fn: LossFn,
     optimizer: optax.GradientTransformation,
@@ -91,6 +112,7 @@ def make_update_step(
     jit: Callable = jax.jit,
     packing: PackShape | None = None,
     group: int = 1,
+    trainable: Any = None,
 ) -> Callable:
     """Returns step(params, opt_state, batch) -> (params, opt_state, metrics), compiled with
     `jit` (a worker group's `WorkerGroup.jit`, which traces under its layout).
@@ -105,9 +127,13 @@ def make_update_step(
     instead (`hfjax.engine.packing`, `n_micro` unused); `loss_fn` then reads its micro-batch's
     outputs with `packing.response_values`. `group`: micro-batches take whole groups of that
     many consecutive rows (a prompt's samples, `hfjax.engine.shared_prompt`).
+
+    `trainable` (an NNX filter, see `split_trainable`): only those variables get gradients and
+    updates (the optimizer state is theirs); the rest pass through unchanged (LoRA's frozen
+    base).
     """
 
-    def _scan_micro_batches(params, batch, totals):
+    def _scan_micro_batches(loss_fn, params, batch, totals):
         micro = jax.tree.map(lambda x: strided_micro_batches(x, n_micro, group), batch)
         grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
@@ -127,11 +153,14 @@ def make_update_step(
 
     def step(params, opt_state, batch):
         totals = normalisers(batch) if normalisers else {}
+        train, frozen = split_trainable(params, trainable)
+        loss = with_frozen(loss_fn, frozen)
         if packing is None:
-            grads, metrics = _scan_micro_batches(params, batch, totals)
+            grads, metrics = _scan_micro_batches(loss, train, batch, totals)
         else:
-            grads, metrics = packing_lib.accumulate_grads(loss_fn, params, batch, totals, packing)
-        return apply_grads(optimizer, params, opt_state, grads, metrics)
+            grads, metrics = packing_lib.accumulate_grads(loss, train, batch, totals, packing)
+        train, opt_state, metrics = apply_grads(optimizer, train, opt_state, grads, metrics)
+        return join_trainable(train, frozen), opt_state, metrics
 
     return jit(step, donate_argnums=(0, 1), **_state_shardings(param_shardings, opt_shardings))
 
@@ -143,27 +172,41 @@ def make_grouped_update_step(
     opt_shardings: Any = None,
     normalisers: Callable[[dict[str, jax.Array]], dict[str, jax.Array]] | None = None,
     jit: Callable = jax.jit,
+    trainable: Any = None,
+    grad_shardings: Any = None,
 ) -> Callable:
     """Returns step(params, opt_state, mini_batch, micro_batches) -> (params, opt_state,
     metrics) for micro-batches of different shapes (`hfjax.engine.grouping`): one compiled
     program per micro-batch shape adds its gradient into the accumulator (donated), then one
     applies the update as `make_update_step` does. `normalisers` are taken over the whole
-    mini-batch; `micro_batches` is an iterable of micro-batch dicts already on the mesh."""
+    mini-batch; `micro_batches` is an iterable of micro-batch dicts already on the mesh.
+    `trainable`: as in `make_update_step`; the gradients then have `grad_shardings` (the
+    trainable part's)."""
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    if trainable is None:
+        grad_shardings = param_shardings
 
     def accumulate(params, grads, mb, totals):
-        (loss, metrics), g = grad_fn(params, mb, totals)
+        train, frozen = split_trainable(params, trainable)
+        (loss, metrics), g = jax.value_and_grad(with_frozen(loss_fn, frozen), has_aux=True)(
+            train, mb, totals) if frozen is not None else grad_fn(params, mb, totals)
         return jax.tree.map(jnp.add, grads, g), {"loss": loss, **metrics}
 
-    grads_out = {} if param_shardings is None else {"out_shardings": (param_shardings, None)}
+    grads_out = {} if grad_shardings is None else {"out_shardings": (grad_shardings, None)}
     add = jit(accumulate, donate_argnums=1, **grads_out)
-    zeros = jit(lambda p: jax.tree.map(jnp.zeros_like, p),
-                **({} if param_shardings is None else {"out_shardings": param_shardings}))
+    zeros = jit(lambda p: jax.tree.map(jnp.zeros_like, split_trainable(p, trainable)[0]),
+                **({} if grad_shardings is None else {"out_shardings": grad_shardings}))
     totals_of = jit(normalisers or (lambda _: {}))
     kw = _state_shardings(param_shardings, opt_shardings)
     if kw:  # (params, opt_state, grads, metrics)
-        kw["in_shardings"] = (param_shardings, opt_shardings, param_shardings, None)
-    apply = jit(functools.partial(apply_grads, optimizer), donate_argnums=(0, 1), **kw)
+        kw["in_shardings"] = (param_shardings, opt_shardings, grad_shardings, None)
+
+    def apply_trainable(params, opt_state, grads, metrics):
+        train, frozen = split_trainable(params, trainable)
+        train, opt_state, metrics = apply_grads(optimizer, train, opt_state, grads, metrics)
+        return join_trainable(train, frozen), opt_state, metrics
+
+    apply = jit(apply_trainable, donate_argnums=(0, 1), **kw)
 
     def step(params, opt_state, batch, micro_batches):
         totals = totals_of(batch)

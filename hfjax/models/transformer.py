@@ -172,7 +172,13 @@ class Layers(nnx.Module):
         self.down_proj = p((L, F, D), ("layers", "mlp", "embed"))
 
     def arrays(self) -> dict[str, jax.Array]:
-        return {k: v[...] for k, v in vars(self).items() if isinstance(v, nnx.Param)}
+        """{name: stacked array} of every parameter; LoRA adapters (`hfjax.models.lora`) come
+        with their `_lora_b` already scaled by alpha / rank."""
+        out = {k: v[...] for k, v in vars(self).items() if isinstance(v, nnx.Param)}
+        scale = getattr(self, "lora_scale", None)
+        if scale is not None:
+            out = {k: v * scale if k.endswith("_lora_b") else v for k, v in out.items()}
+        return out
 
 
 def matmul(x: jax.Array, w: jax.Array, dtype, out_dtype=None, *,
@@ -258,7 +264,14 @@ def _proj(cfg: ModelConfig, p, x: jax.Array, name: str, out_shape: tuple[int, ..
     """
     B, T = x.shape[:2]
     w = p[name].reshape(-1, math.prod(out_shape))
-    flat = matmul(x.reshape(B * T, -1), w, cfg.jnp_dtype, out_dtype)
+    x2 = x.reshape(B * T, -1)
+    flat = matmul(x2, w, cfg.jnp_dtype, out_dtype)
+    a = p.get(f"{name}_lora_a")
+    if a is not None:  # LoRA (`hfjax.models.lora`): + (x @ A) @ (scale * B), A and B float32
+        r = a.shape[-1]
+        xa = matmul(x2, a.reshape(-1, r), cfg.jnp_dtype)
+        b = p[f"{name}_lora_b"].reshape(r, -1)
+        flat = flat + matmul(xa, b, cfg.jnp_dtype, flat.dtype)
     return flat.reshape(B, T, *out_shape)
 
 

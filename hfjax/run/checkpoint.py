@@ -454,7 +454,7 @@ def load_actor(ckpt: str, step: int | None = None):
     import jax
     from flax import nnx
 
-    from hfjax.models import transformer
+    from hfjax.models import lora_export, transformer
     from hfjax.models.config import ModelConfig
     from hfjax.parallel import sharding as shd
     from hfjax.parallel.mesh import MeshSpec, sorted_devices
@@ -464,7 +464,10 @@ def load_actor(ckpt: str, step: int | None = None):
 
     def targets(state):
         cfg = ModelConfig(**state["model_config"])
-        graphdef, abstract = nnx.split(transformer.abstract(cfg, "causal_lm"))
+        model = transformer.abstract(cfg, "causal_lm")
+        if state.get("lora"):  # a LoRA run: adapters, and the base if the run saved it
+            return lora_export.targets(model, state["lora"], graphdefs, _placement(cfg))
+        graphdef, abstract = nnx.split(model)
         graphdefs["actor"] = graphdef
         if jax.process_count() == 1:
             device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
@@ -485,17 +488,50 @@ def load_actor(ckpt: str, step: int | None = None):
 
     restored = RunCheckpointer(root, read_only=True).restore_latest(
         targets, step=step if step is not None else at)
+    if restored.state.get("lora"):
+        return lora_export.model(restored, graphdefs, fingerprints), restored
     return nnx.merge(graphdefs["actor"], restored.items["actor_params"]), restored
 
 
-def export_hf(ckpt: str, out: str, step: int | None = None, tokenizer: str | None = None) -> str:
-    """Writes the actor of a run's checkpoint (`load_actor`) to `out` as an HF directory with
-    the run's tokenizer (`<out_dir>/tokenizer`, or `tokenizer`); returns out."""
-    import hfjax.models as M
+def _placement(cfg):
+    """The sharding of every leaf of a restored actor (as `load_actor` places them)."""
+    import jax
 
-    model, _ = load_actor(ckpt, step)
+    from hfjax.parallel import sharding as shd
+    from hfjax.parallel.mesh import MeshSpec, sorted_devices
+
+    if jax.process_count() == 1:
+        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        return lambda state: jax.tree.map(lambda _: device, state, is_leaf=shd.is_variable)
+    mesh = MeshSpec.parse("fsdp=-1").build(sorted_devices())
+    lay = shd.layout(mesh, "train", replicate_indivisible=tuple(shd.TRAIN_RULES))
+    return lay.state_shardings
+
+
+def export_hf(ckpt: str, out: str, step: int | None = None, tokenizer: str | None = None,
+              fmt: str = "merged") -> str:
+    """Writes the actor of a run's checkpoint (`load_actor`) to `out`; returns out.
+
+    `fmt` "merged" (or "hf"): an HF directory with the run's tokenizer (`<out_dir>/tokenizer`,
+    or `tokenizer`), a LoRA run's adapters merged into its weights. "peft" (LoRA runs only):
+    PEFT's adapter_config.json + adapter_model.safetensors, naming the base by its path, or,
+    when the run made its base (from scratch, a warm start), with the base written as an HF
+    directory in `out/base` (`hfjax.models.lora_export`)."""
+    import hfjax.models as M
+    from hfjax.models import lora_export
+
+    model, restored = load_actor(ckpt, step)
     root, _ = locate(ckpt)
+    record = restored.state.get("lora")
     tok_path = tokenizer or os.path.join(os.path.dirname(root), "tokenizer")
     if not os.path.exists(tok_path):
         raise FileNotFoundError(f"no tokenizer at {tok_path}; pass --tokenizer=DIR")
-    return M.save_hf(model, out, tokenizer=M.load_tokenizer(tok_path))
+    tok = M.load_tokenizer(tok_path)
+    if fmt == "peft":
+        if not record:
+            raise ValueError(f"{ckpt}: the run trained full weights, it has no adapters to "
+                             "write in PEFT's format; use --format=merged")
+        return lora_export.save_peft(model, record, out, tok)
+    if record:
+        model = lora_export.merged(model)
+    return M.save_hf(model, out, tokenizer=tok)

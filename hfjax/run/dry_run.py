@@ -64,6 +64,7 @@ from hfjax.config import model_source, run_roles, validate_config
 from hfjax.engine.sampler import SamplingParams, prompt_bucket
 from hfjax.models import attention, transformer
 from hfjax.workers import groups
+from hfjax.workers.actor import BaseReference
 from hfjax.workers.base import Program, StepShape, WorkerGroup
 from hfjax.workers.reward import RuleReward
 
@@ -366,6 +367,10 @@ def _dry_run(cfg, device_memory_bytes, target, platform, on_program) -> DryRun:
 
     def hold(role: str, group) -> None:
         held = resident.setdefault(group.pool.name, {})
+        if isinstance(group, BaseReference):
+            # LoRA: the reference reads the actor's base, held once as "actor params".
+            held[f"{role} params (= the actor's base)"] = 0
+            return
         held[f"{role} params"] = device_bytes(group.params)
         state[group.pool.name] = state.get(group.pool.name, 0) + global_bytes(
             (group.params, group.opt_state))
@@ -458,13 +463,23 @@ def _rollout(out: _Compiler, w, cfg, tok, name: str, prompts: int, n: int, *,
     sampler = a.sampler
     widest = prompt_bucket(cfg.data.max_prompt_length)
     static = sampler.static_for(sampler.padded_batch(prompts), widest, params)
-    state = engine.abstract_decode(a.params) if engine is not None else a.params
     # While generating, the decode copy stands in for the training parameters; an offloaded
     # optimizer state waits in host memory.
     replaces = ["actor params"]
+    pool = a.pool.name
+    if a.trainable is not None:
+        # LoRA: the sampler decodes a merged copy of the base (shaped like it), made on the
+        # training mesh beside the training params, which stay resident.
+        merged = a.base_params()
+        state = engine.abstract_decode(merged) if engine is not None else merged
+        replaces = []
+        if name == "rollout":
+            out.compile("rollout.merge_adapters", pool, a.merge_program(), (a.params,), [],
+                        {"params": a.params})
+    else:
+        state = engine.abstract_decode(a.params) if engine is not None else a.params
     if r.get("offload_optimizer", False):
         replaces.append("actor optimizer")
-    pool = a.pool.name
     if engine is not None and name == "rollout":
         _transition(out, engine, pool, "to_decode", replaces)
     prefill, decode = sampler.programs(static)
@@ -476,8 +491,8 @@ def _rollout(out: _Compiler, w, cfg, tok, name: str, prompts: int, n: int, *,
                          compiled.output_shardings)
     out.compile(f"{name}.decode", pool, decode, (state, carry, *request[4:]), replaces,
                 {"params": state, "cache and loop state": carry})
-    if engine is not None and name == "rollout":
-        _transition(out, engine, pool, "to_train", replaces)
+    if engine is not None and name == "rollout" and a.trainable is None:
+        _transition(out, engine, pool, "to_train", replaces)  # LoRA drops its decode copy
 
 
 def _transition(out: _Compiler, engine, pool: str, direction: str,

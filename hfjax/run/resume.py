@@ -17,6 +17,8 @@ from hfjax.numerics.losses import (
     kl_controller_state,
 )
 from hfjax.run import checkpoint as ckpt_lib
+from hfjax.workers import lora_state
+from hfjax.workers.actor import BaseReference
 from hfjax.workers.groups import WorkerGroups
 
 
@@ -58,11 +60,17 @@ def trained_groups(w: WorkerGroups) -> dict[str, Any]:
     return {name: g for name, g in pairs if g is not None}
 
 
-def checkpoint_items(w: WorkerGroups) -> dict[str, Any]:
+def checkpoint_items(w: WorkerGroups, cfg) -> dict[str, Any]:
     """The arrays a checkpoint holds: params and optimizer state of each trained group, and
-    the reference's params (saved rather than rebuilt: they are the warm-started actor's)."""
-    items = {"actor_params": w.actor.params, "actor_opt_state": w.actor.opt_state}
-    if w.ref is not None:
+    the reference's params (saved rather than rebuilt: they are the warm-started actor's)
+    unless the reference is the LoRA actor's own base."""
+    if w.actor.trainable is not None:
+        # LoRA: the adapters and their optimizer state, plus the base only when no path names
+        # it (`hfjax.workers.lora_state`).
+        items = lora_state.items(w.actor, cfg)
+    else:
+        items = {"actor_params": w.actor.params, "actor_opt_state": w.actor.opt_state}
+    if w.ref is not None and not isinstance(w.ref, BaseReference):
         items["ref_params"] = w.ref.params
     for name, g in trained_groups(w).items():
         if name != "actor":
@@ -71,17 +79,20 @@ def checkpoint_items(w: WorkerGroups) -> dict[str, Any]:
     return items
 
 
-def host_state(w: WorkerGroups, *, step: int, seed: int, data: dict, model_cfg) -> dict:
+def host_state(w: WorkerGroups, cfg, *, step: int, data: dict, model_cfg) -> dict:
     """The loop's JSON state at `step`: the data cursor, the KL and Lagrange controllers, the
-    update programs' call counts (they seed mini-batch shuffles) and the model's config."""
+    update programs' call counts (they seed mini-batch shuffles), the model's config and, with
+    LoRA, the base model's name and fingerprint."""
     return {
         "step": step,
-        "seed": seed,
+        "seed": cfg.seed,
         "data": data,
         "kl_ctrl": kl_controller_state(w.kl_ctrl),
         "lagrange": None if w.lagrange is None else w.lagrange.state(),
         "train_calls": {name: g._train_calls for name, g in trained_groups(w).items()},
         "model_config": dataclasses.asdict(model_cfg),
+        **({"lora": lora_state.state(w.actor, cfg, ckpt_lib.fingerprints)}
+           if w.actor.trainable is not None else {}),
     }
 
 
@@ -89,8 +100,13 @@ def load_state(w: WorkerGroups, restored: ckpt_lib.Restored, train_iter) -> int:
     """Installs a restored checkpoint into the worker groups and the data iterator; returns
     the restored step."""
     it, st = restored.items, restored.state
-    w.actor.params, w.actor.opt_state = it["actor_params"], it["actor_opt_state"]
-    if w.ref is not None:
+    if w.actor.trainable is not None:
+        problem = lora_state.install(w.actor, it, st.get("lora"), ckpt_lib.fingerprints)
+        if problem:
+            raise ckpt_lib.CheckpointMismatch(problem)
+    else:
+        w.actor.params, w.actor.opt_state = it["actor_params"], it["actor_opt_state"]
+    if w.ref is not None and not isinstance(w.ref, BaseReference):
         w.ref.params = it["ref_params"]
     trained = trained_groups(w)
     for name, g in trained.items():

@@ -202,13 +202,13 @@ class Trainer:
 
     def checkpoint_items(self) -> dict[str, Any]:
         """The arrays a checkpoint holds (`resume.checkpoint_items`)."""
-        return checkpoint_items(self.workers)
+        return checkpoint_items(self.workers, self.cfg)
 
     def state_dict(self) -> dict:
         """The host state that, with `checkpoint_items()`, fixes every later step (JSON-able).
         Sampling seeds are a function of (seed, step), so the step carries them."""
-        return host_state(self.workers, step=self.step, seed=self.cfg.seed,
-                          data=self.train_iter.state(), model_cfg=self.model_cfg)
+        return host_state(self.workers, self.cfg, step=self.step, data=self.train_iter.state(),
+                          model_cfg=self.model_cfg)
 
     def load_state(self, restored: ckpt_lib.Restored) -> None:
         """Installs a restored checkpoint: arrays into the worker groups, host state here."""

@@ -29,6 +29,7 @@ from hfjax.engine.sampler import (
     bucket_size,
 )
 from hfjax.engine.update import in_micro_batches, scoring_micro_batches, share_of_normaliser
+from hfjax.models import lora
 from hfjax.numerics import core, losses
 from hfjax.numerics.losses import PolicyLossInputs
 from hfjax.parallel import reshard
@@ -105,6 +106,15 @@ class Reference(WorkerGroup):
                  grouped: bool = False, samples: int = 1,
                  chunk: int = head_chunks.DEFAULT_CHUNK, **kw):
         super().__init__(*args, **kw)
+        self._init_scoring(temperature, budget, micro_rows, grouped, samples, chunk)
+
+    @property
+    def resident_params(self) -> tuple[str, ...]:
+        """The resident holdings (dry run) a scoring pass takes as its params argument."""
+        return (f"{self.name} params",)
+
+    def _init_scoring(self, temperature: float, budget: packing.TokenBudget | None,
+                      micro_rows: int, grouped: bool, samples: int, chunk: int) -> None:
         self.temperature = temperature
         if chunk < 0:
             raise ValueError(f"{self.name}: logprob_chunk must be >= 0 (0: whole rows), "
@@ -203,7 +213,7 @@ class Reference(WorkerGroup):
         seqs = self.abstract_sequences(rows, shape)
         ids, mask, r = seqs["input_ids"], seqs["attention_mask"], shape.response_len
         named = {"params": self.params}
-        name, held = f"{self.name}.{what}", (f"{self.name} params",)
+        name, held = f"{self.name}.{what}", self.resident_params
         if self.grouped:
             micro = min(self.micro_rows or rows, rows)
             cut = self.abstract_sequences(micro, shape)
@@ -229,6 +239,46 @@ class Reference(WorkerGroup):
         """Batch with `ref_log_prob` [B, R]."""
         lp, _ = self._log_probs(batch)
         return Batch({"ref_log_prob": lp})
+
+
+class BaseReference(Reference):
+    """The reference policy of a LoRA actor: the actor's frozen base, adapters off (verl's
+    `ref_in_actor`). It holds no weights of its own: every pass reads the actor's current
+    base arrays (`ActorRollout.base_params`) under the base model's graphdef, on the actor's
+    mesh and layout, so the run keeps one copy of the base. Scoring options as `Reference`."""
+
+    def __init__(self, name: str, actor: WorkerGroup, *, temperature: float = 1.0,
+                 budget: packing.TokenBudget | None = None, micro_rows: int = 0,
+                 grouped: bool = False, samples: int = 1,
+                 chunk: int = head_chunks.DEFAULT_CHUNK):
+        if actor.trainable is None:
+            raise ValueError(f"{name}: a reference that shares the actor's base needs an "
+                             "actor with LoRA adapters (actor.lora.rank > 0)")
+        # No WorkerGroup.__init__: there is nothing to place.
+        self.actor = actor
+        self.name, self.pool, self.mesh, self.home = name, actor.pool, actor.mesh, actor.home
+        self.layout, self.config = actor.layout, actor.config
+        self.graphdef = self.base_graphdef = actor.base_graphdef
+        self.trainable, self.lora = None, None
+        self.param_shardings = self.train_shardings = self.layout.state_shardings(
+            actor.base_params())
+        self._train_calls = 0
+        self.set_optimizer(None)
+        self._init_scoring(temperature, budget, micro_rows, grouped, samples, chunk)
+
+    # The dry run's accounting: a pass takes the actor's base as its argument, in place of
+    # the actor's resident params (their adapters, a fraction of a percent, go uncounted
+    # during the pass).
+    resident_params = ("actor params",)
+
+    @property
+    def params(self):
+        """The actor's base arrays (read at each call: the actor's updates donate its state)."""
+        return self.actor.base_params()
+
+    @params.setter
+    def params(self, value) -> None:
+        raise ValueError(f"{self.name} shares the actor's base weights; set the actor's params")
 
 
 class ActorRollout(Reference):
@@ -259,13 +309,39 @@ class ActorRollout(Reference):
 
     def rollout_params(self):
         """Returns the params in the decode layout. With the hybrid engine this consumes
-        `self.params` until `release_rollout_params` hands them back."""
+        `self.params` until `release_rollout_params` hands them back.
+
+        With LoRA adapters the sampler decodes the base model with merged weights
+        (W + scale * A @ B, `hfjax.models.lora.merged_state`), computed on the training mesh
+        into a copy that the hybrid engine then moves to the decode layout: the training
+        params (base and adapters) stay where they are, and the copy is dropped after
+        generation (docs/algorithms.md, "LoRA", for the choice and the bytes it moves)."""
+        if self.trainable is not None:
+            merged = self.merged_params()
+            return merged if self.hybrid is None else self.hybrid.to_decode(merged)
         if self.hybrid is None:
             return self.params
         return self.hybrid.to_decode(self.params)
 
+    def merge_program(self):
+        """The jitted program params -> base params with the adapters merged in, in the
+        training layout (LoRA only)."""
+        if not hasattr(self, "_merge"):
+            shardings = self.layout.state_shardings(self.base_params())
+            self._merge = self.jit(
+                lambda p: lora.merged_state(self.graphdef, self.base_graphdef, p),
+                out_shardings=shardings)
+        return self._merge
+
+    def merged_params(self):
+        """The base params with the adapters merged in, in the training layout (LoRA only)."""
+        return self.merge_program()(self.params)
+
     def release_rollout_params(self, params) -> None:
-        """Restores the training params after generation (a local slice with the engine)."""
+        """Restores the training params after generation (a local slice with the engine);
+        with LoRA the merged decode copy is dropped (the training params never moved)."""
+        if self.trainable is not None:
+            return
         if self.hybrid is not None:
             self.params = self.hybrid.to_train(params)
 

@@ -25,6 +25,7 @@ from jax.sharding import Mesh
 from hfjax.controller.batch import Batch
 from hfjax.engine import grouping, update
 from hfjax.engine.packing import PackShape, TokenBudget
+from hfjax.models import lora
 from hfjax.models import sequence_parallel as sp
 from hfjax.parallel import sharding as shd
 from hfjax.parallel.mesh import MeshSpec, ResourcePool, batch_sharding, dp_size
@@ -134,8 +135,50 @@ class WorkerGroup:
             state,
             is_leaf=shd.is_variable,
         )
+        # With LoRA adapters (`hfjax.models.lora`) only they train: the base gets no gradient,
+        # no optimizer state and no update.
+        self._set_trainable(state)
+        self.lora: lora.LoraSpec | None = None
+        self.base_graphdef = (lora.base_graphdef(model) if self.trainable is not None
+                              else self.graphdef)
         self._train_calls = 0
         self.set_optimizer(optimizer)
+
+    def _set_trainable(self, state) -> None:
+        self.trainable = lora.trainable_filter(state)
+        self.train_shardings = (
+            self.layout.state_shardings(update.split_trainable(state, self.trainable)[0])
+            if self.trainable is not None else self.param_shardings)
+
+    def add_adapters(self, spec: lora.LoraSpec, seed: int = 0) -> None:
+        """Adds LoRA adapters (`hfjax.models.lora`) to this group's model: from now on only
+        they (and a value or score head) train, the rest is the frozen base, and the base's
+        own graphdef (`base_graphdef`) reads the base without them. The base arrays stay
+        where they are (not copied); the adapters are placed by the group's layout. Call
+        `set_optimizer` afterwards: the optimizer state is the adapters'."""
+        model = self.model()
+        self.base_graphdef = self.graphdef
+        lora.add_adapters(model, spec, seed)
+        self.lora = spec
+        self.graphdef, state = nnx.split(model)
+        self.param_shardings = self.layout.state_shardings(state)
+        self.params = jax.tree.map(
+            lambda sh, var: var if not isinstance(var, nnx.LoRAParam)
+            else var.replace(_place(var.get_value(), sh)),
+            self.param_shardings, state, is_leaf=shd.is_variable)
+        self._set_trainable(state)
+        self.set_optimizer(self.optimizer)
+
+    def base_params(self, params=None):
+        """The frozen base of (the given or current) params: all of them without adapters."""
+        p = self.params if params is None else params
+        return lora.base_state(p) if self.trainable is not None else p
+
+    def trainable_params(self, params=None):
+        """The part of (the given or current) params that trains: the adapters under LoRA,
+        else all of them."""
+        p = self.params if params is None else params
+        return update.split_trainable(p, self.trainable)[0]
 
     def jit(self, fn: Callable, **jit_kwargs) -> Callable:
         """`jax.jit(fn)` traced under this group's layout, so that the model's logical
@@ -153,18 +196,18 @@ class WorkerGroup:
         # Moments and other per-parameter state take their parameter's sharding, everything
         # else (step counts) is replicated. Left to XLA, `init`'s zeros have no input to follow
         # and come out replicated: every device would hold the whole optimizer state.
-        shapes = jax.eval_shape(optimizer.init, self.params)
+        train = self.trainable_params()
+        shapes = jax.eval_shape(optimizer.init, train)
         self.opt_shardings = optax.tree_map_params(
             optimizer, lambda _, sharding: sharding, shapes,
-            jax.tree.map(lambda x: x.sharding, self.params),
+            jax.tree.map(lambda x: x.sharding, train),
             transform_non_params=lambda _: everywhere)
         if self.abstract:
             self.opt_state = jax.tree.map(
                 lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes,
                 self.opt_shardings)
         else:
-            self.opt_state = jax.jit(optimizer.init, out_shardings=self.opt_shardings)(
-                self.params)
+            self.opt_state = jax.jit(optimizer.init, out_shardings=self.opt_shardings)(train)
 
     def train(self, loss_fn, batch: Batch, keys, *, mini: int, micro: int, epochs: int,
               shuffle: bool, budget: TokenBudget | None = None, grouped: bool = False,
@@ -232,7 +275,8 @@ class WorkerGroup:
         if key not in self._programs:
             self._programs[key] = update.make_grouped_update_step(
                 loss_fn, self.optimizer, self.param_shardings, self.opt_shardings,
-                normalisers=normalisers, jit=self.jit)
+                normalisers=normalisers, jit=self.jit, trainable=self.trainable,
+                grad_shardings=self.train_shardings)
         return self._programs[key]
 
     def update_program(self, loss_fn, n_micro: int, normalisers=update.normalisers,
@@ -247,6 +291,7 @@ class WorkerGroup:
             self._programs[key] = update.make_update_step(
                 loss_fn, self.optimizer, n_micro, self.param_shardings, self.opt_shardings,
                 normalisers=normalisers, jit=self.jit, packing=packing, group=group,
+                trainable=self.trainable,
             )
         return self._programs[key]
 
@@ -300,7 +345,7 @@ class WorkerGroup:
         totals = placed(jax.eval_shape(step.totals, batch))
         mb = {k: jax.ShapeDtypeStruct((micro, *v.shape[1:]), v.dtype, sharding=v.sharding)
               for k, v in batch.items()}
-        grads = self.params
+        grads = self.trainable_params()
         _, metrics = jax.eval_shape(step.accumulate, self.params, grads, mb, totals)
         return [
             Program(name, step.accumulate, (self.params, grads, mb, totals),

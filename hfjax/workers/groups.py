@@ -32,7 +32,7 @@ from hfjax.engine.layout_choice import actor_rules_and_engine
 from hfjax.engine.packing import token_budget
 from hfjax.engine.shared_prompt import samples_per_row
 from hfjax.engine.update import make_optimizer
-from hfjax.models import transformer
+from hfjax.models import lora, transformer
 from hfjax.models.config import ModelConfig
 from hfjax.models.hf_io import load_score, read_model_config
 from hfjax.numerics.losses import (
@@ -42,7 +42,7 @@ from hfjax.numerics.losses import (
     get_kl_controller,
 )
 from hfjax.parallel.mesh import ResourcePool
-from hfjax.workers.actor import ActorRollout, Reference
+from hfjax.workers.actor import ActorRollout, BaseReference, Reference
 from hfjax.workers.critic import CostCritic, Critic
 from hfjax.workers.reward import RuleReward, parse_source_weights
 from hfjax.workers.score import ModelReward
@@ -219,6 +219,15 @@ def _build_ref(ctx: BuildContext) -> Reference | None:
     c = ctx.cfg
     if not needs_ref(c, ctx.roles):
         return None
+    if ctx.actor.trainable is not None:
+        # LoRA: the reference is the actor's frozen base (adapters off), no copy of it, on
+        # the actor's pool (`hfjax.config.check.validate_config` refuses another).
+        return BaseReference("ref", ctx.actor, temperature=c.rollout.temperature,
+                             budget=token_budget(c.actor),
+                             micro_rows=c.actor.ppo_micro_batch_size,
+                             grouped=c.actor.get("group_by_length", False),
+                             samples=samples_per_row(c.actor, c.rollout.n),
+                             chunk=c.actor.get("logprob_chunk", head_chunks.DEFAULT_CHUNK))
     return Reference("ref", ctx.pools["ref"], c.ref.mesh, ctx.policy,
                      temperature=c.rollout.temperature, home=ctx.home,
                      budget=token_budget(c.actor),  # the actor's packing and micro-batches,
@@ -237,7 +246,10 @@ def _critic_builder(role: str, cls: type[Critic], seed_offset: int) -> RoleBuild
         value_model = (transformer.abstract(ctx.actor.config, "value") if ctx.actor.abstract
                        else transformer.build(ctx.actor.config, "value",
                                               seed=c.seed + seed_offset))
-        nnx.update(value_model.model, nnx.state(ctx.policy.model))
+        nnx.update(value_model.model, lora.base_state(nnx.state(ctx.policy.model)))
+        spec = lora.spec_from_config(s)
+        if spec is not None:  # adapters on the critic's trunk; its value head trains whole
+            lora.add_adapters(value_model, spec, seed=c.seed + seed_offset + 7)
         return cls(
             role, ctx.pools[role], s.mesh, value_model,
             critic_cfg=s, n_samples=c.rollout.n, horizon=c.rollout.response_length,
@@ -282,6 +294,11 @@ def build_groups(cfg, actor: ActorRollout, reward: RuleReward, roles: tuple[str,
     c = cfg
     actor.set_optimizer(make_optimizer(c.actor.lr, weight_decay=c.actor.weight_decay,
                                        grad_clip=c.actor.grad_clip))
+    spec = lora.spec_from_config(c.actor)
+    if spec is not None and actor.trainable is None:
+        # RL trains adapters on the model it starts from (after the warm start, if any):
+        # that model is the frozen base, and the reference.
+        actor.add_adapters(spec, seed=c.seed + 7)
     ctx = BuildContext(cfg, actor, pools, tuple(roles), actor.model())
     built: dict[str, Any] = {}
     for role in roles:

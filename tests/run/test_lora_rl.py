@@ -1,0 +1,132 @@
+"""LoRA in the RL loop on 8 CPU devices: GRPO through the 3D-HybridEngine trains the adapters
+only, the reference is the actor's frozen base (no copy) and scores as a plain reference
+built from the base weights would."""
+
+import os
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+from support import tiny_rl_config
+from test_rl_loop import host, make_trainer
+
+from hfjax.config import ConfigError, validate_config
+from hfjax.controller.batch import Batch
+from hfjax.data.batching import prompt_batch
+from hfjax.workers.actor import BaseReference, Reference
+
+
+def lora_config(rank=4):
+    c = tiny_rl_config(algorithm="grpo")
+    c.data.train_batch_size = 4
+    c.rollout.n = 4
+    c.actor.ppo_mini_batch_size = 4
+    c.actor.ppo_micro_batch_size = 8
+    c.actor.use_kl_loss = True
+    c.actor.lr = 1e-2
+    c.algo.adv_estimator = "grpo"
+    c.algo.use_kl_in_reward = False
+    c.actor.mesh = "fsdp=4,tensor=2"
+    c.rollout.mesh = "data=4,tensor=2"
+    c.actor.lora.rank = rank
+    c.actor.lora.alpha = 8.0
+    return c
+
+
+@pytest.mark.slow
+def test_grpo_with_lora_trains_adapters_and_scores_the_reference_on_the_base():
+    t = make_trainer(lora_config())
+    w = t.workers
+    assert t.actor.hybrid is not None
+    assert isinstance(w.ref, BaseReference)
+    # One copy of the base: the reference's arrays are the actor's.
+    assert all(a is b for a, b in zip(jax.tree.leaves(w.ref.params),
+                                      jax.tree.leaves(t.actor.base_params())))
+    base = host(t.actor.base_params())
+    adapters = host(t.actor.trainable_params())
+    for _ in range(2):
+        metrics = t.train_step()
+    assert np.isfinite(metrics["actor/pg_loss"]) and metrics["actor/kl_loss"] > 0
+    after = host(t.actor.base_params())
+    assert base.keys() == after.keys()
+    for k in base:
+        np.testing.assert_array_equal(after[k], base[k], err_msg=k)  # the base is frozen
+    moved = host(t.actor.trainable_params())
+    assert any(not np.array_equal(moved[k], adapters[k]) for k in adapters)
+
+    # The shared reference scores as a reference built from a copy of the base weights, and
+    # unlike the adapted actor.
+    rows = t.test_data.rows[:8]
+    prompts = prompt_batch(rows, np.zeros(len(rows), np.int32), t.tok.pad_id,
+                           t.cfg.data.max_prompt_length)
+    batch = t.actor.generate(prompts, greedy=True, n=1)
+    with jax.transfer_guard("allow"):
+        base_model = nnx.merge(t.actor.base_graphdef,
+                               jax.tree.map(lambda x: x.copy(), t.actor.base_params()))
+    plain = Reference("plain_ref", t.actor.pool, t.cfg.actor.mesh, base_model,
+                      temperature=t.cfg.rollout.temperature, home=t.actor.mesh)
+    seqs = Batch({k: batch[k] for k in ("input_ids", "attention_mask", "responses")})
+    shared = np.asarray(w.ref.compute_ref_log_prob(seqs)["ref_log_prob"])
+    copied = np.asarray(plain.compute_ref_log_prob(seqs)["ref_log_prob"])
+    policy = np.asarray(t.actor.compute_log_prob(seqs)["old_log_probs"])
+    mask = np.asarray(batch["response_mask"]) > 0
+    np.testing.assert_allclose(shared[mask], copied[mask], atol=1e-5)
+    assert np.abs(shared[mask] - policy[mask]).max() > 1e-4
+
+
+def test_lora_reference_refuses_a_pool_of_its_own():
+    c = lora_config()
+    c.placement = {"gen": {"size": 4, "roles": ["actor", "reward"]},
+                   "ref": {"size": 4, "roles": ["ref"]}}
+    c.actor.mesh = c.ref.mesh = "fsdp=4"
+    c.rollout.mesh = ""
+    with pytest.raises(ConfigError, match="reference reads the actor's frozen base.*'ref'"):
+        validate_config(c)
+
+
+@pytest.mark.slow
+def test_lora_checkpoints_hold_adapters_and_resume_bitwise(tmp_path):
+    import shutil
+
+    from hfjax.run.checkpoint import RunCheckpointer
+    from hfjax.workers import lora_state
+
+    def config():
+        c = lora_config()
+        c.rollout.mesh = ""  # decode in the training layout: a faster test
+        c.trainer.total_steps, c.trainer.save_freq, c.trainer.test_freq = 4, 2, 0
+        c.trainer.val_before_train = False
+        return c
+
+    a = make_trainer(config())
+    a.fit(RunCheckpointer(str(tmp_path / "a"), async_save=False, max_to_keep=5))
+    want = host((a.actor.params, a.actor.opt_state))
+    saved = RunCheckpointer(str(tmp_path / "a"), read_only=True)
+    state, _ = saved.read_json(2)
+    # Adapters and their Adam state; the base only because this run's base has no path.
+    assert set(os.listdir(saved.step_dir(2))) >= {"actor_params", "actor_opt_state",
+                                                   "actor_base"}
+    assert "ref_params" not in os.listdir(saved.step_dir(2))
+    assert state["lora"]["spec"]["rank"] == 4 and state["lora"]["base"]["saved"]
+    adapter_names = {k for k in host(a.actor.trainable_params())}
+    assert adapter_names and all("_lora_" in k for k in adapter_names)
+
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    shutil.rmtree(tmp_path / "b" / "4")
+    b = make_trainer(config())
+    result = b.fit(RunCheckpointer(str(tmp_path / "b"), async_save=False, max_to_keep=5))
+    assert result.resumed_from == 2 and result.step == 4
+    got = host((b.actor.params, b.actor.opt_state))
+    assert got.keys() == want.keys()
+    for k in want:
+        np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+
+    # A base named by a path whose weights changed since is refused.
+    record = dict(state["lora"])
+    record["base"] = {"path": "some/model", "saved": False,
+                      "fingerprints": {"['model']['norm'].value": 1}}
+    problem = lora_state.install(b.actor, {}, record, lambda named: {k: 0 for k in named})
+    assert "not the one the adapters were trained on" in problem
+    other = dict(record, spec=dict(record["spec"], rank=8))
+    assert "same actor.lora settings" in lora_state.install(b.actor, {}, other, None)
