@@ -71,7 +71,8 @@ def policy_alone(cfg, tokenizer):
 
     pools = resolve_placement("colocate", ("actor",), jax.devices())
     model = initial_model(cfg, tokenizer, compute_dtype(cfg, jax.devices()[0].platform), pools)
-    return pools, groups.build_actor(cfg, model, pools, tokenizer.pad_id, tokenizer.eos_id)
+    return pools, groups.build_actor(cfg, model, pools, tokenizer.pad_id, tokenizer.eos_id,
+                                     tokenizer=tokenizer)
 
 
 def model_config(cfg, tokenizer, compute_dtype: str) -> ModelConfig:

@@ -398,6 +398,20 @@ def _prompts(v) -> str | None:
     return None
 
 
+def _tool_spec(v) -> str | None:
+    """Tool names or pkg.mod:Class specs, comma-separated (empty: no tools); resolved here, so
+    an unknown tool fails before anything compiles."""
+    if not isinstance(v, str):
+        return "needs a string of tool names, e.g. 'calculator' or 'calculator,python'"
+    from hfjax.tools import resolve_tools
+
+    try:
+        resolve_tools(v)
+    except (ValueError, ImportError) as err:
+        return str(err)
+    return None
+
+
 def _split(files: str) -> list[str]:
     return [f.strip() for f in files.split(",") if f.strip()]
 
@@ -504,6 +518,12 @@ TRAIN_KEYS: dict[str, Callable[[Any], str | None]] = {
     "rollout.refill_every": Int(1),
     "rollout.min_slots": Int(0, note="0: the start of the slots' row range"),
     "rollout.max_cache_len": Int(0, note="0: no limit"),
+    # Multi-turn rollouts with tools (hfjax/engine/agent_loop.py, docs/agents.md).
+    "rollout.multi_turn.enable": Bool(),
+    "rollout.multi_turn.max_turns": Int(1, note="policy turns per trajectory"),
+    "rollout.multi_turn.tools": Check(_tool_spec),
+    "rollout.multi_turn.max_tool_response_len": Int(1, note="tokens per observation"),
+    "rollout.multi_turn.tool_workers": Int(1, note="threads running tool calls"),
     "rollout.val_kwargs.n": Int(1),
     "rollout.val_kwargs.temperature": Float(0.0, note="0: greedy"),
     # reference and critic

@@ -73,7 +73,8 @@ class Trainer:
             raise ValueError(f"the tokenizer has {self.tok.vocab_size} tokens, the model's "
                              f"vocabulary {self.model_cfg.vocab_size}; give a tokenizer that "
                              "fits the model (--config.model.tokenizer)")
-        self.actor = groups.build_actor(cfg, initial, self.pools, self.tok.pad_id, self.tok.eos_id)
+        self.actor = groups.build_actor(cfg, initial, self.pools, self.tok.pad_id, self.tok.eos_id,
+                                        tokenizer=self.tok)
         self._groups: WorkerGroups | None = None
         # Whether this process has seen the policy away from uniform, and told of a collapse.
         self._peaked = self._collapse_reported = False
