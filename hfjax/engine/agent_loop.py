@@ -248,7 +248,7 @@ class AgentLoop:
         row.add(ids[:room], 0)
         row.traj.turns.append({
             "role": "tool", "calls": [_call_dict(c) for c in row.calls],
-            "results": [{"text": o.text, "error": bool(o.error)} for o in obs],
+            "results": [{"text": o.text, "error": bool(o.error)} for o in cut],
             "tokens": min(len(ids), room)})
         if len(ids) >= room:
             row.finish("length")
