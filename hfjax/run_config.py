@@ -451,7 +451,8 @@ TRAIN_KEYS: dict[str, Callable[[Any], str | None]] = {
     "model.attention_impl": Choice(_attention_impls, note="auto: dense on CPU, cudnn on GPU, "
                                    "splash on TPU; blockwise where those cannot run"),
     # data
-    "data.task": Choice(("arith", "parquet")),
+    "data.task": Choice(("arith", "arith_tool", "parquet"),
+                        note="arith_tool: 3-4 digit products, for the calculator"),
     "data.train_files": Check(_parquet_files),
     "data.val_files": Check(_parquet_files),
     "data.n_train": Int(1),
@@ -768,7 +769,7 @@ def _data_files(c) -> str | None:
 
 
 def _warm_start_needs_arith(c) -> str | None:
-    if c.sft.steps > 0 and c.data.task != "arith":
+    if c.sft.steps > 0 and c.data.task not in ("arith", "arith_tool"):
         return (f"sft.steps={c.sft.steps}: the warm start uses the arith task's "
                 f"demonstrations, and data.task={c.data.task!r}; set --config.sft.steps=0")
     return None
@@ -784,7 +785,7 @@ def _sft_micro_batches(c) -> str | None:
 
 def _arith_sizes(c) -> str | None:
     d = c.data
-    if d.task == "arith" and d.n_train < d.train_batch_size:
+    if d.task in ("arith", "arith_tool") and d.n_train < d.train_batch_size:
         return (f"data.n_train={d.n_train} is smaller than one batch "
                 f"(data.train_batch_size={d.train_batch_size}); raise n_train or lower the batch")
     return None

@@ -106,7 +106,7 @@ class Trainer:
         s, c = self.cfg.sft, self.cfg
         if s.steps <= 0:
             return {}
-        if c.data.task != "arith":
+        if c.data.task not in ("arith", "arith_tool"):
             raise ValueError("sft.steps > 0 needs data.task='arith' (the warm start uses its "
                              "demonstrations); set --config.sft.steps=0 for other data, and "
                              "fine-tune on your own data first with python -m launch.sft")
