@@ -4,7 +4,8 @@
     python -m launch.prepare_data --task=countdown --task_config='{"min_numbers": 3}' ...
 
 Tasks: gsm_symbolic, basic_arithmetic, countdown, chain_sum (reasoning-gym) and arith (the
-embedded arithmetic task), in verl's prompt schema (docs/data.md); and arith_prefs /
+embedded arithmetic task), arith_tool (3-4 digit products for the calculator tool, with verl's
+multi-turn fields: docs/agents.md), in verl's prompt schema (docs/data.md); and arith_prefs /
 arith_cost_prefs, preference pairs for reward / cost models (docs/algorithms.md):
 
     python -m launch.prepare_data --task=arith_prefs --n_train=1400 --n_test=200 \

@@ -203,10 +203,22 @@ def test_extraction_joins_continuations_and_keeps_loops():
 # -- the smoke tier --------------------------------------------------------------------------------
 
 
+# Left out of the scratch copy: caches anywhere, and the outputs of earlier runs at the top level
+# only (hfjax/data/ is a package, not the docs' data/ folder).
+_SKIP_ANYWHERE = shutil.ignore_patterns(".git", "bazel-*", "__pycache__", ".pytest_cache",
+                                        ".ruff_cache")
+_SKIP_AT_ROOT = {"runs", "data", ".venvs", ".benchmarks", "out"}
+
+
+def _skip(folder: str, names: list[str]) -> set[str]:
+    skipped = set(_SKIP_ANYWHERE(folder, names))
+    if os.path.realpath(folder) == os.path.realpath(ROOT):
+        skipped |= _SKIP_AT_ROOT & set(names)
+    return skipped
+
+
 def _scratch_copy(dest: str) -> None:
-    shutil.copytree(ROOT, dest, symlinks=True, ignore=shutil.ignore_patterns(
-        ".git", "runs", "data", "bazel-*", "__pycache__", ".pytest_cache", ".ruff_cache",
-        ".venvs", ".benchmarks", "out"))
+    shutil.copytree(ROOT, dest, symlinks=True, ignore=_skip)
 
 
 def _env(scratch: str) -> dict[str, str]:

@@ -6,6 +6,16 @@ A row is
     ability       str, optional
     reward_model  {style, ground_truth: str}
     extra_info    dict, optional       passed to the reward (reasoning-gym keeps its entry here)
+    agent_name    str, optional        verl's multi-turn field: the agent loop for the row
+and, inside extra_info, verl's multi-turn fields
+    tools_kwargs        {tool name: {create_kwargs, ...}}, optional: per-row tool settings
+    interaction_kwargs  dict, optional: per-row settings of the environment (name, query, ...)
+
+A dataset where any row has a multi-turn field gives every row all three (defaults
+"single_turn_agent", {} and {}, as verl's reader does), and `reward_meta` passes them to the
+batch's non-tensor data as `agent_name`, `tools_kwargs` and `interaction_kwargs`. A tool a row
+does not name reads back from parquet as a null entry (parquet unifies struct fields across
+rows), which is dropped.
 
 Every row is checked when the dataset is built, before anything compiles:
 - a missing field or a value of the wrong type is an error naming the file, the row and the
@@ -82,15 +92,25 @@ def render_prompt(tok, messages: Sequence[dict]) -> list[int]:
     return tok.encode(messages[-1]["content"], add_special_tokens=False)
 
 
+MULTI_TURN_FIELDS = ("agent_name", "tools_kwargs", "interaction_kwargs")
+DEFAULT_AGENT = "single_turn_agent"
+
+
 def reward_meta(rows: Sequence[dict]) -> dict[str, list]:
     """The per-row Batch meta RuleReward reads: data_source, ground_truth, reward_style,
-    extra_info."""
-    return {
+    extra_info; plus agent_name, tools_kwargs and interaction_kwargs when the rows carry
+    verl's multi-turn fields (the agent loop reads them)."""
+    meta = {
         "data_source": [r["data_source"] for r in rows],
         "ground_truth": [r["reward_model"]["ground_truth"] for r in rows],
         "reward_style": [r["reward_model"].get("style") for r in rows],
         "extra_info": [r.get("extra_info") for r in rows],
     }
+    if any(r.get(k) is not None for r in rows for k in MULTI_TURN_FIELDS):
+        meta["agent_name"] = [r.get("agent_name") or DEFAULT_AGENT for r in rows]
+        meta["tools_kwargs"] = [r.get("tools_kwargs") or {} for r in rows]
+        meta["interaction_kwargs"] = [r.get("interaction_kwargs") or {} for r in rows]
+    return meta
 
 
 # -- validation ----------------------------------------------------------------------------------
@@ -137,13 +157,41 @@ def normalize_row(row: Any, where: str) -> dict:
     extra = row.get("extra_info")
     if extra is not None and not isinstance(extra, dict):
         raise RowError(f"{where}: field extra_info is {_typename(extra)}, expected a dict")
+    agent = row.get("agent_name")
+    if agent is not None and (not isinstance(agent, str) or not agent):
+        raise RowError(f"{where}: field agent_name is {_typename(agent)}, expected a non-empty "
+                       "str such as 'tool_agent'")
     return {
         "data_source": source,
         "prompt": messages,
         "ability": ability,
         "reward_model": {"style": style, "ground_truth": truth},
         "extra_info": extra,
+        "agent_name": agent,
+        **_multi_turn_kwargs(extra, where),
     }
+
+
+def _multi_turn_kwargs(extra: dict | None, where: str) -> dict:
+    """extra_info's tools_kwargs and interaction_kwargs, checked (None when absent)."""
+    extra = extra or {}
+    tools = extra.get("tools_kwargs")
+    if tools is not None:
+        if not isinstance(tools, dict):
+            raise RowError(f"{where}: field extra_info.tools_kwargs is {_typename(tools)}, "
+                           "expected a dict {tool name: {create_kwargs: {...}}}")
+        # A null entry is a tool another row names (parquet's struct fields are shared).
+        tools = {name: kw for name, kw in tools.items() if kw is not None}
+        for name, kw in tools.items():
+            if not isinstance(kw, dict):
+                raise RowError(f"{where}: field extra_info.tools_kwargs.{name} is "
+                               f"{_typename(kw)}, expected a dict such as "
+                               "{create_kwargs: {...}}")
+    interaction = extra.get("interaction_kwargs")
+    if interaction is not None and not isinstance(interaction, dict):
+        raise RowError(f"{where}: field extra_info.interaction_kwargs is "
+                       f"{_typename(interaction)}, expected a dict")
+    return {"tools_kwargs": tools, "interaction_kwargs": interaction}
 
 
 def _empty(messages: list[dict]) -> bool:
@@ -210,6 +258,12 @@ class Dataset:
                 continue
             kept.append(row)
 
+        if any(row[k] is not None for row in kept for k in MULTI_TURN_FIELDS):
+            # verl's defaults, so every row (and batch) of a multi-turn set has all three.
+            for row in kept:
+                row["agent_name"] = row["agent_name"] or DEFAULT_AGENT
+                row["tools_kwargs"] = row["tools_kwargs"] or {}
+                row["interaction_kwargs"] = row["interaction_kwargs"] or {}
         ids = _tokenize(tokenizer, [r["prompt"] for r in kept])
         self.rows: list[dict] = []
         too_long = 0

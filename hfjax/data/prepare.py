@@ -1,10 +1,10 @@
 """Writes task sets as train/test parquet files in verl's schema (see docs/data.md).
 
-Tasks: reasoning-gym's gsm_symbolic, basic_arithmetic, countdown and chain_sum, and the
-embedded arithmetic task `arith`; and preference pairs on the arithmetic task's prompts, for
-reward-model training (`arith_prefs`: right answers preferred to wrong or unformatted ones)
-and cost-model training (`arith_cost_prefs`: answers without the digit 7 preferred to answers
-with one), in the schema of `hfjax.data.preferences`.
+Tasks: reasoning-gym's gsm_symbolic, basic_arithmetic, countdown and chain_sum, the
+embedded arithmetic task `arith`, the tool-use task `arith_tool`; and preference pairs on the
+arithmetic task's prompts, for reward-model training (`arith_prefs`: right answers preferred
+to wrong or unformatted ones) and cost-model training (`arith_cost_prefs`: answers without the
+digit 7 preferred to answers with one), in the schema of `hfjax.data.preferences`.
 
 - A reasoning-gym row has data_source `reasoning_gym/<task>`. Its prompt is the generated
   question followed by verl's GSM8K instruction (`GSM_SUFFIX`), because the reward reads the
@@ -12,6 +12,11 @@ with one), in the schema of `hfjax.data.preferences`.
   the whole entry as JSON (values JSON cannot hold, such as fractions, written as text) for
   reasoning-gym's scorer.
 - An `arith` row is `hfjax.data.arith`'s row: data_source `hfjax/arith`, prompt "a+b=".
+- An `arith_tool` row (data_source `hfjax/arith_tool`) asks for a product of two 3- or
+  4-digit numbers, "a*b=", which a small model cannot work out in its head but the
+  `calculator` tool can. It carries verl's multi-turn fields: `agent_name` "tool_agent",
+  `extra_info.tools_kwargs` (per tool, verl's `create_kwargs`) and
+  `extra_info.interaction_kwargs` (`name`, `query`, `ground_truth`).
 
 Train and test come from one seeded stream of problems, deduplicated by prompt, so the two
 splits never share a question and the same seed always writes the same files.
@@ -23,6 +28,7 @@ import json
 import os
 from collections.abc import Iterator
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
@@ -39,7 +45,9 @@ RG_TASKS = {
 # Preference tasks: their rows are made from the arith task's rows (same seeded stream and
 # split), turned into pairs by `arith.preference_rows` of the given kind.
 PREFERENCE_TASKS = {"arith_prefs": "correctness", "arith_cost_prefs": "forbidden_digit"}
-TASKS = (*RG_TASKS, "arith", *PREFERENCE_TASKS)
+ARITH_TOOL_SOURCE = "hfjax/arith_tool"
+TOOL_AGENT = "tool_agent"
+TASKS = (*RG_TASKS, "arith", "arith_tool", *PREFERENCE_TASKS)
 
 _MESSAGES = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
 _REWARD_MODEL = pa.struct([("style", pa.string()), ("ground_truth", pa.string())])
@@ -56,6 +64,9 @@ def write_rows(rows: list[dict], path: str | os.PathLike) -> None:
         "reward_model": pa.array([r["reward_model"] for r in rows], _REWARD_MODEL),
         "extra_info": pa.array([r.get("extra_info") for r in rows]),
     }
+    if any("agent_name" in r for r in rows):
+        # verl's multi-turn column: which agent loop runs the row.
+        columns["agent_name"] = pa.array([r.get("agent_name") for r in rows], pa.string())
     pq.write_table(pa.table(columns), os.fspath(path))
 
 
@@ -99,6 +110,41 @@ def _arith_stream(seed: int, config: dict) -> Iterator[dict]:
         start, size = size, size * 2
 
 
+def _arith_tool_stream(seed: int, config: dict) -> Iterator[dict]:
+    config = dict(config)
+    digits = config.pop("digits", [3, 4])
+    if config:
+        raise ValueError(f"task config {config} for 'arith_tool': it takes only digits, "
+                         "e.g. {\"digits\": [3, 4]}")
+    if (not isinstance(digits, (list, tuple)) or len(digits) != 2
+            or not all(isinstance(d, int) and not isinstance(d, bool) for d in digits)
+            or not 1 <= digits[0] <= digits[1] <= 9):
+        raise ValueError(f"task config digits={digits!r} for 'arith_tool': give [fewest, most] "
+                         "digits per operand, 1 <= fewest <= most <= 9")
+    rng = np.random.default_rng(seed)
+    lo, hi = digits
+    while True:
+        a, b = (int(rng.integers(10 ** (d - 1), 10 ** d)) for d in rng.integers(lo, hi + 1, 2))
+        query, product = f"{a}*{b}=", str(a * b)
+        yield {
+            "data_source": ARITH_TOOL_SOURCE,
+            "prompt": [{"role": "user", "content": query}],
+            "ability": "arithmetic",
+            "reward_model": {"style": "rule", "ground_truth": product},
+            "agent_name": TOOL_AGENT,
+            "extra_info": {
+                "a": a,
+                "b": b,
+                # verl's per-tool kwargs. The calculator takes none, but parquet cannot store
+                # an empty struct, so create_kwargs holds the row's query (unused by it; not
+                # the answer, which no tool should see).
+                "tools_kwargs": {"calculator": {"create_kwargs": {"query": query}}},
+                "interaction_kwargs": {"name": "arith_tool", "query": query,
+                                       "ground_truth": product},
+            },
+        }
+
+
 def make_splits(
     task: str, n_train: int, n_test: int, seed: int = 0, config: dict | None = None
 ) -> tuple[list[dict], list[dict]]:
@@ -115,6 +161,8 @@ def make_splits(
         return _preference_splits(task, n_train, n_test, seed, config)
     if task == "arith":
         stream = _arith_stream(seed, config)
+    elif task == "arith_tool":
+        stream = _arith_tool_stream(seed, config)
     else:
         stream = _rg_stream(task, seed, config, size=(n_train + n_test) * 5 // 4 + 16)
     seen: set[str] = set()

@@ -14,15 +14,17 @@ What holds (Linux; docs/agents.md says the same):
   whatever the code does. Where it does not work, only the audit hook below stands in the way.
 - **Files, processes, sockets: an audit hook** (PEP 578), installed before the snippet runs,
   refuses: opening a file for writing outside the temporary directory, deleting, renaming or
-  creating anything outside it, creating a socket, starting a process (fork, exec, subprocess,
-  os.system), and importing ctypes. The snippet runs with `python -I` (no user site, no PYTHON*
-  variables), in a fresh temporary directory that is deleted afterwards, with a minimal
-  environment.
+  creating anything outside it, creating a socket or resolving a name, starting a process
+  (fork, exec, subprocess, os.system), sending signals, and using ctypes to reach native code
+  (loading a library by name, looking up a symbol, a foreign call, reading memory at an
+  address; importing ctypes is allowed, as sympy does it). The snippet runs with `python -I`
+  (no user site, no PYTHON* variables), in a fresh temporary directory that is deleted
+  afterwards, with a minimal environment.
 
 What does not hold: the audit hook is a tripwire for honest mistakes and naive attempts, not a
 security boundary. Reading files is not restricted beyond the OS's permissions, and code that
-escapes the interpreter (a C extension already installed) is not contained. Run untrusted
-policies' code in a container or VM as well.
+escapes the interpreter's checks (ctypes' ready-made memmove and memset, a C extension already
+installed) is not contained. Run untrusted policies' code in a container or VM as well.
 
 The limits are applied by the child itself, before the snippet runs, rather than in a
 `preexec_fn`: the parent is a multi-threaded JAX process, where `preexec_fn` can deadlock.
@@ -45,14 +47,16 @@ from hfjax.tools.registry import register_tool
 
 # The child's bootstrap: argv = [work_dir, snippet_path, memory_bytes, file_bytes, cpu_s].
 # It sets the limits, installs the audit hook, then runs the snippet; the last expression
-# statement's value is printed as in a REPL.
+# statement's value is printed as in a REPL. The child runs unbuffered (-u), so a snippet
+# killed at the wall clock still shows what it printed.
 _BOOTSTRAP = r'''
 import ast, os, resource, sys
 work, snippet_path, mem, fsize, cpu = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:6])
 src = open(snippet_path, encoding="utf-8").read()
-for lim, val in ((resource.RLIMIT_AS, mem), (resource.RLIMIT_FSIZE, fsize),
-                 (resource.RLIMIT_CPU, cpu), (resource.RLIMIT_CORE, 0)):
-    resource.setrlimit(lim, (val, val))
+for lim, soft, hard in ((resource.RLIMIT_AS, mem, mem), (resource.RLIMIT_FSIZE, fsize, fsize),
+                        (resource.RLIMIT_CPU, cpu, cpu + 1), (resource.RLIMIT_CORE, 0, 0)):
+    # CPU: SIGXCPU at the soft limit (a clear message), SIGKILL a second later regardless.
+    resource.setrlimit(lim, (soft, hard))
 os.chdir(work)
 _real = os.path.realpath
 _inside = work + os.sep
@@ -67,10 +71,14 @@ def _ok(path):
 _PATH_EVENTS = {"os.remove": 1, "os.rmdir": 1, "os.mkdir": 1, "os.rename": 2, "os.link": 2,
                 "os.symlink": 2, "os.truncate": 1, "os.chmod": 1, "os.chown": 1, "os.utime": 1,
                 "shutil.rmtree": 1, "shutil.move": 2, "shutil.copyfile": 2}
+# ctypes may be imported (sympy does), but not used to reach native code: no library loaded
+# by name, no symbol looked up, no foreign call, no raw memory read or written.
 _BLOCKED = ("socket.__new__", "socket.connect", "socket.bind", "socket.getaddrinfo",
+            "socket.gethostbyname", "socket.gethostbyaddr",
             "os.system", "os.fork", "os.forkpty", "os.exec", "os.posix_spawn", "os.spawn",
-            "subprocess.Popen", "os.kill", "os.killpg", "ctypes.dlopen", "ctypes.dlsym",
-            "os.putenv", "os.unsetenv", "sys.addaudithook")
+            "subprocess.Popen", "os.kill", "os.killpg", "ctypes.dlsym", "ctypes.dlsym/handle",
+            "ctypes.call_function", "ctypes.cdata", "ctypes.cdata/buffer", "ctypes.string_at",
+            "ctypes.wstring_at")
 def _hook(event, args):
     if event == "open":
         path, mode, flags = args
@@ -85,12 +93,15 @@ def _hook(event, args):
             if not _ok(path):
                 raise PermissionError(f"sandbox: {event} on {path!r} outside the working "
                                       "directory is not allowed")
-    elif event in _BLOCKED:
+    elif event in _BLOCKED or (event == "ctypes.dlopen" and args[0] is not None):
         raise PermissionError(f"sandbox: {event} is not allowed")
-    elif event == "import" and args[0] in ("ctypes", "_ctypes"):
-        raise PermissionError("sandbox: importing ctypes is not allowed")
 sys.addaudithook(_hook)
-tree = ast.parse(src, "<snippet>", "exec")
+try:
+    tree = ast.parse(src, "<snippet>", "exec")
+except (SyntaxError, ValueError) as err:
+    import traceback
+    sys.stderr.write("".join(traceback.format_exception_only(err)))
+    sys.exit(1)
 if tree.body and isinstance(tree.body[-1], ast.Expr):
     last = ast.Expression(tree.body.pop().value)
     code, tail = compile(tree, "<snippet>", "exec"), compile(last, "<snippet>", "eval")
@@ -104,6 +115,9 @@ if tail is not None:
     if _value is not None:
         print(repr(_value))
 '''
+
+
+_SIGNALS = {int(s) for s in signal.Signals}
 
 
 @functools.cache
@@ -189,12 +203,16 @@ class Python(Tool):
         snippet = os.path.join(root, "snippet.py")
         with open(snippet, "w", encoding="utf-8") as f:
             f.write(code)
-        argv = [sys.executable, "-I", "-c", _BOOTSTRAP, work, snippet,
+        argv = [sys.executable, "-I", "-u", "-c", _BOOTSTRAP, work, snippet,
                 str(self.memory_mb * 1024 * 1024), str(self.max_output_bytes), str(self.cpu_s)]
         if self.network_namespace:
             argv = [shutil.which("unshare") or "unshare", "--user", "--net", "--"] + argv
+        # One thread per numeric library (their pools reserve address space per thread, which
+        # RLIMIT_AS counts), and no accelerator for a snippet that imports an ML framework.
         env = {"PATH": "/usr/bin:/bin", "HOME": work, "TMPDIR": work, "LANG": "C.UTF-8",
-               "PYTHONIOENCODING": "utf-8"}
+               "PYTHONIOENCODING": "utf-8", "OMP_NUM_THREADS": "1",
+               "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "",
+               "JAX_PLATFORMS": "cpu"}
         out_path, err_path = os.path.join(root, "stdout"), os.path.join(root, "stderr")
         with open(out_path, "wb") as out, open(err_path, "wb") as err:
             proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
@@ -220,10 +238,15 @@ class Python(Tool):
         if rc == -signal.SIGXFSZ:
             raise ToolError(f"the output (or a file written) exceeded {self.max_output_bytes} "
                             f"bytes and the code was stopped; output so far:\n{stdout}")
-        if rc == -signal.SIGXCPU or rc == -signal.SIGKILL:
+        if rc == -signal.SIGXCPU:
             raise ToolError(f"the code used more than {self.cpu_s} s of CPU and was stopped")
+        if rc == -signal.SIGKILL:
+            raise ToolError(f"the code was killed (SIGKILL: past its {self.cpu_s} s of CPU, or "
+                            "the machine ran out of memory)")
         if rc != 0:
-            detail = stderr.strip() or f"exit status {rc}"
+            how = (f"killed by {signal.Signals(-rc).name}" if rc < 0 and -rc in _SIGNALS
+                   else f"exit status {rc}")
+            detail = stderr.strip() or how
             raise ToolError(f"the code failed:\n{detail}"
                             + (f"\noutput before the failure:\n{stdout}" if stdout else ""))
         return stdout if not stderr else f"{stdout}\n[stderr]\n{stderr}"

@@ -70,6 +70,11 @@ class ToolRunner:
         for key, tool in tools.items():
             if not isinstance(tool, Tool):
                 raise ValueError(f"ToolRunner: tools[{key!r}] = {tool!r} is not a Tool")
+            timeout = getattr(tool, "timeout_s", None)
+            if (not isinstance(timeout, (int, float)) or isinstance(timeout, bool)
+                    or not 0 < timeout < float("inf")):
+                raise ValueError(f"ToolRunner: tool {key!r} has timeout_s={timeout!r}; give a "
+                                 "finite number of seconds > 0")
         self.tools = dict(tools)
         self.max_workers = max_workers
         self.max_output_chars = max_output_chars
@@ -104,17 +109,29 @@ class ToolRunner:
         if not calls:
             out.set_result([])
             return out
+        answered: list[tuple[_Slot, Observation]] = []
         for i, call in enumerate(calls):
             slot = _Slot(setter(i))
-            obs = self._precheck(call)
+            try:
+                obs = self._precheck(call)
+            except Exception as err:  # a schema the check cannot read: still an observation
+                obs = _error(f"cannot check the call's arguments: {type(err).__name__}: {err}")
             if obs is not None:
-                slot.set(obs)
+                answered.append((slot, obs))
                 continue
-            if self._closed:
-                slot.set(_error("the tool runner is closed"))
-                continue
-            self._ensure_workers()
-            self._jobs.put((self.tools[call.name], call.arguments, slot))
+            # Checked and queued under the lock, so close() cannot slip in between and leave
+            # the job without a worker.
+            with self._lock:
+                if not self._closed:
+                    if self._workers < self.max_workers:
+                        self._workers += 1
+                        self._spawn()
+                    self._jobs.put((self.tools[call.name], call.arguments, slot))
+                    continue
+            answered.append((slot, _error("the tool runner is closed")))
+        # Set outside the lock: the last one resolves the future, which runs its callbacks.
+        for slot, obs in answered:
+            slot.set(obs)
         return out
 
     def run(self, calls: Sequence[ToolCall | Observation]) -> list[Observation]:
@@ -153,12 +170,6 @@ class ToolRunner:
         if why:
             return _error(f"bad arguments: {why}")
         return None
-
-    def _ensure_workers(self) -> None:
-        with self._lock:
-            if self._workers < self.max_workers:
-                self._workers += 1
-                self._spawn()
 
     def _spawn(self) -> None:
         threading.Thread(target=self._work, name="hfjax-tool", daemon=True).start()

@@ -22,8 +22,8 @@ def _type_ok(value: Any, kind: str) -> bool:
         return True  # a type this check does not know is not ours to refuse
     if isinstance(value, bool) and kind in ("integer", "number"):
         return False  # JSON true is not a number, though Python's bool is an int
-    if kind == "integer" and isinstance(value, float):
-        return value.is_integer()
+    # "integer" takes ints only (not 2.0, which JSON Schema would accept): the tool then gets
+    # the Python type its schema names.
     return isinstance(value, _TYPES[kind])
 
 

@@ -1,0 +1,32 @@
+"""docs/agents.md's Python examples run as written and do what the page says."""
+
+import os
+import re
+
+from hfjax.tools import Observation, ToolCall, ToolRunner, resolve_tools
+
+# The checkout (realpath: under Bazel this file is a link in the runfiles, which hold no docs).
+DOC = os.path.join(os.path.dirname(os.path.realpath(__file__)), "..", "..", "docs", "agents.md")
+
+
+def test_agents_md_examples(capsys):
+    with open(DOC, encoding="utf-8") as f:
+        blocks = re.findall(r"```python\n(.*?)```", f.read(), re.S)
+    assert len(blocks) == 3
+    scope = {"__name__": "agents_md"}
+    for block in blocks:
+        exec(compile(block, DOC, "exec"), scope)
+    # The second block prints what its comment says.
+    assert capsys.readouterr().out.strip() == "[Observation(text='7006652', error=False)]"
+    # The first registered word_count, which behaves as documented.
+    with ToolRunner(resolve_tools("word_count")) as runner:
+        two, empty, unknown = runner.run([
+            ToolCall("word_count", {"text": "a b a", "word": "a"}),
+            ToolCall("word_count", {"text": "a b", "word": " "}),
+            ToolCall("word_count", {"text": "a", "n": 1})])
+    assert two == Observation("2", False)
+    assert empty.error and empty.text.startswith("Error: word_count: word is empty")
+    assert unknown.error and "unknown 'n'" in unknown.text
+    # The third is the python tool with other limits.
+    slow = scope["SlowPython"]()
+    assert (slow.name, slow.wall_s, slow.memory_mb, slow.cpu_s) == ("python", 30.0, 2048, 40)
