@@ -181,6 +181,11 @@ def step_metrics(a: dict, response_length: int) -> dict:
         "_tokens": jnp.sum(a["attention_mask"]).astype(jnp.float32),
         "_response_tokens": jnp.sum(mask),
     }
+    # Multi-turn trajectories (hfjax.engine.agent_loop): policy turns, tool calls and the
+    # calls that came back as errors, per trajectory.
+    for key in ("num_turns", "tool_calls", "tool_errors"):
+        if key in a:
+            out[f"{key}/mean"] = jnp.mean(a[key].astype(jnp.float32))
     if "values" in a:
         out["critic/values/mean"] = core.masked_mean(a["values"], mask)
     if "rm_scores" in a:

@@ -29,6 +29,7 @@ from hfjax.config.validators import (
     sinks,
     source_weights,
     spec,
+    tool_spec,
 )
 from hfjax.config.values import Bool, Check, Choice, Float, Int, Text
 
@@ -69,7 +70,8 @@ TRAIN_KEYS: dict[str, Callable[[Any], str | None]] = {
     "model.attention_impl": Choice(attention_impls, note="auto: dense on CPU, cudnn on GPU, "
                                    "splash on TPU; blockwise where those cannot run"),
     # data
-    "data.task": Choice(("arith", "parquet")),
+    "data.task": Choice(("arith", "arith_tool", "parquet"),
+                        note="arith_tool: 3-4 digit products, for the calculator"),
     "data.train_files": Check(parquet_files),
     "data.val_files": Check(parquet_files),
     "data.n_train": Int(1),
@@ -145,6 +147,12 @@ TRAIN_KEYS: dict[str, Callable[[Any], str | None]] = {
     "rollout.refill_every": Int(1),
     "rollout.min_slots": Int(0, note="0: the start of the slots' row range"),
     "rollout.max_cache_len": Int(0, note="0: no limit"),
+    # Multi-turn rollouts with tools (hfjax/engine/agent_loop.py, docs/agents.md).
+    "rollout.multi_turn.enable": Bool(),
+    "rollout.multi_turn.max_turns": Int(1, note="policy turns per trajectory"),
+    "rollout.multi_turn.tools": Check(tool_spec),
+    "rollout.multi_turn.max_tool_response_len": Int(1, note="tokens per observation"),
+    "rollout.multi_turn.tool_workers": Int(1, note="threads running tool calls"),
     "rollout.val_kwargs.n": Int(1),
     "rollout.val_kwargs.temperature": Float(0.0, note="0: greedy"),
     # reference and critic

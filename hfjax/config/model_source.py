@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from hfjax.data import arith
+from hfjax.data import arith, tool_arith
 from hfjax.engine import layout_choice
 from hfjax.models import load as load_model
 from hfjax.models import load_tokenizer, precision, presets, transformer
@@ -35,6 +35,8 @@ def task_tokenizer(cfg):
         return load_tokenizer(m.tokenizer)
     if m.path and presets.preset_name(m.path) is None:
         return load_tokenizer(m.path)
+    if cfg.data.task == "arith_tool":
+        return tool_arith.tokenizer()
     if cfg.data.task != "arith":
         raise ValueError(f"model.path={m.path!r} has no tokenizer for data.task="
                          f"{cfg.data.task!r}; give one with --config.model.tokenizer=PATH "
@@ -71,7 +73,8 @@ def policy_alone(cfg, tokenizer):
 
     pools = resolve_placement("colocate", ("actor",), jax.devices())
     model = initial_model(cfg, tokenizer, compute_dtype(cfg, jax.devices()[0].platform), pools)
-    return pools, groups.build_actor(cfg, model, pools, tokenizer.pad_id, tokenizer.eos_id)
+    return pools, groups.build_actor(cfg, model, pools, tokenizer.pad_id, tokenizer.eos_id,
+                                     tokenizer=tokenizer)
 
 
 def model_config(cfg, tokenizer, compute_dtype: str) -> ModelConfig:

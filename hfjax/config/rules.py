@@ -121,7 +121,7 @@ def _data_files(c) -> str | None:
 
 
 def _warm_start_needs_arith(c) -> str | None:
-    if c.sft.steps > 0 and c.data.task != "arith":
+    if c.sft.steps > 0 and c.data.task not in ("arith", "arith_tool"):
         return (f"sft.steps={c.sft.steps}: the warm start uses the arith task's "
                 f"demonstrations, and data.task={c.data.task!r}; set --config.sft.steps=0")
     return None
@@ -137,7 +137,7 @@ def _sft_micro_batches(c) -> str | None:
 
 def _arith_sizes(c) -> str | None:
     d = c.data
-    if d.task == "arith" and d.n_train < d.train_batch_size:
+    if d.task in ("arith", "arith_tool") and d.n_train < d.train_batch_size:
         return (f"data.n_train={d.n_train} is smaller than one batch "
                 f"(data.train_batch_size={d.train_batch_size}); raise n_train or lower the batch")
     return None

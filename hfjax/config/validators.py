@@ -291,5 +291,19 @@ def lora_targets(v) -> str | None:
     return None
 
 
+def tool_spec(v) -> str | None:
+    """Tool names or pkg.mod:Class specs, comma-separated (empty: no tools); resolved here, so
+    an unknown tool fails before anything compiles."""
+    if not isinstance(v, str):
+        return "needs a string of tool names, e.g. 'calculator' or 'calculator,python'"
+    from hfjax.tools import resolve_tools
+
+    try:
+        resolve_tools(v)
+    except (ValueError, ImportError) as err:
+        return str(err)
+    return None
+
+
 def split(files: str) -> list[str]:
     return [f.strip() for f in files.split(",") if f.strip()]

@@ -46,7 +46,7 @@ import numpy as np
 import pyarrow.parquet as pq
 from absl import logging
 
-from hfjax.data import arith
+from hfjax.data import arith, tool_arith
 from hfjax.rewards.registry import check_ground_truth, resolve_reward
 
 REQUIRED_COLUMNS = ("data_source", "prompt", "reward_model")
@@ -464,9 +464,14 @@ def task_dataset(cfg, tokenizer, split: str) -> Dataset:
     if d.task == "arith":
         n, seed = (d.n_train, c.seed) if train else (d.n_test, c.seed + 10_000)
         return Dataset.arith(n, seed, d.max_prompt_length, tokenizer=tokenizer, max_b=d.max_b)
+    if d.task == "arith_tool":
+        n, seed = (d.n_train, c.seed) if train else (d.n_test, c.seed + 10_000)
+        return Dataset(tool_arith.problems(n, seed), tokenizer, d.max_prompt_length,
+                       name="arith_tool")
     if d.task == "parquet":
         files = d.train_files if train else d.val_files
         return Dataset.from_parquet(files.split(","), tokenizer, d.max_prompt_length,
                                     custom_reward_fn=c.reward.custom_fn or None)
-    raise ValueError(f"unknown data.task {d.task!r}; use 'arith' (built in) or 'parquet' "
+    raise ValueError(f"unknown data.task {d.task!r}; use 'arith' or 'arith_tool' (built in) "
+                     "or 'parquet' "
                      "(with data.train_files and data.val_files)")

@@ -21,7 +21,7 @@ from absl import logging
 
 from hfjax.config import model_source
 from hfjax.controller.batch import Batch
-from hfjax.data import arith
+from hfjax.data import arith, tool_arith
 from hfjax.data import sft as sft_data
 from hfjax.data.batching import sft_arrays, sft_batches
 from hfjax.data.dataset import task_dataset
@@ -84,6 +84,9 @@ def arith_demonstrations(cfg, tok, rows) -> sft_data.SFTData:
     """The embedded task's deliberately imperfect demonstrations (`sft.corruption`) for
     `rows`, as SFT examples."""
     s = cfg.sft
+    if cfg.data.task == "arith_tool":
+        # Imperfect tool use: a fraction corrupt_frac of the demonstrations skip the tool.
+        return tool_arith.demonstrations(tok, rows, 1.0 - s.corrupt_frac, seed=cfg.seed + 1)
     pairs = arith.sft_texts(rows, s.corrupt_frac, seed=cfg.seed + 1, corruption=s.corruption,
                             scratchpad_lines=s.get("scratchpad_lines", 0))
     return sft_data.from_texts(tok, pairs, source="arith demonstrations")
@@ -125,7 +128,7 @@ class SFTTrainer:
                         if s.get("val_files") else None)
             if c.data.task == "parquet" and c.data.val_files:
                 self.prompt_rows = task_dataset(c, self.tok, "test").rows
-        elif c.data.task == "arith":
+        elif c.data.task in ("arith", "arith_tool"):
             train, test = (task_dataset(c, self.tok, s) for s in ("train", "test"))
             self.train = arith_demonstrations(c, self.tok, train.rows)
             self.val = arith_demonstrations(c, self.tok, test.rows)

@@ -77,7 +77,8 @@ class Trainer:
             raise ValueError(f"the tokenizer has {self.tok.vocab_size} tokens, the model's "
                              f"vocabulary {self.model_cfg.vocab_size}; give a tokenizer that "
                              "fits the model (--config.model.tokenizer)")
-        self.actor = groups.build_actor(cfg, initial, self.pools, self.tok.pad_id, self.tok.eos_id)
+        self.actor = groups.build_actor(cfg, initial, self.pools, self.tok.pad_id, self.tok.eos_id,
+                                        tokenizer=self.tok)
         self._groups: WorkerGroups | None = None
         self._collapse = health.CollapseWatch(self.model_cfg.vocab_size)
 
@@ -108,7 +109,7 @@ class Trainer:
         s, c = self.cfg.sft, self.cfg
         if s.steps <= 0:
             return {}
-        if c.data.task != "arith":
+        if c.data.task not in ("arith", "arith_tool"):
             raise ValueError("sft.steps > 0 needs data.task='arith' (the warm start uses its "
                              "demonstrations); set --config.sft.steps=0 for other data, and "
                              "fine-tune on your own data first with python -m launch.sft")

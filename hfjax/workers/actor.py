@@ -16,10 +16,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from hfjax.controller.batch import Batch
 from hfjax.controller.protocol import DP_COMPUTE, ON_HOST, method
-from hfjax.engine import grouping, head_chunks, packing, shared_prompt, token_select
+from hfjax.engine import agent_loop, grouping, head_chunks, packing, shared_prompt, token_select
+from hfjax.engine.agent_loop import AgentLoop
 from hfjax.engine.hybrid import HybridEngine
 from hfjax.engine.sampler import (
     MIN_NEW_TOKENS_BUCKET,
@@ -292,7 +294,8 @@ class ActorRollout(Reference):
     """
 
     def __init__(self, *args, sampler: Sampler, actor_cfg: Any, rollout_cfg: Any,
-                 eos_ids: tuple[int, ...] = (), hybrid: HybridEngine | None = None, **kw):
+                 eos_ids: tuple[int, ...] = (), hybrid: HybridEngine | None = None,
+                 agent: AgentLoop | None = None, **kw):
         super().__init__(*args, temperature=rollout_cfg.temperature,
                          budget=packing.token_budget(actor_cfg),
                          micro_rows=actor_cfg.ppo_micro_batch_size,
@@ -304,6 +307,8 @@ class ActorRollout(Reference):
         self.acfg = actor_cfg
         self.rcfg = rollout_cfg
         self.hybrid = hybrid
+        # Multi-turn rollouts with tools (`hfjax.engine.agent_loop`); None: one turn.
+        self.agent = agent
 
     # -- generation -------------------------------------------------------------------------
 
@@ -371,6 +376,8 @@ class ActorRollout(Reference):
         offload = self.rcfg.get("offload_optimizer", False) and self.opt_state is not None
         if offload:
             self.opt_state = reshard.offload(self.opt_state)
+        if self.agent is not None:
+            return self._generate_turns(batch, params)
         state = self.rollout_params()
         try:
             out = self.sampler.generate(
@@ -398,6 +405,43 @@ class ActorRollout(Reference):
         # Cut off at the length limit without a stop token (verl's response_length/clip_ratio).
         arrays["truncated"] = _truncated(resp, rmask, r.response_length, self.eos_ids)
         return rep.union(Batch(arrays))
+
+    def _generate_turns(self, batch: Batch, params: SamplingParams) -> Batch:
+        """`generate` for multi-turn trajectories: responses hold the policy's turns and the
+        tool turns between them; `response_mask` is 1 on generated tokens only (what log-probs,
+        entropy, KL and the loss see), `attention_mask` 1 on every real token (observations
+        are context). Adds `num_turns`, `tool_calls`, `tool_errors` [B] and the trajectories
+        in meta (`trajectory`: per-row dicts, for rewards and inspection)."""
+        offload = self.rcfg.get("offload_optimizer", False) and self.opt_state is not None
+        if offload:
+            self.opt_state = reshard.offload(self.opt_state)
+        state = self.rollout_params()
+        try:
+            res = self.agent.run(state, batch["prompts"], batch["prompt_mask"], params,
+                                 seed=batch["seeds"])
+        finally:
+            self.release_rollout_params(state)
+            if offload:
+                self.opt_state = reshard.reload(self.opt_state, self.opt_shardings)
+        longest = int(res.attn_mask.sum(axis=1).max())
+        keep = bucket_size(max(longest, 1), MIN_NEW_TOKENS_BUCKET, cap=res.tokens.shape[1])
+        rep = batch.select(["prompts", "prompt_mask"]).repeat(params.n, interleave=True)
+        pdtype = np.asarray(batch["prompt_mask"]).dtype
+        host = {"responses": res.tokens[:, :keep], "attn": res.attn_mask[:, :keep].astype(pdtype),
+                "response_mask": res.gen_mask[:, :keep].astype(pdtype),
+                "rollout_log_probs": res.logprobs[:, :keep],
+                **agent_loop.turn_lists(res.trajectories)}
+        # The rollout's one deliberate upload: the trajectories were assembled on the host
+        # (their tool turns came from there).
+        with jax.transfer_guard("allow"):
+            rep = rep.to(self.mesh)
+            up = Batch(host).to(self.mesh)
+        arrays = _join(rep["prompts"], rep["prompt_mask"], up["responses"], up["attn"])
+        arrays["response_mask"] = up["response_mask"]
+        for k in ("rollout_log_probs", "num_turns", "tool_calls", "tool_errors"):
+            arrays[k] = up[k]
+        meta = {"trajectory": [t.to_dict() for t in res.trajectories]}
+        return rep.union(Batch(arrays, meta=meta))
 
     @method(DP_COMPUTE, reads=SEQUENCES)
     def compute_log_prob(self, batch: Batch) -> Batch:

@@ -27,6 +27,7 @@ from hfjax.controller import compile_log
 from hfjax.controller.batch import Batch
 from hfjax.controller.placement import place_role
 from hfjax.engine import head_chunks
+from hfjax.engine.agent_loop import AgentLoop, AgentOptions
 from hfjax.engine.continuous import rollout_sampler
 from hfjax.engine.layout_choice import actor_rules_and_engine
 from hfjax.engine.packing import token_budget
@@ -42,6 +43,7 @@ from hfjax.numerics.losses import (
     get_kl_controller,
 )
 from hfjax.parallel.mesh import ResourcePool
+from hfjax.tools import ToolRunner, resolve_tools
 from hfjax.workers.actor import ActorRollout, BaseReference, Reference
 from hfjax.workers.critic import CostCritic, Critic
 from hfjax.workers.reward import RuleReward, parse_source_weights
@@ -140,9 +142,11 @@ def scratch_model_config(m, vocab_size: int, pad_id: int, eos_id: int,
 
 
 def build_actor(cfg, model: nnx.Module, pools: Mapping[str, ResourcePool], pad_id: int,
-                eos_id: int) -> ActorRollout:
+                eos_id: int, tokenizer=None) -> ActorRollout:
     """The actor on its pool, with its sampler and, when `rollout.mesh` asks for one, the
-    3D-HybridEngine; its optimizer is the warm start's until `build_groups` swaps in RL's."""
+    3D-HybridEngine; its optimizer is the warm start's until `build_groups` swaps in RL's.
+    With `rollout.multi_turn.enable` it rolls out multi-turn trajectories with tools
+    (`build_agent`), which needs the run's `tokenizer`."""
     c = cfg
     pool = pools["actor"]
     mesh = pool.mesh(c.actor.mesh)
@@ -150,8 +154,11 @@ def build_actor(cfg, model: nnx.Module, pools: Mapping[str, ResourcePool], pad_i
     # rules "auto" pick the training rules that nest inside rollout.mesh.
     rules, engine = actor_rules_and_engine(mesh, c.actor.get("rules", "auto"), c.rollout,
                                            nnx.state(model))
+    turns = multi_turn_enabled(c)
+    # Later turns prefill the whole context so far: prompt plus the response budget.
+    max_prompt = c.data.max_prompt_length + (c.rollout.response_length if turns else 0)
     sampler = rollout_sampler(model, c.rollout, mesh=engine.decode_mesh if engine else mesh,
-                              max_prompt_len=c.data.max_prompt_length, pad_id=pad_id, rules=None,
+                              max_prompt_len=max_prompt, pad_id=pad_id, rules=None,
                               param_rules=engine.decode_rules if engine else rules)
     return ActorRollout(
         "actor", pool, c.actor.mesh, model, rules=rules,
@@ -159,7 +166,28 @@ def build_actor(cfg, model: nnx.Module, pools: Mapping[str, ResourcePool], pad_i
         optimizer=make_optimizer(c.sft.lr, grad_clip=c.actor.grad_clip),
         eos_ids=(eos_id,), hybrid=engine, home=mesh,
         sequence_parallel=c.actor.get("sequence_parallel", "ulysses"),
+        agent=build_agent(c, sampler, tokenizer) if turns else None,
     )
+
+
+def multi_turn_enabled(cfg) -> bool:
+    """Whether the config asks for multi-turn rollouts (`rollout.multi_turn.enable`)."""
+    m = cfg.rollout.get("multi_turn")
+    return bool(m and m.get("enable", False))
+
+
+def build_agent(cfg, sampler, tokenizer, tools: str | None = None) -> AgentLoop:
+    """The multi-turn loop of `rollout.multi_turn` over `sampler`: the tools it names (or
+    `tools`, the same form) run in a `ToolRunner` of `tool_workers` threads."""
+    if tokenizer is None:
+        raise ValueError("rollout.multi_turn.enable needs the run's tokenizer (to read tool "
+                         "calls and write their results); pass tokenizer= to build_actor")
+    m = cfg.rollout.multi_turn
+    spec = m.tools if tools is None else tools
+    runner = ToolRunner(resolve_tools(spec), max_workers=int(m.get("tool_workers", 8)))
+    return AgentLoop(sampler, tokenizer, runner,
+                     AgentOptions(max_turns=int(m.max_turns),
+                                  max_tool_response_len=int(m.max_tool_response_len)))
 
 
 def build_reward(cfg, tokenizer, home: Mesh) -> RuleReward:

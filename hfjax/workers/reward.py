@@ -133,11 +133,17 @@ class RuleReward:
             self.tokenizer.decode(tokens[i][mask[i] > 0].tolist()) for i in range(len(tokens))
         ]
         meta = batch.meta
+        infos = list(meta["extra_info"]) if "extra_info" in meta else None
+        if "trajectory" in meta:
+            # Multi-turn rows: the reward may read the whole trajectory (turns, tool calls,
+            # results) as extra_info["trajectory"]; the text scored is the policy's own turns.
+            infos = [{**(_plain(e) or {}), "trajectory": t}
+                     for e, t in zip(infos or [None] * len(texts), meta["trajectory"])]
         scores, counts = self.score_texts(
             texts,
             list(meta["data_source"]),
             list(meta["ground_truth"]),
-            list(meta["extra_info"]) if "extra_info" in meta else None,
+            infos,
             list(meta["reward_style"]) if "reward_style" in meta else None,
         )
         return Batch({"token_level_scores": scores_at_last_token(scores, mask)},

@@ -1,0 +1,360 @@
+"""Multi-turn rollouts: trajectories that alternate policy turns and tool turns.
+
+A trajectory starts from a prompt. A **policy turn** is decoded by the rollout engine (either
+`Sampler`: static or continuous batching) and ends at one of
+- the tool-call close tag `</tool_call>`: a stop token when the tokenizer encodes the tag as one
+  id, else found in the decoded tail of the turn, which is cut right after it;
+- EOS: the policy has answered, and the trajectory is finished;
+- the token budget: `max_new_tokens` counts every response token of the trajectory, generated
+  or not.
+After a close tag the turn's calls are parsed (`hfjax.tools.parse_tool_calls`) and handed to a
+`ToolRunner`, which runs them in its thread pool. The row leaves the engine while its tools
+run: the loop keeps decoding the rows that are ready (their tools done, or their first turn)
+and only waits for tools when no row is ready. When a row's tools are done its **tool turn** is
+appended: the observations rendered as the chat template renders `tool` messages (or, for a
+tokenizer without a template, `<tool_response>...</tool_response>` per observation), each
+observation cut to `max_tool_response_len` tokens. Those tokens are context, not policy output:
+the response mask is 0 on them (module `hfjax.workers.actor` keeps them out of log-probs,
+entropy, KL and the loss), the attention mask 1. The trajectory ends at EOS, after
+`max_turns` policy turns, or when the budget is spent.
+
+Each policy turn is one `generate` call over the ready rows, whose prompts are the rows'
+contexts so far (prompt, earlier turns, observations), prefilled again: a turn pays a prefill
+of its context, not a KV cache kept across tool calls. The ready rows are padded to a power of
+two (repeating the first) so a run compiles a few batch shapes, and each row's later turns get
+seeds of their own (its prompt's seed, sample and turn), so a row's trajectory does not depend
+on which other rows share its calls. The first turn of every row is one call with the caller's
+seeds and `n` samples per prompt, so a trajectory without tool calls is exactly what the
+single-turn engine samples.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import dataclasses
+import json
+import zlib
+from collections.abc import Callable, Sequence
+
+import numpy as np
+from absl import logging
+
+from hfjax.engine.sampler import Sampler, bucket_size
+from hfjax.engine.token_select import SamplingParams
+from hfjax.tools import Observation, ToolCall, parse_tool_calls
+from hfjax.tools.parse import TOOL_CALL_CLOSE
+
+RESPONSE_OPEN = "<tool_response>"
+RESPONSE_CLOSE = "</tool_response>"
+_MARK = "\x00HFJAX_TURN_END\x00"
+
+
+@dataclasses.dataclass(frozen=True)
+class AgentOptions:
+    """How trajectories run: `max_turns` policy turns at most (>= 1), each observation cut to
+    `max_tool_response_len` tokens (>= 1)."""
+
+    max_turns: int = 4
+    max_tool_response_len: int = 64
+
+    def __post_init__(self):
+        for name in ("max_turns", "max_tool_response_len"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+                raise ValueError(f"rollout.multi_turn.{name}={v!r}; it must be an int >= 1")
+
+
+@dataclasses.dataclass
+class Trajectory:
+    """One row's turns, for rewards, metrics and inspection (JSON-able via `to_dict`).
+
+    `turns`: {"role": "assistant", "text", "tokens"} for policy turns and {"role": "tool",
+    "calls": [{"name", "arguments"} or None for a malformed one], "results": [{"text",
+    "error"}], "tokens"} for tool turns; `stop`: "eos", "max_turns" or "length"."""
+
+    turns: list[dict] = dataclasses.field(default_factory=list)
+    stop: str = ""
+
+    @property
+    def num_turns(self) -> int:
+        return sum(t["role"] == "assistant" for t in self.turns)
+
+    @property
+    def tool_calls(self) -> int:
+        return sum(len(t["calls"]) for t in self.turns if t["role"] == "tool")
+
+    @property
+    def tool_errors(self) -> int:
+        return sum(r["error"] for t in self.turns if t["role"] == "tool" for r in t["results"])
+
+    def to_dict(self) -> dict:
+        return {"turns": self.turns, "stop": self.stop, "num_turns": self.num_turns,
+                "tool_calls": self.tool_calls, "tool_errors": self.tool_errors}
+
+
+@dataclasses.dataclass
+class AgentOutput:
+    """Host arrays [rows, max_new_tokens] (row b * n + j is sample j of prompt b): `tokens`
+    (pad after the end), `gen_mask` (1 on tokens the policy generated), `attn_mask` (1 on every
+    real response token, observations included), `logprobs` (the sampler's, 0 off gen_mask);
+    and one `Trajectory` per row."""
+
+    tokens: np.ndarray
+    gen_mask: np.ndarray
+    attn_mask: np.ndarray
+    logprobs: np.ndarray
+    trajectories: list[Trajectory]
+
+
+def observation_renderer(tokenizer) -> Callable[[Sequence[Observation]], str]:
+    """fn(observations) -> the text that follows a policy turn ending in a tool call, up to
+    where the policy's next turn starts.
+
+    With a chat template: what the template writes after an assistant message for the `tool`
+    messages holding the observations, with the generation prompt (e.g. Qwen's
+    `<|im_end|>` ... `<tool_response>` ... `<|im_start|>assistant`). Without one:
+    `<tool_response>TEXT</tool_response>` per observation. ValueError when the template cannot
+    render tool messages."""
+    if not getattr(tokenizer, "chat_template", None):
+        return lambda obs: "".join(f"{RESPONSE_OPEN}{o.text}{RESPONSE_CLOSE}" for o in obs)
+
+    def render(obs: Sequence[Observation]) -> str:
+        messages = [{"role": "user", "content": "x"}, {"role": "assistant", "content": _MARK}]
+        messages += [{"role": "tool", "content": o.text} for o in obs]
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        at = text.find(_MARK)
+        if at < 0:
+            raise ValueError("the chat template drops the assistant's content; multi-turn "
+                             "rollouts need a template that renders assistant and tool messages")
+        return text[at + len(_MARK):]
+
+    try:
+        render([Observation("1", False)])
+    except Exception as err:  # a template error: say which feature is missing
+        raise ValueError(f"the tokenizer's chat template cannot render a 'tool' message "
+                         f"({err}); multi-turn rollouts need one that does") from err
+    return render
+
+
+def close_tag_id(tokenizer) -> int | None:
+    """The id of `</tool_call>` when the tokenizer encodes it as one token, else None (the
+    loop then finds the tag in the decoded text)."""
+    ids = tokenizer.encode(TOOL_CALL_CLOSE, add_special_tokens=False)
+    return int(ids[0]) if len(ids) == 1 else None
+
+
+def _turn_seed(seed: int, prompt: int, sample: int, turn: int) -> int:
+    """A 31-bit seed of its own for turn `turn` of sample `sample` of a prompt."""
+    return zlib.crc32(f"{seed}/{prompt}/{sample}/{turn}".encode()) & 0x7FFFFFFF
+
+
+def _call_dict(c: ToolCall | Observation) -> dict | None:
+    return {"name": c.name, "arguments": c.arguments} if isinstance(c, ToolCall) else None
+
+
+class _Row:
+    """A trajectory being built."""
+
+    def __init__(self, prompt: list[int]):
+        self.prompt = prompt
+        self.tokens: list[int] = []
+        self.gen: list[int] = []
+        self.lps: list[float] = []
+        self.traj = Trajectory()
+        self.future: cf.Future | None = None
+        self.calls: list = []
+        self.done = False
+
+    def add(self, tokens, gen: int, lps=None):
+        self.tokens += [int(t) for t in tokens]
+        self.gen += [gen] * len(tokens)
+        self.lps += [float(x) for x in lps] if lps is not None else [0.0] * len(tokens)
+
+    def finish(self, why: str):
+        self.done, self.traj.stop = True, why
+
+
+class AgentLoop:
+    """Runs multi-turn rollouts with a sampler, a tokenizer and a tool runner (module
+    docstring). `runner` is a `hfjax.tools.ToolRunner` (anything with `submit(calls) ->
+    Future[list[Observation]]`)."""
+
+    def __init__(self, sampler: Sampler, tokenizer, runner, options: AgentOptions):
+        self.sampler = sampler
+        self.tok = tokenizer
+        self.runner = runner
+        self.opts = options
+        self.render = observation_renderer(tokenizer)
+        self.close_id = close_tag_id(tokenizer)
+        self.pad_id = int(sampler.pad_id)
+        self.generate_calls = 0  # generate calls of the last `run`
+
+    def _cut_at_close(self, tokens: np.ndarray) -> int | None:
+        """The number of tokens up to and including the first close tag, or None."""
+        if self.close_id is not None:
+            hit = np.flatnonzero(tokens == self.close_id)
+            return int(hit[0]) + 1 if hit.size else None
+        if TOOL_CALL_CLOSE not in self._text(tokens):
+            return None
+        for k in range(1, len(tokens) + 1):  # the shortest prefix holding the tag
+            if TOOL_CALL_CLOSE in self._text(tokens[:k]):
+                return k
+        return None
+
+    def _text(self, tokens) -> str:
+        return self.tok.decode([int(t) for t in tokens], skip_special_tokens=False)
+
+    def _policy_turn(self, row: _Row, tokens: np.ndarray, lps: np.ndarray, eos: set[int],
+                     budget: int) -> None:
+        """Appends one decoded turn to `row` and decides what follows it."""
+        room = budget - len(row.tokens)
+        cut = self._cut_at_close(tokens)
+        if cut is not None and cut <= room:
+            tokens, lps = tokens[:cut], lps[:cut]
+        else:
+            cut = None
+            tokens, lps = tokens[:room], lps[:room]
+        row.add(tokens, 1, lps)
+        row.traj.turns.append({"role": "assistant", "text": self._text(tokens),
+                               "tokens": len(tokens)})
+        if cut is None:
+            ended = len(tokens) and int(tokens[-1]) in eos
+            row.finish("eos" if ended else "length")
+            return
+        if len(row.tokens) >= budget:
+            row.finish("length")
+        elif row.traj.num_turns >= self.opts.max_turns:
+            row.finish("max_turns")
+        else:
+            row.calls = parse_tool_calls(self._text(tokens))
+            if not row.calls:  # a close tag without an opening one: nothing to run
+                row.calls = [Observation(f"Error: {TOOL_CALL_CLOSE} without <tool_call>", True)]
+            row.future = self.runner.submit(row.calls)
+
+    def _tool_turn(self, row: _Row, budget: int) -> None:
+        """Appends the observations of `row`'s finished tool calls."""
+        try:
+            obs = list(row.future.result())
+        except Exception as err:  # a runner that broke its promise never to raise
+            obs = [Observation(f"Error: the tool runner failed: {err}", True)] * len(row.calls)
+        row.future = None
+        cap = self.opts.max_tool_response_len
+        cut = []
+        for o in obs:
+            ids = self.tok.encode(o.text, add_special_tokens=False)
+            cut.append(o if len(ids) <= cap else Observation(self._text(ids[:cap]), o.error))
+        ids = self.tok.encode(self.render(cut), add_special_tokens=False)
+        room = budget - len(row.tokens)
+        row.add(ids[:room], 0)
+        row.traj.turns.append({
+            "role": "tool", "calls": [_call_dict(c) for c in row.calls],
+            "results": [{"text": o.text, "error": bool(o.error)} for o in cut],
+            "tokens": min(len(ids), room)})
+        if len(ids) >= room:
+            row.finish("length")
+
+    def run(self, state, input_ids, attention_mask, params: SamplingParams,
+            seed: int | Sequence[int] | np.ndarray = 0) -> AgentOutput:
+        """Multi-turn trajectories for left-padded prompts [B, P]: `params.n` per prompt,
+        `params.max_new_tokens` response tokens each at most (generated and observed
+        together). Returns host arrays (`AgentOutput`)."""
+        ids = np.asarray(input_ids)
+        mask = np.asarray(attention_mask) != 0
+        batch, n, budget = ids.shape[0], params.n, params.max_new_tokens
+        seeds = (np.full((batch,), int(seed)) if np.ndim(seed) == 0
+                 else np.asarray(seed).reshape(-1))
+        stops = set(params.eos_ids)
+        turn_stops = tuple(params.eos_ids) + ((self.close_id,) if self.close_id is not None
+                                              else ())
+        rows = [_Row([int(t) for t in ids[b][mask[b]]]) for b in range(batch) for _ in range(n)]
+        self.generate_calls = 0
+
+        # First turn: the caller's request as it stands (n samples per prompt, its seeds).
+        first = dataclasses.replace(params, eos_ids=turn_stops)
+        out = self.sampler.generate(state, ids, mask.astype(np.int32), first, seed=seed)
+        self.generate_calls += 1
+        toks, m, lps = (np.asarray(x) for x in out)
+        for r, row in enumerate(rows):
+            keep = m[r] > 0
+            self._policy_turn(row, toks[r][keep], lps[r][keep], stops, budget)
+
+        while not all(row.done for row in rows):
+            pending = [row.future for row in rows if row.future is not None]
+            ready = [i for i, row in enumerate(rows)
+                     if not row.done and row.future is not None and row.future.done()]
+            if not ready:
+                if not pending:  # cannot happen: a live row is decoding or waiting on tools
+                    raise RuntimeError("multi-turn rollout: rows neither ready nor waiting")
+                cf.wait(pending, return_when=cf.FIRST_COMPLETED)
+                continue
+            for i in ready:
+                self._tool_turn(rows[i], budget)
+            go = [i for i in ready if not rows[i].done]
+            if go:
+                self._next_turns(state, rows, go, params, turn_stops, seeds, budget)
+        return self._assemble(rows, budget)
+
+    def _next_turns(self, state, rows: list[_Row], go: list[int], params: SamplingParams,
+                    turn_stops: tuple[int, ...], seeds: np.ndarray, budget: int) -> None:
+        """One policy turn for rows `go`, their contexts as prompts."""
+        n = params.n
+        width = bucket_size(len(go), min(8, len(rows)))
+        picks = go + [go[0]] * (width - len(go))
+        contexts = [rows[i].prompt + rows[i].tokens for i in picks]
+        longest = max(len(c) for c in contexts)
+        ids = np.full((width, longest), self.pad_id, np.int32)
+        mask = np.zeros((width, longest), np.int32)
+        for k, c in enumerate(contexts):
+            ids[k, longest - len(c):] = c
+            mask[k, longest - len(c):] = 1
+        turn_seeds = np.array(
+            [_turn_seed(int(seeds[i // n]), i // n, i % n, rows[i].traj.num_turns)
+             for i in picks], np.int64)
+        room = max(budget - len(rows[i].tokens) for i in go)
+        p = dataclasses.replace(params, n=1, max_new_tokens=room, eos_ids=turn_stops)
+        out = self.sampler.generate(state, ids, mask, p, seed=turn_seeds)
+        self.generate_calls += 1
+        toks, m, lps = (np.asarray(x) for x in out)
+        for k, i in enumerate(go):
+            keep = m[k] > 0
+            self._policy_turn(rows[i], toks[k][keep], lps[k][keep], set(params.eos_ids), budget)
+
+    def _assemble(self, rows: list[_Row], budget: int) -> AgentOutput:
+        shape = (len(rows), budget)
+        tokens = np.full(shape, self.pad_id, np.int32)
+        gen = np.zeros(shape, np.int32)
+        attn = np.zeros(shape, np.int32)
+        lps = np.zeros(shape, np.float32)
+        for r, row in enumerate(rows):
+            k = len(row.tokens)
+            tokens[r, :k], gen[r, :k], attn[r, :k], lps[r, :k] = row.tokens, row.gen, 1, row.lps
+        trajs = [row.traj for row in rows]
+        logging.log_every_n(logging.INFO, "hfjax.engine: %d trajectories, %d generate calls, "
+                            "%.2f turns and %.2f tool calls per trajectory", 10, len(rows),
+                            self.generate_calls, np.mean([t.num_turns for t in trajs]),
+                            np.mean([t.tool_calls for t in trajs]))
+        return AgentOutput(tokens, gen, attn, lps, trajs)
+
+
+def trajectory_json(traj: Trajectory) -> str:
+    """A trajectory as one JSON line's text."""
+    return json.dumps(traj.to_dict(), ensure_ascii=False)
+
+
+def turn_lists(trajs: Sequence[Trajectory]) -> dict[str, np.ndarray]:
+    """Per-row counts [rows] int32: num_turns, tool_calls, tool_errors."""
+    return {k: np.array([getattr(t, k) for t in trajs], np.int32)
+            for k in ("num_turns", "tool_calls", "tool_errors")}
+
+
+def check_agent_fits(sampler: Sampler, max_prompt_length: int, response_length: int) -> None:
+    """Refuses a sampler whose prompt limit cannot hold a trajectory's context (prompt plus the
+    whole response budget, which later turns take as their prompt)."""
+    need = max_prompt_length + response_length
+    if sampler.max_prompt_len < need:
+        raise ValueError(f"multi-turn rollouts prefill contexts of up to {need} tokens "
+                         f"(data.max_prompt_length + rollout.response_length), more than the "
+                         f"sampler's max_prompt_len={sampler.max_prompt_len}; build it with "
+                         f"max_prompt_len >= {need}")
+
+
