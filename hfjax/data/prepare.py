@@ -32,7 +32,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from hfjax.data import arith, preferences
+from hfjax.data import arith, preferences, tool_arith
 
 GSM_SUFFIX = 'Let\'s think step by step and output the final answer after "####".'
 RG_PREFIX = "reasoning_gym/"
@@ -45,8 +45,6 @@ RG_TASKS = {
 # Preference tasks: their rows are made from the arith task's rows (same seeded stream and
 # split), turned into pairs by `arith.preference_rows` of the given kind.
 PREFERENCE_TASKS = {"arith_prefs": "correctness", "arith_cost_prefs": "forbidden_digit"}
-ARITH_TOOL_SOURCE = "hfjax/arith_tool"
-TOOL_AGENT = "tool_agent"
 TASKS = (*RG_TASKS, "arith", "arith_tool", *PREFERENCE_TASKS)
 
 _MESSAGES = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
@@ -122,27 +120,8 @@ def _arith_tool_stream(seed: int, config: dict) -> Iterator[dict]:
         raise ValueError(f"task config digits={digits!r} for 'arith_tool': give [fewest, most] "
                          "digits per operand, 1 <= fewest <= most <= 9")
     rng = np.random.default_rng(seed)
-    lo, hi = digits
     while True:
-        a, b = (int(rng.integers(10 ** (d - 1), 10 ** d)) for d in rng.integers(lo, hi + 1, 2))
-        query, product = f"{a}*{b}=", str(a * b)
-        yield {
-            "data_source": ARITH_TOOL_SOURCE,
-            "prompt": [{"role": "user", "content": query}],
-            "ability": "arithmetic",
-            "reward_model": {"style": "rule", "ground_truth": product},
-            "agent_name": TOOL_AGENT,
-            "extra_info": {
-                "a": a,
-                "b": b,
-                # verl's per-tool kwargs. The calculator takes none, but parquet cannot store
-                # an empty struct, so create_kwargs holds the row's query (unused by it; not
-                # the answer, which no tool should see).
-                "tools_kwargs": {"calculator": {"create_kwargs": {"query": query}}},
-                "interaction_kwargs": {"name": "arith_tool", "query": query,
-                                       "ground_truth": product},
-            },
-        }
+        yield tool_arith.row(*tool_arith.draw(rng, *digits))
 
 
 def make_splits(

@@ -57,28 +57,47 @@ def tool_call_text(a: int, b: int) -> str:
     return f"<tool_call>{body}</tool_call>"
 
 
+AGENT_NAME = "tool_agent"
+
+
+def draw(rng: np.random.Generator, lo: int, hi: int) -> tuple[int, int]:
+    """Two operands of lo..hi digits each (the number of digits drawn first, per operand)."""
+    a, b = (int(rng.integers(10 ** (d - 1), 10 ** d)) for d in rng.integers(lo, hi + 1, size=2))
+    return a, b
+
+
+def row(a: int, b: int, index: int | None = None) -> dict:
+    """The row in verl's schema for "a*b=": the product as ground truth, and verl's multi-turn
+    fields (`agent_name`, `extra_info.tools_kwargs`, `extra_info.interaction_kwargs`)."""
+    query, product = f"{a}*{b}=", str(a * b)
+    extra = {} if index is None else {"index": index}
+    return {
+        "data_source": DATA_SOURCE,
+        "prompt": [{"role": "user", "content": query}],
+        "ability": "arithmetic",
+        "reward_model": {"style": "rule", "ground_truth": product},
+        "agent_name": AGENT_NAME,
+        "extra_info": {
+            **extra,
+            "a": a,
+            "b": b,
+            # verl's per-tool kwargs. The calculator takes none, but parquet cannot store an
+            # empty struct, so create_kwargs holds the row's query (unused by it; not the
+            # answer, which no tool should see).
+            "tools_kwargs": {"calculator": {"create_kwargs": {"query": query}}},
+            "interaction_kwargs": {"name": "arith_tool", "query": query,
+                                   "ground_truth": product},
+        },
+    }
+
+
 def problems(n: int, seed: int, digits: tuple[int, int] = (3, 4)) -> list[dict]:
-    """n rows in verl's schema: "a*b=" with a and b of digits[0]..digits[1] digits each, the
-    product as ground truth, and verl's multi-turn fields (`agent_name`,
-    `extra_info.tools_kwargs`, `extra_info.interaction_kwargs`)."""
+    """n rows (`row`) with operands of digits[0]..digits[1] digits each."""
     lo, hi = digits
     if not 1 <= lo <= hi:
         raise ValueError(f"digits={digits}: give (fewest, most) digits, 1 <= fewest <= most")
     rng = np.random.default_rng(seed)
-    rows = []
-    for i in range(n):
-        a, b = (int(rng.integers(10 ** (d - 1), 10 ** d))
-                for d in rng.integers(lo, hi + 1, size=2))
-        rows.append({
-            "data_source": DATA_SOURCE,
-            "prompt": [{"role": "user", "content": f"{a}*{b}="}],
-            "ability": "arithmetic",
-            "reward_model": {"style": "rule", "ground_truth": str(a * b)},
-            "agent_name": "tool_agent",
-            "extra_info": {"index": i, "a": a, "b": b,
-                           "tools_kwargs": {"calculator": {}}, "interaction_kwargs": {}},
-        })
-    return rows
+    return [row(*draw(rng, lo, hi), index=i) for i in range(n)]
 
 
 def demonstrations(tok: Tokenizer, rows: list[dict], tool_frac: float, seed: int) -> SFTData:
