@@ -212,7 +212,7 @@ CONFIG_CASES = [
      r"a model with a longer context"),
     ("rm-positions", _set(reward_model__path="{rm}", rollout__response_length=100),
      r"108 positions, more than reward_model.path's max_position_embeddings=64"),
-    ("task", _set(data__task="json"), r"data.task='json': needs one of arith, parquet"),
+    ("task", _set(data__task="json"), r"data.task='json': needs one of arith, arith_tool, parquet"),
     ("parquet-no-files", _set(data__task="parquet", sft__steps=0),
      r"data.task='parquet' needs data.train_files"),
     ("parquet-sft", _set(data__task="parquet", data__train_files="{parquet}",
