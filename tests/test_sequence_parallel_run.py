@@ -46,3 +46,19 @@ def test_ppo_with_rows_split_over_sequence_matches_fsdp():
             assert g.keys() == w.keys()
             for k in w:
                 assert g[k] == pytest.approx(w[k], abs=1e-5), (mode, step, k)
+
+
+def test_a_dry_run_that_does_not_fit_in_training_names_sequence_parallelism():
+    from hfjax import dry_run as dr
+
+    def advice(worst: str) -> str:
+        gib = 2**30
+        program = dr.ProgramMemory(worst, "global", gib, gib, 0, 200 * gib, 0.0, gib,
+                                   203 * gib, 1.0)
+        run = dr.DryRun([program], {"global": {}}, 8, "gpu", "bfloat16", 141 * 10**9)
+        assert not run.fits
+        return run.advice()
+
+    assert "actor.mesh with sequence=2, 4 or 8" in advice("actor.update")
+    assert "ref.mesh with sequence" in advice("ref.log_prob")
+    assert "sequence parallelism" not in advice("rollout.decode")  # whole rows in decoding
