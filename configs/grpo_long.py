@@ -40,5 +40,7 @@ def get_config():
     c.actor.lr = 1e-6
     c.actor.ppo_mini_batch_size = 16  # prompts: one update of 128 sequences per step
     c.actor.ppo_micro_batch_size = 2  # sequences: one row per data-parallel rank
+    # launch.plan: the reference scores in micro-batches of the actor's 2 rows, as the run does
+    c.plan.score_micro = 2
     c.trainer.out_dir = "runs/grpo_long"
     return c

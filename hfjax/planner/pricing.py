@@ -34,7 +34,9 @@ FLOPs (2 per multiply-add, matmuls only; norms, softmax and RoPE are left out):
   layers with remat "full";
 - prefill of r prompts of P tokens: the forward at s = P, with the LM head at one position;
 - one decode step of r rows over S cache slots: r (L (2W + 4NHS) + 2DV);
-- per device, divided by t.
+- per device, divided by t; scoring and training calls also by the sequence size sp (a device
+  holds 1/sp of each row's tokens, and under Ulysses attends N/sp heads over the whole row),
+  as are their activations and logits below.
 
 HBM bytes: a compute-bound pass reads its weights (each pass over the model reads the t-shard
 of every weight, in the parameter dtype) and writes and reads its activations once; a decode
@@ -107,23 +109,27 @@ class MeshLayout:
     fsdp: int = 1
     tensor: int = 1
     rules: str = "train"
+    # Sequence parallelism: each training or scoring row's tokens split this many ways
+    # (`hfjax.models.sequence_parallel`); FSDP spans it too.
+    sequence: int = 1
 
     @property
     def n(self) -> int:
-        return self.data * self.fsdp * self.tensor
+        return self.data * self.fsdp * self.sequence * self.tensor
 
     @property
     def dp(self) -> int:
         return self.data * self.fsdp
 
     def sizes(self) -> dict[str, int]:
-        return virtual.mesh_sizes(self.data, self.fsdp, self.tensor)
+        return virtual.mesh_sizes(self.data, self.fsdp, self.tensor, self.sequence)
 
     @property
     def mesh(self) -> str:
         """The mesh as a config string, e.g. 'data=2,fsdp=4,tensor=2' (size-1 axes left out)."""
         parts = [f"{a}={s}" for a, s in (("data", self.data), ("fsdp", self.fsdp),
-                                          ("tensor", self.tensor)) if s > 1]
+                                          ("sequence", self.sequence), ("tensor", self.tensor))
+                 if s > 1]
         return ",".join(parts) or "data=1"
 
 
@@ -222,9 +228,9 @@ def model_leaves(model: ModelSpec) -> tuple[virtual.Leaf, ...]:
 
 @functools.lru_cache(maxsize=16384)
 def _param_shard(key: str, leaves: tuple[virtual.Leaf, ...], rules: str, data: int, fsdp: int,
-                 tensor: int) -> int:
+                 tensor: int, sequence: int = 1) -> int:
     del key
-    sizes = virtual.mesh_sizes(data, fsdp, tensor)
+    sizes = virtual.mesh_sizes(data, fsdp, tensor, sequence)
     return virtual.shard_bytes(leaves, virtual.leaf_specs(leaves, rules, sizes), sizes)
 
 
@@ -233,7 +239,7 @@ def param_shard_bytes(model: ModelSpec, layout: MeshLayout) -> int:
     cannot split a dimension the way the mesh asks)."""
     leaves = model_leaves(model)
     return _param_shard(repr(model.config) + model.head, leaves, layout.rules, layout.data,
-                        layout.fsdp, layout.tensor)
+                        layout.fsdp, layout.tensor, layout.sequence)
 
 
 def forward_flops(cfg: ModelConfig, head: str, rows: int, seq: int, scored: int) -> float:
@@ -322,26 +328,29 @@ class ClosedFormPrices:
             working = r * call.seq * act
             return CallPrice(flops, weights + 2 * r * call.seq * cfg.num_layers * act,
                             working + kv)
-        logits = _head_bytes(cfg, model.head, r, call.seq, call.scored, t)
+        # Sequence parallelism: a device holds 1/sp of each row's tokens (and computes 1/sp of
+        # its attention: Ulysses gives it N/sp heads over the whole row).
+        sp = layout.sequence
+        logits = _head_bytes(cfg, model.head, r, call.seq, call.scored, t) / sp
         if call.kind == "forward":
-            flops = call.forward_flops(cfg, model.head, r) / t
-            traffic = weights + 2 * r * call.seq * cfg.num_layers * act
-            hidden = 2 * r * call.seq * cfg.hidden_size * _itemsize(cfg.dtype)
-            return CallPrice(flops, traffic, r * call.seq * act + hidden + 2 * logits)
+            flops = call.forward_flops(cfg, model.head, r) / (t * sp)
+            traffic = weights + 2 * r * call.seq * cfg.num_layers * act / sp
+            hidden = 2 * r * call.seq * cfg.hidden_size * _itemsize(cfg.dtype) / sp
+            return CallPrice(flops, traffic, r * call.seq * act / sp + hidden + 2 * logits)
         # train: one mini-batch of call.rows rows in micro-batches of call.micro rows.
         micro = call.micro or call.rows
         n_micro = call.rows // micro
         m = math.ceil(micro / layout.dp)
         fwd = call.forward_flops(cfg, model.head, m)
         extra = call.layers_flops(cfg, m) if cfg.remat_policy == "full" else 0.0
-        flops = n_micro * (3 * fwd + extra) / t
+        flops = n_micro * (3 * fwd + extra) / (t * sp)
         passes = 3 + (cfg.remat_policy == "full")
-        traffic = n_micro * (passes * weights + 2 * m * call.seq * cfg.num_layers * act)
+        traffic = n_micro * (passes * weights + 2 * m * call.seq * cfg.num_layers * act / sp)
         per_token = saved_activation_bytes(cfg, call.context, t, self.platform)
-        saved = m * call.seq * cfg.num_layers * per_token
+        saved = m * call.seq * cfg.num_layers * per_token / sp
         grads = 2 * param_shard_bytes(model, layout)
-        held = saved + m * call.seq * act + 3 * _head_bytes(cfg, model.head, m, call.seq,
-                                                            call.scored, t) + grads
+        held = saved + m * call.seq * act / sp + 3 * _head_bytes(cfg, model.head, m, call.seq,
+                                                                 call.scored, t) / sp + grads
         return CallPrice(flops, traffic, held)
 
 

@@ -15,7 +15,9 @@ devices each set gets, and every model's mesh, chosen by simulated iteration tim
    minimum. Pool sizes are multiples of a granularity (1 up to 64 devices, then the smallest
    power of two that keeps 64 steps) so that 1,024 devices plan in seconds.
 4. **Per model** (Algorithm 2): every mesh data x fsdp x tensor of the pool whose sizes the
-   model's shapes and micro-batch allow, and for the actor every decode layout data_g x
+   model's shapes and micro-batch allow (with rows of LONG_ROWS tokens or more, also
+   data x fsdp x sequence x tensor: sequence parallelism, sequence sizes up to 8 that Ulysses
+   can split the heads by), and for the actor every decode layout data_g x
    tensor_g that the 3D-HybridEngine can nest its training shards in (training rules "train",
    or "nested_train" when fsdp > 1); each priced by `hfjax.planner.simulator`. Within a
    colocated set, the layouts that minimise the set's busy time (the sum of its stages) while
@@ -36,6 +38,7 @@ import math
 import time
 from collections.abc import Iterable, Mapping, Sequence
 
+from hfjax.models import sequence_parallel as sp
 from hfjax.planner import virtual
 from hfjax.planner.pricing import (
     MeshLayout,
@@ -55,6 +58,9 @@ from hfjax.planner.simulator import (
 )
 
 DEVICE_ROLES = ("actor", "critic", "ref", "reward")
+# Rows (prompt + response tokens) from which layouts with sequence parallelism are considered:
+# below it one row's activations are small beside a device's memory.
+LONG_ROWS = 8192
 MAX_STEPS = 64  # pool sizes per split: the granularity keeps N / granularity at or below this
 
 
@@ -280,13 +286,14 @@ class _Search:
         for t in _divisors(n):
             if cfg.num_heads % t:
                 continue
-            for f in _divisors(n // t):
-                d = n // (t * f)
+            for s, f in self._sequence_fsdp(cfg, n, t):
+                d = n // (t * s * f)
                 if model.trainable and micro % (d * f):
                     continue
-                rule_sets = ["train"] + (["nested_train"] if role == "actor" and f > 1 else [])
+                sharded = f * s > 1
+                rule_sets = ["train"] + (["nested_train"] if role == "actor" and sharded else [])
                 for rules in rule_sets:
-                    lay = MeshLayout(d, f, t, rules)
+                    lay = MeshLayout(d, f, t, rules, sequence=s)
                     try:
                         param_shard_bytes(model, lay)
                     except ValueError:
@@ -294,10 +301,10 @@ class _Search:
                     if role != "actor":
                         out.append((lay, None, False))
                         continue
-                    for t_g in _divisors(f * t):
+                    for t_g in _divisors(f * s * t):
                         if cfg.num_heads % t_g:
                             continue
-                        if f == 1 and t_g == t:
+                        if f * s == 1 and t_g == t:
                             # The decode layout is the training layout: no engine.
                             if rules == "train":
                                 out.append((lay, t_g, False))
@@ -309,6 +316,17 @@ class _Search:
                             continue
                         out.append((lay, t_g, True))
         return out
+
+    def _sequence_fsdp(self, cfg, n: int, t: int) -> list[tuple[int, int]]:
+        """(sequence size, fsdp size) pairs on n / t devices: sequence 1 only, unless the rows
+        are at least LONG_ROWS tokens; then also every sequence size that Ulysses can split the
+        model's heads by (`hfjax.models.sequence_parallel.heads_problem`), up to 8."""
+        rest = n // t
+        sizes = [1]
+        if self.sim.workload.seq_len >= LONG_ROWS:
+            sizes += [s for s in _divisors(rest) if 1 < s <= 8 and sp.heads_problem(
+                cfg.num_heads, cfg.num_kv_heads, {"sequence": s, "tensor": t}, "ulysses") is None]
+        return [(s, f) for s in sizes for f in _divisors(rest // s)]
 
     def evaluate(self, role: str, lay: MeshLayout, t_g: int | None, engine: bool) -> list[Choice]:
         """The model's Choices in one training layout (one per generation batch size for the

@@ -52,6 +52,7 @@ import math
 from collections.abc import Mapping
 
 from hfjax.engine import shared_prompt
+from hfjax.models.transformer import storage_dtype
 from hfjax.parallel.targets import Target, get_target
 from hfjax.planner import virtual
 from hfjax.planner.pricing import (
@@ -389,10 +390,12 @@ class Simulator:
         compute, memory = self.roofline(model, cost.flops, cost.bytes_accessed, self.eff.forward)
         kernel = max(compute, memory)
         rows = math.ceil(call.rows / lay.dp)
-        hidden = rows * call.seq * cfg.hidden_size * _itemsize(cfg.dtype)
+        hidden = rows * call.seq * cfg.hidden_size * _itemsize(cfg.dtype) / lay.sequence
         tp = self.all_reduce(hidden, lay.tensor, lay.tensor, 2 * cfg.num_layers)
+        tp += self.ulysses(model, lay, rows * call.seq, 1)
         weights = _model_bytes(model) / lay.tensor
-        fsdp = self.gather(weights, lay.fsdp, lay.fsdp * lay.tensor)
+        shards = lay.fsdp * lay.sequence
+        fsdp = self.gather(weights, shards, shards * lay.tensor)
         dp = max(0.0, fsdp - self.eff.fsdp_overlap * kernel)
         over = self.eff.call_overhead_s
         return StageTime(calls * (kernel + tp + dp + over), {
@@ -408,12 +411,15 @@ class Simulator:
         compute, memory = self.roofline(model, cost.flops, cost.bytes_accessed, self.eff.train)
         kernel = max(compute, memory)
         m = math.ceil(call.micro / lay.dp)
-        hidden = m * call.seq * cfg.hidden_size * _itemsize(cfg.dtype)
+        hidden = m * call.seq * cfg.hidden_size * _itemsize(cfg.dtype) / lay.sequence
         per_layer = 6 if cfg.remat_policy == "full" else 4
         tp = self.all_reduce(hidden, lay.tensor, lay.tensor, per_layer * cfg.num_layers * n_micro)
+        # forward, backward (twice the exchanges) and remat's second forward
+        tp += self.ulysses(model, lay, m * call.seq, n_micro * (3 + (cfg.remat_policy == "full")))
         weights = _model_bytes(model) / lay.tensor
-        fsdp = self.gather(weights, lay.fsdp, lay.fsdp * lay.tensor, 3 * n_micro)
-        data = self.all_reduce(weights / lay.fsdp, lay.data, lay.n, n_micro)
+        shards = lay.fsdp * lay.sequence
+        fsdp = self.gather(weights, shards, shards * lay.tensor, 3 * n_micro)
+        data = self.all_reduce(weights / shards, lay.data, lay.n, n_micro)
         dp = max(0.0, fsdp - self.eff.fsdp_overlap * kernel) + data
         state = self.costs.state(model, lay)
         adam = (2 * state.params + 2 * state.optimizer + 3 * state.params) / (
@@ -423,6 +429,19 @@ class Simulator:
         return StageTime(calls * per_call, {"compute": calls * compute, "memory": calls * memory,
                                             "tp": calls * tp, "dp": calls * dp,
                                             "optimizer": calls * adam, "overhead": calls * over})
+
+    def ulysses(self, model: ModelSpec, lay: MeshLayout, tokens: int, passes: int) -> float:
+        """Seconds of sequence parallelism's all-to-alls over `passes` passes of the layers on
+        `tokens` tokens per data-parallel rank: per layer, q/k/v there and the output back,
+        each device exchanging (sp - 1) / sp of its share (priced as a gather of that much)."""
+        sp = lay.sequence
+        if sp <= 1 or passes <= 0:
+            return 0.0
+        cfg = model.config
+        a = storage_dtype(cfg.jnp_dtype, self.cluster.target.platform).itemsize
+        per_layer = tokens * (2 * cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim * a / (
+            lay.tensor)
+        return self.gather(per_layer, sp, sp * lay.tensor, passes * cfg.num_layers)
 
     def gen_rows_options(self, n: int, tensor_g: int) -> list[int]:
         """Rows a decode replica may generate at once (module docstring of Workload)."""
@@ -461,13 +480,13 @@ class Simulator:
         rounds, pre_call, step_call = self.gen_calls(lay.n, tensor_g, rows)
         # The decode tensor group and the micro-DP group both lie inside one fsdp x tensor block
         # (nested rules) or one tensor group (train rules): hfjax.engine.hybrid's device order.
-        span = lay.fsdp * lay.tensor if lay.rules == "nested_train" else lay.tensor
+        span = lay.fsdp * lay.sequence * lay.tensor if lay.rules == "nested_train" else lay.tensor
         transition = 0.0
         held_extra = 0.0
         if engine:
             received, held = virtual.transition_bytes(model_leaves(model), lay.rules,
                                                       lay.sizes(), tensor_g)
-            bw, lat = self._link(lay.fsdp * lay.tensor)
+            bw, lat = self._link(lay.fsdp * lay.sequence * lay.tensor)
             transition = received / bw + lat * len(model_leaves(model))
             held_extra = max(0.0, held - self.costs.state(model, lay).params)
         pre = self.costs.call(model, dec, pre_call)

@@ -68,9 +68,9 @@ def leaves_of(state: Any) -> tuple[Leaf, ...]:
     return tuple(out)
 
 
-def mesh_sizes(data: int = 1, fsdp: int = 1, tensor: int = 1) -> dict[str, int]:
+def mesh_sizes(data: int = 1, fsdp: int = 1, tensor: int = 1, sequence: int = 1) -> dict[str, int]:
     """{axis: size} for every canonical mesh axis."""
-    return {"data": data, "fsdp": fsdp, "sequence": 1, "tensor": tensor}
+    return {"data": data, "fsdp": fsdp, "sequence": sequence, "tensor": tensor}
 
 
 def _entries(spec, ndim: int) -> list[Entry]:
@@ -176,9 +176,9 @@ def sample_devices(n: int, k: int = 16) -> tuple[int, ...]:
 
 @functools.lru_cache(maxsize=4096)
 def _transition(leaves: tuple[Leaf, ...], rules: str, fsdp: int, tensor: int,
-                tensor_g: int) -> tuple[int, int]:
-    sizes = mesh_sizes(fsdp=fsdp, tensor=tensor)
-    n = fsdp * tensor
+                tensor_g: int, sequence: int = 1) -> tuple[int, int]:
+    sizes = mesh_sizes(fsdp=fsdp, tensor=tensor, sequence=sequence)
+    n = fsdp * sequence * tensor
     train = leaf_specs(leaves, rules, sizes)
     dsizes = decode_sizes(n, tensor_g)
     try:
@@ -235,11 +235,10 @@ def transition_bytes(leaves: Sequence[Leaf], rules: str, sizes: Mapping[str, int
     `data` move the same bytes independently, so one replica is counted. Raises NoNesting when
     the engine would refuse the pair.
     """
-    if sizes.get("sequence", 1) != 1:
-        raise NoNesting("sequence parallelism has no decode layout")
-    if sizes["data"] * sizes["fsdp"] * sizes["tensor"] % tensor_g:
+    seq = sizes.get("sequence", 1)  # sequence parallelism: FSDP spans it (sharding.layout)
+    if sizes["data"] * sizes["fsdp"] * seq * sizes["tensor"] % tensor_g:
         raise NoNesting(f"decode tensor={tensor_g} does not divide the mesh")
-    if sizes["fsdp"] * sizes["tensor"] % tensor_g:
+    if sizes["fsdp"] * seq * sizes["tensor"] % tensor_g:
         # The engine's decode groups never span data replicas (their split index is local).
-        raise NoNesting(f"decode tensor={tensor_g} must divide fsdp x tensor")
-    return _transition(tuple(leaves), rules, sizes["fsdp"], sizes["tensor"], tensor_g)
+        raise NoNesting(f"decode tensor={tensor_g} must divide fsdp x sequence x tensor")
+    return _transition(tuple(leaves), rules, sizes["fsdp"], sizes["tensor"], tensor_g, seq)

@@ -335,3 +335,25 @@ def test_parameters_that_cannot_nest_move_by_plain_transfers_and_round_trip():
     assert set(reshard.tree_transfer_bytes(
         [lf.decode for lf in nested], [lf.train for lf in nested],
         [jax.ShapeDtypeStruct(lf.shape, lf.dtype) for lf in nested]).values()) == {0}
+
+
+@pytest.mark.parametrize("rules", ["train", "nested_train"])
+@pytest.mark.parametrize("decode", ["data=2,tensor=4", "data=4,tensor=2", "tensor=8"])
+def test_a_sequence_parallel_training_layout_reshards_to_any_decode_layout(
+        small_model, rules, decode):
+    """Rows split over `sequence` (FSDP spans it): the engine for rollout.mesh reshards to the
+    decode layout, nesting what nests and moving the rest by plain transfers, and back."""
+    from ml_collections import config_dict
+
+    lay = layout("fsdp=2,sequence=4", rules)
+    params = place(small_model, lay)
+    before = host(params)
+    want = [x.sharding for x in jax.tree.leaves(params)]
+    rollout = config_dict.ConfigDict(dict(mesh=decode, hybrid_engine=True))
+    engine = hybrid.engine_for(lay, rollout, params)
+    dec = engine.to_decode(params)
+    assert all(x.sharding == s for x, s in zip(jax.tree.leaves(dec), engine.decode_shardings()))
+    chex.assert_trees_all_equal(before, host(dec), strict=True)  # same values, decode layout
+    back = engine.to_train(dec)
+    assert [x.sharding for x in jax.tree.leaves(back)] == want
+    chex.assert_trees_all_equal(before, host(back), strict=True)

@@ -387,3 +387,29 @@ def test_a_calibration_file_moves_the_plan_the_way_it_measured():
     with pytest.raises(ValueError, match="calibration: update_mfu missing"):
         efficiency_from_calibration({k: v for k, v in measured(0.5, 0.5).items()
                                      if k != "update_mfu"}, h200)
+
+
+def test_long_rows_bring_sequence_parallel_layouts():
+    """With rows of LONG_ROWS tokens or more the planner also tries meshes that split rows over
+    `sequence` (sizes Ulysses can split the heads by), which hold a quarter of a row's
+    activations per device where fsdp=8 holds a whole row."""
+    cfg = get_preset("qwen2.5-7b").replace(dtype="bfloat16", remat_policy="full")
+    actor = ModelSpec("actor", cfg, "causal_lm", True)
+
+    def layouts(response_len, micro):
+        w = Workload(prompts=16, n=8, prompt_len=1024, response_len=response_len,
+                     actor_mini=128, actor_micro=micro)
+        sim = Simulator(cluster_for("h200"), w)
+        return sim, search._Search({"actor": actor}, sim, 0.9 * 141e9).layouts("actor", 8)
+
+    assert {lay.sequence for lay, _, _ in layouts(1024, 8)[1]} == {1}
+    sim, long = layouts(32768, 2)
+    # 4 kv heads: sequence 2 and 4 (not 8); micro-batches of 2 rows leave fsdp x data <= 2.
+    assert {lay.sequence for lay, _, _ in long} == {1, 2, 4}
+    assert "fsdp=2,sequence=4" in {lay.mesh for lay, _, _ in long}
+    split = MeshLayout(fsdp=2, sequence=4)
+    _, call = sim.train_call(actor, split)
+    whole = sim.costs.call(actor, MeshLayout(fsdp=2, tensor=4), call).extra_bytes
+    assert sim.costs.call(actor, split, call).extra_bytes < whole
+    assert sim.ulysses(actor, split, 33792, 1) > 0 == sim.ulysses(actor, MeshLayout(fsdp=8),
+                                                                  33792, 1)
