@@ -130,3 +130,23 @@ def test_lora_checkpoints_hold_adapters_and_resume_bitwise(tmp_path):
     assert "not the one the adapters were trained on" in problem
     other = dict(record, spec=dict(record["spec"], rank=8))
     assert "same actor.lora settings" in lora_state.install(b.actor, {}, other, None)
+
+
+@pytest.mark.slow
+def test_ppo_critic_with_lora_trains_adapters_and_value_head_only():
+    c = tiny_rl_config(algorithm="ppo")
+    c.critic.lora.rank, c.critic.lora.alpha = 4, 8.0
+    c.critic.lr = 1e-2
+    t = make_trainer(c)
+    critic = t.workers.critic
+    before = host(critic.params)
+    metrics = t.train_step()
+    assert np.isfinite(metrics["critic/vf_loss"])
+    after = host(critic.params)
+    changed = {k for k in before if not np.array_equal(before[k], after[k])}
+    assert changed and all("_lora_" in k or "score" in k for k in changed), changed
+    assert any("score" in k for k in changed)
+    # Adam state for the adapters and the head only.
+    sizes = sorted(x.size for x in jax.tree.leaves(critic.opt_state) if x.ndim > 0)
+    trained = sorted(x.size for x in jax.tree.leaves(critic.trainable_params()))
+    assert sizes == sorted(trained * 2)
