@@ -940,6 +940,7 @@ FLAG_KEYS: dict[str, dict[str, Callable[[Any], str | None]]] = {
         "samples": Int(1),
         "temperature": Float(0.0, lo_open=True),
         "limit": Int(0, note="0: every prompt"),
+        "tools": Check(lambda v: None if v is None else _tool_spec(v)),
     },
     "train_rm": {"cpu_devices": Int(0, note="0: leave XLA_FLAGS alone")},
     "generate": {
@@ -953,6 +954,8 @@ FLAG_KEYS: dict[str, dict[str, Callable[[Any], str | None]]] = {
         "n": Int(1),
         "seed": Int(0),
         "mesh": Check(lambda v: None if v is None else _mesh(optional=False)(v)),
+        "tools": Check(lambda v: None if v is None else _tool_spec(v)),
+        "max_turns": Int(1),
         "compilation_cache_dir": _CACHE,
     },
     "convert": {
