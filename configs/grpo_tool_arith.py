@@ -19,7 +19,7 @@ def get_config():
     c = grpo_arith.get_config()
     c.data.task = "arith_tool"
     c.data.max_prompt_length = 12  # "dddd*dddd=" is 10 tokens
-    c.data.n_test = 128
+    c.data.n_test = 64
     c.data.train_batch_size = 16
     c.rollout.n = 8
     c.actor.ppo_mini_batch_size = 16  # prompts: 16 x 8 = 128 trajectories per update
@@ -31,10 +31,12 @@ def get_config():
     m.tools = "calculator"
     m.max_turns = 2
     m.max_tool_response_len = 16
-    c.sft.steps = 1000
+    c.sft.steps = 600
+    c.sft.batch_size = 64
+    c.sft.micro_batch_size = 64
     c.sft.corrupt_frac = 0.5  # half of the demonstrations skip the tool
-    c.trainer.total_steps = 30
+    c.trainer.total_steps = 20
     c.trainer.test_freq = 10
-    c.trainer.save_freq = 30
+    c.trainer.save_freq = 20
     c.trainer.out_dir = "runs/grpo_tool_arith"
     return c

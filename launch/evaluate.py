@@ -21,6 +21,11 @@ line is JSON. With `--responses=FILE.jsonl` every response is written out, one J
 (prompt index, sample, data_source, ground truth, response text, its token count, `finished`:
 whether it ended before the length cap, `score`, and `mode`: greedy or sampled), to read what
 the model answers and how many replies are well formed.
+
+`--tools=calculator` (or the config's `rollout.multi_turn`) evaluates multi-turn trajectories
+(docs/agents.md): the policy's turns, the tools' results between them; each JSONL line then
+also holds the trajectory turn by turn (`turns`: the assistant's text, the calls and results
+of each tool turn), why it stopped, and its turn, call and error counts.
 """
 
 import json
@@ -47,6 +52,9 @@ _SAMPLES = flags.DEFINE_integer("samples", 1, "samples per prompt for pass@k (1:
 _TEMPERATURE = flags.DEFINE_float("temperature", 1.0, "temperature of the samples")
 _LIMIT = flags.DEFINE_integer("limit", 0, "evaluate the first N prompts only (0: all)")
 _RESPONSES = flags.DEFINE_string("responses", None, "write every response to this JSONL file")
+_TOOLS = flags.DEFINE_string("tools", None, "multi-turn rollouts with these tools (names or "
+                             "pkg.mod:Class, comma-separated; empty: multi-turn without tools); "
+                             "default: the config's rollout.multi_turn")
 
 
 def main(argv):
@@ -56,6 +64,8 @@ def main(argv):
     run = bool(model) and is_run(model)
     if model and not run:
         cfg.model.path, cfg.model.tokenizer = model, ""
+    if _TOOLS.value is not None:
+        cfg.rollout.multi_turn.enable, cfg.rollout.multi_turn.tools = True, _TOOLS.value
     if _DATA.value:
         cfg.data.task, cfg.data.val_files = "parquet", _DATA.value
     if cfg.data.task == "parquet":

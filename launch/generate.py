@@ -12,10 +12,20 @@ Across processes (the process flags of docs/scaling.md, or `launch.local_cluster
 launch.generate`), every process runs this same command: the model is loaded onto a decode mesh
 over the devices of all processes (`--mesh`, default `data=-1`), the responses are gathered to
 every process and process 0 prints them.
+
+With `--tools=calculator` (tool names or pkg.mod:Class, comma-separated) each sample is a
+multi-turn trajectory (docs/agents.md): a policy turn that ends in `</tool_call>` has its calls
+run and their results appended, then the policy goes on, up to `--max_turns` policy turns and
+`--max_new_tokens` response tokens in all; with `--chat` the tools' schemas go to the chat
+template. Each trajectory is printed turn by turn. `--responses=FILE.jsonl` writes one JSON line
+per sample: prompt index, sample, prompt text, the turns (the assistant's text; each tool
+turn's calls and results), why it stopped, and its turn, call and error counts.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import time
 
 from absl import flags
@@ -35,6 +45,10 @@ flags.DEFINE_integer("n", 1, "samples per prompt")
 flags.DEFINE_integer("seed", 0, "sampling seed")
 flags.DEFINE_string("mesh", None, "decode mesh over all devices, e.g. 'data=2' (default: none)")
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "parameter and compute dtype")
+flags.DEFINE_string("tools", None, "multi-turn with these tools, e.g. 'calculator' (default: "
+                    "one turn)")
+flags.DEFINE_integer("max_turns", 4, "policy turns per trajectory at most (with --tools)")
+flags.DEFINE_string("responses", None, "write every sample, turn by turn, to this JSONL file")
 distributed.define_flags()
 
 
@@ -73,11 +87,22 @@ def main(argv: list[str]) -> None:
     model = M.load(path, dtype=f.dtype, mesh=mesh, rules="decode")
     tokenizer = M.load_tokenizer(path)
 
+    if f.responses is not None:
+        folder = os.path.dirname(os.path.abspath(f.responses))
+        if not os.path.isdir(folder):
+            raise cli.UserError(f"--responses={f.responses}: folder {folder} does not exist; "
+                                "create it or pick another path")
+    tools = None
+    if f.tools is not None:
+        from hfjax.tools import resolve_tools
+
+        tools = resolve_tools(f.tools)
     if f.chat:
+        extra = {"tools": [t.schema() for t in tools.values()]} if tools else {}
         rows = [
             tokenizer.apply_chat_template(
-                [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True
-            )
+                [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True,
+                **extra)
             for p in f.prompt
         ]
     else:
@@ -96,6 +121,9 @@ def main(argv: list[str]) -> None:
         ids[i, width - len(r) :] = r
         mask[i, width - len(r) :] = 1
 
+    if tools is not None:
+        _generate_turns(f, model, tokenizer, tools, ids, mask, mesh, pad, say)
+        return
     start = time.perf_counter()
     out = generate(
         model,
@@ -115,16 +143,68 @@ def main(argv: list[str]) -> None:
     tokens, resp_mask = to_host(out.tokens), to_host(out.mask)
     seconds = time.perf_counter() - start
 
+    records = []
     for r in range(tokens.shape[0]):
         prompt_idx, sample = divmod(r, f.n)
         text = tokenizer.decode(tokens[r][resp_mask[r] == 1], skip_special_tokens=True)
         if len(f.prompt) > 1 or f.n > 1:
             say(f"--- prompt {prompt_idx} sample {sample}: {f.prompt[prompt_idx]!r}")
         say(text)
+        records.append({"prompt": prompt_idx, "sample": sample, "prompt_text":
+                        f.prompt[prompt_idx], "turns": [{"role": "assistant", "text": text}]})
+    _write(f.responses, records)
     say(
         f"[{int(resp_mask.sum())} tokens in {seconds:.1f}s, compile included]",
         flush=True,
     )
+
+
+def _write(path: str | None, records: list[dict]) -> None:
+    """One JSON line per record (process 0 only), written whole and then renamed."""
+    if path is None or not distributed.is_main_process():
+        return
+    with open(path + ".tmp", "w") as out:
+        for rec in records:
+            out.write(json.dumps(rec, ensure_ascii=False) + "\n")
+    os.replace(path + ".tmp", path)
+
+
+def _generate_turns(f, model, tokenizer, tools, ids, mask, mesh, pad, say) -> None:
+    """Multi-turn trajectories with `tools` (`hfjax.engine.agent_loop`), printed turn by
+    turn."""
+    from flax import nnx
+
+    from hfjax.engine.agent_loop import AgentLoop, AgentOptions
+    from hfjax.engine.sampler import Sampler, SamplingParams
+    from hfjax.tools import ToolRunner
+
+    sampler = Sampler(model, mesh=mesh, max_prompt_len=ids.shape[1] + f.max_new_tokens,
+                      pad_id=pad)
+    params = SamplingParams(max_new_tokens=f.max_new_tokens, temperature=f.temperature,
+                            top_k=f.top_k, top_p=f.top_p, min_p=f.min_p, n=f.n,
+                            eos_ids=_eos_ids(tokenizer, model.config))
+    start = time.perf_counter()
+    with ToolRunner(tools) as runner:
+        loop = AgentLoop(sampler, tokenizer, runner, AgentOptions(max_turns=f.max_turns))
+        out = loop.run(nnx.state(model), ids, mask, params, seed=f.seed)
+    seconds = time.perf_counter() - start
+    records = []
+    for r, traj in enumerate(out.trajectories):
+        prompt_idx, sample = divmod(r, f.n)
+        say(f"--- prompt {prompt_idx} sample {sample}: {f.prompt[prompt_idx]!r}")
+        for turn in traj.turns:
+            if turn["role"] == "assistant":
+                say(f"[assistant] {turn['text']}")
+            else:
+                for res in turn["results"]:
+                    say(f"[tool{' error' if res['error'] else ''}] {res['text']}")
+        say(f"[stop: {traj.stop}]")
+        records.append({"prompt": prompt_idx, "sample": sample,
+                        "prompt_text": f.prompt[prompt_idx], **traj.to_dict()})
+    _write(f.responses, records)
+    say(f"[{int(out.gen_mask.sum())} generated and {int((out.attn_mask - out.gen_mask).sum())} "
+        f"tool tokens in {seconds:.1f}s over {loop.generate_calls} generate calls, compile "
+        "included]", flush=True)
 
 
 if __name__ == "__main__":

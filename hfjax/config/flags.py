@@ -18,6 +18,7 @@ from hfjax.config.validators import (
     parquet_files,
     prompts,
     target_name,
+    tool_spec,
 )
 from hfjax.config.values import Check, Float, Int
 
@@ -40,6 +41,7 @@ FLAG_KEYS: dict[str, dict[str, Callable[[Any], str | None]]] = {
         "samples": Int(1),
         "temperature": Float(0.0, lo_open=True),
         "limit": Int(0, note="0: every prompt"),
+        "tools": Check(lambda v: None if v is None else tool_spec(v)),
     },
     "train_rm": {"cpu_devices": Int(0, note="0: leave XLA_FLAGS alone")},
     "generate": {
@@ -53,6 +55,8 @@ FLAG_KEYS: dict[str, dict[str, Callable[[Any], str | None]]] = {
         "n": Int(1),
         "seed": Int(0),
         "mesh": Check(lambda v: None if v is None else mesh(optional=False)(v)),
+        "tools": Check(lambda v: None if v is None else tool_spec(v)),
+        "max_turns": Int(1),
         "compilation_cache_dir": _CACHE,
     },
     "convert": {

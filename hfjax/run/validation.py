@@ -46,6 +46,7 @@ def generation_metrics(actor, reward, rows: Sequence[dict], *, pad_id: int,
         metrics[f"val-aux/{model.output}/positive_frac"] = float(
             to_host(jnp.mean((s[model.output] > 0).astype(jnp.float32))))
     texts = list(scored.meta["response_text"])
+    trajs = out.meta.get("trajectory")
     if records is not None:
         lengths = to_host(jnp.sum(out["response_mask"], axis=1)).reshape(-1, n)
         cap = out["responses"].shape[1]
@@ -57,6 +58,8 @@ def generation_metrics(actor, reward, rows: Sequence[dict], *, pad_id: int,
                     "ground_truth": str(truths[i]), "response": texts[i * n + j],
                     "response_tokens": int(lengths[i, j]),
                     "finished": bool(lengths[i, j] < cap), "score": float(scores[i, j])})
+                if trajs is not None:  # multi-turn: the trajectory, turn by turn
+                    records[-1] |= trajs[i * n + j]
     for name, fn in (text_metrics or {}).items():
         metrics[f"val-aux/{name}/mean"] = float(np.mean([float(fn(t)) for t in texts]))
     return metrics

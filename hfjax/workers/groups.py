@@ -182,6 +182,12 @@ def build_agent(cfg, sampler, tokenizer, tools: str | None = None) -> AgentLoop:
     if tokenizer is None:
         raise ValueError("rollout.multi_turn.enable needs the run's tokenizer (to read tool "
                          "calls and write their results); pass tokenizer= to build_actor")
+    if jax.process_count() > 1:
+        # The loop reads every row's tokens on the host and runs its tools there; across
+        # processes each would need the whole batch and identical tool results.
+        raise ValueError("rollout.multi_turn.enable runs on one process for now; run it on one "
+                         "host (every device of it), or set --config.rollout.multi_turn."
+                         "enable=False")
     m = cfg.rollout.multi_turn
     spec = m.tools if tools is None else tools
     runner = ToolRunner(resolve_tools(spec), max_workers=int(m.get("tool_workers", 8)))

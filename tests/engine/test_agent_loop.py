@@ -262,3 +262,22 @@ def test_the_loss_sees_only_generated_tokens(model, sampler, runner):
     g_gen = changed(one_gen)
     assert any(not np.array_equal(np.asarray(a), np.asarray(b))
                for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g_gen)))
+
+
+@pytest.mark.slow
+def test_the_continuous_engine_runs_the_same_trajectories(model, sampler, runner):
+    """Policy turns decoded through the continuous-batching engine's slots give the static
+    engine's trajectories, token for token (the loop is the engine's, whichever engine)."""
+    from flax import nnx
+
+    from hfjax.engine.continuous import ContinuousSampler
+
+    ids, mask = _prompts()
+    outs = []
+    for s in (sampler, ContinuousSampler(model, max_prompt_len=P + R, pad_id=TOK.pad_id)):
+        loop = AgentLoop(s, TOK, runner, AgentOptions(max_turns=3, max_tool_response_len=8))
+        outs.append(loop.run(nnx.state(model), ids[:2], mask[:2], _params(), seed=np.array([7, 8])))
+    assert sum(t.num_turns for t in outs[0].trajectories) > len(outs[0].trajectories)
+    np.testing.assert_array_equal(outs[0].tokens, outs[1].tokens)
+    np.testing.assert_array_equal(outs[0].gen_mask, outs[1].gen_mask)
+    np.testing.assert_allclose(outs[0].logprobs, outs[1].logprobs, atol=1e-5)
