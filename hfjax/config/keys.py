@@ -45,6 +45,37 @@ _LORA_DROPOUT = "adapter dropout is not implemented; 0 is the only value"
 _FORWARD_BUDGET = ("tokens per data-parallel device and micro-batch of the scoring pass with "
                    "use_remove_padding; 0: the whole batch")
 
+def _lora_rows(role: str) -> dict[str, Callable[[Any], str | None]]:
+    """The rows of `<role>.lora` (actor, critic and cost critic)."""
+    return {
+        f"{role}.lora.rank": Int(0, note="0: train full weights"),
+        f"{role}.lora.alpha": Float(0.0, lo_open=True),
+        f"{role}.lora.targets": Check(lora_targets),
+        f"{role}.lora.dropout": Float(0.0, 0.0, note=_LORA_DROPOUT),
+    }
+
+
+def _critic_rows(role: str) -> dict[str, Callable[[Any], str | None]]:
+    """The rows of a value critic's section (PPO's critic, Safe-RLHF's cost critic)."""
+    return {
+        f"{role}.mesh": Check(mesh(optional=False)),
+        f"{role}.sequence_parallel": _SP,
+        f"{role}.lr": _LR,
+        f"{role}.weight_decay": Float(0.0),
+        f"{role}.grad_clip": Float(0.0, note="0: no clipping"),
+        **_lora_rows(role),
+        f"{role}.ppo_mini_batch_size": Int(1),
+        f"{role}.ppo_micro_batch_size": Int(1),
+        f"{role}.use_remove_padding": Bool(),
+        f"{role}.group_by_length": Bool(),
+        f"{role}.ppo_max_token_len_per_gpu": Int(0, note=_BUDGET),
+        f"{role}.ppo_epochs": Int(1),
+        f"{role}.shuffle": Bool(),
+        f"{role}.cliprange_value": Float(0.0, lo_open=True),
+        f"{role}.loss_agg_mode": Choice(registry("LOSS_AGG_MODES")),
+    }
+
+
 TRAIN_KEYS: dict[str, Callable[[Any], str | None]] = {
     # First: a user algorithm's module, imported by this check, may register estimators,
     # losses and the rows of its own config keys that later checks look up.
@@ -122,10 +153,7 @@ TRAIN_KEYS: dict[str, Callable[[Any], str | None]] = {
     "actor.use_kl_loss": Bool(),
     "actor.kl_loss_coef": Float(0.0),
     "actor.kl_loss_type": Choice(kl_names),
-    "actor.lora.rank": Int(0, note="0: train full weights"),
-    "actor.lora.alpha": Float(0.0, lo_open=True),
-    "actor.lora.targets": Check(lora_targets),
-    "actor.lora.dropout": Float(0.0, 0.0, note=_LORA_DROPOUT),
+    **_lora_rows("actor"),
     # rollout
     "rollout.mesh": Check(mesh(optional=True)),
     "rollout.hybrid_engine": Bool(),
@@ -158,43 +186,9 @@ TRAIN_KEYS: dict[str, Callable[[Any], str | None]] = {
     # reference and critic
     "ref.mesh": Check(mesh(optional=False)),
     "ref.sequence_parallel": _SP,
-    "critic.mesh": Check(mesh(optional=False)),
-    "critic.sequence_parallel": _SP,
-    "critic.lr": _LR,
-    "critic.weight_decay": Float(0.0),
-    "critic.grad_clip": Float(0.0, note="0: no clipping"),
-    "critic.lora.rank": Int(0, note="0: train full weights"),
-    "critic.lora.alpha": Float(0.0, lo_open=True),
-    "critic.lora.targets": Check(lora_targets),
-    "critic.lora.dropout": Float(0.0, 0.0, note=_LORA_DROPOUT),
-    "critic.ppo_mini_batch_size": Int(1),
-    "critic.ppo_micro_batch_size": Int(1),
-    "critic.use_remove_padding": Bool(),
-    "critic.group_by_length": Bool(),
-    "critic.ppo_max_token_len_per_gpu": Int(0, note=_BUDGET),
-    "critic.ppo_epochs": Int(1),
-    "critic.shuffle": Bool(),
-    "critic.cliprange_value": Float(0.0, lo_open=True),
-    "critic.loss_agg_mode": Choice(registry("LOSS_AGG_MODES")),
+    **_critic_rows("critic"),
     # Safe-RLHF's cost critic
-    "cost_critic.mesh": Check(mesh(optional=False)),
-    "cost_critic.sequence_parallel": _SP,
-    "cost_critic.lr": _LR,
-    "cost_critic.weight_decay": Float(0.0),
-    "cost_critic.grad_clip": Float(0.0, note="0: no clipping"),
-    "cost_critic.lora.rank": Int(0, note="0: train full weights"),
-    "cost_critic.lora.alpha": Float(0.0, lo_open=True),
-    "cost_critic.lora.targets": Check(lora_targets),
-    "cost_critic.lora.dropout": Float(0.0, 0.0, note=_LORA_DROPOUT),
-    "cost_critic.ppo_mini_batch_size": Int(1),
-    "cost_critic.ppo_micro_batch_size": Int(1),
-    "cost_critic.use_remove_padding": Bool(),
-    "cost_critic.group_by_length": Bool(),
-    "cost_critic.ppo_max_token_len_per_gpu": Int(0, note=_BUDGET),
-    "cost_critic.ppo_epochs": Int(1),
-    "cost_critic.shuffle": Bool(),
-    "cost_critic.cliprange_value": Float(0.0, lo_open=True),
-    "cost_critic.loss_agg_mode": Choice(registry("LOSS_AGG_MODES")),
+    **_critic_rows("cost_critic"),
     # advantages and KL
     "algo.adv_estimator": Choice(registry("ADV_ESTIMATORS")),
     "algo.gamma": _FRACTION,
