@@ -151,7 +151,8 @@ def main(argv):
     print(f"searched {result.placements} placements, {result.allocations} allocations in "
           f"{result.seconds:.1f} s")
     if compiled is not None:
-        print(f"prices: compiled for the {1 + len(result.alternatives)} plans shown "
+        n_plans = 1 + len(result.alternatives)
+        print(f"prices: compiled for the {n_plans} plan{'s' if n_plans > 1 else ''} shown "
               f"({compiled.programs} programs from XLA's analysis, {compiled.compiles} "
               f"compiles in {compiled.compile_s:.1f} s; the search ranked by the closed forms)")
         for label, why in compiled.fallbacks.items():
