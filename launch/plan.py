@@ -168,6 +168,10 @@ def main(argv):
         print(f"  pool {name}: {size} devices (fits on {result.min_allocation[name]} or more), "
               f"roles {'+'.join(roles)}, peak {_gb(sc.peak_bytes)} of {_gb(t.memory_bytes)} "
               "per device")
+        if sc.peak_bytes > _MEMORY.value * t.memory_bytes:
+            # Only a re-priced plan can: the search keeps plans within the budget.
+            print(f"    over --memory_fraction={_MEMORY.value} of the device by the compiled "
+                  "prices: the closed forms underestimated this pool's working memory")
         for role, ch in sc.choices.items():
             extra = ""
             if role == "actor":
