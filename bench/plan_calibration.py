@@ -10,21 +10,24 @@ Usage: python bench/plan_calibration.py [--steps=5] [--reps=5] [--runs=default,w
    task, colocated on 8 CPU devices, warm start skipped) and two variants (`wide`: hidden 256 /
    MLP 768, four times the matmul FLOPs; `batch`: 256 prompts per step), `--steps` RL steps
    each; per stage the median of the steps after the first (which compiles).
-3. **FLOPs, compiled**: a cost source that replaces the closed forms' FLOPs and HBM bytes of
-   scoring and training calls with XLA's `cost_analysis()` of the same programs compiled for
-   one device's rows (`CompiledFlops`, a `PriceSource` plugged in as `Simulator(costs=...)`).
-4. **Fit**: per stage kind, measured seconds = calls x overhead + ideal seconds / efficiency,
-   where ideal seconds is the simulator's time at efficiency 1 and zero overhead from the
-   measured device figures and compiled FLOPs; least squares over the runs. Then each run is
-   predicted from a fit to the other runs (leave one out) and the error is printed.
+3. **Prices, both sources**: every program's FLOPs, bytes and memory from the closed forms
+   (`ClosedFormPrices`) and from XLA's analysis of the programs compiled at abstract shapes
+   (`hfjax.planner.compiled.CompiledPrices`).
+4. **Fit, per source**: per stage kind, measured seconds = calls x overhead + ideal seconds /
+   efficiency, where ideal seconds is the simulator's time at efficiency 1 and zero overhead
+   from the measured device figures and the source's prices; least squares over the runs. Then
+   each run is predicted from a fit to the other runs (leave one out), and the error of every
+   stage is printed for both sources side by side.
 
-The last line is JSON: the measured device figures, the fitted factors and the errors.
+`--measured_out=FILE` saves the measurements as soon as they are taken (a JSON line that
+`--from_json` refits). The last line is JSON: the measured device figures, the fitted factors
+of each source (stored as the planner's `cpu` target, `simulator.CPU_MEASURED`) and the
+held-out errors of both sources, per run and per stage.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import os
 import statistics
 import subprocess
@@ -42,18 +45,17 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
-from flax import nnx  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from bench.timing import best_time  # noqa: E402
 from configs import ppo_arith  # noqa: E402
-from hfjax.models import transformer  # noqa: E402
 from hfjax.parallel.mesh import MeshSpec  # noqa: E402
 from hfjax.parallel.targets import Target  # noqa: E402
 from hfjax.planner import search  # noqa: E402
+from hfjax.planner.compiled import CompiledPrices  # noqa: E402
 from hfjax.planner.config import plan_inputs  # noqa: E402
-from hfjax.planner.pricing import Call, CallPrice, ClosedFormPrices, MeshLayout  # noqa: E402
+from hfjax.planner.pricing import ClosedFormPrices, MeshLayout  # noqa: E402
 from hfjax.planner.simulator import Cluster, Efficiency, Simulator  # noqa: E402
 
 _STEPS = flags.DEFINE_integer("steps", 5, "RL steps per run (the first compiles and is dropped)")
@@ -61,6 +63,8 @@ _REPS = flags.DEFINE_integer("reps", 10, "repetitions of each device measurement
 _RUNS = flags.DEFINE_list("runs", ["default", "wide", "batch"], "runs to measure")
 _FROM = flags.DEFINE_string("from_json", "", "refit the measurements of an earlier run's JSON "
                             "line (a file holding it) instead of measuring again")
+_MEASURED_OUT = flags.DEFINE_string("measured_out", "", "write the measurements to this file "
+                                    "as soon as they are taken (for --from_json)")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUNS = {
@@ -109,7 +113,7 @@ def cpu_cluster(figures: dict[str, float]) -> Cluster:
     target = Target("cpu", "8 simulated CPU devices (measured)", host_bytes // 8,
                     figures["bfloat16_flops"], figures["memory_bandwidth"],
                     2 * figures["gather_bandwidth"], "shared memory",
-                    "bench/plan_calibration.py")
+                    "bench/plan_calibration.py", platform="cpu")
     return Cluster(target, 8, figures["gather_bandwidth"], "one host",
                    f32_flops=figures["float32_flops"])
 
@@ -141,50 +145,6 @@ def measure_run(run: str, steps: int) -> dict[str, float]:
     return {s: statistics.median(r[f"timing_s/{s}"] for r in rows)
             for s in KINDS if f"timing_s/{s}" in rows[0]} | {
         "step": statistics.median(r["timing_s/step"] for r in rows)}
-
-
-# -- 3. compiled FLOPs ---------------------------------------------------------------------------
-
-
-class CompiledFlops(ClosedFormPrices):
-    """Closed forms, with FLOPs and HBM bytes of scoring and training calls taken from XLA's
-    cost analysis of the programs compiled for one device's rows."""
-
-    def __init__(self):
-        self._cache: dict = {}
-
-    def call(self, model, layout: MeshLayout, call: Call) -> CallPrice:
-        base = super().call(model, layout, call)
-        if call.kind not in ("forward", "train") or layout.tensor != 1:
-            return base
-        rows = math.ceil((call.micro or call.rows) / layout.dp)
-        key = (repr(model.config), model.head, call.kind, rows, call.seq, call.scored)
-        if key not in self._cache:
-            self._cache[key] = _compiled(model, call.kind, rows, call.seq, call.scored)
-        flops, nbytes = self._cache[key]
-        n = (call.rows // call.micro) if call.kind == "train" and call.micro else 1
-        return CallPrice(n * flops, n * nbytes, base.extra_bytes)
-
-
-def _compiled(model, kind: str, rows: int, seq: int, scored: int) -> tuple[float, float]:
-    # Unrolled layers: XLA's cost analysis counts a while loop's body once, so a scan over
-    # layers would report one layer's FLOPs.
-    cfg = model.config.replace(scan_layers=False)
-    graphdef, state = nnx.split(transformer.abstract(cfg, model.head))
-    ids = jax.ShapeDtypeStruct((rows, seq), jnp.int32)
-
-    def forward(params, input_ids):
-        m = nnx.merge(graphdef, params)
-        mask = jnp.ones_like(input_ids)
-        if model.head == "causal_lm":
-            hidden, _ = m.model(input_ids, mask)
-            logits = m.logits(hidden[:, -scored - 1:-1])
-            return jnp.sum(jax.nn.log_softmax(logits, axis=-1)[..., 0])
-        return jnp.sum(m(input_ids, mask))
-
-    fn = forward if kind == "forward" else jax.grad(forward)
-    cost = jax.jit(fn).lower(state, ids).compile().cost_analysis()
-    return float(cost["flops"]), float(cost["bytes accessed"])
 
 
 # -- 4. fit ----------------------------------------------------------------------------------------
@@ -276,6 +236,27 @@ def efficiency_from(fitted: dict[str, tuple[float, float]]) -> Efficiency:
                       step_overhead_s=gen_over)
 
 
+def held_out(ideal: dict, measured: dict) -> dict[str, dict[str, float]]:
+    """{run: {stage: predicted / measured - 1, "total": ...}}, each run predicted from a fit to
+    the other runs."""
+    out = {}
+    for run in ideal:
+        rest = [(KINDS[st], c, i, measured[r][st]) for r in ideal if r != run
+                for st, (c, i) in ideal[r].items()]
+        if not rest:
+            continue
+        f = fit(rest)
+        pred = {st: c * f[KINDS[st]][0] + i / f[KINDS[st]][1] for st, (c, i) in ideal[run].items()}
+        errs = {st: pred[st] / measured[run][st] - 1 for st in pred}
+        errs["total"] = sum(pred.values()) / sum(measured[run][st] for st in pred) - 1
+        out[run] = errs
+    return out
+
+
+def _pct(x: float | None) -> str:
+    return "" if x is None else f"{x:+.0%}"
+
+
 def main(argv):
     del argv
     t0 = time.perf_counter()
@@ -292,6 +273,10 @@ def main(argv):
             samples_dev.append(measure_device(_REPS.value))
         figures = {k: max(s[k] for s in samples_dev) for k in samples_dev[0]}
         spread = {k: min(s[k] for s in samples_dev) / figures[k] for k in figures}
+        if _MEASURED_OUT.value:
+            with open(_MEASURED_OUT.value, "w") as f:
+                f.write(json.dumps({"device": figures, "device_spread": spread,
+                                    "measured": measured}) + "\n")
     cluster = cpu_cluster(figures)
     print("device spread (slowest / best sample): "
           + ", ".join(f"{k} {v:.2f}" for k, v in spread.items()))
@@ -300,37 +285,38 @@ def main(argv):
           f"{figures['bfloat16_flops'] / 1e9:.2f} GFLOP/s, memory "
           f"{figures['memory_bandwidth'] / 1e9:.2f} GB/s, all-gather "
           f"{figures['gather_bandwidth'] / 1e9:.2f} GB/s received")
-    costs = CompiledFlops()
-    closed = ClosedFormPrices("cpu")
-    ideal = {}
+    compiled = CompiledPrices("cpu", budget_s=None)
+    sources = {"closed_form": ClosedFormPrices("cpu"), "compiled": compiled}
+    ideal = {src: {run: ideal_stage_times(run, cluster, costs) for run in _RUNS.value}
+             for src, costs in sources.items()}
+    print(f"compiled prices: {compiled.programs} programs, {compiled.compiles} compiles in "
+          f"{compiled.compile_s:.1f} s; closed forms for {len(compiled.fallbacks)}"
+          + "".join(f"\n  {label}: {why}" for label, why in compiled.fallbacks.items()))
+    fitted, errors = {}, {}
+    for src in sources:
+        samples = [(KINDS[s], c, i, measured[r][s]) for r in ideal[src]
+                   for s, (c, i) in ideal[src][r].items()]
+        fitted[src] = fit(samples)
+        errors[src] = held_out(ideal[src], measured)
+        print(f"fit ({src}): " + "; ".join(
+            f"{k}: overhead {o * 1e3:.3f} ms per {'step' if k == 'gen' else 'call'}, "
+            f"efficiency {e:.4f}" for k, (o, e) in fitted[src].items()))
     for run in _RUNS.value:
-        ideal[run] = ideal_stage_times(run, cluster, costs)
-        closed_ideal = ideal_stage_times(run, cluster, closed)
-        print(f"run {run}: measured step {measured[run]['step']:.3f} s")
-        for stage, (calls, sec) in ideal[run].items():
-            print(f"  {stage:<14} measured {measured[run][stage]:8.4f} s   ideal (compiled "
-                  f"FLOPs) {sec:9.2e} s   ideal (closed forms) {closed_ideal[stage][1]:9.2e} s   "
-                  f"calls/steps {calls}")
-    samples = [(KINDS[s], c, i, measured[r][s]) for r in ideal for s, (c, i) in ideal[r].items()]
-    fitted = fit(samples)
-    eff = efficiency_from(fitted)
-    print("fit: " + "; ".join(f"{k}: overhead {o * 1e3:.3f} ms per "
-                              f"{'step' if k == 'gen' else 'call'}, efficiency {e:.4f}"
-                              for k, (o, e) in fitted.items()))
-    errors = {}
-    for run in ideal:  # leave one run out: fit on the others, predict this one
-        rest = [s for r in ideal if r != run for s in
-                [(KINDS[st], c, i, measured[r][st]) for st, (c, i) in ideal[r].items()]]
-        if not rest:
-            continue
-        f = fit(rest)
-        pred = {st: c * f[KINDS[st]][0] + i / f[KINDS[st]][1] for st, (c, i) in ideal[run].items()}
-        total_p, total_m = sum(pred.values()), sum(measured[run][st] for st in pred)
-        errors[run] = total_p / total_m - 1
-        print(f"held out {run}: predicted stages {total_p:.3f} s vs measured {total_m:.3f} s "
-              f"({errors[run]:+.1%}); " + ", ".join(
-                  f"{st} {pred[st] / measured[run][st] - 1:+.0%}" for st in pred))
-    # The plan the fitted model makes for the default job on this machine.
+        print(f"run {run}: measured step {measured[run]['step']:.3f} s; held out (fit on the "
+              "other runs), predicted / measured - 1:")
+        print(f"  {'stage':<14}{'measured':>10}  {'ideal closed':>13}{'ideal compiled':>15}"
+              f"{'err closed':>12}{'err compiled':>14}")
+        for stage in [*ideal["compiled"][run], "total"]:
+            m = (sum(measured[run][s] for s in ideal["compiled"][run]) if stage == "total"
+                 else measured[run][stage])
+            ic = "" if stage == "total" else f"{ideal['closed_form'][run][stage][1]:13.2e}"
+            ip = "" if stage == "total" else f"{ideal['compiled'][run][stage][1]:15.2e}"
+            ec, ep = (_pct(errors[src].get(run, {}).get(stage)) for src in sources)
+            print(f"  {stage:<14}{m:>9.4f}s  {ic:>13}{ip:>15}{ec:>12}{ep:>14}")
+    effs = {src: efficiency_from(f) for src, f in fitted.items()}
+    eff = effs["closed_form"]
+    # The plan the fitted model makes for the default job on this machine (closed forms, as
+    # launch.plan prices by default).
     cfg = ppo_arith.get_config()
     cfg.sft.steps = 0
     models, host, workload = plan_inputs(cfg, platform="cpu")
@@ -338,9 +324,10 @@ def main(argv):
     print("plan for the default job on this machine, fitted factors: "
           + search.describe(result.best))
     print(json.dumps({
-        "device": figures, "device_spread": spread, "fit": {k: {"overhead_s": o, "efficiency": e}
-                                   for k, (o, e) in fitted.items()},
-        "efficiency": eff.__dict__, "held_out_error": errors,
+        "device": figures, "device_spread": spread,
+        "fit": {src: {k: {"overhead_s": o, "efficiency": e} for k, (o, e) in f.items()}
+                for src, f in fitted.items()},
+        "efficiency": {src: e.__dict__ for src, e in effs.items()}, "held_out_error": errors,
         "measured": measured, "wall_s": round(time.perf_counter() - t0, 1),
     }))
 

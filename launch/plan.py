@@ -19,7 +19,10 @@ reference when a KL term reads it, and the critic (the actor's shape with a valu
 the algorithm has one. The reward is the config's rule reward, scored on the host, unless
 `--reward_model` names a reward model (a preset, an HF directory or a .gguf file; score head).
 Estimates come from `hfjax.planner.simulator`: published device figures
-(`hfjax/parallel/targets.py`) times the efficiency factors (`--efficiency`).
+(`hfjax/parallel/targets.py`) times the efficiency factors (`--efficiency`), applied to each
+program's FLOPs and bytes: closed forms of the models' shapes (`--prices=closed_form`, the
+default), or with `--prices=compiled` XLA's cost and memory analysis of the programs of the
+plans shown, compiled at abstract shapes (the search itself ranks by the closed forms).
 """
 
 import json
@@ -55,6 +58,15 @@ _ALTERNATIVES = flags.DEFINE_integer("alternatives", 5, "next placements to show
 _SCORE_MICRO = flags.DEFINE_integer("score_micro", None, "rows per scoring pass (0: the "
                                     "whole batch in one call, as hfjax runs them); default: "
                                     "the config's plan.score_micro")
+_PRICES = flags.DEFINE_enum(
+    "prices", "closed_form", ["closed_form", "compiled"],
+    "how programs are priced: closed_form (formulas from the models' shapes, the whole search "
+    "in about a second), or compiled: the search ranks by the closed forms, then the best plan "
+    "and the --alternatives are priced again from XLA's cost and memory analysis of their "
+    "programs compiled at abstract shapes, and ranked anew (hfjax/planner/compiled.py)")
+_COMPILE_BUDGET = flags.DEFINE_float(
+    "compile_budget_s", 300.0, "with --prices=compiled: compile seconds after which the "
+    "remaining programs are priced by the closed forms (the output lists them)")
 _GEN_ROWS = flags.DEFINE_integer("gen_rows", None, "rows a decode replica generates at once "
                                  "(0: all, as hfjax's sampler does; -1: let the planner pick); "
                                  "default: the config's plan.gen_rows")
@@ -67,9 +79,20 @@ def _gb(x: float) -> str:
 def main(argv):
     from hfjax.planner import search
     from hfjax.planner.config import flagfile_lines, plan_inputs
-    from hfjax.planner.simulator import Efficiency, cluster_for, efficiency_from_calibration
+    from hfjax.planner.simulator import (
+        Efficiency,
+        cluster_for,
+        efficiency_from_calibration,
+        measured_cpu_efficiency,
+    )
 
     cfg = _CONFIG.value
+    if _PRICES.value == "compiled":
+        from hfjax.parallel.distributed import simulate_cpu_devices
+
+        # Programs compile on this process's devices; on a CPU host, 8 simulated ones (before
+        # JAX starts its backend) hold tensor sizes up to 8.
+        simulate_cpu_devices(8)
     # The search tries layouts no run will use; their warnings (KV heads a tensor size does not
     # divide, replicated) are not the user's concern.
     logging.set_verbosity(logging.ERROR)
@@ -77,6 +100,8 @@ def main(argv):
         cluster = cluster_for(_TARGET.value, _NODE.value,
                               None if _SCALE_OUT.value is None else _SCALE_OUT.value * 1e9)
         base = cluster.efficiency
+        if _PRICES.value == "compiled" and cluster.target.name == "cpu":
+            base = measured_cpu_efficiency("compiled")  # fitted to compiled prices
         if _CALIBRATION.value:
             base = efficiency_from_calibration(_read_calibration(_CALIBRATION.value),
                                                cluster.target, base)
@@ -86,6 +111,14 @@ def main(argv):
         result = search.plan(models, workload, cluster, _DEVICES.value, host_roles=host,
                               efficiency=efficiency, memory_fraction=_MEMORY.value,
                               alternatives=_ALTERNATIVES.value)
+        compiled = None
+        if _PRICES.value == "compiled":
+            from hfjax.planner.compiled import CompiledPrices
+            from hfjax.planner.refine import reprice
+
+            compiled = CompiledPrices(cluster.target.platform, budget_s=_COMPILE_BUDGET.value)
+            result = reprice(result, models, compiled, efficiency=efficiency, host_roles=host,
+                             memory_fraction=_MEMORY.value)
     except (ValueError, FileNotFoundError) as err:
         raise cli.UserError(str(err)) from None
     t = cluster.target
@@ -117,6 +150,16 @@ def main(argv):
           + f"; old log-probs {'yes' if w.old_log_prob else 'no'}")
     print(f"searched {result.placements} placements, {result.allocations} allocations in "
           f"{result.seconds:.1f} s")
+    if compiled is not None:
+        n_plans = 1 + len(result.alternatives)
+        print(f"prices: compiled for the {n_plans} plan{'s' if n_plans > 1 else ''} shown "
+              f"({compiled.programs} programs from XLA's analysis, {compiled.compiles} "
+              f"compiles in {compiled.compile_s:.1f} s; the search ranked by the closed forms)")
+        for label, why in compiled.fallbacks.items():
+            print(f"  closed forms for {label}: {why}")
+    else:
+        print("prices: closed forms (--prices=compiled prices the plans shown from compiled "
+              "programs)")
     print(f"best: {best.mode}, estimated {search.fmt_seconds(best.iteration_s)} per step, "
           f"{best.tokens_per_s:,.0f} tokens/s ({best.tokens_per_s / _DEVICES.value:,.1f} per "
           "device)")
@@ -125,6 +168,10 @@ def main(argv):
         print(f"  pool {name}: {size} devices (fits on {result.min_allocation[name]} or more), "
               f"roles {'+'.join(roles)}, peak {_gb(sc.peak_bytes)} of {_gb(t.memory_bytes)} "
               "per device")
+        if sc.peak_bytes > _MEMORY.value * t.memory_bytes:
+            # Only a re-priced plan can: the search keeps plans within the budget.
+            print(f"    over --memory_fraction={_MEMORY.value} of the device by the compiled "
+                  "prices: the closed forms underestimated this pool's working memory")
         for role, ch in sc.choices.items():
             extra = ""
             if role == "actor":
@@ -145,7 +192,11 @@ def main(argv):
         print(f"wrote {_EMIT.value}: python -m launch.train --flagfile={_EMIT.value}")
         if missing:
             print(f"  (the config has no field for {', '.join(missing)}; set those by hand)")
-    print(json.dumps(best.summary()), flush=True)
+    summary = best.summary()
+    summary["prices"] = _PRICES.value
+    if compiled is not None:
+        summary["closed_form_fallbacks"] = len(compiled.fallbacks)
+    print(json.dumps(summary), flush=True)
 
 
 def _read_calibration(path: str) -> dict:

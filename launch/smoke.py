@@ -4,7 +4,8 @@ Every entry point applies it through `launch.cli.run` (and so does every script 
 stages are these entry points; `scripts/install.sh` checks the installed packages instead of
 installing): training steps to 2 (SFT, reward-model and RL steps, validation and a checkpoint at
 the last step), 16 held-out prompts, 16-token responses, 64 + 16 generated prompts or pairs, 8
-new tokens, 16 evaluated prompts. Only sizes go down; every other setting, the files read and
+new tokens, 16 evaluated prompts, no alternative plans and a minute of compiling for
+`launch.plan`. Only sizes go down; every other setting, the files read and
 written and the printed summaries are those of the full command. CI runs every command that
 README.md and docs/ show this way (tests/test_documented_commands.py).
 
@@ -38,6 +39,8 @@ FLAG_LIMITS: dict[str, dict[str, int]] = {
     "prepare_data": {"n_train": 64, "n_test": 16},
     "generate": {"max_new_tokens": 8},
     "evaluate": {"limit": 16},
+    # With --prices=compiled, only the best plan's programs are compiled, for a minute at most.
+    "plan": {"alternatives": 0, "compile_budget_s": 60},
 }
 
 

@@ -60,11 +60,29 @@ def test_plan_then_run_two_ppo_steps(tmp_path, env):
     (["--num_devices=0"], "hfjax plan: num_devices=0: plan for at least one device"),
     (["--num_devices=8", "--target=h300"], "hfjax plan: unknown target 'h300'; known targets"),
     (["--num_devices=8", "--efficiency=train=2"], "hfjax plan: efficiency train=2"),
+    (["--num_devices=8", "--prices=xla"], "hfjax plan: flag --prices=xla: value should be one "
+     "of <closed_form|compiled>"),
 ])
 def test_bad_input_ends_with_one_clear_line(env, args, message):
     p = _run(["launch.plan", *args], env, timeout=300)
     assert p.returncode != 0
     assert message in p.stderr.strip().splitlines()[-1]
+
+
+def test_compiled_prices_say_what_the_closed_forms_priced(env):
+    """With no compile budget every program of the plans shown falls back to the closed forms,
+    and the output names each one and why (the compiled path itself: tests/planner/
+    test_compiled.py, and the documented command in the smoke tier)."""
+    p = _run(["launch.plan", "--target=cpu", "--num_devices=8", "--prices=compiled",
+              "--compile_budget_s=0", "--alternatives=1"], env, timeout=300)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    lines = p.stdout.splitlines()
+    assert any(x.startswith("prices: compiled for the 2 plans shown (0 programs") for x in lines)
+    fallbacks = [x for x in lines if x.startswith("  closed forms for ")]
+    assert fallbacks and all(x.endswith(": compile budget of 0 s spent") for x in fallbacks)
+    assert any("actor.decode" in x for x in fallbacks)
+    plan = json.loads(lines[-1])
+    assert plan["prices"] == "compiled" and plan["closed_form_fallbacks"] == len(fallbacks)
 
 
 def test_the_paper_config_plans_the_docs_row_from_the_command_line(env):

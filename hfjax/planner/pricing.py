@@ -9,10 +9,11 @@ The planner (`hfjax.planner.search`) prices a model in a layout through two ques
   bytes each device holds on top of its state while the call runs.
 
 `PriceSource` is that protocol. `ClosedFormPrices` answers it from the model's shapes with the
-formulas below. A source that compiles each program from abstract shapes and reads XLA's
-`cost_analysis()` (flops, bytes accessed) and `memory_analysis()` (argument and temp bytes, less
-the state) answers the same questions for the programs a run really compiles; the planner takes
-any `PriceSource` (`plan(..., costs=...)`).
+formulas below. `hfjax.planner.compiled.CompiledPrices` compiles each program from abstract
+shapes and reads XLA's `cost_analysis()` (flops, bytes accessed) and `memory_analysis()`
+(arguments, outputs and temporaries, less the parameters), with these formulas where it cannot
+compile; the planner takes any `PriceSource` (`plan(..., costs=...)`, or
+`hfjax.planner.refine.reprice` for the search's finalists).
 
 ## The closed forms
 

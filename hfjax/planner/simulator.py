@@ -40,8 +40,9 @@ Megatron-style parallelism reports 40-55% of bf16 peak (model FLOPs utilisation)
 0.45 for every compute-bound call; memory-bound decoding kernels reach 60-80% of HBM bandwidth
 (0.7); NCCL's measured bus bandwidth on NVLink is about 70-80% of the link's (0.7); collective
 latency 10 us inside a node, 30 us across nodes. `bench/plan_calibration.py` fits the compute
-and bandwidth factors to measured stage times of the default job on this machine's CPU (and
-says how far the fitted model is from the measurements); `launch.plan --efficiency=...` takes
+and bandwidth factors to measured stage times of three small jobs on this machine's CPU (and
+says how far the fitted model is from the measurements), once with the closed forms' prices
+and once with compiled ones (`measured_cpu_efficiency`); `launch.plan --efficiency=...` takes
 any of them.
 """
 
@@ -82,19 +83,21 @@ NODES: dict[str, tuple[int, float, str]] = {
 }
 
 
-# This development machine's 8 simulated CPU devices (Intel Xeon with AMX, 2 cores shared with
-# other jobs), measured by `python bench/plan_calibration.py` (docs/scaling.md, "Calibration"):
+# This development machine's 8 simulated CPU devices (AMD EPYC, 2 cores shared with other
+# jobs), measured by `python bench/plan_calibration.py` (docs/scaling.md, "Calibration"):
 # per-device figures at the default job's sizes (best samples), and the factors fitted to the
-# default job's stage times. The fitted efficiencies exceed 1 where the job's programs ran
-# faster than the standalone measurement of the same device did.
+# three calibration runs' stage times, once per price source: `efficiency` with the closed
+# forms' prices, `efficiency_compiled` with compiled prices (`hfjax.planner.compiled`).
 CPU_MEASURED = {
-    "date": "2026-12-01",
-    "float32_flops": 35.7e9,
-    "bfloat16_flops": 92.5e9,
-    "memory_bandwidth": 2.82e9,
-    "gather_bandwidth": 1.56e9,
-    "efficiency": {"train": 0.307, "forward": 0.574, "prefill": 0.382, "hbm": 0.382,
-                   "link": 1.0, "call_overhead_s": 9.28e-3, "step_overhead_s": 1.03e-3},
+    "date": "2026-12-04",
+    "float32_flops": 19.2e9,
+    "bfloat16_flops": 30.3e9,
+    "memory_bandwidth": 2.59e9,
+    "gather_bandwidth": 1.77e9,
+    "efficiency": {"train": 0.379, "forward": 0.610, "prefill": 0.366, "hbm": 0.366,
+                   "link": 1.0, "call_overhead_s": 10.4e-3, "step_overhead_s": 2.11e-3},
+    "efficiency_compiled": {"train": 0.381, "forward": 0.612, "prefill": 0.934, "hbm": 0.934,
+                            "link": 1.0, "call_overhead_s": 10.0e-3, "step_overhead_s": 0.0},
 }
 
 
@@ -195,18 +198,27 @@ class Cluster:
         return self.target.interconnect_bandwidth / 2
 
 
+def measured_cpu_efficiency(prices: str = "closed_form") -> Efficiency:
+    """The factors bench/plan_calibration.py fitted on this machine's CPU devices for a price
+    source ("closed_form" or "compiled": each source's FLOPs and bytes need their own)."""
+    key = {"closed_form": "efficiency", "compiled": "efficiency_compiled"}.get(prices)
+    if key is None:
+        raise ValueError(f"prices={prices!r}: one of closed_form, compiled")
+    return Efficiency(**CPU_MEASURED[key])
+
+
 def measured_cpu() -> Cluster:
     """This development machine's 8 simulated CPU devices (one node), from
     bench/plan_calibration.py: measured per-device matmul FLOP/s, memory and all-gather
-    bandwidth, and the efficiency factors fitted to the default job's stage times there. Memory
-    is the host's 23 GB shared by the 8 devices."""
+    bandwidth, and the efficiency factors fitted to the calibration runs' stage times there
+    with the closed forms' prices. Memory is the host's 23 GB shared by the 8 devices."""
     m = CPU_MEASURED
     target = Target("cpu", "8 simulated CPU devices of the development machine (measured)",
                     int(23e9 / 8), m["bfloat16_flops"], m["memory_bandwidth"],
                     2 * m["gather_bandwidth"], "shared memory",
                     "bench/plan_calibration.py, " + m["date"], platform="cpu")
     return Cluster(target, 8, m["gather_bandwidth"], "one host", f32_flops=m["float32_flops"],
-                   efficiency=Efficiency(**m["efficiency"]))
+                   efficiency=measured_cpu_efficiency("closed_form"))
 
 
 def cluster_for(target: str | Target, node_size: int | None = None,
