@@ -82,13 +82,11 @@ from flax import nnx
 from hfjax.engine.sampler import Sampler, bucket_size, prompt_bucket
 from hfjax.engine.slots import Plan, run_shardings
 from hfjax.engine.slots import run as run_program
+from hfjax.engine.spec import DEFAULT_MIN_SLOTS, DEFAULT_REFILL_EVERY, DEFAULT_SLOTS, RolloutSpec
 from hfjax.engine.token_select import GenerateOutput, Knobs, SamplingParams
 from hfjax.parallel import mesh as mesh_lib
 from hfjax.parallel import sharding as sharding_lib
 
-DEFAULT_SLOTS = 0  # one per request
-DEFAULT_REFILL_EVERY = 8
-DEFAULT_MIN_SLOTS = 0  # the start of the row range the slots are in (ROW_RANGES)
 # Row counts from which XLA:CPU computes a decode step's rows bit-identically, up to the next
 # entry (measured on SmolLM2-135M: 4-7, 8-32, 33+; module docstring). A drain that stays inside
 # one range gives each row the bits a static batch in that range gives it.
@@ -283,8 +281,8 @@ MODES = ("static", "continuous")
 
 
 def rollout_sampler(model: nnx.Module, rollout: Any, **kw: Any) -> Sampler:
-    """The rollout engine a `rollout` config section asks for, built with `Sampler` keyword
-    arguments `kw` (mesh, max_prompt_len, pad_id, rules, ...).
+    """The rollout engine a `RolloutSpec` (or a `rollout` config section) asks for, built
+    with `Sampler` keyword arguments `kw` (mesh, max_prompt_len, pad_id, rules, ...).
 
     `rollout.mode`: "static" (`Sampler`) or "continuous" (`ContinuousSampler` with
     `rollout.slots`, `rollout.refill_every`, `rollout.min_slots` and `rollout.max_cache_len`,
@@ -292,21 +290,15 @@ def rollout_sampler(model: nnx.Module, rollout: Any, **kw: Any) -> Sampler:
     `rollout.kv_layout` say (`hfjax.engine.decode.decode_options`; "auto" by default).
     Raises ValueError naming the key on a bad setting, before anything compiles.
     """
-    mode = rollout.get("mode", "static")
-    kw = {"decode_attention": rollout.get("decode_attention", "auto"),
-          "kv_layout": rollout.get("kv_layout", "auto"), **kw}
-    if mode == "static":
+    r = RolloutSpec.of(rollout)
+    kw = {"decode_attention": r.decode_attention, "kv_layout": r.kv_layout, **kw}
+    if r.mode == "static":
         return Sampler(model, **kw)
-    if mode != "continuous":
-        raise ValueError(f"rollout.mode={mode!r}; choose one of {', '.join(MODES)}")
+    if r.mode != "continuous":
+        raise ValueError(f"rollout.mode={r.mode!r}; choose one of {', '.join(MODES)}")
     try:
-        return ContinuousSampler(
-            model,
-            slots=rollout.get("slots", DEFAULT_SLOTS),
-            refill_every=rollout.get("refill_every", DEFAULT_REFILL_EVERY),
-            min_slots=rollout.get("min_slots", DEFAULT_MIN_SLOTS),
-            max_cache_len=rollout.get("max_cache_len", 0) or None,
-            **kw,
-        )
+        return ContinuousSampler(model, slots=r.slots, refill_every=r.refill_every,
+                                 min_slots=r.min_slots, max_cache_len=r.max_cache_len or None,
+                                 **kw)
     except ValueError as err:
         raise ValueError(f"rollout (mode=continuous): {err}") from err

@@ -697,16 +697,12 @@ def _mixed_radix(digits: Sequence[int], sizes: Sequence[int]) -> int:
     return out
 
 
-def engine_for(train_layout: shd.Layout, rollout_cfg: Any, state: Any) -> HybridEngine | None:
-    """Returns the actor's hybrid engine from the rollout config (a ConfigDict), or None.
-
-    None when `rollout_cfg.hybrid_engine` is off or `rollout_cfg.mesh` is empty: the actor then
-    decodes in its training layout.
-    """
-    spec = rollout_cfg.get("mesh", "")
-    if not rollout_cfg.get("hybrid_engine", True) or not spec:
+def engine_for(train_layout: shd.Layout, decode_mesh: str, state: Any) -> HybridEngine | None:
+    """Returns the actor's hybrid engine for `decode_mesh` (`RolloutSpec.decode_mesh`), or
+    None when it is empty: the actor then decodes in its training layout."""
+    if not decode_mesh:
         return None
-    return HybridEngine(train_layout, spec, state,
+    return HybridEngine(train_layout, decode_mesh, state,
                         allow_fallback=splits_rows(train_layout.mesh))
 
 

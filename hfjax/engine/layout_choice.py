@@ -28,17 +28,18 @@ AUTO = "auto"
 CANDIDATES = ("train", "nested_train")
 
 
-def actor_rules_and_engine(mesh: Mesh, rules: Any, rollout_cfg: Any,
+def actor_rules_and_engine(mesh: Mesh, rules: Any, decode_mesh: str,
                            state: Any) -> tuple[Any, HybridEngine | None]:
     """Returns (the training rules, the hybrid engine or None) for an actor on `mesh`.
 
-    `rules` is a rule-set name, a rules dict, or "auto" (choose, see the module docstring).
-    Raises LayoutError when the decode mesh cannot hold the model or no candidate nests in it.
+    `rules` is a rule-set name, a rules dict, or "auto" (choose, see the module docstring);
+    `decode_mesh` is `RolloutSpec.decode_mesh` ("" for no hybrid engine). Raises LayoutError
+    when the decode mesh cannot hold the model or no candidate nests in it.
     """
     if rules != AUTO:
-        return rules, engine_for(layout(mesh, rules), rollout_cfg, state)
-    spec = rollout_cfg.get("mesh", "")
-    if not rollout_cfg.get("hybrid_engine", True) or not spec:
+        return rules, engine_for(layout(mesh, rules), decode_mesh, state)
+    spec = decode_mesh
+    if not spec:
         return CANDIDATES[0], None
     reasons = []
     for candidate in CANDIDATES:
@@ -55,7 +56,7 @@ def actor_rules_and_engine(mesh: Mesh, rules: Any, rollout_cfg: Any,
         return candidate, engine
     if splits_rows(mesh):
         # Sequence parallelism: no rules nest; the engine reshards by plain transfers.
-        return CANDIDATES[0], engine_for(layout(mesh, CANDIDATES[0]), rollout_cfg, state)
+        return CANDIDATES[0], engine_for(layout(mesh, CANDIDATES[0]), decode_mesh, state)
     used = {a: n for a, n in mesh.shape.items() if n > 1}
     raise LayoutError(
         f"rollout.mesh {spec!r} cannot hold the training shards of the actor's mesh {used} "

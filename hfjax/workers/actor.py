@@ -30,6 +30,7 @@ from hfjax.engine.sampler import (
     SamplingParams,
     bucket_size,
 )
+from hfjax.engine.spec import RolloutSpec
 from hfjax.engine.update import in_micro_batches, scoring_micro_batches, share_of_normaliser
 from hfjax.models import lora
 from hfjax.numerics import core, losses
@@ -296,16 +297,17 @@ class ActorRollout(Reference):
     def __init__(self, *args, sampler: Sampler, actor_cfg: Any, rollout_cfg: Any,
                  eos_ids: tuple[int, ...] = (), hybrid: HybridEngine | None = None,
                  agent: AgentLoop | None = None, **kw):
-        super().__init__(*args, temperature=rollout_cfg.temperature,
+        rollout = RolloutSpec.of(rollout_cfg)
+        super().__init__(*args, temperature=rollout.temperature,
                          budget=packing.token_budget(actor_cfg),
                          micro_rows=actor_cfg.ppo_micro_batch_size,
                          grouped=actor_cfg.get("group_by_length", False),
-                         samples=shared_prompt.samples_per_row(actor_cfg, rollout_cfg.n),
+                         samples=shared_prompt.samples_per_row(actor_cfg, rollout.n),
                          chunk=actor_cfg.get("logprob_chunk", head_chunks.DEFAULT_CHUNK), **kw)
         self.sampler = sampler
         self.eos_ids = tuple(eos_ids)
         self.acfg = actor_cfg
-        self.rcfg = rollout_cfg
+        self.rollout = rollout
         self.hybrid = hybrid
         # Multi-turn rollouts with tools (`hfjax.engine.agent_loop`); None: one turn.
         self.agent = agent
@@ -361,8 +363,8 @@ class ActorRollout(Reference):
         sampler needs the prompts on the host (it buckets their lengths), hence ON_HOST; the
         responses never leave the devices.
         """
-        n = self.rcfg.n if n is None else n
-        r = self.rcfg
+        r = self.rollout
+        n = r.n if n is None else n
         params = SamplingParams(
             max_new_tokens=r.response_length,
             temperature=0.0 if greedy else r.temperature if temperature is None else temperature,
@@ -373,7 +375,7 @@ class ActorRollout(Reference):
             eos_ids=self.eos_ids,
         )
         # Optionally park the optimizer state in host memory while the KV cache needs room.
-        offload = self.rcfg.get("offload_optimizer", False) and self.opt_state is not None
+        offload = self.rollout.offload_optimizer and self.opt_state is not None
         if offload:
             self.opt_state = reshard.offload(self.opt_state)
         if self.agent is not None:
@@ -412,7 +414,7 @@ class ActorRollout(Reference):
         entropy, KL and the loss see), `attention_mask` 1 on every real token (observations
         are context). Adds `num_turns`, `tool_calls`, `tool_errors` [B] and the trajectories
         in meta (`trajectory`: per-row dicts, for rewards and inspection)."""
-        offload = self.rcfg.get("offload_optimizer", False) and self.opt_state is not None
+        offload = self.rollout.offload_optimizer and self.opt_state is not None
         if offload:
             self.opt_state = reshard.offload(self.opt_state)
         state = self.rollout_params()
@@ -456,7 +458,7 @@ class ActorRollout(Reference):
         lp, ent = self._train_logprobs(params, mb)
         mask = mb["response_mask"]
         weight = share_of_normaliser(mask, totals, a.loss_agg_mode)
-        horizon = float(self.rcfg.response_length)  # batches may be trimmed (module docstring)
+        horizon = float(self.rollout.response_length)  # batches may be trimmed (module docstring)
         # A batch without old log-probs is updated on-policy (see `single_update`): the policy
         # that sampled it is the one being updated, so the ratio's denominator is the detached
         # current log-prob and no separate scoring pass is needed.
@@ -514,7 +516,7 @@ class ActorRollout(Reference):
         mini-batch). The samples then come from the very policy being updated, and the step
         may leave out `old_log_probs` (the old-policy scoring pass)."""
         a = self.acfg
-        return a.ppo_epochs == 1 and a.ppo_mini_batch_size * self.rcfg.n == rows
+        return a.ppo_epochs == 1 and a.ppo_mini_batch_size * self.rollout.n == rows
 
     @method(DP_COMPUTE, reads=("response_mask", "advantages", *SEQUENCES),
             may_read=("old_log_probs", "ref_log_prob"))
@@ -526,7 +528,7 @@ class ActorRollout(Reference):
             keys.append("old_log_probs")
         if a.use_kl_loss:
             keys.append("ref_log_prob")
-        mini = a.ppo_mini_batch_size * self.rcfg.n
+        mini = a.ppo_mini_batch_size * self.rollout.n
         m = self.train(self._policy_loss, batch, keys, mini=mini, micro=a.ppo_micro_batch_size,
                        epochs=a.ppo_epochs, shuffle=a.shuffle, budget=self.budget,
                        grouped=self.grouped, group=self.samples)
@@ -543,7 +545,7 @@ class ActorRollout(Reference):
         rollout's (`hfjax.run.dry_run`)."""
         a = self.acfg
         out = self.log_prob_programs("log_prob", shape) if shape.old_log_probs else []
-        mini = a.ppo_mini_batch_size * self.rcfg.n
+        mini = a.ppo_mini_batch_size * self.rollout.n
         mb = self.abstract_sequences(mini, shape)
         floats = ["advantages"]
         if shape.old_log_probs:

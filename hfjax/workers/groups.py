@@ -32,6 +32,7 @@ from hfjax.engine.continuous import rollout_sampler
 from hfjax.engine.layout_choice import actor_rules_and_engine
 from hfjax.engine.packing import token_budget
 from hfjax.engine.shared_prompt import samples_per_row
+from hfjax.engine.spec import RolloutSpec
 from hfjax.engine.update import make_optimizer
 from hfjax.models import lora, transformer
 from hfjax.models.config import ModelConfig
@@ -152,17 +153,18 @@ def build_actor(cfg, model: nnx.Module, pools: Mapping[str, ResourcePool], pad_i
     mesh = pool.mesh(c.actor.mesh)
     # Built first so that a decode layout that cannot hold the model fails before compiling;
     # rules "auto" pick the training rules that nest inside rollout.mesh.
-    rules, engine = actor_rules_and_engine(mesh, c.actor.get("rules", "auto"), c.rollout,
-                                           nnx.state(model))
+    rollout = RolloutSpec.of(c.rollout)
+    rules, engine = actor_rules_and_engine(mesh, c.actor.get("rules", "auto"),
+                                           rollout.decode_mesh, nnx.state(model))
     turns = multi_turn_enabled(c)
     # Later turns prefill the whole context so far: prompt plus the response budget.
     max_prompt = c.data.max_prompt_length + (c.rollout.response_length if turns else 0)
-    sampler = rollout_sampler(model, c.rollout, mesh=engine.decode_mesh if engine else mesh,
+    sampler = rollout_sampler(model, rollout, mesh=engine.decode_mesh if engine else mesh,
                               max_prompt_len=max_prompt, pad_id=pad_id, rules=None,
                               param_rules=engine.decode_rules if engine else rules)
     return ActorRollout(
         "actor", pool, c.actor.mesh, model, rules=rules,
-        sampler=sampler, actor_cfg=c.actor, rollout_cfg=c.rollout,
+        sampler=sampler, actor_cfg=c.actor, rollout_cfg=rollout,
         optimizer=make_optimizer(c.sft.lr, grad_clip=c.actor.grad_clip),
         eos_ids=(eos_id,), hybrid=engine, home=mesh,
         sequence_parallel=c.actor.get("sequence_parallel", "ulysses"),

@@ -343,14 +343,11 @@ def test_a_sequence_parallel_training_layout_reshards_to_any_decode_layout(
         small_model, rules, decode):
     """Rows split over `sequence` (FSDP spans it): the engine for rollout.mesh reshards to the
     decode layout, nesting what nests and moving the rest by plain transfers, and back."""
-    from ml_collections import config_dict
-
     lay = layout("fsdp=2,sequence=4", rules)
     params = place(small_model, lay)
     before = host(params)
     want = [x.sharding for x in jax.tree.leaves(params)]
-    rollout = config_dict.ConfigDict(dict(mesh=decode, hybrid_engine=True))
-    engine = hybrid.engine_for(lay, rollout, params)
+    engine = hybrid.engine_for(lay, decode, params)
     dec = engine.to_decode(params)
     assert all(x.sharding == s for x, s in zip(jax.tree.leaves(dec), engine.decode_shardings()))
     chex.assert_trees_all_equal(before, host(dec), strict=True)  # same values, decode layout

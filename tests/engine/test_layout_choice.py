@@ -10,6 +10,7 @@ from ml_collections import config_dict
 
 from hfjax.engine import hybrid
 from hfjax.engine.layout_choice import actor_rules_and_engine
+from hfjax.engine.spec import RolloutSpec
 from hfjax.models import transformer
 from hfjax.models.presets import get_preset
 from hfjax.parallel.mesh import MeshSpec
@@ -19,7 +20,9 @@ SMALL = get_preset("tiny").replace(vocab_size=64, hidden_size=16, intermediate_s
 
 
 def rollout(mesh="", hybrid_engine=True):
-    return config_dict.ConfigDict(dict(mesh=mesh, hybrid_engine=hybrid_engine))
+    """The decode mesh a rollout section with these keys asks for."""
+    return RolloutSpec.of(config_dict.ConfigDict(dict(mesh=mesh,
+                                                      hybrid_engine=hybrid_engine))).decode_mesh
 
 
 @pytest.fixture(scope="module")
