@@ -79,6 +79,9 @@ def get_config() -> config_dict.ConfigDict:
             response_key="response",
             messages_key="messages",
             max_response_length=0,  # 0: rollout.response_length
+            # arith demonstrations: a worked scratchpad of this many 14-token lines before the
+            # answer (hfjax.data.arith.scratchpad; configs/grpo_long_arith.py); 0: none
+            scratchpad_lines=0,
         )
     )
     c.actor = config_dict.ConfigDict(
@@ -116,6 +119,10 @@ def get_config() -> config_dict.ConfigDict:
             # computed once instead of n times (hfjax/engine/shared_prompt.py). Same results;
             # needs ppo_micro_batch_size to hold whole groups of rollout.n, else off.
             share_prompt=True,
+            # Log-probs and entropy over the vocabulary take the LM head on this many positions
+            # of each row at a time, recomputed in the backward (hfjax/engine/head_chunks.py):
+            # no [rows, T, vocabulary] float32 logits for whole rows. 0: whole rows.
+            logprob_chunk=256,
             ppo_epochs=1,
             shuffle=True,
             policy_loss="vanilla",

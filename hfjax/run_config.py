@@ -462,6 +462,8 @@ TRAIN_KEYS: dict[str, Callable[[Any], str | None]] = {
     "sft.response_key": Text(nonempty=True),
     "sft.messages_key": Text(nonempty=True),
     "sft.max_response_length": Int(0, note="0: rollout.response_length"),
+    "sft.scratchpad_lines": Int(0, 1000, note="arith demonstrations: lines of worked "
+                                              "scratchpad before the answer (0: none)"),
     # actor
     "actor.mesh": Check(_mesh(optional=False)),
     "actor.rules": Choice(_layout_rules),
@@ -475,6 +477,8 @@ TRAIN_KEYS: dict[str, Callable[[Any], str | None]] = {
     "actor.group_by_length": Bool(),
     "actor.share_prompt": Bool(),
     "actor.ppo_max_token_len_per_gpu": Int(0, note=_BUDGET),
+    "actor.logprob_chunk": Int(0, note="positions per row the LM head takes at a time in "
+                                       "log-probs and entropy (0: whole rows)"),
     "actor.ppo_epochs": Int(1),
     "actor.shuffle": Bool(),
     "actor.policy_loss": Choice(_registry("POLICY_LOSSES")),
@@ -811,32 +815,41 @@ def _scratch_model(c) -> str | None:
 
 
 def _positions(c) -> str | None:
-    if not c.model.path:
-        return None  # a model from scratch is sized to hold them
+    """Whether the policy and the reward and cost models (each a path) hold a whole sequence:
+    the longest prompt plus the longest response, in positions."""
+    need = c.data.max_prompt_length + c.rollout.response_length
+    for key in ("model", "reward_model", "cost_model"):
+        section = c.get(key)
+        path = section.get("path", "") if section is not None else ""
+        if not path:
+            continue  # none, or a model from scratch (sized to hold them)
+        try:
+            limit = _max_positions(path)
+        except (OSError, ValueError, KeyError) as err:
+            return f"{key}.path={path!r}: cannot read its config ({err})"
+        if need > limit:
+            return (f"data.max_prompt_length + rollout.response_length = {need} positions, more "
+                    f"than {key}.path's max_position_embeddings={limit}; shorten them, or use "
+                    f"a model with a longer context")
+    return None
+
+
+def _max_positions(path: str) -> int:
+    """The max_position_embeddings of a preset, a .gguf file or an HF model directory."""
     from hfjax.models.config import ModelConfig
 
-    try:
-        if c.model.path.startswith("preset:"):
-            from hfjax.models import presets
+    if path.startswith("preset:"):
+        from hfjax.models import presets
 
-            hf = None
-            limit = presets.get_preset(presets.preset_name(c.model.path)).max_position_embeddings
-        elif c.model.path.endswith(".gguf"):
-            from hfjax.models.gguf_io import read_gguf_config
+        return presets.get_preset(presets.preset_name(path)).max_position_embeddings
+    if path.endswith(".gguf"):
+        from hfjax.models.gguf_io import read_gguf_config
 
-            hf = read_gguf_config(c.model.path)
-        else:
-            with open(os.path.join(c.model.path, "config.json")) as f:
-                hf = json.load(f)
-        if hf is not None:
-            limit = ModelConfig.from_hf_config(hf).max_position_embeddings
-    except (OSError, ValueError, KeyError) as err:
-        return f"model.path={c.model.path!r}: cannot read its config ({err})"
-    need = c.data.max_prompt_length + c.rollout.response_length
-    if need > limit:
-        return (f"data.max_prompt_length + rollout.response_length = {need} positions, more "
-                f"than the model's max_position_embeddings={limit}; shorten them")
-    return None
+        hf = read_gguf_config(path)
+    else:
+        with open(os.path.join(path, "config.json")) as f:
+            hf = json.load(f)
+    return ModelConfig.from_hf_config(hf).max_position_embeddings
 
 
 def _adaptive_kl(c) -> str | None:

@@ -83,7 +83,8 @@ def arith_demonstrations(cfg, tok, rows) -> sft_data.SFTData:
     """The embedded task's deliberately imperfect demonstrations (`sft.corruption`) for
     `rows`, as SFT examples."""
     s = cfg.sft
-    pairs = arith.sft_texts(rows, s.corrupt_frac, seed=cfg.seed + 1, corruption=s.corruption)
+    pairs = arith.sft_texts(rows, s.corrupt_frac, seed=cfg.seed + 1, corruption=s.corruption,
+                            scratchpad_lines=s.get("scratchpad_lines", 0))
     return sft_data.from_texts(tok, pairs, source="arith demonstrations")
 
 

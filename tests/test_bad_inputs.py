@@ -56,6 +56,7 @@ def files(tmp_path_factory):
                       pad_token_id=tok.pad_id, eos_token_id=tok.eos_id)
     model = transformer.build(cfg, "causal_lm", seed=0)
     p["hf"] = M.save_hf(model, str(root / "hf"), tokenizer=tok)
+    p["rm"] = M.save_hf(transformer.build(cfg, "score", seed=0), str(root / "rm"))
 
     def damaged(name, edit):
         d = str(root / name)
@@ -206,7 +207,10 @@ CONFIG_CASES = [
     ("dtype", _set(model__dtype="float64"), r"model.dtype='float64': needs one of float32"),
     ("remat", _set(model__remat_policy="sometimes"), r"model.remat_policy='sometimes'"),
     ("positions", _set(model__path="{hf}", rollout__response_length=100),
-     r"108 positions, more than the model's max_position_embeddings=64"),
+     r"108 positions, more than model.path's max_position_embeddings=64; shorten them, or use "
+     r"a model with a longer context"),
+    ("rm-positions", _set(reward_model__path="{rm}", rollout__response_length=100),
+     r"108 positions, more than reward_model.path's max_position_embeddings=64"),
     ("task", _set(data__task="json"), r"data.task='json': needs one of arith, parquet"),
     ("parquet-no-files", _set(data__task="parquet", sft__steps=0),
      r"data.task='parquet' needs data.train_files"),

@@ -257,7 +257,17 @@ def test_grpo_step_centres_advantages_per_group(monkeypatch):
     assert trainer.workers.critic is None and trainer.workers.ref is not None
     assert "actor/kl_loss" in metrics and not any(k.startswith("critic/vf") for k in metrics)
     assert np.isfinite(list(numeric(metrics).values())).all()
-    got = seen[0].fetch(["prompts", "advantages", "response_mask", "token_level_scores"])
+    got = seen[0].fetch(["prompts", "advantages", "response_mask", "token_level_scores",
+                         "responses", "truncated"])
+    # Truncated: responses that reached response_length without a stop token.
+    length = got["response_mask"].sum(axis=1)
+    limit, eos = cfg.rollout.response_length, trainer.actor.eos_ids
+    cut = [int(length[i] >= limit and got["responses"][i, length[i] - 1] not in eos)
+           for i in range(len(length))]
+    np.testing.assert_array_equal(got["truncated"], cut)
+    assert metrics["response_length/clip_ratio"] == pytest.approx(np.mean(cut))
+    assert metrics["response_length/min"] == length.min()
+    assert metrics["response_length/max"] == length.max()
     n, groups = 4, 4
     assert got["advantages"].shape[0] == n * groups
     mask = got["response_mask"] > 0

@@ -173,8 +173,11 @@ def step_metrics(a: dict, response_length: int) -> dict:
         "critic/returns/mean": core.masked_mean(a["returns"], mask),
         "response_length/mean": jnp.mean(length),
         "response_length/max": jnp.max(length),
-        # Responses that used every allowed token (cut off, not finished).
-        "response_length/clip_ratio": jnp.mean(length >= response_length),
+        "response_length/min": jnp.min(length),
+        # Responses cut off at the limit (not finished): those the rollout marked truncated,
+        # else (a batch built without `generate`) those that used every allowed token.
+        "response_length/clip_ratio": jnp.mean(
+            a["truncated"] > 0 if "truncated" in a else length >= response_length),
         "_tokens": jnp.sum(a["attention_mask"]).astype(jnp.float32),
         "_response_tokens": jnp.sum(mask),
     }

@@ -73,12 +73,30 @@ def problems(n: int, seed: int, max_b: int = 99) -> list[dict]:
 CORRUPTIONS = ("format", "carry", "none")
 
 
+def scratchpad(a: int, b: int, op: str, answer: int, lines: int) -> str:
+    """A long worked scratchpad for "a op b": `lines` lines counting down from lines - 1 to 0,
+    each restating the problem and its result, fixed width (`SCRATCHPAD_LINE` = 14 characters:
+    "157 47+08=055 "), so n lines are 14 n tokens and each line is the line before with its
+    counter lowered by one. The demonstrations' final answer follows it."""
+    sign = "-" if answer < 0 else ""
+    line = f"{a:02d}{op}{b:02d}={sign}{abs(answer):03d}"
+    return "".join(f"{i:03d} {line} " for i in range(lines - 1, -1, -1))
+
+
+SCRATCHPAD_LINE = 14  # characters (tokens) of one scratchpad line: "157 47+08=055 "
+
+
 def sft_texts(
-    rows: list[dict], corrupt_frac: float, seed: int, corruption: str = "format"
+    rows: list[dict], corrupt_frac: float, seed: int, corruption: str = "format",
+    scratchpad_lines: int = 0,
 ) -> list[tuple[str, str]]:
-    """(prompt, response) pairs for the warm start, a fraction of them corrupted (see above)."""
+    """(prompt, response) pairs for the warm start, a fraction of them corrupted (see above);
+    with `scratchpad_lines` each response starts with that long a `scratchpad`."""
     if corruption not in CORRUPTIONS:
         raise ValueError(f"unknown sft corruption {corruption!r}; choose one of {CORRUPTIONS}")
+    if not 0 <= scratchpad_lines <= 1000:
+        raise ValueError(f"sft.scratchpad_lines={scratchpad_lines}: the countdown has three "
+                         "digits; use 0 (no scratchpad) to 1000 lines")
     rng = np.random.default_rng(seed)
     out = []
     for row in rows:
@@ -91,6 +109,8 @@ def sft_texts(
                 text = f"#### {wrong}"
         elif corruption == "format" and rng.random() < corrupt_frac:
             text = str(answer)
+        if scratchpad_lines:
+            text = scratchpad(x["a"], x["b"], x["op"], answer, scratchpad_lines) + text
         out.append((row["prompt"][-1]["content"], text))
     return out
 

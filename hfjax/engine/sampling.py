@@ -1,7 +1,7 @@
 """What a rollout request asks for and how each next token is picked from the logits.
 
 - `SamplingParams`: one batch's sampling settings, validated on construction; `GenerateOutput`:
-  the sampled tokens, their mask and log-probs.
+  the sampled tokens, their mask and log-probs; `truncated`: which responses were cut off.
 - `select_tokens`: greedy, temperature, top-k, top-p and min-p selection with per-row PRNG keys,
   a pure function of arrays used inside the decode loop.
 
@@ -103,6 +103,17 @@ class GenerateOutput(NamedTuple):
         # A static slice with explicit strides: `x[:rows, :cols]`, and even `lax.slice`
         # without strides, run eagerly as a dynamic_slice that uploads its start indices.
         return GenerateOutput(*(jax.lax.slice(x, (0, 0), (rows, cols), (1, 1)) for x in self))
+
+
+def truncated(tokens: jax.Array, mask: jax.Array, max_new_tokens: int,
+              eos_ids: tuple[int, ...]) -> jax.Array:
+    """int32 [rows]: 1 where a response was cut off (it used all `max_new_tokens` tokens and
+    its last one is no stop token), 0 where it stopped by itself. `tokens` and `mask` are
+    `GenerateOutput`'s, possibly cut to fewer columns (then nothing reached the limit)."""
+    length = jnp.sum(mask > 0, axis=1)
+    last = jnp.take_along_axis(tokens, jnp.maximum(length - 1, 0)[:, None], axis=1)[:, 0]
+    stopped = jnp.isin(last, jnp.asarray(eos_ids, jnp.int32)) if eos_ids else False
+    return ((length >= max_new_tokens) & ~stopped).astype(jnp.int32)
 
 
 # --------------------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 from hfjax.controller.batch import Batch
 from hfjax.controller.protocol import DP_COMPUTE, ON_HOST, method
-from hfjax.engine import grouping, packing, shared_prompt
+from hfjax.engine import grouping, head_chunks, packing, sampling, shared_prompt
 from hfjax.engine.hybrid import HybridEngine
 from hfjax.engine.sampler import (
     MIN_NEW_TOKENS_BUCKET,
@@ -38,29 +38,38 @@ from hfjax.workers.base import SEQUENCES, Program, StepShape, WorkerGroup
 
 
 def response_logprobs(model, input_ids, attention_mask, response_len: int, temperature: float,
-                      samples: int = 1):
+                      samples: int = 1, chunk: int = head_chunks.DEFAULT_CHUNK):
     """(log-probs [B, R], entropy [B, R]) of the last R tokens, logits divided by temperature.
 
     `samples` > 1: the rows come in groups of that many sharing one prompt, and are computed
-    as shared-prompt rows (`hfjax.engine.shared_prompt`; the caller checks `fits`)."""
+    as shared-prompt rows (`hfjax.engine.shared_prompt`; the caller checks `fits`). The LM
+    head runs on `chunk` positions of the rows at a time (`hfjax.engine.head_chunks`; 0: the
+    whole rows at once)."""
     # Only the positions that predict response tokens go through the LM head.
     if samples > 1:
         hidden = shared_prompt.response_hidden(model.model, input_ids, attention_mask,
                                                response_len, samples)
     else:
         hidden = model.model(input_ids, attention_mask)[0][:, -response_len - 1 : -1]
-    logits = model.logits(hidden) / temperature
     labels = input_ids[:, -response_len:]
-    return core.logprobs_and_entropy(logits, labels)
+    return head_chunks.over_positions(_head(model, temperature), chunk, hidden, labels)
 
 
-def compact_logprobs(model, mb: dict[str, jax.Array], temperature: float, samples: int):
+def _head(model, temperature: float):
+    """(hidden [B, C, D], labels [B, C]) -> (log-probs, entropy) [B, C] under `model`'s LM
+    head, logits divided by `temperature`."""
+    def head(hidden, labels):
+        return core.logprobs_and_entropy(model.logits(hidden) / temperature, labels)
+    return head
+
+
+def compact_logprobs(model, mb: dict[str, jax.Array], temperature: float, samples: int,
+                     chunk: int = head_chunks.DEFAULT_CHUNK):
     """(log-probs, entropy) [B, R] of a micro-batch laid out as compact shared-prompt rows
     (`hfjax.engine.shared_prompt.compact_layout`): only the rows' response tokens go through
-    the LM head."""
+    the LM head, `chunk` positions at a time."""
     hidden, labels = shared_prompt.compact_response_hidden(model.model, mb, samples)
-    logits = model.logits(hidden) / temperature
-    lp, ent = core.logprobs_and_entropy(logits, labels)
+    lp, ent = head_chunks.over_positions(_head(model, temperature), chunk, hidden, labels)
     return (shared_prompt.compact_to_rows(lp, mb, samples),
             shared_prompt.compact_to_rows(ent, mb, samples))
 
@@ -86,14 +95,21 @@ class Reference(WorkerGroup):
     one pass). `grouped`: padded micro-batches of `micro_rows` rows of similar lengths, each
     only as wide as its rows need (`hfjax.engine.grouping`). `samples` > 1: the batches' rows
     come in groups of that many sharing a prompt, and padded micro-batches of whole groups are
-    computed as shared-prompt rows (`hfjax.engine.shared_prompt.samples_per_row`).
+    computed as shared-prompt rows (`hfjax.engine.shared_prompt.samples_per_row`). `chunk`:
+    positions per row that the LM head takes at a time in padded and compact rows
+    (`hfjax.engine.head_chunks`, `actor.logprob_chunk`; 0: whole rows).
     """
 
     def __init__(self, *args, temperature: float = 1.0,
                  budget: packing.TokenBudget | None = None, micro_rows: int = 0,
-                 grouped: bool = False, samples: int = 1, **kw):
+                 grouped: bool = False, samples: int = 1,
+                 chunk: int = head_chunks.DEFAULT_CHUNK, **kw):
         super().__init__(*args, **kw)
         self.temperature = temperature
+        if chunk < 0:
+            raise ValueError(f"{self.name}: logprob_chunk must be >= 0 (0: whole rows), "
+                             f"not {chunk}")
+        self.chunk = int(chunk)
         self.budget = budget
         self.micro_rows = int(micro_rows)
         self.grouped = bool(grouped)
@@ -105,7 +121,7 @@ class Reference(WorkerGroup):
         self._packed_logprob = self.jit(self._packed_logprob_fn, static_argnums=(3, 4))
         self._compact_logprob = self.jit(
             lambda params, mb: compact_logprobs(self.model(params), mb, self.temperature,
-                                                self.samples))
+                                                self.samples, self.chunk))
 
     def _logprob_fn(self, params, input_ids, attention_mask, response_len, n_micro=1, share=1):
         """Log-probs and entropy [B, R] of padded rows in `n_micro` strided micro-batches (of
@@ -114,7 +130,7 @@ class Reference(WorkerGroup):
         model = self.model(params)
         return in_micro_batches(
             lambda ids, mask: response_logprobs(model, ids, mask, response_len, self.temperature,
-                                                share),
+                                                share, self.chunk),
             n_micro, input_ids, attention_mask, group=self.samples)
 
     def _sharing(self, rows: int) -> int:
@@ -172,7 +188,8 @@ class Reference(WorkerGroup):
         if "packed" in mb:
             return packing.response_values(self._packed_fn(params), mb)
         if shared_prompt.is_compact(mb):
-            return compact_logprobs(self.model(params), mb, self.temperature, self.samples)
+            return compact_logprobs(self.model(params), mb, self.temperature, self.samples,
+                                    self.chunk)
         # `train` cuts micro-batches of whole groups.
         rows = len(mb["input_ids"])
         return self._logprob_fn(params, mb["input_ids"], mb["attention_mask"],
@@ -230,7 +247,8 @@ class ActorRollout(Reference):
                          budget=packing.token_budget(actor_cfg),
                          micro_rows=actor_cfg.ppo_micro_batch_size,
                          grouped=actor_cfg.get("group_by_length", False),
-                         samples=shared_prompt.samples_per_row(actor_cfg, rollout_cfg.n), **kw)
+                         samples=shared_prompt.samples_per_row(actor_cfg, rollout_cfg.n),
+                         chunk=actor_cfg.get("logprob_chunk", head_chunks.DEFAULT_CHUNK), **kw)
         self.sampler = sampler
         self.eos_ids = tuple(eos_ids)
         self.acfg = actor_cfg
@@ -257,7 +275,8 @@ class ActorRollout(Reference):
         """Samples n responses per prompt of a host batch (prompts, prompt_mask, seeds).
 
         Returns the batch repeated n times (interleaved: rows b*n .. b*n+n-1 share prompt b)
-        with responses, response_mask, input_ids, attention_mask and rollout_log_probs. The
+        with responses, response_mask, input_ids, attention_mask, rollout_log_probs and
+        truncated (1 where a response reached `rollout.response_length` without a stop token). The
         sampler needs the prompts on the host (it buckets their lengths), hence ON_HOST; the
         responses never leave the devices.
         """
@@ -300,6 +319,8 @@ class ActorRollout(Reference):
         resp, rmask = out.tokens, out.mask.astype(pmask.dtype)
         arrays = _join(prompts, pmask, resp, rmask)
         arrays["rollout_log_probs"] = out.logprobs
+        # Cut off at the length limit without a stop token (verl's response_length/clip_ratio).
+        arrays["truncated"] = _truncated(resp, rmask, r.response_length, self.eos_ids)
         return rep.union(Batch(arrays))
 
     @method(DP_COMPUTE, reads=SEQUENCES)
@@ -362,8 +383,8 @@ class ActorRollout(Reference):
 
     def _sft_loss(self, params, mb, totals):
         lp, _ = response_logprobs(
-            self.model(params), mb["input_ids"], mb["attention_mask"], mb["responses"].shape[1], 1.0
-        )
+            self.model(params), mb["input_ids"], mb["attention_mask"], mb["responses"].shape[1],
+            1.0, chunk=self.chunk)
         mask = mb["response_mask"]
         loss = -core.masked_sum(lp, mask) / totals["tokens"]
         return loss, {}
@@ -423,7 +444,7 @@ class ActorRollout(Reference):
 
     def _sft_nll_fn(self, params, input_ids, attention_mask, responses, response_mask):
         lp, _ = response_logprobs(self.model(params), input_ids, attention_mask,
-                                  responses.shape[1], 1.0)
+                                  responses.shape[1], 1.0, chunk=self.chunk)
         return {"nll": -core.masked_sum(lp, response_mask),
                 "tokens": jnp.sum(response_mask).astype(jnp.float32)}
 
@@ -463,6 +484,9 @@ def trim_responses(out: GenerateOutput) -> GenerateOutput:
         longest = int(jnp.max(jnp.sum(out.mask, axis=1)))
     keep = bucket_size(longest, MIN_NEW_TOKENS_BUCKET, cap=width)
     return out if keep == width else out.head(rows, keep)
+
+
+_truncated = jax.jit(sampling.truncated, static_argnums=(2, 3))
 
 
 @jax.jit

@@ -26,6 +26,7 @@ from ml_collections import config_dict
 from hfjax.controller import compile_log
 from hfjax.controller.batch import Batch
 from hfjax.controller.placement import register_role as register_placement_role
+from hfjax.engine import head_chunks
 from hfjax.engine.continuous import rollout_sampler
 from hfjax.engine.layout_choice import actor_rules_and_engine
 from hfjax.engine.packing import token_budget
@@ -225,6 +226,7 @@ def _build_ref(ctx: BuildContext) -> Reference | None:
                      micro_rows=c.actor.ppo_micro_batch_size,  # as in verl
                      grouped=c.actor.get("group_by_length", False),
                      samples=samples_per_row(c.actor, c.rollout.n),
+                     chunk=c.actor.get("logprob_chunk", head_chunks.DEFAULT_CHUNK),
                      sequence_parallel=c.ref.get("sequence_parallel", "ulysses"))
 
 

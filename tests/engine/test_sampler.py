@@ -525,3 +525,22 @@ def test_blocked_inverse_cdf_draws_the_tokens_of_the_plain_one():
             running = np.cumsum(probs[r].astype(np.float64))
             if np.min(np.abs(running - target)) > 1e-5:
                 assert got[r] == want, (block, r, got[r], want)
+
+
+def test_truncated_marks_responses_cut_off_without_a_stop_token():
+    """Rows of 4 columns, stop tokens 2 and 7: full rows whose last token is no stop token are
+    truncated; a full row ending on a stop token and shorter rows are not; with no stop
+    tokens every full row is."""
+    from hfjax.engine.sampling import truncated
+
+    pad = 0
+    rows = [([5, 6, 5, 6], 4), ([5, 6, 5, 2], 4), ([5, 7, pad, pad], 2), ([5, 6, 5, 7], 4),
+            ([pad] * 4, 0), ([3, 3, 3, 3], 4)]
+    tokens = jnp.asarray([t for t, _ in rows], jnp.int32)
+    mask = jnp.asarray([[1] * n + [0] * (4 - n) for _, n in rows], jnp.int32)
+
+    def want(eos, limit):  # loop-based reference
+        return [int(n >= limit and (n == 0 or t[n - 1] not in eos)) for t, n in rows]
+
+    for eos, limit in (((2, 7), 4), ((), 4), ((2, 7), 8)):
+        np.testing.assert_array_equal(truncated(tokens, mask, limit, eos), want(eos, limit))
