@@ -441,7 +441,7 @@ def _abstract_actor(cfg, pools, compute: str):
     tok = model_source.task_tokenizer(cfg)
     mcfg = model_source.model_config(cfg, tok, compute)
     abstract = transformer.abstract(mcfg, "causal_lm")
-    return groups.build_actor(cfg, abstract, pools, tok.pad_id, tok.eos_id), tok
+    return groups.build_actor(cfg, abstract, pools, tok.pad_id, tok.eos_id, tokenizer=tok), tok
 
 
 def _groups_around(cfg, algo, actor, tok, pools) -> groups.WorkerGroups:

@@ -255,6 +255,10 @@ CONFIG_CASES = [
     ("min-p", _set(rollout__min_p=1.0), r"rollout.min_p=1.0: needs a float in \[0, 1\)"),
     ("samples", _set(rollout__n=0), r"rollout.n=0"),
     ("response", _set(rollout__response_length=0), r"rollout.response_length=0"),
+    ("tool-unknown", _set(rollout__multi_turn__tools="calculator,abacus"),
+     r"rollout.multi_turn.tools='calculator,abacus': unknown tool 'abacus'; known: calculator"),
+    ("max-turns", _set(rollout__multi_turn__max_turns=0), r"rollout.multi_turn.max_turns=0: "
+     r"needs an int >= 1"),
     ("val-n", _set(rollout__val_kwargs__n=0), r"rollout.val_kwargs.n=0: needs an int >= 1"),
     ("val-temperature", _set(rollout__val_kwargs__temperature=-0.5),
      r"rollout.val_kwargs.temperature=-0.5"),

@@ -281,3 +281,62 @@ def test_the_continuous_engine_runs_the_same_trajectories(model, sampler, runner
     np.testing.assert_array_equal(outs[0].tokens, outs[1].tokens)
     np.testing.assert_array_equal(outs[0].gen_mask, outs[1].gen_mask)
     np.testing.assert_allclose(outs[0].logprobs, outs[1].logprobs, atol=1e-5)
+
+
+class _LateRunner(ToolRunner):
+    """The real runner, but the first submission's observations arrive `delay` seconds late
+    (a slow tool), and the time they arrive is kept."""
+
+    def __init__(self, delay):
+        super().__init__(resolve_tools("calculator"), max_workers=2)
+        self.delay, self.first, self.arrived = delay, True, None
+
+    def submit(self, calls):
+        fut = super().submit(calls)
+        if not self.first:
+            return fut
+        self.first = False
+        import concurrent.futures as cf
+        import threading
+        import time
+
+        late = cf.Future()
+
+        def later():
+            time.sleep(self.delay)
+            self.arrived = time.perf_counter()
+            late.set_result(fut.result())
+
+        threading.Thread(target=later, daemon=True).start()
+        return late
+
+
+def test_rows_waiting_for_a_tool_do_not_stall_the_others(model, sampler, rollout):
+    """While one row's tool call is slow, the loop decodes the other rows' next turns: some
+    generate call starts after the first turn and before the slow observation arrives, and the
+    trajectories are those of the run without the delay (seeds are per row and turn)."""
+    import time
+
+    from flax import nnx
+
+    _, want = rollout
+    starts = []
+    real = sampler.generate
+
+    def timed(*a, **k):
+        starts.append(time.perf_counter())
+        return real(*a, **k)
+
+    runner = _LateRunner(delay=3.0)
+    loop = AgentLoop(sampler, TOK, runner, AgentOptions(max_turns=3, max_tool_response_len=8))
+    sampler.generate = timed
+    try:
+        ids, mask = _prompts()
+        out = loop.run(nnx.state(model), ids, mask, _params(), seed=np.array([3, 4, 5, 6]))
+    finally:
+        del sampler.generate
+        runner.close()
+    assert runner.arrived is not None
+    assert any(starts[0] < s < runner.arrived for s in starts[1:]), (starts, runner.arrived)
+    np.testing.assert_array_equal(out.tokens, want.tokens)
+    np.testing.assert_array_equal(out.gen_mask, want.gen_mask)

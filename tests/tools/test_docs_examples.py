@@ -3,6 +3,7 @@
 import os
 import re
 
+import configs.grpo_arith  # noqa: F401  (the page's fourth example imports it; a build dep)
 from hfjax.tools import Observation, ToolCall, ToolRunner, resolve_tools
 
 # The checkout (realpath: under Bazel this file is a link in the runfiles, which hold no docs).
@@ -12,7 +13,7 @@ DOC = os.path.join(os.path.dirname(os.path.realpath(__file__)), "..", "..", "doc
 def test_agents_md_examples(capsys):
     with open(DOC, encoding="utf-8") as f:
         blocks = re.findall(r"```python\n(.*?)```", f.read(), re.S)
-    assert len(blocks) == 3
+    assert len(blocks) == 4
     scope = {"__name__": "agents_md"}
     for block in blocks:
         exec(compile(block, DOC, "exec"), scope)
@@ -30,3 +31,8 @@ def test_agents_md_examples(capsys):
     # The third is the python tool with other limits.
     slow = scope["SlowPython"]()
     assert (slow.name, slow.wall_s, slow.memory_mb, slow.cpu_s) == ("python", 30.0, 2048, 40)
+    # The fourth switches a config to multi-turn rollouts; the config checks accept it.
+    from hfjax import run_config
+
+    assert scope["c"].rollout.multi_turn.enable
+    run_config.check_config(scope["c"])
