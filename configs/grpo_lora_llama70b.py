@@ -3,7 +3,7 @@
 Rank-64 adapters on every linear projection (alpha 128) train in float32 with their Adam
 state; the 70B base stays frozen in bfloat16 (no gradient, no optimizer state) and is also the
 reference (adapters off: no second copy). bfloat16 compute, remat of every layer, training
-`fsdp=8` in the hybrid engine's nested layout, decoding a merged copy with `data=2,tensor=4`.
+`fsdp=8` in the hybrid engine's nested layout, decoding a merged copy with `tensor=8`.
 `model.path` is the preset (the architecture with random weights); point it at real weights
 (an HF directory) to train them. Size it before launching:
 
@@ -30,7 +30,7 @@ def get_config():
     c.sft.steps = 0
     c.actor.mesh = "fsdp=8"
     c.actor.rules = "nested_train"
-    c.rollout.mesh = "data=2,tensor=4"
+    c.rollout.mesh = "tensor=8"
     c.ref.mesh = "fsdp=8"
     c.actor.lora.rank = 64
     c.actor.lora.alpha = 128.0

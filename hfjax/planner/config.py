@@ -14,6 +14,7 @@ from hfjax.config import model_source
 from hfjax.data import arith
 from hfjax.engine.sampler import MIN_NEW_TOKENS_BUCKET, bucket_size, prompt_bucket
 from hfjax.engine.shared_prompt import samples_per_row
+from hfjax.models import lora
 from hfjax.models.config import ModelConfig
 from hfjax.models.hf_io import read_model_config
 from hfjax.planner.pricing import ModelSpec
@@ -54,12 +55,16 @@ def plan_inputs(cfg, reward_model: str = "", score_micro: int | None = None,
     actor_cfg = planned_model_config(cfg, platform)
     reward_model = reward_model_path(cfg, reward_model)
     name = cfg.model.path or "scratch model"
-    models = [ModelSpec("actor", actor_cfg, "causal_lm", True, f"actor {name}")]
+    spec = lora.spec_from_config(cfg.actor)
+    models = [ModelSpec("actor", actor_cfg, "causal_lm", True, f"actor {name}", lora=spec)]
     if "critic" in algo.roles:
-        models.append(ModelSpec("critic", actor_cfg, "value", True, f"critic {name}"))
+        models.append(ModelSpec("critic", actor_cfg, "value", True, f"critic {name}",
+                                lora=lora.spec_from_config(cfg.get("critic"))))
     host = []
     if needs_ref(cfg, algo.roles):
-        models.append(ModelSpec("ref", actor_cfg, "causal_lm", False, f"ref {name}"))
+        # With LoRA on the actor the reference is its frozen base: no state of its own.
+        models.append(ModelSpec("ref", actor_cfg, "causal_lm", False, f"ref {name}",
+                                shares_base_of="actor" if spec is not None else ""))
     elif "ref" in algo.roles:
         # No KL term reads it, so the run builds no reference; the placement still names the
         # role, on the actor's pool.

@@ -76,6 +76,7 @@ import numpy as np
 
 from hfjax.models.config import ModelConfig
 from hfjax.models.flops import head_flops, layer_matmul_params, layers_flops  # noqa: F401
+from hfjax.models.lora import LoraSpec, adapter_bytes
 from hfjax.models.transformer import storage_dtype
 from hfjax.planner import virtual
 
@@ -85,13 +86,18 @@ KINDS = ("forward", "train", "prefill", "decode")
 
 @dataclasses.dataclass(frozen=True)
 class ModelSpec:
-    """One model of a run: its role, shapes, head and whether it trains."""
+    """One model of a run: its role, shapes, head and whether it trains. `lora`: it trains
+    LoRA adapters of this spec (`hfjax.models.lora`) over a frozen base; `shares_base_of`:
+    the role whose frozen base this model reads (a LoRA actor's reference), so it holds no
+    state of its own and must share that role's pool."""
 
     role: str
     config: ModelConfig
     head: str = "causal_lm"
     trainable: bool = False
     name: str = ""
+    lora: LoraSpec | None = None
+    shares_base_of: str = ""
 
     def __post_init__(self):
         if self.head not in HEADS:
@@ -243,6 +249,14 @@ def param_shard_bytes(model: ModelSpec, layout: MeshLayout) -> int:
                         layout.fsdp, layout.tensor, layout.sequence)
 
 
+def lora_shard_bytes(model: ModelSpec, layout: MeshLayout) -> int:
+    """Bytes of the model's float32 LoRA adapters on one device of `layout` (split like the
+    weights they adapt: over fsdp and tensor), 0 without adapters."""
+    if model.lora is None:
+        return 0
+    return math.ceil(adapter_bytes(model.config, model.lora) / (layout.fsdp * layout.tensor))
+
+
 def forward_flops(cfg: ModelConfig, head: str, rows: int, seq: int, scored: int) -> float:
     """FLOPs of one forward pass over rows x seq tokens (global, before any split)."""
     return Call("forward", rows, seq, scored).forward_flops(cfg, head, rows)
@@ -307,7 +321,13 @@ class ClosedFormPrices:
         self.platform = platform
 
     def state(self, model: ModelSpec, layout: MeshLayout) -> StateBytes:
+        if model.shares_base_of:
+            return StateBytes(0, 0)  # reads the other role's base, held there
         params = param_shard_bytes(model, layout)
+        if model.lora is not None:
+            # The frozen base, plus float32 adapters and their two Adam moments.
+            adapters = lora_shard_bytes(model, layout)
+            return StateBytes(params + adapters, 2 * adapters if model.trainable else 0)
         return StateBytes(params, 2 * params if model.trainable else 0)
 
     def call(self, model: ModelSpec, layout: MeshLayout, call: Call) -> CallPrice:
@@ -349,7 +369,8 @@ class ClosedFormPrices:
         traffic = n_micro * (passes * weights + 2 * m * call.seq * cfg.num_layers * act / sp)
         per_token = saved_activation_bytes(cfg, call.context, t, self.platform)
         saved = m * call.seq * cfg.num_layers * per_token / sp
-        grads = 2 * param_shard_bytes(model, layout)
+        grads = (lora_shard_bytes(model, layout) if model.lora is not None
+                 else 2 * param_shard_bytes(model, layout))
         held = saved + m * call.seq * act / sp + 3 * _head_bytes(cfg, model.head, m, call.seq,
                                                                  call.scored, t) / sp + grads
         return CallPrice(flops, traffic, held)

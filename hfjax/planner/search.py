@@ -501,7 +501,10 @@ def plan(
     best_by_placement: dict[tuple, Plan] = {}
     n_alloc = 0
     min_alloc: dict[tuple[str, ...], int | None] = {}
-    placements = set_partitions(list(roles))
+    # A model that reads another role's base (a LoRA actor's reference) shares its pool.
+    together = [(r, m.shares_base_of) for r, m in by_role.items() if m.shares_base_of]
+    placements = [p for p in set_partitions(list(roles))
+                  if all(any(a in g and b in g for g in p) for a, b in together)]
     for placement in placements:
         feasible = []
         for group in placement:

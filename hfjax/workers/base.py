@@ -154,8 +154,8 @@ class WorkerGroup:
         """Adds LoRA adapters (`hfjax.models.lora`) to this group's model: from now on only
         they (and a value or score head) train, the rest is the frozen base, and the base's
         own graphdef (`base_graphdef`) reads the base without them. The base arrays stay
-        where they are (not copied); the adapters are placed by the group's layout. Call
-        `set_optimizer` afterwards: the optimizer state is the adapters'."""
+        where they are (not copied); the adapters are placed by the group's layout, and the
+        optimizer is installed afresh over them (its state is the adapters')."""
         model = self.model()
         self.base_graphdef = self.graphdef
         lora.add_adapters(model, spec, seed)
