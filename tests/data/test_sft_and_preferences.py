@@ -134,3 +134,26 @@ def test_arith_preference_rows():
         assert arith.forbidden_digit_cost(pair["chosen"]) == 0.0 and not pair["chosen_unsafe"]
     with pytest.raises(ValueError, match="unknown preference kind"):
         arith.preference_rows(rows, seed=1, kind="helpfulness")
+
+
+def test_arith_scratchpad_runs_long_and_ends_with_the_answer():
+    """A scratchpad of n lines is 14 n characters (tokens of the arith tokenizer): a
+    countdown from n - 1 to 0, each line restating the problem and its result; the
+    demonstration's answer follows it; a countdown past three digits is refused."""
+    rows = arith.problems(40, seed=3)
+    pairs = arith.sft_texts(rows, 0.0, seed=0, corruption="none", scratchpad_lines=147)
+    tok = arith.tokenizer()
+    for row, (prompt, response) in zip(rows, pairs):
+        x, answer = row["extra_info"], int(row["reward_model"]["ground_truth"])
+        pad, tail = response[: 147 * arith.SCRATCHPAD_LINE], response[147 * arith.SCRATCHPAD_LINE:]
+        assert tail == f"#### {answer}" and prompt == f"{x['a']}{x['op']}{x['b']}="
+        lines = [pad[i : i + arith.SCRATCHPAD_LINE]
+                 for i in range(0, len(pad), arith.SCRATCHPAD_LINE)]
+        assert [int(line[:3]) for line in lines] == list(range(146, -1, -1))
+        for line in lines:
+            lhs, rhs = line[4:].rstrip().split("=")
+            assert int(lhs[:2]) == x["a"] and int(lhs[3:]) == x["b"] and lhs[2] == x["op"]
+            assert int(rhs) == answer
+        assert len(tok.encode(response, add_special_tokens=False)) == len(response) >= 2048
+    with pytest.raises(ValueError, match="scratchpad_lines=1001"):
+        arith.sft_texts(rows, 0.0, seed=0, scratchpad_lines=1001)
