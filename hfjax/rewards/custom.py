@@ -72,7 +72,8 @@ class CustomReward:
 
 def import_file(path: str, prefix: str, setting: str) -> ModuleType:
     """The module of the Python file at the absolute `path`, imported once per process (a
-    custom reward's file; user algorithms' files too, `hfjax.algorithms.registry`).
+    custom reward's file; user algorithms' and tools' files too, `hfjax.algorithms.registry`,
+    `hfjax.tools.registry`).
 
     Its name is `prefix` plus the path with every other character an underscore, so two files
     with the same base name are two modules, and importing a file again returns the first

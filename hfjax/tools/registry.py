@@ -11,9 +11,9 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
-import sys
 from collections.abc import Sequence
 
+from hfjax.rewards.custom import import_file
 from hfjax.tools.base import Tool
 
 _TOOLS: dict[str, type[Tool]] = {}
@@ -65,19 +65,7 @@ def _import_class(spec: str) -> type[Tool]:
             path = os.path.abspath(where)
             if not os.path.isfile(path):
                 raise ValueError(f"tool {spec!r}: no file {path}")
-            mod_name = "hfjax_user_tool_" + "".join(c if c.isalnum() else "_" for c in path)
-            module = sys.modules.get(mod_name)
-            if module is None:
-                file_spec = importlib.util.spec_from_file_location(mod_name, path)
-                if file_spec is None or file_spec.loader is None:
-                    raise ValueError(f"tool {spec!r}: cannot import {path} as a Python module")
-                module = importlib.util.module_from_spec(file_spec)
-                sys.modules[mod_name] = module
-                try:
-                    file_spec.loader.exec_module(module)
-                except BaseException:
-                    del sys.modules[mod_name]
-                    raise
+            module = import_file(path, "hfjax_user_tool_", f"tool {spec!r}")
         else:
             module = importlib.import_module(where)
     except ValueError:
