@@ -76,6 +76,18 @@ def _critic_rows(role: str) -> dict[str, Callable[[Any], str | None]]:
     }
 
 
+def _score_model_rows(role: str) -> dict[str, Callable[[Any], str | None]]:
+    """The rows of a learned score model's section (reward_model, cost_model)."""
+    return {
+        f"{role}.path": Check(model_path(optional=True)),
+        f"{role}.mesh": Check(mesh(optional=False)),
+        f"{role}.sequence_parallel": _SP,
+        f"{role}.dtype": Choice(("float32", "bfloat16")),
+        f"{role}.use_remove_padding": Bool(),
+        f"{role}.forward_max_token_len_per_gpu": Int(0, note=_FORWARD_BUDGET),
+    }
+
+
 TRAIN_KEYS: dict[str, Callable[[Any], str | None]] = {
     # First: a user algorithm's module, imported by this check, may register estimators,
     # losses and the rows of its own config keys that later checks look up.
@@ -220,18 +232,8 @@ TRAIN_KEYS: dict[str, Callable[[Any], str | None]] = {
     "reward.model_weight": Float(),
     "reward.sources": Check(source_weights),
     # learned reward and cost models (HF *ForSequenceClassification directories)
-    "reward_model.path": Check(model_path(optional=True)),
-    "reward_model.mesh": Check(mesh(optional=False)),
-    "reward_model.sequence_parallel": _SP,
-    "reward_model.dtype": Choice(("float32", "bfloat16")),
-    "reward_model.use_remove_padding": Bool(),
-    "reward_model.forward_max_token_len_per_gpu": Int(0, note=_FORWARD_BUDGET),
-    "cost_model.path": Check(model_path(optional=True)),
-    "cost_model.mesh": Check(mesh(optional=False)),
-    "cost_model.sequence_parallel": _SP,
-    "cost_model.dtype": Choice(("float32", "bfloat16")),
-    "cost_model.use_remove_padding": Bool(),
-    "cost_model.forward_max_token_len_per_gpu": Int(0, note=_FORWARD_BUDGET),
+    **_score_model_rows("reward_model"),
+    **_score_model_rows("cost_model"),
     "cost_model.reference_fn": Check(spec),
     # python -m launch.train_rm (hfjax.run.rm)
     "rm.target": Choice(rm_targets),
