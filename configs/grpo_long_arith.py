@@ -9,7 +9,7 @@ tokens and RL has the marker to find. The actor and the reference train and scor
 `fsdp=2,sequence=4`: each row's tokens split four ways, attention across the shards by
 Ulysses (the model has 4 query and 4 KV heads, which sequence=4 divides); generation runs on
 `data=8` with whole rows, resharded from the training layout by the hybrid engine. The LM head
-takes 256 positions of a row at a time (`actor.logprob_chunk`). 20 GRPO steps of 8 prompts x 4
+takes 2,048 positions per device at a time (`actor.logprob_chunk`). 20 GRPO steps of 8 prompts x 4
 samples; greedy accuracy on 32 held-out problems before and after.
 
     python -m launch.train --config=configs/grpo_long_arith.py --cpu_devices=8
@@ -38,7 +38,7 @@ def get_config():
     c.ref.sequence_parallel = "ulysses"
     c.actor.ppo_mini_batch_size = 8  # prompts: 8 x 4 = 32 sequences per update
     c.actor.ppo_micro_batch_size = 32
-    c.actor.logprob_chunk = 256
+    c.actor.logprob_chunk = 2048
     c.trainer.total_steps = 20
     c.trainer.test_freq = 20
     c.trainer.save_freq = 20

@@ -60,9 +60,15 @@ def test_over_positions_pads_and_restores_the_rows():
     assert seen[-1] == (2, 5, 3)
     with pytest.raises(ValueError, match="does not start with"):
         head_chunks.over_positions(head, 5, x, labels[:, :4])
+    # A budget of 10 positions per device: 2 rows on 1 device take 5 of each row at a time,
+    # 1 row per device (2 devices) 10; 0 is whole rows.
+    for budget, dp, width in ((10, 1, 5), (10, 2, 10), (0, 1, 23), (1, 1, 1)):
+        seen.clear()
+        head_chunks.over_tokens(lambda h, lab: head(h, lab), budget, dp, x, labels)
+        assert seen[-1] == (2, width, 3), (budget, dp)
 
 
-@pytest.mark.parametrize("chunk", [1, 5, 8])
+@pytest.mark.parametrize("chunk", [8, 40, 64])  # positions of all 8 rows: 1, 5, 8 per row
 @pytest.mark.parametrize("samples", [1, N], ids=["padded", "shared"])
 def test_chunked_log_probs_and_gradients_equal_whole_rows(model, chunk, samples):
     """Padded and shared-prompt rows: log-probs, entropies and the gradient of a loss that
@@ -100,10 +106,10 @@ def test_chunked_compact_rows_equal_whole_rows(model, monkeypatch):
     def scores(state, c):
         return compact_logprobs(nnx.merge(graphdef, state), mb, 0.7, N, c)
 
-    _assert_close(scores(state, 4), scores(state, 0))
+    _assert_close(scores(state, 16), scores(state, 0))  # 4 positions of each compact row
     grad = jax.jit(jax.grad(lambda st, c: jnp.sum(scores(st, c)[0])), static_argnums=1)
     want = grad(state, 0)
-    _assert_close(grad(state, 4), want, atol=TOL * _grad_scale(want))
+    _assert_close(grad(state, 16), want, atol=TOL * _grad_scale(want))
 
 
 def _actor(model, chunk, mesh="data=2,fsdp=2,tensor=2"):
@@ -121,10 +127,10 @@ def _actor(model, chunk, mesh="data=2,fsdp=2,tensor=2"):
 
 @pytest.mark.parametrize("mesh", ["data=2,fsdp=2,tensor=2", "fsdp=2,sequence=4"])
 def test_worker_scores_and_update_equal_whole_rows(model, mesh):
-    """`actor.logprob_chunk=6` on a data=2,fsdp=2,tensor=2 mesh and on one whose `sequence`
-    axis splits the rows' tokens: compute_log_prob and one update_actor step give what whole
-    rows give (metrics within 1e-6, parameters within Adam's rounding of near-zero
-    gradients)."""
+    """`actor.logprob_chunk=6` (positions per data-parallel device) on a data=2,fsdp=2,tensor=2
+    mesh and on one whose `sequence` axis splits the rows' tokens: compute_log_prob and one
+    update_actor step give what whole rows give (metrics within 1e-6, parameters within
+    Adam's rounding of near-zero gradients)."""
     batch = padded_rl_batch(3, B, P, R, CFG.vocab_size, samples=N)
     twins = [nnx.merge(*nnx.split(jax.tree.map(lambda x: x.copy(), model))) for _ in range(2)]
     actors = [_actor(twin, chunk, mesh) for twin, chunk in zip(twins, (0, 6))]
