@@ -27,7 +27,7 @@ def get_config():
     c.data.n_test = 32
     c.sft.steps = 120
     c.sft.batch_size = 16
-    c.sft.micro_batch_size = 16
+    c.sft.micro_batch_size = 4  # rows of 2,080 tokens: 4 at a time bounds the activations
     c.sft.scratchpad_lines = SCRATCHPAD_LINES
     c.rollout.n = 4
     c.rollout.response_length = 2080  # the longest demonstration (2,067 tokens) and some room
@@ -37,7 +37,7 @@ def get_config():
     c.actor.sequence_parallel = "ulysses"
     c.ref.sequence_parallel = "ulysses"
     c.actor.ppo_mini_batch_size = 8  # prompts: 8 x 4 = 32 sequences per update
-    c.actor.ppo_micro_batch_size = 32
+    c.actor.ppo_micro_batch_size = 8  # two groups of 4 samples per micro-batch
     c.actor.logprob_chunk = 2048
     c.trainer.total_steps = 20
     c.trainer.test_freq = 20
