@@ -18,6 +18,7 @@ from configs import ppo_arith
 from hfjax.engine import grouping, head_chunks, shared_prompt, update
 from hfjax.models import transformer
 from hfjax.models.config import ModelConfig
+from hfjax.numerics import core
 from hfjax.parallel.mesh import ResourcePool
 from hfjax.workers.actor import ActorRollout, compact_logprobs, response_logprobs
 
@@ -151,3 +152,28 @@ def test_worker_scores_and_update_equal_whole_rows(model, mesh):
 def test_a_negative_chunk_is_refused(model):
     with pytest.raises(ValueError, match="logprob_chunk must be >= 0"):
         _actor(model, -1)
+
+
+def test_a_32k_row_never_holds_its_whole_logits():
+    """A 32,768-position row, vocabulary 4,096: compiled (not run) with the default budget, the
+    scoring pass and its gradient allocate less than a quarter of the row's [T, V] float32
+    logits (512 MiB) in temporaries; whole rows allocate more than all of them."""
+    t, d, v = 32768, 32, 4096
+    hidden = jax.ShapeDtypeStruct((1, t, d), jnp.float32)
+    labels = jax.ShapeDtypeStruct((1, t), jnp.int32)
+    w = jax.ShapeDtypeStruct((d, v), jnp.float32)
+
+    def head(h, lab, w):
+        return core.logprobs_and_entropy(h @ w, lab)
+
+    def temp(budget, grad):
+        def f(h, w, lab):
+            lp, ent = head_chunks.over_tokens(lambda x, y: head(x, y, w), budget, 1, h, lab)
+            return jnp.sum(lp) + jnp.sum(ent)
+        fn = jax.grad(f, argnums=(0, 1)) if grad else f
+        return jax.jit(fn).lower(hidden, w, labels).compile().memory_analysis().temp_size_in_bytes
+
+    row = t * v * 4
+    for grad in (False, True):
+        assert temp(head_chunks.DEFAULT_CHUNK, grad) < row / 4, grad
+        assert temp(0, grad) >= row, grad
