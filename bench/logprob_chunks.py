@@ -1,5 +1,6 @@
 """Log-probs and entropy over the vocabulary, whole rows against chunks of positions
-(`actor.logprob_chunk`, hfjax/engine/head_chunks.py), side by side on one CPU device.
+(`actor.logprob_chunk`: positions per device, shared equally by the rows;
+hfjax/engine/head_chunks.py), side by side on one CPU device.
 
 The LM head of SmolLM2-135M's shape (hidden 576, vocabulary 49,152, tied to the embeddings) on
 random hidden states of `--rows` rows of `--length` positions, two programs per setting:
@@ -12,7 +13,7 @@ compiled program's temporary bytes (`memory_analysis().temp_size_in_bytes`: the 
 the program allocates beyond its inputs and outputs, the dry run's figure), then the ratios
 chunked / whole. The last line is JSON.
 
-    python -m bench.logprob_chunks [--length=2048] [--chunks=0,256,1024]
+    python -m bench.logprob_chunks [--length=2048] [--chunks=0,512,2048]
 """
 
 import json
@@ -31,7 +32,9 @@ flags.DEFINE_integer("rows", 2, "rows")
 flags.DEFINE_integer("length", 2048, "scored positions per row")
 flags.DEFINE_integer("hidden", 576, "hidden size")
 flags.DEFINE_integer("vocab", 49152, "vocabulary")
-flags.DEFINE_list("chunks", ["0", "256"], "positions per chunk (0: whole rows, the baseline)")
+flags.DEFINE_list("chunks", ["0", "512", "2048"],
+                  "positions per chunk over all rows, actor.logprob_chunk (0: whole rows, the "
+                  "baseline)")
 flags.DEFINE_integer("repeats", 3, "timed runs per program (the best is reported)")
 FLAGS = flags.FLAGS
 
@@ -42,7 +45,7 @@ def programs(chunk: int):
         def head(h, lab):
             logits = matmul(h.reshape(-1, h.shape[-1]), w, jnp.float32, transpose_w=True)
             return core.logprobs_and_entropy(logits.reshape(*h.shape[:-1], -1), lab)
-        return head_chunks.over_positions(head, chunk, hidden, labels)
+        return head_chunks.over_tokens(head, chunk, 1, hidden, labels)
 
     def loss(hidden, w, labels):
         lp, ent = scores(hidden, w, labels)

@@ -9,7 +9,7 @@ tokens and RL has the marker to find. The actor and the reference train and scor
 `fsdp=2,sequence=4`: each row's tokens split four ways, attention across the shards by
 Ulysses (the model has 4 query and 4 KV heads, which sequence=4 divides); generation runs on
 `data=8` with whole rows, resharded from the training layout by the hybrid engine. The LM head
-takes 256 positions of a row at a time (`actor.logprob_chunk`). 20 GRPO steps of 8 prompts x 4
+takes 2,048 positions per device at a time (`actor.logprob_chunk`). 20 GRPO steps of 8 prompts x 4
 samples; greedy accuracy on 32 held-out problems before and after.
 
     python -m launch.train --config=configs/grpo_long_arith.py --cpu_devices=8
@@ -27,7 +27,7 @@ def get_config():
     c.data.n_test = 32
     c.sft.steps = 120
     c.sft.batch_size = 16
-    c.sft.micro_batch_size = 16
+    c.sft.micro_batch_size = 4  # rows of 2,080 tokens: 4 at a time bounds the activations
     c.sft.scratchpad_lines = SCRATCHPAD_LINES
     c.rollout.n = 4
     c.rollout.response_length = 2080  # the longest demonstration (2,067 tokens) and some room
@@ -37,8 +37,8 @@ def get_config():
     c.actor.sequence_parallel = "ulysses"
     c.ref.sequence_parallel = "ulysses"
     c.actor.ppo_mini_batch_size = 8  # prompts: 8 x 4 = 32 sequences per update
-    c.actor.ppo_micro_batch_size = 32
-    c.actor.logprob_chunk = 256
+    c.actor.ppo_micro_batch_size = 8  # two groups of 4 samples per micro-batch
+    c.actor.logprob_chunk = 2048
     c.trainer.total_steps = 20
     c.trainer.test_freq = 20
     c.trainer.save_freq = 20

@@ -119,10 +119,11 @@ def get_config() -> config_dict.ConfigDict:
             # computed once instead of n times (hfjax/engine/shared_prompt.py). Same results;
             # needs ppo_micro_batch_size to hold whole groups of rollout.n, else off.
             share_prompt=True,
-            # Log-probs and entropy over the vocabulary take the LM head on this many positions
-            # of each row at a time, recomputed in the backward (hfjax/engine/head_chunks.py):
-            # no [rows, T, vocabulary] float32 logits for whole rows. 0: whole rows.
-            logprob_chunk=256,
+            # Log-probs and entropy over the vocabulary take the LM head on about this many
+            # positions per data-parallel device at a time (an equal share of every row's),
+            # recomputed in the backward (hfjax/engine/head_chunks.py): no [rows, T,
+            # vocabulary] float32 logits for whole micro-batches. 0: whole rows.
+            logprob_chunk=2048,
             ppo_epochs=1,
             shuffle=True,
             policy_loss="vanilla",

@@ -151,8 +151,8 @@ TRAIN_KEYS: dict[str, Callable[[Any], str | None]] = {
     "actor.group_by_length": Bool(),
     "actor.share_prompt": Bool(),
     "actor.ppo_max_token_len_per_gpu": Int(0, note=_BUDGET),
-    "actor.logprob_chunk": Int(0, note="positions per row the LM head takes at a time in "
-                                       "log-probs and entropy (0: whole rows)"),
+    "actor.logprob_chunk": Int(0, note="positions per data-parallel device the LM head takes "
+                                       "at a time in log-probs and entropy (0: whole rows)"),
     "actor.ppo_epochs": Int(1),
     "actor.shuffle": Bool(),
     "actor.policy_loss": Choice(registry("POLICY_LOSSES")),

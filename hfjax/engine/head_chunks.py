@@ -2,14 +2,16 @@
 
 A row's log-probs and entropy need the softmax over the vocabulary at every scored position:
 [B, T, V] float32 logits, plus the exponential and the gradient's temporaries of the same size.
-At T = 2,064 and V = 151,936 (Qwen2.5) that is 1.2 GiB per row, and a micro-batch of rows holds
-it several times over. `over_positions` runs the head on `chunk` positions of every row at a
-time (a `lax.scan` over the chunks), and under a gradient recomputes each chunk's logits in the
-backward pass (`jax.checkpoint`) instead of keeping them, so neither pass holds more than
-[B, chunk, V] float32 logits. The per-position results are the unchunked ones: each position's
-logits are the same dot products, and the weight gradient is the same sum taken chunk by chunk.
+At V = 151,936 (Qwen2.5) a micro-batch of 128 rows of 256 response tokens is 18.5 GiB of
+logits, held several times over. `over_positions` runs the head on `chunk` positions of every
+row at a time (a `lax.scan` over the chunks), and under a gradient recomputes each chunk's
+logits in the backward pass (`jax.checkpoint`) instead of keeping them, so neither pass holds
+more than [B, chunk, V] float32 logits. The per-position results are the unchunked ones: each
+position's logits are the same dot products, and the weight gradient is the same sum taken
+chunk by chunk.
 
-Rows of at most `chunk` positions take the head in one call, the plain program.
+Rows of at most `chunk` positions take the head in one call, the plain program. `over_tokens`
+sizes the chunk from a budget of positions per data-parallel device (`actor.logprob_chunk`).
 """
 
 from __future__ import annotations
@@ -20,9 +22,20 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-# Positions per chunk of every row (`actor.logprob_chunk`). bench/logprob_chunks.py measures
-# time and peak memory against the chunk; 0 turns chunking off.
-DEFAULT_CHUNK = 256
+# Scored positions per data-parallel device that the head takes at a time
+# (`actor.logprob_chunk`): each row gets an equal share of them. bench/logprob_chunks.py
+# measures time and peak memory against the chunk; 0 turns chunking off.
+DEFAULT_CHUNK = 2048
+
+
+def over_tokens(head: Callable[..., Any], budget: int, dp: int, *columns: jax.Array) -> Any:
+    """`over_positions` with chunks of about `budget` positions per data-parallel device in
+    all: a micro-batch of B rows over `dp` devices takes `budget // ceil(B / dp)` positions
+    of every row at a time (at least 1). `budget` <= 0: whole rows."""
+    if budget <= 0:
+        return head(*columns)
+    rows = -(-columns[0].shape[0] // max(dp, 1))
+    return over_positions(head, max(1, budget // rows), *columns)
 
 
 def over_positions(head: Callable[..., Any], chunk: int, *columns: jax.Array) -> Any:

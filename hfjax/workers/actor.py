@@ -42,13 +42,13 @@ from hfjax.workers.base import SEQUENCES, Program, StepShape, WorkerGroup
 
 
 def response_logprobs(model, input_ids, attention_mask, response_len: int, temperature: float,
-                      samples: int = 1, chunk: int = head_chunks.DEFAULT_CHUNK):
+                      samples: int = 1, chunk: int = head_chunks.DEFAULT_CHUNK, dp: int = 1):
     """(log-probs [B, R], entropy [B, R]) of the last R tokens, logits divided by temperature.
 
     `samples` > 1: the rows come in groups of that many sharing one prompt, and are computed
     as shared-prompt rows (`hfjax.engine.shared_prompt`; the caller checks `fits`). The LM
-    head runs on `chunk` positions of the rows at a time (`hfjax.engine.head_chunks`; 0: the
-    whole rows at once)."""
+    head runs on about `chunk` positions per one of `dp` data-parallel devices at a time
+    (`hfjax.engine.head_chunks.over_tokens`; 0: the whole rows at once)."""
     # Only the positions that predict response tokens go through the LM head.
     if samples > 1:
         hidden = shared_prompt.response_hidden(model.model, input_ids, attention_mask,
@@ -56,7 +56,7 @@ def response_logprobs(model, input_ids, attention_mask, response_len: int, tempe
     else:
         hidden = model.model(input_ids, attention_mask)[0][:, -response_len - 1 : -1]
     labels = input_ids[:, -response_len:]
-    return head_chunks.over_positions(_head(model, temperature), chunk, hidden, labels)
+    return head_chunks.over_tokens(_head(model, temperature), chunk, dp, hidden, labels)
 
 
 def _head(model, temperature: float):
@@ -68,12 +68,12 @@ def _head(model, temperature: float):
 
 
 def compact_logprobs(model, mb: dict[str, jax.Array], temperature: float, samples: int,
-                     chunk: int = head_chunks.DEFAULT_CHUNK):
+                     chunk: int = head_chunks.DEFAULT_CHUNK, dp: int = 1):
     """(log-probs, entropy) [B, R] of a micro-batch laid out as compact shared-prompt rows
     (`hfjax.engine.shared_prompt.compact_layout`): only the rows' response tokens go through
-    the LM head, `chunk` positions at a time."""
+    the LM head, about `chunk` positions per data-parallel device at a time."""
     hidden, labels = shared_prompt.compact_response_hidden(model.model, mb, samples)
-    lp, ent = head_chunks.over_positions(_head(model, temperature), chunk, hidden, labels)
+    lp, ent = head_chunks.over_tokens(_head(model, temperature), chunk, dp, hidden, labels)
     return (shared_prompt.compact_to_rows(lp, mb, samples),
             shared_prompt.compact_to_rows(ent, mb, samples))
 
@@ -100,8 +100,9 @@ class Reference(WorkerGroup):
     only as wide as its rows need (`hfjax.engine.grouping`). `samples` > 1: the batches' rows
     come in groups of that many sharing a prompt, and padded micro-batches of whole groups are
     computed as shared-prompt rows (`hfjax.engine.shared_prompt.samples_per_row`). `chunk`:
-    positions per row that the LM head takes at a time in padded and compact rows
-    (`hfjax.engine.head_chunks`, `actor.logprob_chunk`; 0: whole rows).
+    scored positions per data-parallel device that the LM head takes at a time in padded and
+    compact rows (`hfjax.engine.head_chunks.over_tokens`, `actor.logprob_chunk`; 0: whole
+    rows).
     """
 
     def __init__(self, *args, temperature: float = 1.0,
@@ -134,7 +135,7 @@ class Reference(WorkerGroup):
         self._packed_logprob = self.jit(self._packed_logprob_fn, static_argnums=(3, 4))
         self._compact_logprob = self.jit(
             lambda params, mb: compact_logprobs(self.model(params), mb, self.temperature,
-                                                self.samples, self.chunk))
+                                                self.samples, self.chunk, self.dp_size))
 
     def _logprob_fn(self, params, input_ids, attention_mask, response_len, n_micro=1, share=1):
         """Log-probs and entropy [B, R] of padded rows in `n_micro` strided micro-batches (of
@@ -143,7 +144,7 @@ class Reference(WorkerGroup):
         model = self.model(params)
         return in_micro_batches(
             lambda ids, mask: response_logprobs(model, ids, mask, response_len, self.temperature,
-                                                share, self.chunk),
+                                                share, self.chunk, self.dp_size),
             n_micro, input_ids, attention_mask, group=self.samples)
 
     def _sharing(self, rows: int) -> int:
@@ -202,7 +203,7 @@ class Reference(WorkerGroup):
             return packing.response_values(self._packed_fn(params), mb)
         if shared_prompt.is_compact(mb):
             return compact_logprobs(self.model(params), mb, self.temperature, self.samples,
-                                    self.chunk)
+                                    self.chunk, self.dp_size)
         # `train` cuts micro-batches of whole groups.
         rows = len(mb["input_ids"])
         return self._logprob_fn(params, mb["input_ids"], mb["attention_mask"],
@@ -506,7 +507,7 @@ class ActorRollout(Reference):
     def _sft_loss(self, params, mb, totals):
         lp, _ = response_logprobs(
             self.model(params), mb["input_ids"], mb["attention_mask"], mb["responses"].shape[1],
-            1.0, chunk=self.chunk)
+            1.0, chunk=self.chunk, dp=self.dp_size)
         mask = mb["response_mask"]
         loss = -core.masked_sum(lp, mask) / totals["tokens"]
         return loss, {}
@@ -566,7 +567,7 @@ class ActorRollout(Reference):
 
     def _sft_nll_fn(self, params, input_ids, attention_mask, responses, response_mask):
         lp, _ = response_logprobs(self.model(params), input_ids, attention_mask,
-                                  responses.shape[1], 1.0, chunk=self.chunk)
+                                  responses.shape[1], 1.0, chunk=self.chunk, dp=self.dp_size)
         return {"nll": -core.masked_sum(lp, response_mask),
                 "tokens": jnp.sum(response_mask).astype(jnp.float32)}
 

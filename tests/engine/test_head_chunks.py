@@ -18,6 +18,7 @@ from configs import ppo_arith
 from hfjax.engine import grouping, head_chunks, shared_prompt, update
 from hfjax.models import transformer
 from hfjax.models.config import ModelConfig
+from hfjax.numerics import core
 from hfjax.parallel.mesh import ResourcePool
 from hfjax.workers.actor import ActorRollout, compact_logprobs, response_logprobs
 
@@ -60,9 +61,15 @@ def test_over_positions_pads_and_restores_the_rows():
     assert seen[-1] == (2, 5, 3)
     with pytest.raises(ValueError, match="does not start with"):
         head_chunks.over_positions(head, 5, x, labels[:, :4])
+    # A budget of 10 positions per device: 2 rows on 1 device take 5 of each row at a time,
+    # 1 row per device (2 devices) 10; 0 is whole rows.
+    for budget, dp, width in ((10, 1, 5), (10, 2, 10), (0, 1, 23), (1, 1, 1)):
+        seen.clear()
+        head_chunks.over_tokens(lambda h, lab: head(h, lab), budget, dp, x, labels)
+        assert seen[-1] == (2, width, 3), (budget, dp)
 
 
-@pytest.mark.parametrize("chunk", [1, 5, 8])
+@pytest.mark.parametrize("chunk", [8, 40, 64])  # positions of all 8 rows: 1, 5, 8 per row
 @pytest.mark.parametrize("samples", [1, N], ids=["padded", "shared"])
 def test_chunked_log_probs_and_gradients_equal_whole_rows(model, chunk, samples):
     """Padded and shared-prompt rows: log-probs, entropies and the gradient of a loss that
@@ -100,10 +107,10 @@ def test_chunked_compact_rows_equal_whole_rows(model, monkeypatch):
     def scores(state, c):
         return compact_logprobs(nnx.merge(graphdef, state), mb, 0.7, N, c)
 
-    _assert_close(scores(state, 4), scores(state, 0))
+    _assert_close(scores(state, 16), scores(state, 0))  # 4 positions of each compact row
     grad = jax.jit(jax.grad(lambda st, c: jnp.sum(scores(st, c)[0])), static_argnums=1)
     want = grad(state, 0)
-    _assert_close(grad(state, 4), want, atol=TOL * _grad_scale(want))
+    _assert_close(grad(state, 16), want, atol=TOL * _grad_scale(want))
 
 
 def _actor(model, chunk, mesh="data=2,fsdp=2,tensor=2"):
@@ -121,10 +128,10 @@ def _actor(model, chunk, mesh="data=2,fsdp=2,tensor=2"):
 
 @pytest.mark.parametrize("mesh", ["data=2,fsdp=2,tensor=2", "fsdp=2,sequence=4"])
 def test_worker_scores_and_update_equal_whole_rows(model, mesh):
-    """`actor.logprob_chunk=6` on a data=2,fsdp=2,tensor=2 mesh and on one whose `sequence`
-    axis splits the rows' tokens: compute_log_prob and one update_actor step give what whole
-    rows give (metrics within 1e-6, parameters within Adam's rounding of near-zero
-    gradients)."""
+    """`actor.logprob_chunk=6` (positions per data-parallel device) on a data=2,fsdp=2,tensor=2
+    mesh and on one whose `sequence` axis splits the rows' tokens: compute_log_prob and one
+    update_actor step give what whole rows give (metrics within 1e-6, parameters within
+    Adam's rounding of near-zero gradients)."""
     batch = padded_rl_batch(3, B, P, R, CFG.vocab_size, samples=N)
     twins = [nnx.merge(*nnx.split(jax.tree.map(lambda x: x.copy(), model))) for _ in range(2)]
     actors = [_actor(twin, chunk, mesh) for twin, chunk in zip(twins, (0, 6))]
@@ -145,3 +152,28 @@ def test_worker_scores_and_update_equal_whole_rows(model, mesh):
 def test_a_negative_chunk_is_refused(model):
     with pytest.raises(ValueError, match="logprob_chunk must be >= 0"):
         _actor(model, -1)
+
+
+def test_a_32k_row_never_holds_its_whole_logits():
+    """A 32,768-position row, vocabulary 4,096: compiled (not run) with the default budget, the
+    scoring pass and its gradient allocate less than a quarter of the row's [T, V] float32
+    logits (512 MiB) in temporaries; whole rows allocate more than all of them."""
+    t, d, v = 32768, 32, 4096
+    hidden = jax.ShapeDtypeStruct((1, t, d), jnp.float32)
+    labels = jax.ShapeDtypeStruct((1, t), jnp.int32)
+    w = jax.ShapeDtypeStruct((d, v), jnp.float32)
+
+    def head(h, lab, w):
+        return core.logprobs_and_entropy(h @ w, lab)
+
+    def temp(budget, grad):
+        def f(h, w, lab):
+            lp, ent = head_chunks.over_tokens(lambda x, y: head(x, y, w), budget, 1, h, lab)
+            return jnp.sum(lp) + jnp.sum(ent)
+        fn = jax.grad(f, argnums=(0, 1)) if grad else f
+        return jax.jit(fn).lower(hidden, w, labels).compile().memory_analysis().temp_size_in_bytes
+
+    row = t * v * 4
+    for grad in (False, True):
+        assert temp(head_chunks.DEFAULT_CHUNK, grad) < row / 4, grad
+        assert temp(0, grad) >= row, grad
