@@ -40,7 +40,10 @@ largest moment of that sequence. Batch arrays held by the dataflow between stage
 models at the sizes where memory is in question.
 
 FLOPs are `compiled.cost_analysis()`'s, per device. XLA counts a loop body once, so the
-decode's FLOPs are those of one decode step.
+decode's FLOPs are those of one decode step, and a program that loops (micro-batches under
+`lax.map`, layers under `lax.scan` with `model.scan_layers`) reports one trip's: the column
+is a lower bound, not the step's work. The planner's compiled prices
+(`hfjax.planner.compiled`) compile unrolled one- and two-layer passes for that reason.
 
 Compiled on CPU devices standing in for the target's, the programs are XLA:CPU's: an
 accelerator's compiler fuses differently and its temporaries differ somewhat, while arguments
