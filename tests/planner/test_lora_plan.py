@@ -4,7 +4,7 @@ Adam moments, the reference holds nothing of its own and is always placed with t
 from configs import grpo_lora_llama70b
 from hfjax.models.lora import adapter_bytes
 from hfjax.planner.config import plan_inputs
-from hfjax.planner.pricing import ClosedFormCosts, MeshLayout, param_shard_bytes
+from hfjax.planner.pricing import ClosedFormPrices, MeshLayout, param_shard_bytes
 from hfjax.planner.search import plan
 
 
@@ -16,7 +16,7 @@ def test_lora_state_and_a_reference_that_shares_the_base():
     assert actor.lora is not None and actor.lora.rank == 64
     assert ref.shares_base_of == "actor" and ref.lora is None
     lay = MeshLayout(fsdp=8, rules="nested_train")
-    costs = ClosedFormCosts()
+    costs = ClosedFormPrices()
     assert costs.state(ref, lay).total == 0
     base = param_shard_bytes(actor, lay)
     adapters = -(-adapter_bytes(actor.config, actor.lora) // 8)

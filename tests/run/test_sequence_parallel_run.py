@@ -64,7 +64,7 @@ def test_packed_rows_split_over_sequence_match_whole_rows():
 
 
 def test_a_dry_run_that_does_not_fit_in_training_names_sequence_parallelism():
-    from hfjax import dry_run as dr
+    from hfjax.run import dry_run as dr
 
     def advice(worst: str) -> str:
         gib = 2**30

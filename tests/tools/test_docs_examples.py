@@ -32,7 +32,7 @@ def test_agents_md_examples(capsys):
     slow = scope["SlowPython"]()
     assert (slow.name, slow.wall_s, slow.memory_mb, slow.cpu_s) == ("python", 30.0, 2048, 40)
     # The fourth switches a config to multi-turn rollouts; the config checks accept it.
-    from hfjax import run_config
+    from hfjax.config import check_config
 
     assert scope["c"].rollout.multi_turn.enable
-    run_config.check_config(scope["c"])
+    check_config(scope["c"])
