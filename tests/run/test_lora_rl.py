@@ -8,13 +8,31 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
-from support import tiny_rl_config
-from test_rl_loop import host, make_trainer
+from support import host, tiny_rl_config
 
 from hfjax.config import ConfigError, validate_config
 from hfjax.controller.batch import Batch
 from hfjax.data.batching import prompt_batch
+from hfjax.rewards.registry import register_reward
+from hfjax.run.trainer import Trainer
 from hfjax.workers.actor import BaseReference, Reference
+
+# A dense reward, so that a step from a randomly initialised model has non-zero advantages
+# (the exact-answer rule scores such a model 0 everywhere).
+SOURCE = "tests/lora_rl/digit_fraction"
+
+
+@register_reward(SOURCE)
+def digit_fraction(data_source, solution_str, ground_truth, extra_info):
+    """The fraction of the response's characters that are digits."""
+    return sum(ch.isdigit() for ch in solution_str) / max(len(solution_str), 1)
+
+
+def make_trainer(cfg):
+    trainer = Trainer(cfg)
+    for row in trainer.train_data.rows:
+        row["data_source"] = SOURCE
+    return trainer
 
 
 def lora_config(rank=4):

@@ -12,7 +12,7 @@ import jax
 import numpy as np
 import optax
 import pytest
-from support import tiny_rl_config
+from support import host, tiny_rl_config
 
 from hfjax.config import validate_config
 from hfjax.controller.batch import Batch
@@ -45,15 +45,6 @@ def make_trainer(cfg):
     for row in trainer.train_data.rows:
         row["data_source"] = SOURCE
     return trainer
-
-
-def host(tree):
-    """Named host copies of a pytree's leaves (copies: the device buffers get donated)."""
-    with jax.transfer_guard("allow"):
-        return {
-            jax.tree_util.keystr(path): np.array(leaf, copy=True)
-            for path, leaf in jax.tree_util.tree_leaves_with_path(tree)
-        }
 
 
 def numeric(metrics):
