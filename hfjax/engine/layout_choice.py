@@ -38,20 +38,19 @@ def actor_rules_and_engine(mesh: Mesh, rules: Any, decode_mesh: str,
     """
     if rules != AUTO:
         return rules, engine_for(layout(mesh, rules), decode_mesh, state)
-    spec = decode_mesh
-    if not spec:
+    if not decode_mesh:
         return CANDIDATES[0], None
     reasons = []
     for candidate in CANDIDATES:
         try:
-            engine = HybridEngine(layout(mesh, candidate), spec, state)
+            engine = HybridEngine(layout(mesh, candidate), decode_mesh, state)
         except LayoutError as err:
             if "cannot hold the model" in str(err) or "only 'data'" in str(err):
                 raise  # the decode mesh itself is wrong: no training rules can help
             reasons.append(f"{candidate}: {err}")
             continue
         logging.info("actor.rules=auto: training rules %r nest inside rollout.mesh %r on "
-                     "actor.mesh %s%s", candidate, spec, dict(mesh.shape),
+                     "actor.mesh %s%s", candidate, decode_mesh, dict(mesh.shape),
                      f" ({'; '.join(reasons)})" if reasons else "")
         return candidate, engine
     if splits_rows(mesh):
@@ -59,7 +58,7 @@ def actor_rules_and_engine(mesh: Mesh, rules: Any, decode_mesh: str,
         return CANDIDATES[0], engine_for(layout(mesh, CANDIDATES[0]), decode_mesh, state)
     used = {a: n for a, n in mesh.shape.items() if n > 1}
     raise LayoutError(
-        f"rollout.mesh {spec!r} cannot hold the training shards of the actor's mesh {used} "
+        f"rollout.mesh {decode_mesh!r} cannot hold the training shards of the actor's mesh {used} "
         "under any training rules "
         f"({'; '.join(reasons)}); pick a decode tensor size that divides the actor's "
         "fsdp x tensor size")
