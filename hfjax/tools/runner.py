@@ -45,11 +45,15 @@ class _Slot:
         self._on_set = on_set
         self.done = False
 
-    def set(self, obs: Observation) -> bool:
+    def set(self, obs: Observation, first=None) -> bool:
+        """Delivers `obs` unless the slot is already set; `first()` runs between winning and
+        delivering, so its bookkeeping is visible to whoever waits on the result."""
         with self._lock:
             if self.done:
                 return False
             self.done = True
+        if first is not None:
+            first()
         self._on_set(obs)
         return True
 
@@ -180,20 +184,21 @@ class ToolRunner:
             if job is None:
                 return
             tool, args, slot = job
-            abandoned = threading.Event()
 
-            def on_timeout(tool=tool, slot=slot, abandoned=abandoned):
-                if slot.set(_error(f"{tool.name} timed out after {tool.timeout_s:g} s")):
-                    abandoned.set()
-                    logging.warning("tool %s timed out after %s s; its thread is abandoned",
-                                    tool.name, tool.timeout_s)
-                    with self._lock:
-                        self.abandoned += 1
-                        # This thread is stuck in the call: a fresh worker takes its place.
-                        if not self._closed:
-                            self._spawn()
+            def on_timeout(tool=tool):
+                logging.warning("tool %s timed out after %s s; its thread is abandoned",
+                                tool.name, tool.timeout_s)
+                with self._lock:
+                    self.abandoned += 1
+                    # This thread is stuck in the call: a fresh worker takes its place.
+                    if not self._closed:
+                        self._spawn()
 
-            timer = threading.Timer(tool.timeout_s, on_timeout)
+            def timed_out(tool=tool, slot=slot, on_timeout=on_timeout):
+                slot.set(_error(f"{tool.name} timed out after {tool.timeout_s:g} s"),
+                         first=on_timeout)
+
+            timer = threading.Timer(tool.timeout_s, timed_out)
             timer.daemon = True
             timer.start()
             try:
@@ -210,6 +215,5 @@ class ToolRunner:
                                       self.max_output_chars)[0])
             finally:
                 timer.cancel()
-            slot.set(obs)
-            if abandoned.is_set():
-                return  # a replacement worker already took this thread's place
+            if not slot.set(obs):
+                return  # timed out: a replacement worker took this thread's place
