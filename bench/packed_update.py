@@ -28,10 +28,12 @@ from bench.timing import best_time
 from configs import ppo_arith
 from hfjax.controller.batch import Batch
 from hfjax.engine import update
+from hfjax.engine.spec import RolloutSpec
 from hfjax.models.config import REMAT_POLICIES
 from hfjax.models.smollm2 import smollm2_gguf_path
 from hfjax.parallel.mesh import ResourcePool
 from hfjax.workers.actor import ActorRollout
+from hfjax.workers.spec import ActorSpec
 
 flags.DEFINE_integer("rows", 16, "sequences in the batch")
 flags.DEFINE_integer("micro", 8, "rows per padded micro-batch (and the packed budget's worth)")
@@ -90,7 +92,7 @@ def actor(model, layout: str, rows: int, micro: int, cap: int, samples: int = 1,
     c.rollout.n, c.rollout.response_length = samples, cap
     pool = ResourcePool("bench", tuple(jax.devices()[:1]))
     return ActorRollout("actor", pool, "fsdp=1", model, rules="train", sampler=None,
-                        actor_cfg=a, rollout_cfg=c.rollout,
+                        spec=ActorSpec.of(a), rollout=RolloutSpec.of(c.rollout),
                         optimizer=update.make_optimizer(1e-6, grad_clip=1.0))
 
 

@@ -153,9 +153,11 @@ def train_stages(model, f, layout: str) -> list[tuple[str, Callable[[dict], None
 
     from configs import grpo_smollm2
     from hfjax.controller.batch import Batch
+    from hfjax.engine.spec import RolloutSpec
     from hfjax.engine.update import make_optimizer
     from hfjax.parallel.mesh import ResourcePool
     from hfjax.workers.actor import ActorRollout, trim_responses
+    from hfjax.workers.spec import ActorSpec
 
     c = grpo_smollm2.get_config()
     a, r = c.actor, c.rollout
@@ -167,7 +169,8 @@ def train_stages(model, f, layout: str) -> list[tuple[str, Callable[[dict], None
     a.share_prompt = layout.startswith("shared")
     pool = ResourcePool("bench", tuple(jax.devices()[:1]))
     actor = ActorRollout("actor", pool, "fsdp=1", model, rules="train", sampler=None,
-                         actor_cfg=a, rollout_cfg=r, optimizer=make_optimizer(1e-6))
+                         spec=ActorSpec.of(a), rollout=RolloutSpec.of(r),
+                         optimizer=make_optimizer(1e-6))
     # Every run updates the same weights from the same optimizer state (the update donates
     # both): the runs cost the same.
     params0, opt0 = actor.params, actor.opt_state

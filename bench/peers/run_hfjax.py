@@ -106,12 +106,15 @@ def build(w: workload.Workload):
 
     import hfjax.models as M
     from hfjax.controller.batch import Batch
+    from hfjax.engine import head_chunks
     from hfjax.engine.continuous import rollout_sampler
+    from hfjax.engine.spec import RolloutSpec
     from hfjax.engine.update import make_optimizer
     from hfjax.numerics.losses import FixedKLController
     from hfjax.parallel.mesh import ResourcePool
     from hfjax.workers.actor import ActorRollout
     from hfjax.workers.groups import WorkerGroups
+    from hfjax.workers.spec import ActorSpec
 
     texts, expected = w.load_prompts()
     tok = M.load_tokenizer(w.model_dir)
@@ -122,7 +125,8 @@ def build(w: workload.Workload):
 
     mode, batches, _ = LAYOUTS[layout()] if w.natural else ("static", "padded", "hfjax")
     cfg = config_dict.ConfigDict()
-    cfg.actor = config_dict.ConfigDict(dict(
+    # Every setting of the actor's spec (hfjax/workers/spec.py) is written here: the workload's.
+    actor_spec = ActorSpec(
         ppo_mini_batch_size=w.prompts, ppo_micro_batch_size=w.micro_batch, ppo_epochs=1,
         shuffle=False, policy_loss="vanilla", clip_ratio=w.clip, clip_ratio_low=w.clip,
         clip_ratio_high=w.clip, clip_ratio_c=3.0, loss_agg_mode="seq-mean-token-mean",
@@ -132,7 +136,8 @@ def build(w: workload.Workload):
         # As in hfjax's configs: a prompt's samples are trained in one row that holds the
         # prompt once (hfjax/engine/shared_prompt.py); off on the static engine's padded side.
         share_prompt=mode == "continuous",
-    ))
+        logprob_chunk=head_chunks.DEFAULT_CHUNK,
+    )
     cfg.rollout = config_dict.ConfigDict(dict(
         n=w.samples, temperature=w.temperature, top_k=0, top_p=1.0, min_p=0.0,
         response_length=w.new_tokens, mode=mode,
@@ -154,8 +159,9 @@ def build(w: workload.Workload):
     # Fixed lengths: no stop token, every response runs to new_tokens.
     eos_ids = (tok.eos_id,) if w.natural else ()
     actor = ActorRollout(
-        "actor", pool, spec, model, sampler=sampler, actor_cfg=cfg.actor,
-        rollout_cfg=cfg.rollout, optimizer=make_optimizer(w.lr, grad_clip=0.0), eos_ids=eos_ids,
+        "actor", pool, spec, model, sampler=sampler, spec=actor_spec,
+        rollout=RolloutSpec.of(cfg.rollout), optimizer=make_optimizer(w.lr, grad_clip=0.0),
+        eos_ids=eos_ids,
     )
     workers = WorkerGroups(actor=actor, reward=EvenReward(), kl_ctrl=FixedKLController(0.0),
                            sync_timing=True)

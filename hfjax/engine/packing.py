@@ -340,14 +340,12 @@ class TokenBudget:
         return pack_shape(n_seqs, span, budget, dp, who)
 
 
-def token_budget(section: Any) -> TokenBudget | None:
-    """The packing setting of a config section; None: padded batches (`use_remove_padding`
-    off). Trained roles (actor, critics) read `ppo_max_token_len_per_gpu` and fall back to
-    `ppo_micro_batch_size` padded rows' worth; forward-only ones (reward and cost models) read
-    `forward_max_token_len_per_gpu` and fall back to the whole batch's padded tokens."""
-    if not section.get("use_remove_padding", False):
+def token_budget(remove_padding: bool, tokens: int, rows: int = 0) -> TokenBudget | None:
+    """A role's packing setting (`hfjax.workers.spec`); None: padded batches (`remove_padding`,
+    the role's `use_remove_padding`, off). `tokens` per data-parallel device and micro-batch
+    (`ppo_max_token_len_per_gpu` of a trained role, `forward_max_token_len_per_gpu` of a
+    forward-only one); 0: `rows` padded rows' worth (`ppo_micro_batch_size`), or the whole
+    batch's padded tokens when `rows` is 0 too."""
+    if not remove_padding:
         return None
-    if "forward_max_token_len_per_gpu" in section:
-        return TokenBudget(int(section.forward_max_token_len_per_gpu), 0)
-    return TokenBudget(int(section.get("ppo_max_token_len_per_gpu", 0)),
-                       int(section.ppo_micro_batch_size))
+    return TokenBudget(int(tokens), int(rows))

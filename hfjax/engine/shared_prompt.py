@@ -42,15 +42,15 @@ from hfjax.models.attention import ResponseBlocks, SharedPrompt
 from hfjax.parallel import sharding as shd
 
 
-def samples_per_row(section, samples: int) -> int:
-    """The samples a shared-prompt row holds for a policy config section (`actor`) and
-    `rollout.n` = `samples`: `samples` when `share_prompt` is on and the micro-batches
-    (`ppo_micro_batch_size`) hold whole groups, else 1 (padded rows). Packed batches
-    (`use_remove_padding`) have their own layout and never share."""
-    if not section.get("share_prompt", False) or section.get("use_remove_padding", False):
+def samples_per_row(samples: int, micro_rows: int, *, share: bool, packed: bool) -> int:
+    """The samples a shared-prompt row holds with `samples` (`rollout.n`) per prompt and
+    micro-batches of `micro_rows` sequences (`actor.ppo_micro_batch_size`): `samples` when
+    `share` (`actor.share_prompt`) is on and the micro-batches hold whole groups, else 1
+    (padded rows). Packed batches (`packed`: `use_remove_padding`) have their own layout and
+    never share."""
+    if not share or packed:
         return 1
-    micro = int(section.get("ppo_micro_batch_size", 0))
-    return samples if samples > 1 and micro % samples == 0 else 1
+    return samples if samples > 1 and micro_rows % samples == 0 else 1
 
 
 def fits(rows: int, samples: int, dp: int = 1) -> bool:

@@ -13,13 +13,13 @@ from hfjax.algorithms.registry import get_algorithm
 from hfjax.config import model_source
 from hfjax.data import arith
 from hfjax.engine.sampler import MIN_NEW_TOKENS_BUCKET, bucket_size, prompt_bucket
-from hfjax.engine.shared_prompt import samples_per_row
 from hfjax.models import lora
 from hfjax.models.config import ModelConfig
 from hfjax.models.hf_io import read_model_config
 from hfjax.planner.pricing import ModelSpec
 from hfjax.planner.simulator import Workload
 from hfjax.workers.groups import needs_ref
+from hfjax.workers.spec import ActorSpec
 
 
 def planned_model_config(cfg, platform: str = "gpu") -> ModelConfig:
@@ -92,7 +92,7 @@ def plan_inputs(cfg, reward_model: str = "", score_micro: int | None = None,
         critic_micro=c.ppo_micro_batch_size if "critic" in algo.roles else 0,
         critic_epochs=c.ppo_epochs if "critic" in algo.roles else 1,
         old_log_prob=bool(cfg.algo.use_kl_in_reward) or not single,
-        score_micro=score_micro, gen_rows=gen_rows, shared=samples_per_row(a, n),
+        score_micro=score_micro, gen_rows=gen_rows, shared=ActorSpec.of(a).samples_per_row(n),
     )
     return models, tuple(host), workload
 

@@ -12,8 +12,6 @@ configured length as the fixed horizon of "seq-mean-token-sum-norm".
 
 from __future__ import annotations
 
-from typing import Any
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -39,6 +37,7 @@ from hfjax.parallel import reshard
 from hfjax.parallel.mesh import batch_sharding
 from hfjax.parallel.transfer import transfer
 from hfjax.workers.base import SEQUENCES, Program, StepShape, WorkerGroup
+from hfjax.workers.spec import ActorSpec
 
 
 def response_logprobs(model, input_ids, attention_mask, response_len: int, temperature: float,
@@ -295,19 +294,22 @@ class ActorRollout(Reference):
     the engine's decode mesh.
     """
 
-    def __init__(self, *args, sampler: Sampler, actor_cfg: Any, rollout_cfg: Any,
+    def __init__(self, *args, sampler: Sampler, spec: ActorSpec, rollout: RolloutSpec,
                  eos_ids: tuple[int, ...] = (), hybrid: HybridEngine | None = None,
                  agent: AgentLoop | None = None, **kw):
-        rollout = RolloutSpec.of(rollout_cfg)
-        super().__init__(*args, temperature=rollout.temperature,
-                         budget=packing.token_budget(actor_cfg),
-                         micro_rows=actor_cfg.ppo_micro_batch_size,
-                         grouped=actor_cfg.get("group_by_length", False),
-                         samples=shared_prompt.samples_per_row(actor_cfg, rollout.n),
-                         chunk=actor_cfg.get("logprob_chunk", head_chunks.DEFAULT_CHUNK), **kw)
+        for value, cls, name, section in ((spec, ActorSpec, "spec", "actor"),
+                                          (rollout, RolloutSpec, "rollout", "rollout")):
+            if not isinstance(value, cls):
+                raise TypeError(f"ActorRollout: {name}= is a {type(value).__name__}, not the "
+                                f"{cls.__name__} it needs; build it once with "
+                                f"{cls.__name__}.of(cfg.{section})")
+        super().__init__(*args, temperature=rollout.temperature, budget=spec.budget,
+                         micro_rows=spec.ppo_micro_batch_size, grouped=spec.group_by_length,
+                         samples=spec.samples_per_row(rollout.n), chunk=spec.logprob_chunk,
+                         **kw)
         self.sampler = sampler
         self.eos_ids = tuple(eos_ids)
-        self.acfg = actor_cfg
+        self.spec = spec
         self.rollout = rollout
         self.hybrid = hybrid
         # Multi-turn rollouts with tools (`hfjax.engine.agent_loop`); None: one turn.
@@ -455,7 +457,7 @@ class ActorRollout(Reference):
     # -- updates ----------------------------------------------------------------------------
 
     def _policy_loss(self, params, mb, totals):
-        a = self.acfg
+        a = self.spec
         lp, ent = self._train_logprobs(params, mb)
         mask = mb["response_mask"]
         weight = share_of_normaliser(mask, totals, a.loss_agg_mode)
@@ -516,14 +518,14 @@ class ActorRollout(Reference):
         """True when `update_actor` on `rows` sequences is one optimizer step (one epoch of one
         mini-batch). The samples then come from the very policy being updated, and the step
         may leave out `old_log_probs` (the old-policy scoring pass)."""
-        a = self.acfg
+        a = self.spec
         return a.ppo_epochs == 1 and a.ppo_mini_batch_size * self.rollout.n == rows
 
     @method(DP_COMPUTE, reads=("response_mask", "advantages", *SEQUENCES),
             may_read=("old_log_probs", "ref_log_prob"))
     def update_actor(self, batch: Batch) -> dict[str, jax.Array]:
         """PPO epochs over shuffled mini-batches; returns mean metrics (device scalars)."""
-        a = self.acfg
+        a = self.spec
         keys = ["input_ids", "attention_mask", "responses", "response_mask", "advantages"]
         if "old_log_probs" in batch:
             keys.append("old_log_probs")
@@ -544,7 +546,7 @@ class ActorRollout(Reference):
         (when `shape.old_log_probs`) and the update (`update_actor`) on a mini-batch in the
         layout the config selects. The sampler's and the hybrid engine's programs are the
         rollout's (`hfjax.run.dry_run`)."""
-        a = self.acfg
+        a = self.spec
         out = self.log_prob_programs("log_prob", shape) if shape.old_log_probs else []
         mini = a.ppo_mini_batch_size * self.rollout.n
         mb = self.abstract_sequences(mini, shape)

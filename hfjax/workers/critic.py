@@ -11,27 +11,33 @@ from hfjax.engine import grouping, packing
 from hfjax.engine.update import share_of_normaliser
 from hfjax.numerics import core, losses
 from hfjax.workers.base import SEQUENCES, Program, StepShape, WorkerGroup
+from hfjax.workers.spec import CriticSpec
 
 
 class Critic(WorkerGroup):
     """A ValueModel on its pool. Values of response token t are read at position P + t - 1.
 
     It reads and writes the batch arrays named by VALUES and RETURNS and reports metrics under
-    METRICS/; `CostCritic` is the same model on the cost's arrays."""
+    METRICS/; `CostCritic` is the same model on the cost's arrays. `spec` holds its section's
+    settings (`hfjax.workers.spec.CriticSpec`, built once from the config)."""
 
     VALUES, RETURNS, METRICS = "values", "returns", "critic"
 
-    def __init__(self, *args, critic_cfg, n_samples: int = 1, horizon: int | None = None, **kw):
+    def __init__(self, *args, spec: CriticSpec, n_samples: int = 1, horizon: int | None = None,
+                 **kw):
+        if not isinstance(spec, CriticSpec):
+            raise TypeError(f"{type(self).__name__}: spec= is a {type(spec).__name__}, not the "
+                            "CriticSpec it needs; build it once with CriticSpec.of(cfg.critic)")
         super().__init__(*args, **kw)
-        self.ccfg = critic_cfg
+        self.spec = spec
         self.n_samples = n_samples
         # The configured response length: the fixed divisor of "seq-mean-token-sum-norm" when
         # batches are trimmed to their longest response (hfjax.workers.actor).
         self.horizon = None if horizon is None else float(horizon)
         # Packed rows cut by a token budget (`hfjax.engine.packing`); None: padded batches.
-        self.budget = packing.token_budget(critic_cfg)
+        self.budget = spec.budget
         # Padded micro-batches of similar lengths, each as wide as its rows need.
-        self.grouped = bool(critic_cfg.get("group_by_length", False))
+        self.grouped = spec.group_by_length
         self._values = self.jit(self._values_fn, static_argnums=(3,))
         self._packed_values = self.jit(self._packed_values_fn, static_argnums=(3, 4))
 
@@ -57,7 +63,7 @@ class Critic(WorkerGroup):
         """The value pass over a step's sequences (packed, a full-width length-grouped
         micro-batch, or the padded batch) and the update on a mini-batch, as
         `compute_values` and `update_critic` run them."""
-        c, r = self.ccfg, shape.response_len
+        c, r = self.spec, shape.response_len
         rows = self.padded_rows(shape.sequences)
         held, named = (f"{self.name} params",), {"params": self.params}
         name = f"{self.name}.values"
@@ -84,7 +90,7 @@ class Critic(WorkerGroup):
         r = batch["responses"].shape[1]
         ids, mask = batch["input_ids"], batch["attention_mask"]
         if self.grouped:
-            cuts = grouping.plan(grouping.extents(mask, r), self.ccfg.ppo_micro_batch_size,
+            cuts = grouping.plan(grouping.extents(mask, r), self.spec.ppo_micro_batch_size,
                                  ids.shape[1] - r, r, self.dp_size)
             (values,) = grouping.scored(
                 lambda mb: (self._values(self.params, mb["input_ids"], mb["attention_mask"],
@@ -97,7 +103,7 @@ class Critic(WorkerGroup):
         return Batch({self.VALUES: self._packed_values(self.params, ids, mask, r, shape)})
 
     def _loss(self, params, mb, totals):
-        c = self.ccfg
+        c = self.spec
         if "packed" in mb:
             vpreds = packing.response_values(self._packed_fn(params), mb)
         else:
@@ -123,7 +129,7 @@ class Critic(WorkerGroup):
         return self._update_critic(batch)
 
     def _update_critic(self, batch: Batch) -> dict[str, jax.Array]:
-        c = self.ccfg
+        c = self.spec
         if self.VALUES != "values":  # the loss reads the generic names
             batch = batch.union(Batch({"values": batch[self.VALUES],
                                        "returns": batch[self.RETURNS]}))

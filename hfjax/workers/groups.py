@@ -26,12 +26,9 @@ from ml_collections import config_dict
 from hfjax.controller import compile_log
 from hfjax.controller.batch import Batch
 from hfjax.controller.placement import place_role
-from hfjax.engine import head_chunks
 from hfjax.engine.agent_loop import AgentLoop, AgentOptions
 from hfjax.engine.continuous import rollout_sampler
 from hfjax.engine.layout_choice import actor_rules_and_engine
-from hfjax.engine.packing import token_budget
-from hfjax.engine.shared_prompt import samples_per_row
 from hfjax.engine.spec import RolloutSpec
 from hfjax.engine.update import make_optimizer
 from hfjax.models import lora, transformer
@@ -49,6 +46,7 @@ from hfjax.workers.actor import ActorRollout, BaseReference, Reference
 from hfjax.workers.critic import CostCritic, Critic
 from hfjax.workers.reward import RuleReward, parse_source_weights
 from hfjax.workers.score import ModelReward
+from hfjax.workers.spec import ActorSpec, CriticSpec, ScoreSpec
 
 
 @dataclasses.dataclass
@@ -131,11 +129,11 @@ def scratch_model_config(m, vocab_size: int, pad_id: int, eos_id: int,
         num_kv_heads=m.num_kv_heads,
         head_dim=m.head_dim,
         tie_word_embeddings=True,
-        param_dtype=m.get("param_dtype", "float32"),
+        param_dtype=m.param_dtype,
         dtype=compute_dtype,
         scan_layers=m.scan_layers,
         remat_policy=m.remat_policy,
-        attention_impl=m.get("attention_impl", "auto"),
+        attention_impl=m.attention_impl,
         pad_token_id=pad_id,
         eos_token_id=eos_id,
         max_position_embeddings=max_positions,
@@ -154,7 +152,7 @@ def build_actor(cfg, model: nnx.Module, pools: Mapping[str, ResourcePool], pad_i
     # Built first so that a decode layout that cannot hold the model fails before compiling;
     # rules "auto" pick the training rules that nest inside rollout.mesh.
     rollout = RolloutSpec.of(c.rollout)
-    rules, engine = actor_rules_and_engine(mesh, c.actor.get("rules", "auto"),
+    rules, engine = actor_rules_and_engine(mesh, c.actor.rules,
                                            rollout.decode_mesh, nnx.state(model))
     turns = multi_turn_enabled(c)
     # Later turns prefill the whole context so far: prompt plus the response budget.
@@ -164,18 +162,17 @@ def build_actor(cfg, model: nnx.Module, pools: Mapping[str, ResourcePool], pad_i
                               param_rules=engine.decode_rules if engine else rules)
     return ActorRollout(
         "actor", pool, c.actor.mesh, model, rules=rules,
-        sampler=sampler, actor_cfg=c.actor, rollout_cfg=rollout,
+        sampler=sampler, spec=ActorSpec.of(c.actor), rollout=rollout,
         optimizer=make_optimizer(c.sft.lr, grad_clip=c.actor.grad_clip),
         eos_ids=(eos_id,), hybrid=engine, home=mesh,
-        sequence_parallel=c.actor.get("sequence_parallel", "ulysses"),
+        sequence_parallel=c.actor.sequence_parallel,
         agent=build_agent(c, sampler, tokenizer) if turns else None,
     )
 
 
 def multi_turn_enabled(cfg) -> bool:
     """Whether the config asks for multi-turn rollouts (`rollout.multi_turn.enable`)."""
-    m = cfg.rollout.get("multi_turn")
-    return bool(m and m.get("enable", False))
+    return bool(cfg.rollout.multi_turn.enable)
 
 
 def build_agent(cfg, sampler, tokenizer, tools: str | None = None) -> AgentLoop:
@@ -192,7 +189,7 @@ def build_agent(cfg, sampler, tokenizer, tools: str | None = None) -> AgentLoop:
                          "enable=False")
     m = cfg.rollout.multi_turn
     spec = m.tools if tools is None else tools
-    runner = ToolRunner(resolve_tools(spec), max_workers=int(m.get("tool_workers", 8)))
+    runner = ToolRunner(resolve_tools(spec), max_workers=int(m.tool_workers))
     return AgentLoop(sampler, tokenizer, runner,
                      AgentOptions(max_turns=int(m.max_turns),
                                   max_tool_response_len=int(m.max_tool_response_len)))
@@ -203,9 +200,8 @@ def build_reward(cfg, tokenizer, home: Mesh) -> RuleReward:
     per-data_source weights that combine it with a reward model's scores."""
     r = cfg.reward
     return RuleReward(tokenizer, custom_fn=r.custom_fn or None, num_processes=r.num_processes,
-                      timeout_s=r.timeout_s, home=home, rule_weight=r.get("rule_weight", 1.0),
-                      model_weight=r.get("model_weight", 1.0),
-                      sources=parse_source_weights(r.get("sources", "")))
+                      timeout_s=r.timeout_s, home=home, rule_weight=r.rule_weight,
+                      model_weight=r.model_weight, sources=parse_source_weights(r.sources))
 
 
 def needs_ref(cfg, roles: tuple[str, ...]) -> bool:
@@ -255,23 +251,17 @@ def _build_ref(ctx: BuildContext) -> Reference | None:
     c = ctx.cfg
     if not needs_ref(c, ctx.roles):
         return None
+    # The reference scores in the actor's packing and micro-batches, as in verl.
+    a = ctx.actor.spec
+    scoring = dict(temperature=ctx.actor.rollout.temperature, budget=a.budget,
+                   micro_rows=a.ppo_micro_batch_size, grouped=a.group_by_length,
+                   samples=a.samples_per_row(ctx.actor.rollout.n), chunk=a.logprob_chunk)
     if ctx.actor.trainable is not None:
         # LoRA: the reference is the actor's frozen base (adapters off), no copy of it, on
         # the actor's pool (`hfjax.config.check.validate_config` refuses another).
-        return BaseReference("ref", ctx.actor, temperature=c.rollout.temperature,
-                             budget=token_budget(c.actor),
-                             micro_rows=c.actor.ppo_micro_batch_size,
-                             grouped=c.actor.get("group_by_length", False),
-                             samples=samples_per_row(c.actor, c.rollout.n),
-                             chunk=c.actor.get("logprob_chunk", head_chunks.DEFAULT_CHUNK))
-    return Reference("ref", ctx.pools["ref"], c.ref.mesh, ctx.policy,
-                     temperature=c.rollout.temperature, home=ctx.home,
-                     budget=token_budget(c.actor),  # the actor's packing and micro-batches,
-                     micro_rows=c.actor.ppo_micro_batch_size,  # as in verl
-                     grouped=c.actor.get("group_by_length", False),
-                     samples=samples_per_row(c.actor, c.rollout.n),
-                     chunk=c.actor.get("logprob_chunk", head_chunks.DEFAULT_CHUNK),
-                     sequence_parallel=c.ref.get("sequence_parallel", "ulysses"))
+        return BaseReference("ref", ctx.actor, **scoring)
+    return Reference("ref", ctx.pools["ref"], c.ref.mesh, ctx.policy, home=ctx.home,
+                     sequence_parallel=c.ref.sequence_parallel, **scoring)
 
 
 def _critic_builder(role: str, cls: type[Critic], seed_offset: int) -> RoleBuilder:
@@ -288,9 +278,10 @@ def _critic_builder(role: str, cls: type[Critic], seed_offset: int) -> RoleBuild
             lora.add_adapters(value_model, spec, seed=c.seed + seed_offset + 7)
         return cls(
             role, ctx.pools[role], s.mesh, value_model,
-            critic_cfg=s, n_samples=c.rollout.n, horizon=c.rollout.response_length,
+            spec=CriticSpec.of(s, role), n_samples=ctx.actor.rollout.n,
+            horizon=ctx.actor.rollout.response_length,
             optimizer=make_optimizer(s.lr, weight_decay=s.weight_decay, grad_clip=s.grad_clip),
-            home=ctx.home, sequence_parallel=s.get("sequence_parallel", "ulysses"),
+            home=ctx.home, sequence_parallel=s.sequence_parallel,
         )
 
     return build
@@ -299,17 +290,16 @@ def _critic_builder(role: str, cls: type[Critic], seed_offset: int) -> RoleBuild
 def _score_builder(role: str, output: str) -> RoleBuilder:
     def build(ctx: BuildContext) -> ModelReward:
         s = ctx.section(role)
-        dtype = s.get("dtype", "float32")
+        spec = ScoreSpec.of(s, role)
         if ctx.actor.abstract:
             # A dry run: the architecture from config.json (a .gguf's metadata, a preset's
             # shapes) as `load_score` would build it, shapes only; no weight is read.
-            model = transformer.abstract(read_model_config(s.path, dtype=dtype), "score")
+            model = transformer.abstract(read_model_config(spec.path, dtype=spec.dtype), "score")
         else:
             # A checkpoint without a trained score head is refused (run_config checks it first).
-            model = load_score(s.path, what=f"{role}.path", dtype=dtype)
+            model = load_score(spec.path, what=f"{role}.path", dtype=spec.dtype)
         return ModelReward(role, ctx.pools[role], s.mesh, model, output=output, home=ctx.home,
-                           budget=token_budget(s),
-                           sequence_parallel=s.get("sequence_parallel", "ulysses"))
+                           budget=spec.budget, sequence_parallel=s.sequence_parallel)
 
     return build
 

@@ -15,11 +15,13 @@ from hfjax.data.batching import left_pad
 from hfjax.engine import update
 from hfjax.engine.agent_loop import AgentLoop, AgentOptions, observation_renderer
 from hfjax.engine.sampler import Sampler, SamplingParams
+from hfjax.engine.spec import RolloutSpec
 from hfjax.models import transformer
 from hfjax.models.config import ModelConfig
 from hfjax.parallel.mesh import ResourcePool
 from hfjax.tools import Observation, ToolRunner, resolve_tools
 from hfjax.workers.actor import ActorRollout, response_logprobs
+from hfjax.workers.spec import ActorSpec
 
 TOK = tool_arith.tokenizer()
 P, R, N = 16, 48, 2  # prompt columns, response budget, samples per prompt
@@ -212,7 +214,8 @@ def _actor(model, sampler, runner):
     pool = ResourcePool("devices0-1", tuple(jax.devices()[:1]))
     agent = AgentLoop(sampler, TOK, runner, AgentOptions(max_turns=3, max_tool_response_len=8))
     return ActorRollout("actor", pool, "fsdp=1", model, rules="train", sampler=sampler,
-                        actor_cfg=a, rollout_cfg=c.rollout, eos_ids=(TOK.eos_id,),
+                        spec=ActorSpec.of(a), rollout=RolloutSpec.of(c.rollout),
+                        eos_ids=(TOK.eos_id,),
                         agent=agent, optimizer=update.make_optimizer(1e-2, grad_clip=0.0))
 
 

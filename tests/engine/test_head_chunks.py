@@ -16,11 +16,13 @@ from support import padded_rl_batch
 
 from configs import ppo_arith
 from hfjax.engine import grouping, head_chunks, shared_prompt, update
+from hfjax.engine.spec import RolloutSpec
 from hfjax.models import transformer
 from hfjax.models.config import ModelConfig
 from hfjax.numerics import core
 from hfjax.parallel.mesh import ResourcePool
 from hfjax.workers.actor import ActorRollout, compact_logprobs, response_logprobs
+from hfjax.workers.spec import ActorSpec
 
 N, G, P, R = 2, 4, 12, 23  # samples per prompt, prompts, prompt and response columns
 B = N * G
@@ -122,7 +124,7 @@ def _actor(model, chunk, mesh="data=2,fsdp=2,tensor=2"):
     c.rollout.n, c.rollout.response_length = N, R
     pool = ResourcePool("devices0-8", tuple(jax.devices()[:8]))
     return ActorRollout("actor", pool, mesh, model, rules="train", sequence_parallel="ring",
-                        sampler=None, actor_cfg=a, rollout_cfg=c.rollout,
+                        sampler=None, spec=ActorSpec.of(a), rollout=RolloutSpec.of(c.rollout),
                         optimizer=update.make_optimizer(1e-2, grad_clip=0.0))
 
 

@@ -19,12 +19,14 @@ from support import padded_rl_batch
 
 from configs import ppo_arith
 from hfjax.engine import grouping, packing, update
+from hfjax.engine.spec import RolloutSpec
 from hfjax.models import attention, transformer
 from hfjax.models.config import ModelConfig
 from hfjax.parallel.mesh import ResourcePool
 from hfjax.workers.actor import ActorRollout
 from hfjax.workers.critic import Critic
 from hfjax.workers.score import ModelReward
+from hfjax.workers.spec import ActorSpec, CriticSpec, ScoreSpec
 
 P, R, B = 8, 12, 16
 CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
@@ -143,7 +145,7 @@ def _actor(mesh, acfg, model, response_length=R):
     r = ppo_arith.get_config().rollout
     r.n, r.response_length = 1, response_length
     return ActorRollout("actor", _pool(mesh), mesh, model, rules="train", sampler=None,
-                        actor_cfg=acfg, rollout_cfg=r,
+                        spec=ActorSpec.of(acfg), rollout=RolloutSpec.of(r),
                         optimizer=update.make_optimizer(1e-2, grad_clip=0.0))
 
 
@@ -292,7 +294,8 @@ def test_actor_and_critic_updates_equal_the_padded_ones(model, mesh, budget):
         c.ppo_mini_batch_size, c.ppo_micro_batch_size, c.shuffle = B, 8, False
         c.use_remove_padding, c.ppo_max_token_len_per_gpu = remove_padding, tokens
         value_model = transformer.build(CFG, "value", seed=4)  # the same weights each time
-        critics.append(Critic("critic", _pool(spec), spec, value_model, critic_cfg=c, horizon=R,
+        critics.append(Critic("critic", _pool(spec), spec, value_model,
+                              spec=CriticSpec.of(c), horizon=R,
                               optimizer=update.make_optimizer(1e-2, grad_clip=0.0)))
     m = batch["response_mask"] > 0
     values = [np.asarray(c.compute_values(batch)["values"]) for c in critics]
@@ -326,7 +329,7 @@ def test_reward_model_scores_equal_the_padded_ones(mesh, budget):
         s.use_remove_padding = remove_padding
         s.forward_max_token_len_per_gpu = SCORE_BUDGETS[budget]
         rm = ModelReward("reward_model", _pool(spec), spec,
-                         transformer.build(cfg, "score", seed=6), budget=packing.token_budget(s))
+                         transformer.build(cfg, "score", seed=6), budget=ScoreSpec.of(s).budget)
         assert (rm.budget is None) != remove_padding
         scores.append(np.asarray(rm.compute_score(batch)["rm_scores"]))
     assert scores[0].shape == (B,) and np.abs(scores[0]).max() > 1e-3  # a head that is not zero
@@ -435,7 +438,7 @@ def test_grouped_actor_and_critic_on_a_multi_device_mesh(model):
         c.ppo_mini_batch_size, c.ppo_micro_batch_size, c.shuffle = B, 4, False
         c.group_by_length = grouped
         critics.append(Critic("critic", _pool(spec), spec, transformer.build(CFG, "value", seed=4),
-                              critic_cfg=c, horizon=GR,
+                              spec=CriticSpec.of(c), horizon=GR,
                               optimizer=update.make_optimizer(1e-2, grad_clip=0.0)))
     m = batch["response_mask"] > 0
     values = [np.asarray(c.compute_values(batch)["values"]) for c in critics]

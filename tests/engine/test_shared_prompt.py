@@ -18,10 +18,12 @@ from support import padded_rl_batch
 
 from configs import ppo_arith
 from hfjax.engine import grouping, shared_prompt, update
+from hfjax.engine.spec import RolloutSpec
 from hfjax.models import attention, transformer
 from hfjax.models.config import ModelConfig
 from hfjax.parallel.mesh import ResourcePool
 from hfjax.workers.actor import ActorRollout, compact_logprobs, response_logprobs
+from hfjax.workers.spec import ActorSpec
 
 N, G, P, R = 4, 4, 20, 24  # samples per prompt, prompts, prompt and response columns
 B = N * G
@@ -60,7 +62,7 @@ def _actor(mesh, model, *, share, micro=B, mode="token-mean", grouped=False, shu
     a.group_by_length, a.share_prompt, a.shuffle = grouped, share, shuffle
     c.rollout.n, c.rollout.response_length = N, R
     return ActorRollout("actor", _pool(mesh), mesh, model, rules="train", sampler=None,
-                        actor_cfg=a, rollout_cfg=c.rollout,
+                        spec=ActorSpec.of(a), rollout=RolloutSpec.of(c.rollout),
                         optimizer=update.make_optimizer(1e-2, grad_clip=0.0))
 
 
@@ -269,7 +271,6 @@ def test_update_on_a_multi_device_mesh(model, grouped, monkeypatch):
     for share in (False, True):
         a = _actor(spec, _twin(model), share=share, micro=B, grouped=bool(grouped) and share,
                    shuffle=True)
-        a.acfg.ppo_mini_batch_size = G
         actors.append(a)
     actors[0].samples = N  # the same groups, shuffled alike, on padded rows
     actors[0]._sharing = lambda rows: 1
@@ -295,15 +296,20 @@ def test_micro_batches_and_shuffles_keep_groups_whole():
 
 
 def test_when_rows_are_shared():
+    def rows(n, micro=8, share=True, packed=False):
+        return shared_prompt.samples_per_row(n, micro, share=share, packed=packed)
+
+    assert rows(4) == 4
+    assert rows(1) == 1
+    assert rows(3) == 1  # micro-batches of 8 split groups of 3
+    assert rows(4, packed=True) == 1  # packed rows have their own layout
+    assert rows(4, share=False) == 1
+    # The actor's spec asks the same question of its section.
     a = ppo_arith.get_config().actor
     a.share_prompt, a.ppo_micro_batch_size = True, 8
-    assert shared_prompt.samples_per_row(a, 4) == 4
-    assert shared_prompt.samples_per_row(a, 1) == 1
-    assert shared_prompt.samples_per_row(a, 3) == 1  # micro-batches of 8 split groups of 3
+    assert ActorSpec.of(a).samples_per_row(4) == 4
     a.use_remove_padding = True
-    assert shared_prompt.samples_per_row(a, 4) == 1  # packed rows have their own layout
-    a.use_remove_padding, a.share_prompt = False, False
-    assert shared_prompt.samples_per_row(a, 4) == 1
+    assert ActorSpec.of(a).samples_per_row(4) == 1
     assert shared_prompt.fits(8, 4, dp=2) and not shared_prompt.fits(8, 4, dp=4)
     assert not shared_prompt.fits(6, 4)
 

@@ -1,0 +1,133 @@
+"""The roles' typed specs (hfjax/workers/spec.py): read from a config section's keys, frozen,
+and refusing a missing key or a wrong type by name."""
+
+import dataclasses
+import importlib
+import pkgutil
+
+import pytest
+
+import configs
+from configs import ppo_arith
+from hfjax.config.keys import TRAIN_KEYS
+from hfjax.engine.packing import TokenBudget
+from hfjax.engine.spec import RolloutSpec
+from hfjax.workers.actor import ActorRollout
+from hfjax.workers.critic import CostCritic, Critic
+from hfjax.workers.spec import ActorSpec, CriticSpec, ScoreSpec
+
+# (spec, the config sections it is read from)
+SPECS = [(ActorSpec, ("actor",)), (CriticSpec, ("critic", "cost_critic")),
+         (ScoreSpec, ("reward_model", "cost_model"))]
+
+
+def test_the_actor_spec_holds_the_default_configs_values():
+    a = ActorSpec.of(ppo_arith.get_config().actor)
+    assert a == ActorSpec(
+        ppo_mini_batch_size=64, ppo_micro_batch_size=64, ppo_epochs=1, shuffle=True,
+        use_remove_padding=False, ppo_max_token_len_per_gpu=0, group_by_length=False,
+        share_prompt=True, logprob_chunk=2048, policy_loss="vanilla", clip_ratio=0.2,
+        clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=3.0, loss_agg_mode="token-mean",
+        entropy_coeff=0.0, use_kl_loss=False, kl_loss_coef=0.001, kl_loss_type="low_var_kl")
+    assert a.budget is None  # padded rows
+    assert a.samples_per_row(4) == 4 and a.samples_per_row(3) == 1  # 64 rows: groups of 4
+    assert isinstance(a.entropy_coeff, float)  # the config's 0.0; an int 0 would be cast
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        a.clip_ratio = 0.3
+
+
+def test_critic_and_score_specs_of_the_default_config():
+    c = ppo_arith.get_config()
+    critic = CriticSpec.of(c.critic)
+    assert (critic.ppo_mini_batch_size, critic.ppo_micro_batch_size, critic.ppo_epochs,
+            critic.cliprange_value, critic.loss_agg_mode) == (64, 64, 1, 0.5, "token-mean")
+    assert CriticSpec.of(c.cost_critic, "cost_critic") == critic  # a copy of the critic's keys
+    score = ScoreSpec.of(c.reward_model, "reward_model")
+    assert score == ScoreSpec(path="", dtype="float32", use_remove_padding=False,
+                              forward_max_token_len_per_gpu=0)
+    assert score.budget is None
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        critic.ppo_epochs = 2
+
+
+def test_budgets_follow_the_packing_keys():
+    c = ppo_arith.get_config()
+    c.actor.use_remove_padding, c.actor.ppo_max_token_len_per_gpu = True, 96
+    c.actor.ppo_micro_batch_size = 8
+    a = ActorSpec.of(c.actor)
+    assert a.budget == TokenBudget(96, 8)
+    assert a.samples_per_row(4) == 1  # packed rows are never shared
+    c.critic.use_remove_padding = True
+    assert CriticSpec.of(c.critic).budget == TokenBudget(0, 64)  # 64 padded rows' worth
+    c.cost_model.use_remove_padding, c.cost_model.forward_max_token_len_per_gpu = True, 40
+    assert ScoreSpec.of(c.cost_model, "cost_model").budget == TokenBudget(40, 0)
+
+
+@pytest.mark.parametrize(("spec", "sections"), SPECS, ids=[s.__name__ for s, _ in SPECS])
+def test_every_field_is_a_key_of_the_table(spec, sections):
+    """A spec reads only keys the key table declares, so a config checked by hfjax.config has
+    every one of them, with a valid value."""
+    c = ppo_arith.get_config()
+    for role in sections:
+        for f in dataclasses.fields(spec):
+            key = f"{role}.{f.name}"
+            assert key in TRAIN_KEYS, key
+            assert TRAIN_KEYS[key](c[role][f.name]) is None, key
+
+
+def test_every_shipped_config_builds_the_specs():
+    names = [m.name for m in pkgutil.iter_modules(configs.__path__)]
+    assert "ppo_arith" in names and len(names) > 5
+    for name in names:
+        mod = importlib.import_module(f"configs.{name}")
+        if not hasattr(mod, "get_config"):
+            continue
+        c = mod.get_config()
+        for spec, sections in SPECS:
+            for role in sections:
+                assert isinstance(spec.of(c[role], role), spec), (name, role)
+
+
+def test_a_wrong_type_is_refused_by_key():
+    # A ConfigDict keeps its fields' types; plain mappings (and user code) need not.
+    a = ppo_arith.get_config().actor.to_dict()
+    a["ppo_micro_batch_size"] = "8"
+    with pytest.raises(ValueError, match=r"actor\.ppo_micro_batch_size='8' needs an int; set "
+                                         r"--config\.actor\.ppo_micro_batch_size"):
+        ActorSpec.of(a)
+    c = ppo_arith.get_config().cost_critic.to_dict()
+    c["shuffle"] = 1  # an int is not a bool
+    with pytest.raises(ValueError, match=r"cost_critic\.shuffle=1 needs True or False"):
+        CriticSpec.of(c, "cost_critic")
+    s = ppo_arith.get_config().reward_model.to_dict()
+    s["forward_max_token_len_per_gpu"] = True  # a bool is not an int
+    with pytest.raises(ValueError, match=r"reward_model\.forward_max_token_len_per_gpu=True "
+                                         r"needs an int"):
+        ScoreSpec.of(s, "reward_model")
+
+
+def test_a_missing_key_is_refused_by_name():
+    a = ppo_arith.get_config().actor.to_dict()
+    del a["logprob_chunk"]
+    with pytest.raises(ValueError, match=r"actor section has no key logprob_chunk; derive the "
+                                         r"config from configs/ppo_arith\.py"):
+        ActorSpec.of(a)
+    with pytest.raises(ValueError, match="the config has no critic section"):
+        CriticSpec.of(None)
+
+
+def test_workers_refuse_a_config_section():
+    """Workers take specs: a ConfigDict is refused before anything is built."""
+    c = ppo_arith.get_config()
+    with pytest.raises(TypeError, match=r"ActorRollout: spec= is a ConfigDict, not the "
+                                        r"ActorSpec it needs; build it once with "
+                                        r"ActorSpec\.of\(cfg\.actor\)"):
+        ActorRollout("actor", None, "fsdp=1", None, sampler=None, spec=c.actor,
+                     rollout=RolloutSpec.of(c.rollout))
+    with pytest.raises(TypeError, match=r"rollout= is a ConfigDict, not the RolloutSpec"):
+        ActorRollout("actor", None, "fsdp=1", None, sampler=None,
+                     spec=ActorSpec.of(c.actor), rollout=c.rollout)
+    for cls in (Critic, CostCritic):
+        with pytest.raises(TypeError, match=rf"{cls.__name__}: spec= is a ConfigDict, not "
+                                            r"the CriticSpec it needs"):
+            cls("critic", None, "fsdp=1", None, spec=c.critic)
