@@ -3,6 +3,8 @@
 update step on 8 devices whose gradients are those of its micro-batches under the documented
 keys."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -23,9 +25,9 @@ def _ids(rows=4, cols=7, seed=0):
     return jnp.asarray(np.random.default_rng(seed).integers(0, 64, (rows, cols)), jnp.int32)
 
 
-def _adapted(rate: float, b_scale: float = 0.1):
+def _adapted(rate: float, b_scale: float = 0.1, cfg: ModelConfig = CFG):
     """A model with adapters of dropout `rate` on every projection, B random (non-zero)."""
-    model = transformer.build(CFG, seed=0)
+    model = transformer.build(cfg, seed=0)
     lora.add_adapters(model, lora.LoraSpec(rank=4, alpha=8.0, dropout=rate), seed=1)
     rng = np.random.default_rng(1)
     layers = model.model.layers
@@ -179,3 +181,31 @@ def test_an_update_step_draws_its_micro_batches_masks_from_the_step_key():
     np.testing.assert_allclose(m["grad_norm"], norm, rtol=1e-4)
     assert m["grad_norm"] != pytest.approx(m_plain["grad_norm"], rel=1e-3)
     assert before.keys() == after.keys()
+
+
+def test_remat_and_unrolled_layers_draw_the_same_masks():
+    """A rematerialised layer redraws, in the backward pass, the masks its forward drew; an
+    unrolled stack draws the scanned stack's: loss and gradients agree across the four."""
+    ids = _ids()
+    results = []
+    for policy, scan in (("none", True), ("full", True), ("none", False), ("dots", False)):
+        model = _adapted(0.3, cfg=dataclasses.replace(CFG, remat_policy=policy,
+                                                      scan_layers=scan))
+        graphdef, state = nnx.split(model)
+        train, frozen = nnx.split_state(state, nnx.LoRAParam, ...)
+
+        @jax.jit
+        def value_and_grad(t, graphdef=graphdef, frozen=frozen):
+            def loss(t):
+                with lora_dropout.training(jax.random.key(0), 0.3):
+                    return jnp.mean(nnx.merge(graphdef, nnx.merge_state(t, frozen))(ids) ** 2)
+            return jax.value_and_grad(loss)(t)
+
+        results.append(jax.tree.map(np.asarray, value_and_grad(train)))
+    value, grads = results[0]
+    plain = _adapted(0.0)
+    assert value != np.mean(np.asarray(plain(ids)) ** 2)
+    for v, g in results[1:]:
+        np.testing.assert_allclose(v, value, rtol=1e-6)
+        for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(grads)):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)

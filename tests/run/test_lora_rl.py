@@ -197,11 +197,17 @@ def test_ppo_critic_with_lora_trains_adapters_and_value_head_only():
     c = tiny_rl_config(algorithm="ppo")
     c.critic.lora.rank, c.critic.lora.alpha = 4, 8.0
     c.critic.lr = 1e-2
+    # Adapter dropout through the length-grouped critic update and the packed actor update.
+    c.critic.lora.dropout = 0.1
+    c.critic.group_by_length = True
+    c.actor.lora.rank, c.actor.lora.alpha, c.actor.lora.dropout = 4, 8.0, 0.1
+    c.actor.use_remove_padding = True
     t = make_trainer(c)
     critic = t.workers.critic
+    assert critic.dropout.rate == t.actor.dropout.rate == 0.1
     before = host(critic.params)
     metrics = t.train_step()
-    assert np.isfinite(metrics["critic/vf_loss"])
+    assert np.isfinite(metrics["critic/vf_loss"]) and np.isfinite(metrics["actor/pg_loss"])
     after = host(critic.params)
     changed = {k for k in before if not np.array_equal(before[k], after[k])}
     assert changed and all("_lora_" in k or "score" in k for k in changed), changed
