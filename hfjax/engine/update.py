@@ -180,6 +180,9 @@ def make_update_step(
         totals = normalisers(batch) if normalisers else {}
         train, frozen = split_trainable(params, trainable)
         loss = with_frozen(loss_fn, frozen)
+        if dropout is not None and counter is None:
+            raise ValueError("an update step with adapter dropout takes a counter (its fourth "
+                             "argument) to draw its masks from")
         key = None if dropout is None else lora_dropout.step_key(dropout.seed, counter)
         keyed = under_dropout(loss, dropout, key)
         if packing is None:
