@@ -159,8 +159,8 @@ def test_lora_checkpoints_hold_adapters_and_resume_bitwise(tmp_path):
         return c
 
     a = make_trainer(config())
-    assert a.actor.dropout is not None and a.actor.dropout.rate == 0.25
     a.fit(RunCheckpointer(str(tmp_path / "a"), async_save=False, max_to_keep=5))
+    assert a.actor.dropout is not None and a.actor.dropout.rate == 0.25
     want = host((a.actor.params, a.actor.opt_state))
     saved = RunCheckpointer(str(tmp_path / "a"), read_only=True)
     state, _ = saved.read_json(2)
