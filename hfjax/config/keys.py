@@ -41,7 +41,8 @@ _BUDGET = ("tokens per data-parallel device and micro-batch with use_remove_padd
 _SP = Choice(("ulysses", "ring"), note="attention across a row split over the mesh's sequence "
              "axis: ulysses (all-to-all, needs kv heads divisible by the sequence size) or ring "
              "(K/V blocks passed round)")
-_LORA_DROPOUT = "adapter dropout is not implemented; 0 is the only value"
+_LORA_DROPOUT = ("dropout on the adapters' input in training steps (PEFT's lora_dropout); "
+                 "0: none")
 _FORWARD_BUDGET = ("tokens per data-parallel device and micro-batch of the scoring pass with "
                    "use_remove_padding; 0: the whole batch")
 
@@ -51,7 +52,7 @@ def _lora_rows(role: str) -> dict[str, Callable[[Any], str | None]]:
         f"{role}.lora.rank": Int(0, note="0: train full weights"),
         f"{role}.lora.alpha": Float(0.0, lo_open=True),
         f"{role}.lora.targets": Check(lora_targets),
-        f"{role}.lora.dropout": Float(0.0, 0.0, note=_LORA_DROPOUT),
+        f"{role}.lora.dropout": Float(0.0, 1.0, hi_open=True, note=_LORA_DROPOUT),
     }
 
 

@@ -31,6 +31,7 @@ flags with the step's metrics):
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -42,6 +43,7 @@ from flax import nnx
 
 from hfjax.engine import packing as packing_lib
 from hfjax.engine.packing import PackShape
+from hfjax.models import lora_dropout
 
 LossFn = Callable[[Any, dict[str, jax.Array], dict[str, jax.Array]], tuple[jax.Array, dict]]
 
@@ -102,6 +104,20 @@ def join_trainable(train, frozen):
     return train if frozen is None else nnx.merge_state(train, frozen)
 
 
+def under_dropout(loss_fn: LossFn, dropout: lora_dropout.Dropout | None, key) -> Callable:
+    """`loss_fn` as fn(params, micro_batch, totals, i): micro-batch i's loss traced under
+    adapter dropout (`hfjax.models.lora_dropout`) with `key` and i folded in; without
+    `dropout`, `loss_fn` itself (i unused)."""
+    if dropout is None:
+        return lambda params, mb, totals, i: loss_fn(params, mb, totals)
+
+    def keyed(params, mb, totals, i):
+        with lora_dropout.training(jax.random.fold_in(key, i), dropout.rate):
+            return loss_fn(params, mb, totals)
+
+    return keyed
+
+
 def make_update_step(
     loss_fn: LossFn,
     optimizer: optax.GradientTransformation,
@@ -113,6 +129,7 @@ def make_update_step(
     packing: PackShape | None = None,
     group: int = 1,
     trainable: Any = None,
+    dropout: lora_dropout.Dropout | None = None,
 ) -> Callable:
     """Returns step(params, opt_state, batch) -> (params, opt_state, metrics), compiled with
     `jit` (a worker group's `WorkerGroup.jit`, which traces under its layout).
@@ -131,14 +148,21 @@ def make_update_step(
     `trainable` (an NNX filter, see `split_trainable`): only those variables get gradients and
     updates (the optimizer state is theirs); the rest pass through unchanged (LoRA's frozen
     base).
+
+    `dropout` (LoRA adapter dropout, `hfjax.models.lora_dropout`): the step takes a fourth
+    argument, `counter` (a small uint32 vector, e.g. [update call, mini-batch]), and traces
+    micro-batch i's loss under the key `lora_dropout.step_key(dropout.seed, counter)` with i
+    folded in (packed micro-batches: their first packed row). Without it the step is
+    step(params, opt_state, batch), its program that of a model without dropout.
     """
 
-    def _scan_micro_batches(loss_fn, params, batch, totals):
+    def _scan_micro_batches(loss_fn, params, batch, totals, keyed):
         micro = jax.tree.map(lambda x: strided_micro_batches(x, n_micro, group), batch)
-        grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+        grad_fn = jax.value_and_grad(keyed, has_aux=True)
 
-        def body(acc, mb):
-            (loss, metrics), grads = grad_fn(params, mb, totals)
+        def body(acc, xs):
+            i, mb = xs if dropout is not None else (None, xs)
+            (loss, metrics), grads = grad_fn(params, mb, totals, i)
             g_acc, m_acc = acc
             g_acc = jax.tree.map(jnp.add, g_acc, grads)
             m_acc = jax.tree.map(jnp.add, m_acc, {"loss": loss, **metrics})
@@ -148,21 +172,33 @@ def make_update_step(
         first = jax.eval_shape(lambda: loss_fn(params, jax.tree.map(lambda x: x[0], micro), totals))
         m0 = {"loss": jnp.zeros((), jnp.float32)}
         m0.update({k: jnp.zeros(v.shape, v.dtype) for k, v in first[1].items()})
-        (grads, metrics), _ = jax.lax.scan(body, (zeros, m0), micro)
+        xs = micro if dropout is None else (jnp.arange(n_micro, dtype=jnp.uint32), micro)
+        (grads, metrics), _ = jax.lax.scan(body, (zeros, m0), xs)
         return grads, metrics
 
-    def step(params, opt_state, batch):
+    def step(params, opt_state, batch, counter=None):
         totals = normalisers(batch) if normalisers else {}
         train, frozen = split_trainable(params, trainable)
         loss = with_frozen(loss_fn, frozen)
+        if dropout is not None and counter is None:
+            raise ValueError("an update step with adapter dropout takes a counter (its fourth "
+                             "argument) to draw its masks from")
+        key = None if dropout is None else lora_dropout.step_key(dropout.seed, counter)
+        keyed = under_dropout(loss, dropout, key)
         if packing is None:
-            grads, metrics = _scan_micro_batches(loss, train, batch, totals)
+            grads, metrics = _scan_micro_batches(loss, train, batch, totals, keyed)
         else:
-            grads, metrics = packing_lib.accumulate_grads(loss, train, batch, totals, packing)
+            # A packed micro-batch is known by its first packed row (`accumulate_grads`).
+            grads, metrics = packing_lib.accumulate_grads(
+                lambda p, mb, t: keyed(p, mb, t, mb["first_row"]), train, batch, totals,
+                packing)
         train, opt_state, metrics = apply_grads(optimizer, train, opt_state, grads, metrics)
         return join_trainable(train, frozen), opt_state, metrics
 
-    return jit(step, donate_argnums=(0, 1), **_state_shardings(param_shardings, opt_shardings))
+    shardings = _state_shardings(param_shardings, opt_shardings)
+    if shardings and dropout is not None:
+        shardings["in_shardings"] += (None,)
+    return jit(step, donate_argnums=(0, 1), **shardings)
 
 
 def make_grouped_update_step(
@@ -174,6 +210,7 @@ def make_grouped_update_step(
     jit: Callable = jax.jit,
     trainable: Any = None,
     grad_shardings: Any = None,
+    dropout: lora_dropout.Dropout | None = None,
 ) -> Callable:
     """Returns step(params, opt_state, mini_batch, micro_batches) -> (params, opt_state,
     metrics) for micro-batches of different shapes (`hfjax.engine.grouping`): one compiled
@@ -181,15 +218,23 @@ def make_grouped_update_step(
     applies the update as `make_update_step` does. `normalisers` are taken over the whole
     mini-batch; `micro_batches` is an iterable of micro-batch dicts already on the mesh.
     `trainable`: as in `make_update_step`; the gradients then have `grad_shardings` (the
-    trainable part's)."""
+    trainable part's). `dropout`: as in `make_update_step`; `micro_batches` then yields
+    (micro-batch, counter) pairs, each counter naming its micro-batch (e.g. [update call,
+    mini-batch, micro-batch])."""
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
     if trainable is None:
         grad_shardings = param_shardings
 
-    def accumulate(params, grads, mb, totals):
+    def accumulate(params, grads, mb, totals, counter=None):
         train, frozen = split_trainable(params, trainable)
-        (loss, metrics), g = jax.value_and_grad(with_frozen(loss_fn, frozen), has_aux=True)(
-            train, mb, totals) if frozen is not None else grad_fn(params, mb, totals)
+        if dropout is not None:  # one micro-batch: its counter names it whole
+            key = lora_dropout.step_key(dropout.seed, counter)
+            fn = functools.partial(under_dropout(with_frozen(loss_fn, frozen), dropout, key),
+                                   i=0)
+            (loss, metrics), g = jax.value_and_grad(fn, has_aux=True)(train, mb, totals)
+        else:
+            (loss, metrics), g = jax.value_and_grad(with_frozen(loss_fn, frozen), has_aux=True)(
+                train, mb, totals) if frozen is not None else grad_fn(params, mb, totals)
         return jax.tree.map(jnp.add, grads, g), {"loss": loss, **metrics}
 
     grads_out = {} if grad_shardings is None else {"out_shardings": (grad_shardings, None)}
@@ -212,7 +257,10 @@ def make_grouped_update_step(
         totals = totals_of(batch)
         grads, sums = zeros(params), None
         for mb in micro_batches:
-            grads, metrics = add(params, grads, mb, totals)
+            if dropout is None:
+                grads, metrics = add(params, grads, mb, totals)
+            else:
+                grads, metrics = add(params, grads, mb[0], totals, mb[1])
             sums = metrics if sums is None else jax.tree.map(jnp.add, sums, metrics)
         if sums is None:
             raise ValueError("a grouped update step needs at least one micro-batch")

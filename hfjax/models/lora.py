@@ -7,11 +7,12 @@ A target projection W [in, out] (stored stacked over layers, in its logical shap
     <name>_lora_b [layers, rank, *out]    (zeros: the adapted model starts as the base)
 
 and the projection computes x @ W + (alpha / rank) * (x @ A) @ B (`hfjax.models.transformer`'s
-`_proj`). The adapters are `flax.nnx.LoRAParam` variables (a subclass of `nnx.Param`), so
-`nnx.split_state(state, nnx.LoRAParam, ...)` separates what trains from the frozen base, and
-the base's own state (everything that is not a LoRAParam) is exactly the state of the model
-without adapters: the reference policy reads it under the base model's graphdef
-(`base_state`), with no second copy of the weights.
+`_proj`); in a training step with `dropout` > 0, x @ A becomes dropout(x) @ A
+(`hfjax.models.lora_dropout`). The adapters are `flax.nnx.LoRAParam` variables (a subclass
+of `nnx.Param`), so `nnx.split_state(state, nnx.LoRAParam, ...)` separates what trains from
+the frozen base, and the base's own state (everything that is not a LoRAParam) is exactly
+the state of the model without adapters: the reference policy reads it under the base
+model's graphdef (`base_state`), with no second copy of the weights.
 
 Why not `nnx.LoRA` or Qwix: the decoder keeps each projection as one stacked array that
 `lax.scan` slices per layer and `_proj` multiplies as a 2-D matmul (no `nnx.Linear` modules
@@ -30,7 +31,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from hfjax.models import transformer
+from hfjax.models import lora_dropout, transformer
 from hfjax.models.config import ModelConfig
 
 # The linear projections of a decoder layer that can carry adapters, in PEFT's names.
@@ -153,7 +154,19 @@ def add_adapters(model: nnx.Module, spec: LoraSpec, seed: int = 0) -> nnx.Module
                 nnx.LoRAParam(b, logical_axes=("layers", None, *out_axes)))
     layers.lora_scale = spec.scale
     layers.lora_dropout = spec.dropout
+    # Training steps draw the adapters' dropout masks from this seed (`dropout_of`).
+    layers.lora_seed = int(seed)
     return model
+
+
+def dropout_of(model: nnx.Module) -> lora_dropout.Dropout | None:
+    """The adapter dropout a training step of `model` applies (`hfjax.models.lora_dropout`):
+    None without adapters or at lora.dropout 0."""
+    layers = model.model.layers
+    rate = float(getattr(layers, "lora_dropout", 0.0) or 0.0)
+    if getattr(layers, "lora_scale", None) is None or rate == 0.0:
+        return None
+    return lora_dropout.Dropout(rate, int(layers.lora_seed))
 
 
 def trainable_filter(state):

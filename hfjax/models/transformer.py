@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from hfjax.models import lora_dropout
 from hfjax.models import sequence_parallel as sp
 from hfjax.models.attention import ResponseBlocks, SharedPrompt, attention_fn
 from hfjax.models.config import ModelConfig
@@ -253,6 +254,11 @@ def _low_precision_matmul_bwd(dtype, out_dtype, transpose_w, res, g):
 _low_precision_matmul.defvjp(_low_precision_matmul_fwd, _low_precision_matmul_bwd)
 
 
+# Each adapted projection's dropout mask comes from its layer's key with its index folded in.
+_DROPOUT_STREAMS = {n: i for i, n in enumerate(
+    ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))}
+
+
 def _proj(cfg: ModelConfig, p, x: jax.Array, name: str, out_shape: tuple[int, ...],
           out_dtype=None) -> jax.Array:
     """x [B, T, in] times parameter `name` as one 2-D [B*T, in] x [in, out] `matmul`.
@@ -269,7 +275,12 @@ def _proj(cfg: ModelConfig, p, x: jax.Array, name: str, out_shape: tuple[int, ..
     a = p.get(f"{name}_lora_a")
     if a is not None:  # LoRA (`hfjax.models.lora`): + (x @ A) @ (scale * B), A and B float32
         r = a.shape[-1]
-        xa = matmul(x2, a.reshape(-1, r), cfg.jnp_dtype)
+        xin = x2
+        if lora_dropout.LAYER_KEY in p:  # a training step's adapter dropout (its own mask)
+            _, rate = lora_dropout.active()
+            key = jax.random.fold_in(p[lora_dropout.LAYER_KEY], _DROPOUT_STREAMS[name])
+            xin = lora_dropout.apply(x2, key, rate)
+        xa = matmul(xin, a.reshape(-1, r), cfg.jnp_dtype)
         b = p[f"{name}_lora_b"].reshape(r, -1)
         flat = flat + matmul(xa, b, cfg.jnp_dtype, flat.dtype)
     return flat.reshape(B, T, *out_shape)
@@ -426,6 +437,14 @@ class Backbone(nnx.Module):
         rope = rope_tables(positions, rope_inv_freq(cfg), storage_dtype(cfg.jnp_dtype),
                            key_valid.shape[1])
         params = self.layers.arrays()
+        dropout = lora_dropout.active()
+        rate = getattr(self.layers, "lora_dropout", 0.0)
+        if dropout is not None and cache is None and rate:
+            # Inside a training step's loss (`hfjax.models.lora_dropout`): a key per layer.
+            if dropout[1] != rate:
+                raise ValueError(f"adapter dropout traced at rate {dropout[1]} for a model "
+                                 f"whose lora.dropout is {rate}")
+            params[lora_dropout.LAYER_KEY] = lora_dropout.layer_keys(dropout[0], cfg.num_layers)
 
         def layer(h, p, kv):
             return _block(cfg, rope, p, h, attention, kv, cache_index)

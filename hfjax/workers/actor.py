@@ -262,7 +262,7 @@ class BaseReference(Reference):
         self.name, self.pool, self.mesh, self.home = name, actor.pool, actor.mesh, actor.home
         self.layout, self.config = actor.layout, actor.config
         self.graphdef = self.base_graphdef = actor.base_graphdef
-        self.trainable, self.lora = None, None
+        self.trainable, self.lora, self.dropout = None, None, None
         self.param_shardings = self.train_shardings = self.layout.state_shardings(
             actor.base_params())
         self._train_calls = 0

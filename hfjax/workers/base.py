@@ -17,6 +17,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from absl import logging
 from flax import nnx
@@ -138,6 +139,8 @@ class WorkerGroup:
         # With LoRA adapters (`hfjax.models.lora`) only they train: the base gets no gradient,
         # no optimizer state and no update.
         self._set_trainable(state)
+        # LoRA adapter dropout in training steps (`hfjax.models.lora_dropout`); None: none.
+        self.dropout = lora.dropout_of(model) if self.trainable is not None else None
         self.lora: lora.LoraSpec | None = None
         self.base_graphdef = (lora.base_graphdef(model) if self.trainable is not None
                               else self.graphdef)
@@ -167,6 +170,7 @@ class WorkerGroup:
             else var.replace(_place(var.get_value(), sh)),
             self.param_shardings, state, is_leaf=shd.is_variable)
         self._set_trainable(state)
+        self.dropout = lora.dropout_of(model)
         self.set_optimizer(self.optimizer)
 
     def base_params(self, params=None):
@@ -248,14 +252,19 @@ class WorkerGroup:
         for rows in update.mini_batch_rows(len(batch), mini, epochs, shuffle, self._train_calls,
                                            group):
             mb = picked.take(rows).to(self.mesh)  # a gather's output layout is XLA's choice
+            # With adapter dropout, the step's masks come from (this update call, mini-batch).
+            named = () if self.dropout is None else (self._counter(self._train_calls, count),)
             if grouped:
                 parts = (self.on_mesh(grouping.cut(mb.arrays, c, r))
                          for c in grouping.plan(ext[:, rows], micro, p, r, self.dp_size, group))
+                if self.dropout is not None:
+                    parts = ((part, self._counter(self._train_calls, count, j))
+                             for j, part in enumerate(parts))
                 self.params, self.opt_state, m = step(self.params, self.opt_state,
                                                       dict(mb.arrays), parts)
             else:
                 self.params, self.opt_state, m = step(self.params, self.opt_state,
-                                                      dict(mb.arrays))
+                                                      dict(mb.arrays), *named)
             sums = m if not sums else jax.tree.map(jnp.add, sums, m)
             count += 1
         self._train_calls += 1
@@ -263,6 +272,13 @@ class WorkerGroup:
         out["nonfinite"] = sums["nonfinite"]
         out["nonfinite_params"] = sums["nonfinite_params"]
         return out
+
+    def _counter(self, *values: int) -> jax.Array:
+        """A uint32 vector of `values` on every device of the mesh: what names an update
+        step's (or micro-batch's) adapter-dropout key (`hfjax.models.lora_dropout.step_key`).
+        Its upload, a few bytes per step, is deliberate."""
+        with jax.transfer_guard("allow"):
+            return jax.device_put(np.asarray(values, np.uint32), self.layout.replicated())
 
     def on_mesh(self, arrays: dict[str, jax.Array]) -> dict[str, jax.Array]:
         """`arrays` with their rows split over this group's data-parallel devices."""
@@ -276,7 +292,7 @@ class WorkerGroup:
             self._programs[key] = update.make_grouped_update_step(
                 loss_fn, self.optimizer, self.param_shardings, self.opt_shardings,
                 normalisers=normalisers, jit=self.jit, trainable=self.trainable,
-                grad_shardings=self.train_shardings)
+                grad_shardings=self.train_shardings, dropout=self.dropout)
         return self._programs[key]
 
     def update_program(self, loss_fn, n_micro: int, normalisers=update.normalisers,
@@ -291,7 +307,7 @@ class WorkerGroup:
             self._programs[key] = update.make_update_step(
                 loss_fn, self.optimizer, n_micro, self.param_shardings, self.opt_shardings,
                 normalisers=normalisers, jit=self.jit, packing=packing, group=group,
-                trainable=self.trainable,
+                trainable=self.trainable, dropout=self.dropout,
             )
         return self._programs[key]
 
@@ -334,7 +350,8 @@ class WorkerGroup:
             if budget is not None:
                 shape = budget.shape(mini, batch["input_ids"].shape[1], self.dp_size, self.name)
             step = self.update_program(loss_fn, mini // micro, normalisers, shape, group)
-            return [Program(name, step, (self.params, self.opt_state, batch), state, named, True)]
+            args = (self.params, self.opt_state, batch, *self._abstract_counter(2))
+            return [Program(name, step, args, state, named, True)]
         step = self.grouped_program(loss_fn, normalisers)
         everywhere = self.layout.replicated()
 
@@ -346,9 +363,10 @@ class WorkerGroup:
         mb = {k: jax.ShapeDtypeStruct((micro, *v.shape[1:]), v.dtype, sharding=v.sharding)
               for k, v in batch.items()}
         grads = self.trainable_params()
-        _, metrics = jax.eval_shape(step.accumulate, self.params, grads, mb, totals)
+        counter = self._abstract_counter(3)
+        _, metrics = jax.eval_shape(step.accumulate, self.params, grads, mb, totals, *counter)
         return [
-            Program(name, step.accumulate, (self.params, grads, mb, totals),
+            Program(name, step.accumulate, (self.params, grads, mb, totals, *counter),
                     (f"{self.name} params",),
                     {"params": self.params, "gradients": grads, "batch": mb}, True),
             Program(f"{name}.apply", step.apply,
@@ -356,6 +374,13 @@ class WorkerGroup:
                     {"params": self.params, "optimizer": self.opt_state, "gradients": grads},
                     True),
         ]
+
+    def _abstract_counter(self, n: int) -> tuple:
+        """() without adapter dropout, else an abstract `_counter` of `n` values (the update
+        programs' last argument)."""
+        if self.dropout is None:
+            return ()
+        return (jax.ShapeDtypeStruct((n,), jnp.uint32, sharding=self.layout.replicated()),)
 
     @property
     def abstract(self) -> bool:

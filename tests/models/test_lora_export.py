@@ -51,6 +51,7 @@ def test_peft_and_merged_exports_give_hfjax_logits(tmp_path):
     c.rollout.n = 2
     c.actor.lora.rank, c.actor.lora.alpha = 4, 8.0
     c.actor.lora.targets = "q_proj,v_proj,o_proj,down_proj"
+    c.actor.lora.dropout = 0.1  # training only: the exports and PEFT in eval mode have none
     t = Trainer(c)
     w = t.workers
     # Random adapters (B starts at zero: the adapted model would equal the base).
@@ -78,6 +79,7 @@ def test_peft_and_merged_exports_give_hfjax_logits(tmp_path):
     cfg = json.load(open(tmp_path / "adapter" / "adapter_config.json"))
     assert cfg["r"] == 4 and cfg["lora_alpha"] == 8.0 and cfg["base_model_name_or_path"] == \
         base_dir and sorted(cfg["target_modules"]) == ["down_proj", "o_proj", "q_proj", "v_proj"]
+    assert cfg["lora_dropout"] == 0.1
     assert not os.path.exists(tmp_path / "adapter" / "base")  # named by its path, not copied
     model = peft.PeftModel.from_pretrained(
         tf.AutoModelForCausalLM.from_pretrained(base_dir, torch_dtype=torch.float32),

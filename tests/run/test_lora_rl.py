@@ -103,6 +103,46 @@ def test_lora_reference_refuses_a_pool_of_its_own():
         validate_config(c)
 
 
+def _lowered(cfg) -> dict[str, str]:
+    """{program name: its lowered text} of every device program of a step of `cfg`, built
+    from abstract shapes (nothing is compiled or allocated), and the LoRA merge."""
+    from hfjax.run import dry_run
+
+    w = dry_run.abstract_groups(cfg)
+    shape = dry_run.step_shape(w, cfg)
+    out = {p.name: p.fn.lower(*p.args).as_text()
+           for _, g in dry_run.device_groups(w) for p in g.programs(shape)}
+    out["actor.merge"] = w.actor.merge_program().lower(w.actor.params).as_text()
+    return out
+
+
+def test_adapter_dropout_changes_the_update_only():
+    """Scoring (old-policy and reference log-probs, critic values) and the merged decode copy
+    lower to the same programs with and without adapter dropout; the updates differ."""
+    def config(dropout, mode="padded"):
+        c = tiny_rl_config(algorithm="ppo")
+        c.actor.lora.rank, c.actor.lora.alpha, c.actor.lora.dropout = 4, 8.0, dropout
+        c.critic.lora.rank, c.critic.lora.alpha, c.critic.lora.dropout = 4, 8.0, dropout
+        c.actor.use_kl_loss = True
+        c.actor.use_remove_padding = c.critic.use_remove_padding = mode == "packed"
+        c.actor.group_by_length = c.critic.group_by_length = mode == "grouped"
+        return c
+
+    for mode in ("padded", "packed", "grouped"):
+        plain, dropped = _lowered(config(0.0, mode)), _lowered(config(0.3, mode))
+        assert plain.keys() == dropped.keys() >= {"actor.log_prob", "ref.log_prob",
+                                                  "critic.values", "actor.update",
+                                                  "critic.update", "actor.merge"}
+        for name in plain:
+            # A length-grouped update's optimizer step (`.update.apply`) has no forward pass.
+            same = plain[name] == dropped[name]
+            assert same == (not name.endswith(".update")), (name, mode)
+
+    c = config(1.0)
+    with pytest.raises(ConfigError, match=r"actor.lora.dropout.*\[0, 1\)"):
+        validate_config(c)
+
+
 @pytest.mark.slow
 def test_lora_checkpoints_hold_adapters_and_resume_bitwise(tmp_path):
     import shutil
@@ -112,6 +152,7 @@ def test_lora_checkpoints_hold_adapters_and_resume_bitwise(tmp_path):
 
     def config():
         c = lora_config()
+        c.actor.lora.dropout = 0.25  # a resumed run draws the masks the first run drew
         c.rollout.mesh = ""  # decode in the training layout: a faster test
         c.trainer.total_steps, c.trainer.save_freq, c.trainer.test_freq = 4, 2, 0
         c.trainer.val_before_train = False
@@ -119,6 +160,7 @@ def test_lora_checkpoints_hold_adapters_and_resume_bitwise(tmp_path):
 
     a = make_trainer(config())
     a.fit(RunCheckpointer(str(tmp_path / "a"), async_save=False, max_to_keep=5))
+    assert a.actor.dropout is not None and a.actor.dropout.rate == 0.25
     want = host((a.actor.params, a.actor.opt_state))
     saved = RunCheckpointer(str(tmp_path / "a"), read_only=True)
     state, _ = saved.read_json(2)
@@ -155,11 +197,17 @@ def test_ppo_critic_with_lora_trains_adapters_and_value_head_only():
     c = tiny_rl_config(algorithm="ppo")
     c.critic.lora.rank, c.critic.lora.alpha = 4, 8.0
     c.critic.lr = 1e-2
+    # Adapter dropout through the length-grouped critic update and the packed actor update.
+    c.critic.lora.dropout = 0.1
+    c.critic.group_by_length = True
+    c.actor.lora.rank, c.actor.lora.alpha, c.actor.lora.dropout = 4, 8.0, 0.1
+    c.actor.use_remove_padding = True
     t = make_trainer(c)
     critic = t.workers.critic
+    assert critic.dropout.rate == t.actor.dropout.rate == 0.1
     before = host(critic.params)
     metrics = t.train_step()
-    assert np.isfinite(metrics["critic/vf_loss"])
+    assert np.isfinite(metrics["critic/vf_loss"]) and np.isfinite(metrics["actor/pg_loss"])
     after = host(critic.params)
     changed = {k for k in before if not np.array_equal(before[k], after[k])}
     assert changed and all("_lora_" in k or "score" in k for k in changed), changed
