@@ -5,7 +5,8 @@
 
 Tasks: gsm_symbolic, basic_arithmetic, countdown, chain_sum (reasoning-gym) and arith (the
 embedded arithmetic task), arith_tool (3-4 digit products for the calculator tool, with verl's
-multi-turn fields: docs/agents.md), in verl's prompt schema (docs/data.md); and arith_prefs /
+multi-turn fields: docs/agents.md), in verl's prompt schema (docs/data.md); `--tools=calculator`
+starts every prompt with a system message describing the tools (docs/agents.md); and arith_prefs /
 arith_cost_prefs, preference pairs for reward / cost models (docs/algorithms.md):
 
     python -m launch.prepare_data --task=arith_prefs --n_train=1400 --n_test=200 \
@@ -28,6 +29,10 @@ _SEED = flags.DEFINE_integer("seed", 0, "generator seed; the same seed writes th
 _CONFIG = flags.DEFINE_string(
     "task_config", "{}", "JSON object of generator options, e.g. reasoning-gym config fields"
 )
+_TOOLS = flags.DEFINE_string(
+    "tools", "", "tools to tell the model about (names or pkg.mod:Class, comma-separated): each "
+    "prompt starts with a system message describing them, and rows get extra_info.tools_kwargs"
+)
 
 
 def main(argv):
@@ -38,7 +43,7 @@ def main(argv):
                                             for k in FLAG_KEYS["prepare_data"]})
     config = json.loads(_CONFIG.value)
     paths = prepare.prepare(_TASK.value, _N_TRAIN.value, _N_TEST.value, _OUT.value,
-                            seed=_SEED.value, config=config)
+                            seed=_SEED.value, config=config, tools=_TOOLS.value)
     import pyarrow.parquet as pq
 
     for path in paths.values():

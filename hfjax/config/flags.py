@@ -77,6 +77,7 @@ FLAG_KEYS: dict[str, dict[str, Callable[[Any], str | None]]] = {
         "out": Check(output_dir),
         "seed": Int(0),
         "task_config": Check(json_object),
+        "tools": Check(tool_spec),
     },
 }
 

@@ -18,6 +18,12 @@ digit 7 preferred to answers with one), in the schema of `hfjax.data.preferences
   `extra_info.tools_kwargs` (per tool, verl's `create_kwargs`) and
   `extra_info.interaction_kwargs` (`name`, `query`, `ground_truth`).
 
+`tools` (e.g. "calculator") tells the model about tools through the data, for chat templates
+that ignore a `tools` list (SmolLM2's): every prompt starts with a system message describing
+them (`hfjax.tools.prompt.system_message`: name, description, JSON schema of the arguments, the
+`<tool_call>` format), and every row gets `agent_name` "tool_agent" and verl's
+`extra_info.tools_kwargs` for them.
+
 Train and test come from one seeded stream of problems, deduplicated by prompt, so the two
 splits never share a question and the same seed always writes the same files.
 """
@@ -33,6 +39,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from hfjax.data import arith, preferences, tool_arith
+from hfjax.tools import prompt as tool_prompt
+from hfjax.tools import resolve_tools
 
 GSM_SUFFIX = 'Let\'s think step by step and output the final answer after "####".'
 RG_PREFIX = "reasoning_gym/"
@@ -124,12 +132,38 @@ def _arith_tool_stream(seed: int, config: dict) -> Iterator[dict]:
         yield tool_arith.row(*tool_arith.draw(rng, *digits))
 
 
+def with_tools(row: dict, system: str, tools_kwargs: dict) -> dict:
+    """`row` with `system` first in its prompt (before an existing system message's text),
+    agent_name "tool_agent" and `tools_kwargs` as its extra_info.tools_kwargs."""
+    messages = [dict(m) for m in row["prompt"]]
+    if messages and messages[0]["role"] == "system":
+        messages[0]["content"] = f"{system}\n\n{messages[0]['content']}"
+    else:
+        messages.insert(0, {"role": "system", "content": system})
+    extra = dict(row.get("extra_info") or {}, tools_kwargs=tools_kwargs)
+    return dict(row, prompt=messages, agent_name=tool_arith.AGENT_NAME, extra_info=extra)
+
+
 def make_splits(
-    task: str, n_train: int, n_test: int, seed: int = 0, config: dict | None = None
+    task: str, n_train: int, n_test: int, seed: int = 0, config: dict | None = None,
+    tools: str = "",
 ) -> tuple[list[dict], list[dict]]:
-    """(train rows, test rows): distinct prompts drawn from one seeded stream."""
+    """(train rows, test rows): distinct prompts drawn from one seeded stream; with `tools`
+    (a tool spec, e.g. "calculator"), each prompt starts with the system message that describes
+    them (`with_tools`)."""
     if task not in TASKS:
         raise ValueError(f"unknown task {task!r}; choose one of {', '.join(TASKS)}")
+    if tools.strip():
+        if task in PREFERENCE_TASKS:
+            raise ValueError(f"task {task!r} writes preference pairs, which take no tools; "
+                             "drop --tools")
+        resolved = resolve_tools(tools)
+        system = tool_prompt.system_message(resolved)
+        train, test = make_splits(task, n_train, n_test, seed, config)
+        return tuple(
+            [with_tools(r, system, tool_prompt.tools_kwargs(resolved, r["prompt"][-1]["content"]))
+             for r in rows]
+            for rows in (train, test))
     if n_train < 0 or n_test < 0 or n_train + n_test == 0:
         raise ValueError(f"need n_train, n_test >= 0 and not both 0, got {n_train}, {n_test}")
     config = dict(config or {})
@@ -177,11 +211,12 @@ def _preference_splits(task, n_train, n_test, seed, config):
 
 def prepare(
     task: str, n_train: int, n_test: int, out_dir: str | os.PathLike, seed: int = 0,
-    config: dict | None = None,
+    config: dict | None = None, tools: str = "",
 ) -> dict[str, str]:
-    """Write `train.parquet` and `test.parquet` for `task` into `out_dir`; returns the paths
-    of the files written (a split with 0 rows is not written)."""
-    train, test = make_splits(task, n_train, n_test, seed, config)
+    """Write `train.parquet` and `test.parquet` for `task` into `out_dir` (with `tools`: the
+    system message and tools_kwargs of `make_splits`); returns the paths of the files written
+    (a split with 0 rows is not written)."""
+    train, test = make_splits(task, n_train, n_test, seed, config, tools)
     os.makedirs(out_dir, exist_ok=True)
     paths = {}
     write = preferences.write_rows if task in PREFERENCE_TASKS else write_rows

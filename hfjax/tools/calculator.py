@@ -168,7 +168,8 @@ class Calculator(Tool):
         "type": "object",
         "properties": {
             "expression": {"type": "string",
-                           "description": "the arithmetic expression, e.g. 1234 * 5678"},
+                           "description": "the arithmetic expression, e.g. 1234 * 5678",
+                           "examples": ["1234 * 5678"]},
         },
         "required": ["expression"],
     }

@@ -404,6 +404,8 @@ FLAG_CASES = [
      r"needs a JSON object"),
     ("prepare_data", dict(n_train=5, n_test=5, out="{file}", seed=0, task_config="{{}}"),
      r"--out=.*is an existing file"),
+    ("prepare_data", dict(n_train=5, n_test=5, out="{root}/d", seed=0, task_config="{{}}",
+                          tools="abacus"), r"--tools=abacus: unknown tool 'abacus'; known: "),
     ("train", dict(cpu_devices=-1), r"--cpu_devices=-1: needs an int >= 0"),
 ]
 

@@ -1,6 +1,8 @@
 """verl's multi-turn fields (agent_name, extra_info.tools_kwargs, extra_info.interaction_kwargs):
 the arith_tool task writes them, the Dataset reads and checks them, batches carry them."""
 
+import json
+
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
@@ -122,3 +124,55 @@ def test_bad_multi_turn_fields_are_errors_naming_row_and_field(tok, fields, mess
     # Or counted skips, as for any malformed row.
     ds = Dataset(rows, tok, max_prompt_length=32, on_bad_row="skip")
     assert len(ds) == 1 and ds.report.skipped == {"malformed row": 1}
+
+
+def test_tools_flag_writes_a_system_message_from_the_tool_schemas(tmp_path, chat_tok):
+    """`prepare(..., tools=...)` puts the tools' description first in every prompt and names
+    them in tools_kwargs; the Dataset reads the rows, and the call the message shows is one
+    the parser and the runner accept."""
+    from hfjax.tools import ToolRunner, parse_tool_calls, resolve_tools
+    from hfjax.tools.prompt import system_message
+
+    tools = resolve_tools("calculator,python")
+    paths = prepare("chain_sum", n_train=6, n_test=3, out_dir=tmp_path, seed=1,
+                    tools="calculator,python")
+    plain, _ = make_splits("chain_sum", 6, 3, seed=1)
+    rows = pq.read_table(paths["train"]).to_pylist()
+    system = system_message(tools)
+    for row, bare in zip(rows, plain, strict=True):
+        assert row["prompt"] == [{"role": "system", "content": system}] + bare["prompt"]
+        assert row["agent_name"] == "tool_agent"
+        assert row["extra_info"]["tools_kwargs"] == {
+            name: {"create_kwargs": {"query": bare["prompt"][-1]["content"]}}
+            for name in ("calculator", "python")}
+        assert row["reward_model"] == bare["reward_model"]
+    # The message carries each tool's name, description and argument schema, as JSON.
+    for tool in tools.values():
+        assert json.dumps(tool.schema()["function"]) in system
+    # Its example call (the last tag; the first names the format) is one the calculator runs.
+    calls = parse_tool_calls(system[system.rindex("<tool_call>"):])
+    assert len(calls) == 1 and calls[0].name == "calculator"
+    with ToolRunner({"calculator": tools["calculator"]}) as runner:
+        [obs] = runner.run(calls)
+    assert not obs.error and obs.text == "7006652"
+
+    ds = Dataset.from_parquet(paths["train"], chat_tok, max_prompt_length=4096)
+    assert len(ds) == 6 and ds.report.skipped == {}
+    assert set(ds.rows[0]["tools_kwargs"]) == {"calculator", "python"}
+    text = chat_tok.decode(ds.rows[0]["prompt_ids"])
+    assert text.startswith("You have tools.") and "<tools>" in text
+    assert text.endswith(rows[0]["prompt"][-1]["content"])
+
+
+def test_tools_flag_keeps_an_existing_system_message_and_refuses_bad_specs():
+    train, _ = make_splits("arith_tool", 2, 0, seed=0)
+    from hfjax.data.prepare import with_tools
+
+    row = dict(train[0], prompt=[{"role": "system", "content": "Be brief."}] + train[0]["prompt"])
+    out = with_tools(row, "TOOLS", {"calculator": {"create_kwargs": {"query": "q"}}})
+    assert out["prompt"][0] == {"role": "system", "content": "TOOLS\n\nBe brief."}
+    assert out["prompt"][1:] == train[0]["prompt"] and row["prompt"][0]["content"] == "Be brief."
+    with pytest.raises(ValueError, match="unknown tool 'abacus'"):
+        make_splits("chain_sum", 2, 0, tools="abacus")
+    with pytest.raises(ValueError, match="preference pairs.*drop --tools"):
+        make_splits("arith_prefs", 2, 0, tools="calculator")
