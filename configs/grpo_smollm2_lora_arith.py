@@ -5,7 +5,8 @@ the reference (no copy); the adapters take 10x the full-weight recipe's learning
     python -m launch.train --config=configs/grpo_smollm2_lora_arith.py
 
 Same data and reward as the full-weight recipe (prepare data/chain_sum as its docstring
-says). Not yet measured: docs/algorithms.md ("LoRA") says so.
+says). Held-out greedy accuracy 0.090 -> 0.335 after the 60 steps (docs/algorithms.md, "LoRA
+measured").
 """
 
 from configs import grpo_smollm2_arith
