@@ -86,13 +86,13 @@ class LoraSpec:
 
 def spec_from_config(section) -> LoraSpec | None:
     """The LoraSpec of a config section's `lora` entry (`actor.lora`, `critic.lora`), None when
-    it is absent or its rank is 0."""
+    the section has none (a role without adapters) or its rank is 0. The keys and their
+    defaults are the key table's (`hfjax.config.keys`): a `lora` entry has all four."""
     lo = section.get("lora") if section is not None else None
-    if not lo or not int(lo.get("rank", 0)):
+    if not lo or not lo.rank:
         return None
-    return LoraSpec(rank=int(lo.rank), alpha=float(lo.get("alpha", lo.rank)),
-                    targets=parse_targets(lo.get("targets", ALL_LINEAR)),
-                    dropout=float(lo.get("dropout", 0.0)))
+    return LoraSpec(rank=int(lo.rank), alpha=float(lo.alpha), targets=parse_targets(lo.targets),
+                    dropout=float(lo.dropout))
 
 
 def projection_axes(cfg: ModelConfig, name: str) -> tuple[tuple, tuple, tuple, tuple]:
