@@ -33,27 +33,17 @@ FLAGS = flags.FLAGS
 def main(argv):
     del argv
     import jax
-    import jax.numpy as jnp
     import numpy as np
     from flax import nnx
 
+    from bench.lora_model import adapted_model, bench_config
     from bench.timing import best_time
     from hfjax.engine.sampler import Sampler, SamplingParams
-    from hfjax.models import lora, transformer
-    from hfjax.models.config import ModelConfig
+    from hfjax.models import lora
 
-    d = FLAGS.hidden
-    cfg = ModelConfig(vocab_size=4096, hidden_size=d, intermediate_size=4 * d,
-                      num_layers=FLAGS.layers, num_heads=d // 64, num_kv_heads=max(1, d // 256),
-                      head_dim=64, max_position_embeddings=FLAGS.prompt + FLAGS.new)
-    model = transformer.build(cfg, seed=0)
-    base_gd = nnx.split(model)[0]
-    lora.add_adapters(model, lora.LoraSpec(rank=FLAGS.rank, alpha=2.0 * FLAGS.rank), seed=1)
+    cfg = bench_config(FLAGS.hidden, FLAGS.layers, FLAGS.prompt + FLAGS.new)
     rng = np.random.default_rng(0)
-    for name, var in vars(model.model.layers).items():
-        if name.endswith("_lora_b"):
-            var.set_value(jnp.asarray(0.02 * rng.standard_normal(var.get_value().shape),
-                                      jnp.float32))
+    model, base_gd = adapted_model(cfg, FLAGS.rank, rng)
     graphdef, state = nnx.split(model)
     merge = jax.jit(lambda s: lora.merged_state(graphdef, base_gd, s))
     ids = rng.integers(1, cfg.vocab_size, (FLAGS.rows, FLAGS.prompt)).astype(np.int32)
@@ -77,7 +67,7 @@ def main(argv):
         t_merged = min(t_merged, best_time(merged_rollout, state, reps=1)[0])
         t_unmerged = min(t_unmerged, best_time(unmerged_rollout, state, reps=1)[0])
     out = {
-        "model": f"hidden {d}, {FLAGS.layers} layers, rank {FLAGS.rank} all-linear",
+        "model": f"hidden {FLAGS.hidden}, {FLAGS.layers} layers, rank {FLAGS.rank} all-linear",
         "rows": FLAGS.rows, "prompt": FLAGS.prompt, "new": FLAGS.new,
         "merge_s": round(t_merge, 4),
         "merged_rollout_s": round(t_merged, 4),

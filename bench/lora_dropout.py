@@ -38,28 +38,19 @@ def main(argv):
     import jax.numpy as jnp
     import numpy as np
 
+    from bench.lora_model import adapted_model, bench_config
     from hfjax.engine.update import make_optimizer
-    from hfjax.models import lora, transformer
-    from hfjax.models.config import ModelConfig
     from hfjax.numerics import core
     from hfjax.parallel.mesh import ResourcePool
     from hfjax.workers.base import WorkerGroup
 
     d = FLAGS.hidden
-    cfg = ModelConfig(vocab_size=4096, hidden_size=d, intermediate_size=4 * d,
-                      num_layers=FLAGS.layers, num_heads=d // 64, num_kv_heads=max(1, d // 256),
-                      head_dim=64, max_position_embeddings=FLAGS.cols)
+    cfg = bench_config(d, FLAGS.layers, FLAGS.cols)
     rng = np.random.default_rng(0)
     ids = rng.integers(1, cfg.vocab_size, (FLAGS.rows, FLAGS.cols)).astype(np.int32)
 
     def group(rate: float) -> WorkerGroup:
-        model = transformer.build(cfg, seed=0)
-        lora.add_adapters(model, lora.LoraSpec(FLAGS.rank, 2.0 * FLAGS.rank, dropout=rate),
-                          seed=1)
-        for name, var in vars(model.model.layers).items():
-            if name.endswith("_lora_b"):
-                var.set_value(jnp.asarray(0.02 * rng.standard_normal(var.get_value().shape),
-                                          jnp.float32))
+        model, _ = adapted_model(cfg, FLAGS.rank, rng, dropout=rate)
         return WorkerGroup("actor", ResourcePool("actor", jax.devices()[:1]), "fsdp=1", model,
                            optimizer=make_optimizer(1e-3))
 

@@ -58,12 +58,21 @@ def _of(cls: type[S], section: Any, role: str) -> S:
     return cls(**values)
 
 
+class _Spec:
+    """`of`: a spec read from its role's config section (`ROLE` unless another is named)."""
+
+    ROLE: typing.ClassVar[str]
+
+    @classmethod
+    def of(cls: type[S], section: Any, role: str | None = None) -> S:
+        """`section` itself when it is already this spec, else the spec of a config section."""
+        return _of(cls, section, role or cls.ROLE)
+
+
 @dataclasses.dataclass(frozen=True)
-class ActorSpec:
-    """What the actor's scoring passes and PPO-style update read (the `actor` section):
-    batch sizes and epochs, the micro-batch layout (packed, length-grouped, shared-prompt
-    rows, LM-head chunks) and the policy loss with its clip, entropy and KL terms. The
-    reference scores in the actor's layout, so it reads the layout fields too."""
+class _UpdateSpec(_Spec):
+    """The fields a trained role's passes share: batch sizes and epochs, the micro-batch layout
+    (padded or packed rows, length grouping) and how the loss is aggregated."""
 
     ppo_mini_batch_size: int  # prompts; times rollout.n sequences
     ppo_micro_batch_size: int  # sequences
@@ -72,6 +81,24 @@ class ActorSpec:
     use_remove_padding: bool
     ppo_max_token_len_per_gpu: int
     group_by_length: bool
+    loss_agg_mode: str
+
+    @property
+    def budget(self) -> packing.TokenBudget | None:
+        """The packed rows' token budget; None: padded rows (`use_remove_padding` off)."""
+        return packing.token_budget(self.use_remove_padding, self.ppo_max_token_len_per_gpu,
+                                    self.ppo_micro_batch_size)
+
+
+@dataclasses.dataclass(frozen=True)
+class ActorSpec(_UpdateSpec):
+    """What the actor's scoring passes and PPO-style update read (the `actor` section): the
+    shared fields, shared-prompt rows, LM-head chunks and the policy loss with its clip,
+    entropy and KL terms. The reference scores in the actor's layout, so it reads the layout
+    fields too."""
+
+    ROLE = "actor"
+
     share_prompt: bool
     logprob_chunk: int
     policy_loss: str
@@ -79,22 +106,10 @@ class ActorSpec:
     clip_ratio_low: float
     clip_ratio_high: float
     clip_ratio_c: float
-    loss_agg_mode: str
     entropy_coeff: float
     use_kl_loss: bool
     kl_loss_coef: float
     kl_loss_type: str
-
-    @classmethod
-    def of(cls, section: Any, role: str = "actor") -> ActorSpec:
-        """`section` itself when it is an ActorSpec, else the spec of a config section."""
-        return _of(cls, section, role)
-
-    @property
-    def budget(self) -> packing.TokenBudget | None:
-        """The packed rows' token budget; None: padded rows (`use_remove_padding` off)."""
-        return packing.token_budget(self.use_remove_padding, self.ppo_max_token_len_per_gpu,
-                                    self.ppo_micro_batch_size)
 
     def samples_per_row(self, n: int) -> int:
         """The samples a shared-prompt row holds with `n` samples per prompt (1: none)."""
@@ -104,45 +119,26 @@ class ActorSpec:
 
 
 @dataclasses.dataclass(frozen=True)
-class CriticSpec:
-    """What a value critic's passes and update read (the `critic` or `cost_critic` section)."""
+class CriticSpec(_UpdateSpec):
+    """What a value critic's passes and update read (the `critic` or `cost_critic` section):
+    the shared fields and the value clip."""
 
-    ppo_mini_batch_size: int  # prompts; times rollout.n sequences
-    ppo_micro_batch_size: int  # sequences
-    ppo_epochs: int
-    shuffle: bool
-    use_remove_padding: bool
-    ppo_max_token_len_per_gpu: int
-    group_by_length: bool
+    ROLE = "critic"
+
     cliprange_value: float
-    loss_agg_mode: str
-
-    @classmethod
-    def of(cls, section: Any, role: str = "critic") -> CriticSpec:
-        """`section` itself when it is a CriticSpec, else the spec of a config section."""
-        return _of(cls, section, role)
-
-    @property
-    def budget(self) -> packing.TokenBudget | None:
-        """The packed rows' token budget; None: padded rows (`use_remove_padding` off)."""
-        return packing.token_budget(self.use_remove_padding, self.ppo_max_token_len_per_gpu,
-                                    self.ppo_micro_batch_size)
 
 
 @dataclasses.dataclass(frozen=True)
-class ScoreSpec:
+class ScoreSpec(_Spec):
     """What a learned reward or cost model is built and scores with (the `reward_model` or
     `cost_model` section): its dtype and its packing."""
+
+    ROLE = "reward_model"
 
     path: str
     dtype: str
     use_remove_padding: bool
     forward_max_token_len_per_gpu: int
-
-    @classmethod
-    def of(cls, section: Any, role: str = "reward_model") -> ScoreSpec:
-        """`section` itself when it is a ScoreSpec, else the spec of a config section."""
-        return _of(cls, section, role)
 
     @property
     def budget(self) -> packing.TokenBudget | None:
