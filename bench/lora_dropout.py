@@ -65,7 +65,7 @@ def main(argv):
 
         step = g.update_program(loss, FLAGS.micro, normalisers=None)
         batch = {"ids": jax.device_put(ids, g.layout.replicated())}
-        extra = () if g.dropout is None else (g._counter(0, 0),)
+        extra = () if g.dropout is None else (g.dropout_counter(0, 0),)
         temp = step.lower(g.params, g.opt_state, batch, *extra).compile().memory_analysis()
         runs[rate] = {"group": g, "step": step, "batch": batch, "extra": extra,
                       "temp_bytes": int(temp.temp_size_in_bytes), "times": []}

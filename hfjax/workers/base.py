@@ -253,12 +253,13 @@ class WorkerGroup:
                                            group):
             mb = picked.take(rows).to(self.mesh)  # a gather's output layout is XLA's choice
             # With adapter dropout, the step's masks come from (this update call, mini-batch).
-            named = () if self.dropout is None else (self._counter(self._train_calls, count),)
+            named = (() if self.dropout is None
+                     else (self.dropout_counter(self._train_calls, count),))
             if grouped:
                 parts = (self.on_mesh(grouping.cut(mb.arrays, c, r))
                          for c in grouping.plan(ext[:, rows], micro, p, r, self.dp_size, group))
                 if self.dropout is not None:
-                    parts = ((part, self._counter(self._train_calls, count, j))
+                    parts = ((part, self.dropout_counter(self._train_calls, count, j))
                              for j, part in enumerate(parts))
                 self.params, self.opt_state, m = step(self.params, self.opt_state,
                                                       dict(mb.arrays), parts)
@@ -273,7 +274,7 @@ class WorkerGroup:
         out["nonfinite_params"] = sums["nonfinite_params"]
         return out
 
-    def _counter(self, *values: int) -> jax.Array:
+    def dropout_counter(self, *values: int) -> jax.Array:
         """A uint32 vector of `values` on every device of the mesh: what names an update
         step's (or micro-batch's) adapter-dropout key (`hfjax.models.lora_dropout.step_key`).
         Its upload, a few bytes per step, is deliberate."""
@@ -376,8 +377,8 @@ class WorkerGroup:
         ]
 
     def _abstract_counter(self, n: int) -> tuple:
-        """() without adapter dropout, else an abstract `_counter` of `n` values (the update
-        programs' last argument)."""
+        """() without adapter dropout, else an abstract `dropout_counter` of `n` values (the
+        update programs' last argument)."""
         if self.dropout is None:
             return ()
         return (jax.ShapeDtypeStruct((n,), jnp.uint32, sharding=self.layout.replicated()),)

@@ -142,7 +142,7 @@ def test_an_update_step_draws_its_micro_batches_masks_from_the_step_key():
             return jnp.mean(g.model(params)(mb["ids"]) ** 2) / 2, {}
 
         step = g.update_program(loss, 2, normalisers=None)
-        extra = () if g.dropout is None else (g._counter(*counter),)
+        extra = () if g.dropout is None else (g.dropout_counter(*counter),)
         x = jax.device_put(ids, g.layout.replicated())
         g.params, g.opt_state, m = step(g.params, g.opt_state, {"ids": x}, *extra)
         with jax.transfer_guard("allow"):
