@@ -29,6 +29,7 @@ from tokenizers import decoders, models, pre_tokenizers
 
 from hfjax.data.sft import SFTData, SFTExample
 from hfjax.models.tokenizer import Tokenizer
+from hfjax.tools.prompt import tools_kwargs
 
 DATA_SOURCE = "hfjax/arith_tool"
 SPECIALS = ["<pad>", "<bos>", "<eos>"]
@@ -81,10 +82,7 @@ def row(a: int, b: int, index: int | None = None) -> dict:
             **extra,
             "a": a,
             "b": b,
-            # verl's per-tool kwargs. The calculator takes none, but parquet cannot store an
-            # empty struct, so create_kwargs holds the row's query (unused by it; not the
-            # answer, which no tool should see).
-            "tools_kwargs": {"calculator": {"create_kwargs": {"query": query}}},
+            "tools_kwargs": tools_kwargs(("calculator",), query),
             "interaction_kwargs": {"name": "arith_tool", "query": query,
                                    "ground_truth": product},
         },

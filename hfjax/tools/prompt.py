@@ -14,7 +14,7 @@ shows the call format that `hfjax.tools.parse` reads:
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 from hfjax.tools.base import Tool
 from hfjax.tools.parse import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
@@ -61,8 +61,9 @@ def system_message(tools: Mapping[str, Tool]) -> str:
     return "\n".join(lines)
 
 
-def tools_kwargs(tools: Mapping[str, Tool], query: str) -> dict:
-    """verl's `extra_info.tools_kwargs` for a row with `tools`: `{name: {"create_kwargs":
-    {"query": query}}}`. Parquet cannot store an empty struct, so each tool's create_kwargs
-    holds the row's question (the built-in tools ignore it; it is never the answer)."""
-    return {name: {"create_kwargs": {"query": query}} for name in tools}
+def tools_kwargs(names: Iterable[str], query: str) -> dict:
+    """verl's `extra_info.tools_kwargs` for a row with the tools `names`: `{name:
+    {"create_kwargs": {"query": query}}}`. Parquet cannot store an empty struct, so each tool's
+    create_kwargs holds the row's question (the built-in tools ignore it; it is never the
+    answer, which no tool should see)."""
+    return {name: {"create_kwargs": {"query": query}} for name in names}
