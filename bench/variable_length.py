@@ -21,10 +21,15 @@ shared-prompt row (`shared`, `shared_grouped`: actor.share_prompt).
 Advantages are fixed pseudo-random numbers (the cost of a step does not depend on them).
 Tokens/s is over the sum of the stages.
 
-Each side runs once to compile, then `--repeats` timed runs, sides alternating so that they share
-the machine's background load; medians are reported. Useful tokens are real prompt tokens (each
-prompt counted once per sample) plus real response tokens, stop token included: padding is not
-counted. Both sides produce the same tokens (checked and printed). The last line is JSON.
+Each side runs `--repeats` timed runs, sides alternating so that they share the machine's
+background load; medians are reported. The first run of a side compiles its programs: the
+seconds JAX reports for that (backend compiles, tracing and lowering,
+`hfjax.controller.compile_log`) are taken out of each stage's time and printed on their own, so
+no untimed warm-up run is needed (a side's first run costs what a warm-up would: minutes for
+SmolLM2 on a CPU). `--warmup` runs each side once untimed first instead. Useful tokens are
+real prompt tokens (each prompt counted once per sample) plus real response tokens, stop token
+included: padding is not counted. Both sides produce the same tokens (checked and printed).
+The last line is JSON.
 
 **Two workloads.** How much continuous batching and compact rows gain depends on the length mix,
 so the default invocation measures both mixes an RL run sees, one after the other, each under a
@@ -62,6 +67,8 @@ flags.DEFINE_integer("max_new", 256, "new-token cap (responses stop at EOS befor
 flags.DEFINE_list("slots", ["0"], "continuous batching: decode slots (one side per value)")
 flags.DEFINE_list("refill_every", ["8"], "continuous batching: decode steps between refills")
 flags.DEFINE_integer("repeats", 1, "timed runs per side, alternating (median reported)")
+flags.DEFINE_bool("warmup", False, "run each side once untimed before the timed runs (else the "
+                  "first run's compile seconds are taken out of its stage times)")
 flags.DEFINE_integer("seed", 0, "data seed and base of the per-prompt sampling seeds")
 flags.DEFINE_string("dtype", "bfloat16", "model weights and compute dtype")
 flags.DEFINE_string("remat", "dots_no_batch", "model.remat_policy, as in the GRPO recipe "
@@ -110,16 +117,27 @@ class Side:
     stages: list[tuple[str, Callable[[dict], None]]]
     times: dict[str, list[float]] = dataclasses.field(default_factory=dict)
     cpu: dict[str, list[float]] = dataclasses.field(default_factory=dict)
+    compile_s: dict[str, float] = dataclasses.field(default_factory=dict)
     ctx: dict = dataclasses.field(default_factory=dict)
 
     def run(self, w: Workload, record: bool) -> None:
+        """One run of every stage; with `record`, each stage's wall and CPU seconds less the
+        compile seconds JAX reported during it (kept in `compile_s`)."""
+        from hfjax.controller import compile_log
+
+        log = compile_log.install()
         self.ctx = {"workload": w, "warmup": not record}
         for stage, fn in self.stages:
+            log.take()
             start, cpu = time.perf_counter(), time.process_time()
             fn(self.ctx)  # every stage blocks on its own results before returning
+            wall, cpu = time.perf_counter() - start, time.process_time() - cpu
+            done = log.take()
+            compiled = sum(c.seconds for c in done.compiles) + done.trace_s
             if record:
-                self.times.setdefault(stage, []).append(time.perf_counter() - start)
-                self.cpu.setdefault(stage, []).append(time.process_time() - cpu)
+                self.compile_s[stage] = self.compile_s.get(stage, 0.0) + compiled
+                self.times.setdefault(stage, []).append(wall - compiled)
+                self.cpu.setdefault(stage, []).append(max(cpu - compiled, 0.0))
 
     def median_total(self, cpu: bool = False) -> float:
         return sum(statistics.median(t) for t in (self.cpu if cpu else self.times).values())
@@ -304,13 +322,10 @@ def run_workload(f, path: str) -> dict:
             train = train_stages(model, f, f.layout) if f.train else []
             sides.append(Side(f"continuous[slots={slots},k={k}]", [("generate", stage), *train]))
 
-    for side in sides:  # compile + first run
+    for side in sides if f.warmup else ():
         start = time.perf_counter()
         side.run(w, record=False)
-        print(
-            f"{side.name}: compile + warm-up {time.perf_counter() - start:.1f} s",
-            flush=True,
-        )
+        print(f"{side.name}: compile + warm-up {time.perf_counter() - start:.1f} s", flush=True)
     for r in range(f.repeats):
         for side in sides:
             side.run(w, record=True)
@@ -318,6 +333,10 @@ def run_workload(f, path: str) -> dict:
                 f"{k} {v[-1]:.2f} s (CPU {side.cpu[k][-1]:.2f} s)" for k, v in side.times.items()
             )
             print(f"run {r + 1}: {side.name}: {times}", flush=True)
+    for side in sides:
+        print(f"{side.name}: compiling took {sum(side.compile_s.values()):.1f} s ("
+              + ", ".join(f"{k} {v:.1f}" for k, v in side.compile_s.items())
+              + "), not in the stage times", flush=True)
 
     ref = sides[0].ctx["rollout"]
     masks = np.asarray(ref.mask)
@@ -336,6 +355,7 @@ def run_workload(f, path: str) -> dict:
         "median_s": {},
         "useful_tokens_per_cpu_s": {},
         "slot_steps": {},
+        "compile_s": {side.name: round(sum(side.compile_s.values()), 1) for side in sides},
     }
     for side in sides:
         out = side.ctx["rollout"]
