@@ -8,6 +8,7 @@ import numpy as np
 
 from configs import ppo_arith
 from hfjax.controller.batch import Batch
+from hfjax.engine.spec import RolloutSpec
 from hfjax.parallel.mesh import ResourcePool
 from launch import compile_cache
 
@@ -60,6 +61,17 @@ def tiny_rl_config(*, algorithm="ppo", placement="colocate", mesh=None, out_dir=
     c.trainer.sync_stage_timing = True
     c.reward.num_processes = 0
     return c
+
+
+def rollout_spec(**keys) -> RolloutSpec:
+    """The default config's rollout section (configs/ppo_arith.py) with `keys` set, as the
+    RolloutSpec that the sampler's builder, the actor and the critics take."""
+    r = ppo_arith.get_config().rollout
+    for key, value in keys.items():
+        if key not in r:
+            raise KeyError(f"the rollout section has no key {key}")
+        r[key] = value
+    return RolloutSpec.of(r)
 
 
 def padded_rl_batch(seed: int, rows: int, prompt: int, response: int, vocab: int,

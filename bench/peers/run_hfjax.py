@@ -138,11 +138,15 @@ def build(w: workload.Workload):
         share_prompt=mode == "continuous",
         logprob_chunk=head_chunks.DEFAULT_CHUNK,
     )
+    # Every key of the rollout's spec (hfjax/engine/spec.py) too: decoding in the training
+    # layout, reading the cache the platform's way.
     cfg.rollout = config_dict.ConfigDict(dict(
         n=w.samples, temperature=w.temperature, top_k=0, top_p=1.0, min_p=0.0,
-        response_length=w.new_tokens, mode=mode,
+        response_length=w.new_tokens, mesh="", hybrid_engine=False, offload_optimizer=False,
+        mode=mode, decode_attention="auto", kv_layout="auto",
         slots=0, refill_every=8, min_slots=0, max_cache_len=0,
     ))
+    rollout = RolloutSpec.of(cfg.rollout)
     cfg.algo = config_dict.ConfigDict(dict(
         adv_estimator="grpo", gamma=1.0, lam=1.0, norm_adv_by_std_in_grpo=True,
         use_kl_in_reward=False, kl_penalty="kl",
@@ -154,13 +158,13 @@ def build(w: workload.Workload):
     # projections' outputs (on CPU 1.5x faster than unrolled layers that keep everything).
     compute = "bfloat16" if w.precision == "bf16" else "float32"
     model = M.load(w.model_dir, dtype=compute, param_dtype="float32", remat_policy="dots_no_batch")
-    sampler = rollout_sampler(model, cfg.rollout, mesh=pool.mesh(spec),
+    sampler = rollout_sampler(model, rollout, mesh=pool.mesh(spec),
                               max_prompt_len=w.prompt_len, pad_id=pad, rules=None)
     # Fixed lengths: no stop token, every response runs to new_tokens.
     eos_ids = (tok.eos_id,) if w.natural else ()
     actor = ActorRollout(
         "actor", pool, spec, model, sampler=sampler, spec=actor_spec,
-        rollout=RolloutSpec.of(cfg.rollout), optimizer=make_optimizer(w.lr, grad_clip=0.0),
+        rollout=rollout, optimizer=make_optimizer(w.lr, grad_clip=0.0),
         eos_ids=eos_ids,
     )
     workers = WorkerGroups(actor=actor, reward=EvenReward(), kl_ctrl=FixedKLController(0.0),

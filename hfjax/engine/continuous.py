@@ -82,7 +82,7 @@ from flax import nnx
 from hfjax.engine.sampler import Sampler, bucket_size, prompt_bucket
 from hfjax.engine.slots import Plan, run_shardings
 from hfjax.engine.slots import run as run_program
-from hfjax.engine.spec import DEFAULT_MIN_SLOTS, DEFAULT_REFILL_EVERY, DEFAULT_SLOTS, RolloutSpec
+from hfjax.engine.spec import RolloutSpec
 from hfjax.engine.token_select import GenerateOutput, Knobs, SamplingParams
 from hfjax.parallel import mesh as mesh_lib
 from hfjax.parallel import sharding as sharding_lib
@@ -132,6 +132,9 @@ def drain_sizes(slots: int, floor: int, dp: int = 1) -> tuple[int, ...]:
 class ContinuousSampler(Sampler):
     """A `Sampler` that decodes through a fixed number of slots (module docstring).
 
+    A run builds it with its `rollout` section's values (`rollout_sampler`); the defaults here
+    are for direct users (benchmarks, tests).
+
     Args beyond `Sampler`'s:
       slots: decode slots (at most the requests of a call); 0: one per request, so that
         nothing waits and only the drain phases shrink the rows. On a mesh, a multiple of the
@@ -150,9 +153,9 @@ class ContinuousSampler(Sampler):
         self,
         model: nnx.Module,
         *,
-        slots: int = DEFAULT_SLOTS,
-        refill_every: int = DEFAULT_REFILL_EVERY,
-        min_slots: int = DEFAULT_MIN_SLOTS,
+        slots: int = 0,
+        refill_every: int = 8,
+        min_slots: int = 0,
         prefill_batch: int | None = None,
         max_cache_len: int | None = None,
         **kw: Any,
@@ -280,25 +283,28 @@ class ContinuousSampler(Sampler):
 MODES = ("static", "continuous")
 
 
-def rollout_sampler(model: nnx.Module, rollout: Any, **kw: Any) -> Sampler:
-    """The rollout engine a `RolloutSpec` (or a `rollout` config section) asks for, built
-    with `Sampler` keyword arguments `kw` (mesh, max_prompt_len, pad_id, rules, ...).
+def rollout_sampler(model: nnx.Module, rollout: RolloutSpec, **kw: Any) -> Sampler:
+    """The rollout engine a `RolloutSpec` asks for, built with `Sampler` keyword arguments
+    `kw` (mesh, max_prompt_len, pad_id, rules, ...).
 
     `rollout.mode`: "static" (`Sampler`) or "continuous" (`ContinuousSampler` with
     `rollout.slots`, `rollout.refill_every`, `rollout.min_slots` and `rollout.max_cache_len`,
     0 for no limit). Either engine reads its cache as `rollout.decode_attention` and
-    `rollout.kv_layout` say (`hfjax.engine.decode.decode_options`; "auto" by default).
-    Raises ValueError naming the key on a bad setting, before anything compiles.
+    `rollout.kv_layout` say (`hfjax.engine.decode.decode_options`).
+    Raises TypeError for a config section (build the spec once with `RolloutSpec.of`), and
+    ValueError naming the key on a bad setting, before anything compiles.
     """
-    r = RolloutSpec.of(rollout)
-    kw = {"decode_attention": r.decode_attention, "kv_layout": r.kv_layout, **kw}
-    if r.mode == "static":
+    if not isinstance(rollout, RolloutSpec):
+        raise TypeError(f"rollout_sampler: rollout= is a {type(rollout).__name__}, not the "
+                        "RolloutSpec it needs; build it once with RolloutSpec.of(cfg.rollout)")
+    kw = {"decode_attention": rollout.decode_attention, "kv_layout": rollout.kv_layout, **kw}
+    if rollout.mode == "static":
         return Sampler(model, **kw)
-    if r.mode != "continuous":
-        raise ValueError(f"rollout.mode={r.mode!r}; choose one of {', '.join(MODES)}")
+    if rollout.mode != "continuous":
+        raise ValueError(f"rollout.mode={rollout.mode!r}; choose one of {', '.join(MODES)}")
     try:
-        return ContinuousSampler(model, slots=r.slots, refill_every=r.refill_every,
-                                 min_slots=r.min_slots, max_cache_len=r.max_cache_len or None,
-                                 **kw)
+        return ContinuousSampler(model, slots=rollout.slots, refill_every=rollout.refill_every,
+                                 min_slots=rollout.min_slots,
+                                 max_cache_len=rollout.max_cache_len or None, **kw)
     except ValueError as err:
         raise ValueError(f"rollout (mode=continuous): {err}") from err

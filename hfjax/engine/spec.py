@@ -1,56 +1,106 @@
-"""The rollout's settings as one typed, frozen value.
+"""Typed, frozen settings read once from a config section, and the rollout's (`RolloutSpec`).
 
-A run's `rollout` config section is read once, into a `RolloutSpec` (`RolloutSpec.of`), where
-the worker groups are built; the engine and the actor read its fields, never the config's keys.
-Defaults are written here only: a key a config leaves out (tests, benchmarks and user code
-build partial sections) takes the value below. The config checks (`hfjax.config`) have
-refused bad values before this runs.
+A run's config is checked by `hfjax.config` (every key of the key table, with a valid value)
+and then read once into specs: the rollout's here, the roles' in `hfjax.workers.spec`, both
+through `Spec.of`. Code below that reads a spec's fields, never a config's keys.
+
+A spec has no defaults of its own: the defaults are the config's (configs/ppo_arith.py, from
+which every config derives, and whose every key `hfjax.config.check_config` asks for), so a
+section without one of the spec's keys is refused here, by name. Values are checked for their
+type here too (a string where an int belongs fails now, not inside a jitted step); their
+ranges and names are the key table's checks (`hfjax.config.keys`), run before this.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+import typing
+from typing import Any, TypeVar
 
-# Continuous batching (`hfjax.engine.continuous`).
-DEFAULT_SLOTS = 0  # one per request
-DEFAULT_REFILL_EVERY = 8
-DEFAULT_MIN_SLOTS = 0  # the start of the row range the slots are in (continuous.ROW_RANGES)
+S = TypeVar("S")
+
+_TYPES = {int: "an int", float: "a float", bool: "True or False", str: "a string"}
+
+
+def typed_value(section: str, name: str, v: Any, kind: type) -> Any:
+    """`v` as `kind`, or a ValueError naming the key `section.name` and the fix. An int is
+    not a bool (nor a bool an int); an int is a float."""
+    if kind is bool:
+        ok = isinstance(v, bool)
+    elif kind is int:
+        ok = isinstance(v, int) and not isinstance(v, bool)
+    elif kind is float:
+        ok = isinstance(v, (int, float)) and not isinstance(v, bool)
+    else:
+        ok = isinstance(v, kind)
+    if not ok:
+        raise ValueError(f"{section}.{name}={v!r} needs {_TYPES[kind]}; set "
+                         f"--config.{section}.{name} to one")
+    return kind(v)
+
+
+def read_spec(cls: type[S], section: Any, name: str) -> S:
+    """The spec `cls` read from the config section `name` (a ConfigDict or a mapping): every
+    field is the key of its name, which the section must have, with a value of the field's
+    type. `section` itself when it is already a `cls`."""
+    if isinstance(section, cls):
+        return section
+    if section is None:
+        raise ValueError(f"the config has no {name} section; derive the config from "
+                         "configs/ppo_arith.py")
+    hints = typing.get_type_hints(cls)
+    values = {}
+    for f in dataclasses.fields(cls):
+        if f.name not in section:
+            raise ValueError(f"the config's {name} section has no key {f.name}; derive the "
+                             f"config from configs/ppo_arith.py, or set --config.{name}."
+                             f"{f.name}")
+        values[f.name] = typed_value(name, f.name, section[f.name], hints[f.name])
+    return cls(**values)
+
+
+class Spec:
+    """`of`: a spec read from its config section (`ROLE` unless another is named)."""
+
+    ROLE: typing.ClassVar[str]
+
+    @classmethod
+    def of(cls: type[S], section: Any, role: str | None = None) -> S:
+        """`section` itself when it is already this spec, else the spec of a config section."""
+        return read_spec(cls, section, role or cls.ROLE)
 
 
 @dataclasses.dataclass(frozen=True)
-class RolloutSpec:
-    """How the actor generates (the config's `rollout` section; docs/architecture.md).
+class RolloutSpec(Spec):
+    """How the actor generates: the config's `rollout` section (docs/architecture.md), read
+    where the worker groups are built and handed to the sampler's builder
+    (`hfjax.engine.continuous.rollout_sampler`), the actor and the critics.
 
-    `decode_mesh` is the hybrid engine's decode mesh: "" when `rollout.hybrid_engine` is off
-    or `rollout.mesh` is empty, so the one question "does the actor reshard for decoding?" is
-    answered here and nowhere else.
+    `decode_mesh` answers the one question "does the actor reshard for decoding?", here and
+    nowhere else.
     """
 
-    n: int = 1
-    response_length: int = 16
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
-    decode_mesh: str = ""
-    offload_optimizer: bool = False
-    mode: str = "static"
-    decode_attention: str = "auto"
-    kv_layout: str = "auto"
-    slots: int = DEFAULT_SLOTS
-    refill_every: int = DEFAULT_REFILL_EVERY
-    min_slots: int = DEFAULT_MIN_SLOTS
-    max_cache_len: int = 0  # 0: no limit
+    ROLE = "rollout"
 
-    @classmethod
-    def of(cls, rollout: Any) -> RolloutSpec:
-        """`rollout` itself when it is a RolloutSpec, else the spec of a config section (a
-        ConfigDict or a mapping)."""
-        if isinstance(rollout, cls):
-            return rollout
-        get = rollout.get
-        hybrid = bool(get("hybrid_engine", True))
-        values = {f.name: get(f.name, f.default) for f in dataclasses.fields(cls)
-                  if f.name != "decode_mesh"}
-        return cls(**values, decode_mesh=str(get("mesh", "") or "") if hybrid else "")
+    n: int  # samples per prompt
+    response_length: int
+    temperature: float
+    top_k: int
+    top_p: float
+    min_p: float
+    mesh: str  # the 3D-HybridEngine's decode mesh; "": decode in the training layout
+    hybrid_engine: bool
+    offload_optimizer: bool
+    mode: str  # static | continuous
+    decode_attention: str
+    kv_layout: str
+    slots: int  # continuous: 0 is one per sample
+    refill_every: int
+    min_slots: int
+    max_cache_len: int  # 0: no limit
+
+    @property
+    def decode_mesh(self) -> str:
+        """The hybrid engine's decode mesh: "" when `hybrid_engine` is off or `mesh` is
+        empty (the actor decodes in its training layout)."""
+        return self.mesh if self.hybrid_engine else ""

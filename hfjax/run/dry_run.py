@@ -458,7 +458,8 @@ def _rollout(out: _Compiler, w, cfg, tok, name: str, prompts: int, n: int, *,
              temperature: float, greedy: bool) -> None:
     """Compiles the sampler's prefill and decode for `prompts` prompts x `n` samples, and the
     hybrid engine's transitions around them (once, with the training rollout)."""
-    a, r = w.actor, cfg.rollout
+    a = w.actor
+    r = a.rollout  # the RolloutSpec the actor samples with
     engine = a.hybrid
     params = SamplingParams(
         max_new_tokens=r.response_length, temperature=0.0 if greedy else temperature,
@@ -481,7 +482,7 @@ def _rollout(out: _Compiler, w, cfg, tok, name: str, prompts: int, n: int, *,
                         {"params": a.params})
     else:
         state = engine.abstract_decode(a.params) if engine is not None else a.params
-    if r.get("offload_optimizer", False):
+    if r.offload_optimizer:
         replaces.append("actor optimizer")
     if engine is not None and name == "rollout":
         _transition(out, engine, pool, "to_decode", replaces)

@@ -8,6 +8,7 @@ import jax
 from hfjax.controller.batch import Batch
 from hfjax.controller.protocol import DP_COMPUTE, method
 from hfjax.engine import grouping, packing
+from hfjax.engine.spec import RolloutSpec
 from hfjax.engine.update import share_of_normaliser
 from hfjax.numerics import core, losses
 from hfjax.workers.base import SEQUENCES, Program, StepShape, WorkerGroup
@@ -19,21 +20,24 @@ class Critic(WorkerGroup):
 
     It reads and writes the batch arrays named by VALUES and RETURNS and reports metrics under
     METRICS/; `CostCritic` is the same model on the cost's arrays. `spec` holds its section's
-    settings (`hfjax.workers.spec.CriticSpec`, built once from the config)."""
+    settings (`hfjax.workers.spec.CriticSpec`, built once from the config), `rollout` the
+    actor's (`hfjax.engine.spec.RolloutSpec`): its samples per prompt and response length."""
 
     VALUES, RETURNS, METRICS = "values", "returns", "critic"
 
-    def __init__(self, *args, spec: CriticSpec, n_samples: int = 1, horizon: int | None = None,
-                 **kw):
-        if not isinstance(spec, CriticSpec):
-            raise TypeError(f"{type(self).__name__}: spec= is a {type(spec).__name__}, not the "
-                            "CriticSpec it needs; build it once with CriticSpec.of(cfg.critic)")
+    def __init__(self, *args, spec: CriticSpec, rollout: RolloutSpec, **kw):
+        for value, cls, name, section in ((spec, CriticSpec, "spec", "critic"),
+                                          (rollout, RolloutSpec, "rollout", "rollout")):
+            if not isinstance(value, cls):
+                raise TypeError(f"{type(self).__name__}: {name}= is a {type(value).__name__}, "
+                                f"not the {cls.__name__} it needs; build it once with "
+                                f"{cls.__name__}.of(cfg.{section})")
         super().__init__(*args, **kw)
         self.spec = spec
-        self.n_samples = n_samples
+        self.rollout = rollout
         # The configured response length: the fixed divisor of "seq-mean-token-sum-norm" when
         # batches are trimmed to their longest response (hfjax.workers.actor).
-        self.horizon = None if horizon is None else float(horizon)
+        self.horizon = float(rollout.response_length)
         # Packed rows cut by a token budget (`hfjax.engine.packing`); None: padded batches.
         self.budget = spec.budget
         # Padded micro-batches of similar lengths, each as wide as its rows need.
@@ -80,7 +84,7 @@ class Critic(WorkerGroup):
                                  held, named)
             else:
                 values = Program(name, self._values, (self.params, ids, mask, r), held, named)
-        mini = c.ppo_mini_batch_size * self.n_samples
+        mini = c.ppo_mini_batch_size * self.rollout.n
         mb = self.abstract_sequences(mini, shape)
         mb |= {k: self.abstract_rows(mini, r, "float32") for k in ("values", "returns")}
         return [values, *self.update_programs("update", self._loss, mb, c.ppo_micro_batch_size,
@@ -134,7 +138,7 @@ class Critic(WorkerGroup):
             batch = batch.union(Batch({"values": batch[self.VALUES],
                                        "returns": batch[self.RETURNS]}))
         keys = ["input_ids", "attention_mask", "responses", "response_mask", "values", "returns"]
-        out = self.train(self._loss, batch, keys, mini=c.ppo_mini_batch_size * self.n_samples,
+        out = self.train(self._loss, batch, keys, mini=c.ppo_mini_batch_size * self.rollout.n,
                          micro=c.ppo_micro_batch_size, epochs=c.ppo_epochs, shuffle=c.shuffle,
                          budget=self.budget, grouped=self.grouped)
         p = self.METRICS

@@ -156,7 +156,7 @@ def build_actor(cfg, model: nnx.Module, pools: Mapping[str, ResourcePool], pad_i
                                            rollout.decode_mesh, nnx.state(model))
     turns = multi_turn_enabled(c)
     # Later turns prefill the whole context so far: prompt plus the response budget.
-    max_prompt = c.data.max_prompt_length + (c.rollout.response_length if turns else 0)
+    max_prompt = c.data.max_prompt_length + (rollout.response_length if turns else 0)
     sampler = rollout_sampler(model, rollout, mesh=engine.decode_mesh if engine else mesh,
                               max_prompt_len=max_prompt, pad_id=pad_id, rules=None,
                               param_rules=engine.decode_rules if engine else rules)
@@ -278,8 +278,7 @@ def _critic_builder(role: str, cls: type[Critic], seed_offset: int) -> RoleBuild
             lora.add_adapters(value_model, spec, seed=c.seed + seed_offset + 7)
         return cls(
             role, ctx.pools[role], s.mesh, value_model,
-            spec=CriticSpec.of(s, role), n_samples=ctx.actor.rollout.n,
-            horizon=ctx.actor.rollout.response_length,
+            spec=CriticSpec.of(s, role), rollout=ctx.actor.rollout,
             optimizer=make_optimizer(s.lr, weight_decay=s.weight_decay, grad_clip=s.grad_clip),
             home=ctx.home, sequence_parallel=s.sequence_parallel,
         )

@@ -3,74 +3,20 @@ score models read from their config sections.
 
 `hfjax.workers.groups` builds each spec once from the run's config (`ActorSpec.of(cfg.actor)`,
 ...) and hands it to the worker group; workers read the spec's fields, never a config's keys.
-A spec has no defaults of its own: the defaults are the config's (configs/ppo_arith.py, from
-which every config derives, and whose every key `hfjax.config.check_config` asks for), so a
-section without one of the spec's keys is refused here, by name. Values are checked for their
-type here too (a string where an int belongs fails now, not inside a jitted step); their
-ranges and names are the key table's checks (`hfjax.config.keys`), run before this.
+The specs are read as the rollout's is (`hfjax.engine.spec.Spec.of`): no defaults of their
+own, a missing key or a value of the wrong type refused by name.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import typing
-from typing import Any, TypeVar
 
 from hfjax.engine import packing, shared_prompt
-
-S = TypeVar("S")
-
-_TYPES = {int: "an int", float: "a float", bool: "True or False", str: "a string"}
-
-
-def _value(role: str, name: str, v: Any, kind: type) -> Any:
-    """`v` as `kind`, or a ValueError naming the key `role.name` and the fix."""
-    if kind is bool:
-        ok = isinstance(v, bool)
-    elif kind is int:
-        ok = isinstance(v, int) and not isinstance(v, bool)
-    elif kind is float:
-        ok = isinstance(v, (int, float)) and not isinstance(v, bool)
-    else:
-        ok = isinstance(v, kind)
-    if not ok:
-        raise ValueError(f"{role}.{name}={v!r} needs {_TYPES[kind]}; set "
-                         f"--config.{role}.{name} to one")
-    return kind(v)
-
-
-def _of(cls: type[S], section: Any, role: str) -> S:
-    """The spec `cls` read from a config section (a ConfigDict or a mapping) of role `role`:
-    every field is the key of its name, which the section must have."""
-    if isinstance(section, cls):
-        return section
-    if section is None:
-        raise ValueError(f"the config has no {role} section; derive the config from "
-                         "configs/ppo_arith.py")
-    hints = typing.get_type_hints(cls)
-    values = {}
-    for f in dataclasses.fields(cls):
-        if f.name not in section:
-            raise ValueError(f"the config's {role} section has no key {f.name}; derive the "
-                             f"config from configs/ppo_arith.py, or set --config.{role}."
-                             f"{f.name}")
-        values[f.name] = _value(role, f.name, section[f.name], hints[f.name])
-    return cls(**values)
-
-
-class _Spec:
-    """`of`: a spec read from its role's config section (`ROLE` unless another is named)."""
-
-    ROLE: typing.ClassVar[str]
-
-    @classmethod
-    def of(cls: type[S], section: Any, role: str | None = None) -> S:
-        """`section` itself when it is already this spec, else the spec of a config section."""
-        return _of(cls, section, role or cls.ROLE)
+from hfjax.engine.spec import Spec
 
 
 @dataclasses.dataclass(frozen=True)
-class _UpdateSpec(_Spec):
+class _UpdateSpec(Spec):
     """The fields a trained role's passes share: batch sizes and epochs, the micro-batch layout
     (padded or packed rows, length grouping) and how the loss is aggregated."""
 
@@ -129,7 +75,7 @@ class CriticSpec(_UpdateSpec):
 
 
 @dataclasses.dataclass(frozen=True)
-class ScoreSpec(_Spec):
+class ScoreSpec(Spec):
     """What a learned reward or cost model is built and scores with (the `reward_model` or
     `cost_model` section): its dtype and its packing."""
 

@@ -17,6 +17,7 @@ from ml_collections import config_dict
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "models"))
 from hf_fixtures import left_padded_batch, make_hf_model  # noqa: E402
+from support import rollout_spec  # noqa: E402
 
 import hfjax.models as M  # noqa: E402
 from hfjax.engine import Sampler, SamplingParams  # noqa: E402
@@ -311,18 +312,26 @@ def test_bad_settings(llama, kw, mesh, match):
 
 
 def test_config_selects_the_engine(llama):
-    cfg = config_dict.ConfigDict(dict(mode="static", slots=4, refill_every=2, max_cache_len=0))
-    assert type(rollout_sampler(llama, cfg)) is Sampler
-    cfg.mode = "continuous"
-    engine = rollout_sampler(llama, cfg)
+    cfg = dict(mode="static", slots=4, refill_every=2, max_cache_len=0)
+    assert type(rollout_sampler(llama, rollout_spec(**cfg))) is Sampler
+    cfg["mode"] = "continuous"
+    engine = rollout_sampler(llama, rollout_spec(**cfg))
     assert isinstance(engine, ContinuousSampler)
     assert (engine.slots, engine.refill_every, engine.max_cache_len) == (4, 2, None)
-    cfg.mode = "paged"
+    cfg["mode"] = "paged"
     with pytest.raises(ValueError, match="rollout.mode='paged'; choose one of static, continuous"):
-        rollout_sampler(llama, cfg)
-    cfg.mode, cfg.slots = "continuous", 6
+        rollout_sampler(llama, rollout_spec(**cfg))
+    cfg["mode"], cfg["slots"] = "continuous", 6
     with pytest.raises(ValueError, match=r"rollout \(mode=continuous\): slots=6 .*multiple of 4"):
-        rollout_sampler(llama, cfg, mesh=mesh_of("data=4,tensor=2"))
+        rollout_sampler(llama, rollout_spec(**cfg), mesh=mesh_of("data=4,tensor=2"))
+
+
+def test_the_engine_takes_the_spec_not_a_config_section(llama):
+    section = config_dict.ConfigDict(dict(mode="static"))
+    with pytest.raises(TypeError, match=r"rollout_sampler: rollout= is a ConfigDict, not the "
+                                        r"RolloutSpec it needs; build it once with "
+                                        r"RolloutSpec\.of\(cfg\.rollout\)"):
+        rollout_sampler(llama, section)
 
 
 def test_drain_stays_in_its_row_range(llama):
@@ -357,12 +366,11 @@ def test_decode_variants_equal_the_cpu_read(llama, prompts, reference, opts):
 
 def test_config_selects_the_decode_read(llama):
     for mode in ("static", "continuous"):
-        rollout = config_dict.ConfigDict(dict(mode=mode, decode_attention="chunked",
-                                              kv_layout="gpu"))
+        rollout = rollout_spec(mode=mode, decode_attention="chunked", kv_layout="gpu")
         assert rollout_sampler(llama, rollout).decode[:2] == ("chunked", "gpu")
         # auto on these CPU devices: today's full read and layout.
-        auto = rollout_sampler(llama, config_dict.ConfigDict(dict(mode=mode)))
+        auto = rollout_sampler(llama, rollout_spec(mode=mode))
         assert auto.decode == DecodeOptions("full", "cpu")
-    bad = config_dict.ConfigDict(dict(mode="static", decode_attention="pallas", kv_layout="cpu"))
+    bad = rollout_spec(mode="static", decode_attention="pallas", kv_layout="cpu")
     with pytest.raises(ValueError, match="kv_layout=gpu"):
         rollout_sampler(llama, bad)

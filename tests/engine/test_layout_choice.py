@@ -6,11 +6,10 @@ import logging
 import jax
 import pytest
 from flax import nnx
-from ml_collections import config_dict
+from support import rollout_spec
 
 from hfjax.engine import hybrid
 from hfjax.engine.layout_choice import actor_rules_and_engine
-from hfjax.engine.spec import RolloutSpec
 from hfjax.models import transformer
 from hfjax.models.presets import get_preset
 from hfjax.parallel.mesh import MeshSpec
@@ -21,8 +20,7 @@ SMALL = get_preset("tiny").replace(vocab_size=64, hidden_size=16, intermediate_s
 
 def rollout(mesh="", hybrid_engine=True):
     """The decode mesh a rollout section with these keys asks for."""
-    return RolloutSpec.of(config_dict.ConfigDict(dict(mesh=mesh,
-                                                      hybrid_engine=hybrid_engine))).decode_mesh
+    return rollout_spec(mesh=mesh, hybrid_engine=hybrid_engine).decode_mesh
 
 
 @pytest.fixture(scope="module")

@@ -141,11 +141,15 @@ def _acfg(mode, budget, micro=B, grouped=False):
     return a
 
 
-def _actor(mesh, acfg, model, response_length=R):
+def _rollout(response_length):
     r = ppo_arith.get_config().rollout
     r.n, r.response_length = 1, response_length
+    return RolloutSpec.of(r)
+
+
+def _actor(mesh, acfg, model, response_length=R):
     return ActorRollout("actor", _pool(mesh), mesh, model, rules="train", sampler=None,
-                        spec=ActorSpec.of(acfg), rollout=RolloutSpec.of(r),
+                        spec=ActorSpec.of(acfg), rollout=_rollout(response_length),
                         optimizer=update.make_optimizer(1e-2, grad_clip=0.0))
 
 
@@ -295,7 +299,7 @@ def test_actor_and_critic_updates_equal_the_padded_ones(model, mesh, budget):
         c.use_remove_padding, c.ppo_max_token_len_per_gpu = remove_padding, tokens
         value_model = transformer.build(CFG, "value", seed=4)  # the same weights each time
         critics.append(Critic("critic", _pool(spec), spec, value_model,
-                              spec=CriticSpec.of(c), horizon=R,
+                              spec=CriticSpec.of(c), rollout=_rollout(R),
                               optimizer=update.make_optimizer(1e-2, grad_clip=0.0)))
     m = batch["response_mask"] > 0
     values = [np.asarray(c.compute_values(batch)["values"]) for c in critics]
@@ -438,7 +442,7 @@ def test_grouped_actor_and_critic_on_a_multi_device_mesh(model):
         c.ppo_mini_batch_size, c.ppo_micro_batch_size, c.shuffle = B, 4, False
         c.group_by_length = grouped
         critics.append(Critic("critic", _pool(spec), spec, transformer.build(CFG, "value", seed=4),
-                              spec=CriticSpec.of(c), horizon=GR,
+                              spec=CriticSpec.of(c), rollout=_rollout(GR),
                               optimizer=update.make_optimizer(1e-2, grad_clip=0.0)))
     m = batch["response_mask"] > 0
     values = [np.asarray(c.compute_values(batch)["values"]) for c in critics]

@@ -1,5 +1,6 @@
-"""The roles' typed specs (hfjax/workers/spec.py): read from a config section's keys, frozen,
-and refusing a missing key or a wrong type by name."""
+"""The typed specs of the roles (hfjax/workers/spec.py) and of the rollout
+(hfjax/engine/spec.py): read from a config section's keys, frozen, and refusing a missing key or
+a wrong type by name."""
 
 import dataclasses
 import importlib
@@ -18,7 +19,7 @@ from hfjax.workers.spec import ActorSpec, CriticSpec, ScoreSpec
 
 # (spec, the config sections it is read from)
 SPECS = [(ActorSpec, ("actor",)), (CriticSpec, ("critic", "cost_critic")),
-         (ScoreSpec, ("reward_model", "cost_model"))]
+         (ScoreSpec, ("reward_model", "cost_model")), (RolloutSpec, ("rollout",))]
 
 
 def test_the_actor_spec_holds_the_default_configs_values():
@@ -48,6 +49,27 @@ def test_critic_and_score_specs_of_the_default_config():
     assert score.budget is None
     with pytest.raises(dataclasses.FrozenInstanceError):
         critic.ppo_epochs = 2
+
+
+def test_the_rollout_spec_holds_the_default_configs_values():
+    c = ppo_arith.get_config()
+    r = RolloutSpec.of(c.rollout)
+    assert r == RolloutSpec(
+        n=1, response_length=10, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, mesh="",
+        hybrid_engine=True, offload_optimizer=False, mode="static", decode_attention="auto",
+        kv_layout="auto", slots=0, refill_every=8, min_slots=0, max_cache_len=0)
+    assert r.decode_mesh == ""  # no decode mesh: the actor decodes in its training layout
+    assert RolloutSpec.of(r) is r
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        r.n = 4
+
+
+def test_the_decode_mesh_follows_mesh_and_hybrid_engine():
+    c = ppo_arith.get_config()
+    c.rollout.mesh = "data=4,tensor=2"
+    assert RolloutSpec.of(c.rollout).decode_mesh == "data=4,tensor=2"
+    c.rollout.hybrid_engine = False  # the mesh is ignored
+    assert RolloutSpec.of(c.rollout).decode_mesh == ""
 
 
 def test_budgets_follow_the_packing_keys():
@@ -104,6 +126,15 @@ def test_a_wrong_type_is_refused_by_key():
     with pytest.raises(ValueError, match=r"reward_model\.forward_max_token_len_per_gpu=True "
                                          r"needs an int"):
         ScoreSpec.of(s, "reward_model")
+    r = ppo_arith.get_config().rollout.to_dict()
+    r["n"] = 4.0
+    with pytest.raises(ValueError, match=r"rollout\.n=4\.0 needs an int; set "
+                                         r"--config\.rollout\.n to one"):
+        RolloutSpec.of(r)
+    r = ppo_arith.get_config().rollout.to_dict()
+    r["mesh"] = None  # no decode mesh is "", as the config checks ask too
+    with pytest.raises(ValueError, match=r"rollout\.mesh=None needs a string"):
+        RolloutSpec.of(r)
 
 
 def test_a_missing_key_is_refused_by_name():
@@ -114,6 +145,15 @@ def test_a_missing_key_is_refused_by_name():
         ActorSpec.of(a)
     with pytest.raises(ValueError, match="the config has no critic section"):
         CriticSpec.of(None)
+    # A partial rollout section takes no defaults: every key is the config's.
+    with pytest.raises(ValueError, match=r"rollout section has no key n; derive the config "
+                                         r"from configs/ppo_arith\.py, or set "
+                                         r"--config\.rollout\.n"):
+        RolloutSpec.of({"mode": "continuous", "slots": 4})
+    r = ppo_arith.get_config().rollout.to_dict()
+    del r["refill_every"]
+    with pytest.raises(ValueError, match=r"rollout section has no key refill_every"):
+        RolloutSpec.of(r)
 
 
 def test_workers_refuse_a_config_section():
@@ -127,7 +167,12 @@ def test_workers_refuse_a_config_section():
     with pytest.raises(TypeError, match=r"rollout= is a ConfigDict, not the RolloutSpec"):
         ActorRollout("actor", None, "fsdp=1", None, sampler=None,
                      spec=ActorSpec.of(c.actor), rollout=c.rollout)
+    rollout = RolloutSpec.of(c.rollout)
     for cls in (Critic, CostCritic):
         with pytest.raises(TypeError, match=rf"{cls.__name__}: spec= is a ConfigDict, not "
                                             r"the CriticSpec it needs"):
-            cls("critic", None, "fsdp=1", None, spec=c.critic)
+            cls("critic", None, "fsdp=1", None, spec=c.critic, rollout=rollout)
+        with pytest.raises(TypeError, match=rf"{cls.__name__}: rollout= is a ConfigDict, not "
+                                            r"the RolloutSpec it needs; build it once with "
+                                            r"RolloutSpec\.of\(cfg\.rollout\)"):
+            cls("critic", None, "fsdp=1", None, spec=CriticSpec.of(c.critic), rollout=c.rollout)
