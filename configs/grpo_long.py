@@ -7,7 +7,9 @@ four ways over the `sequence` mesh axis (`actor.mesh=fsdp=2,sequence=4`): every 
 attention crosses the four shards by Ulysses (an all-to-all between tokens and heads: the
 7B's 4 kv heads take sequence=4; `actor.sequence_parallel=ring` passes K/V blocks round
 instead). Decoding uses whole rows on `rollout.mesh`; the hybrid engine reshards the weights
-between the two layouts. Size it before launching (docs/scaling.md, "Long responses"):
+between the two layouts. The update keeps its matmuls' outputs for the backward pass
+(`model.remat_policy=dots_no_batch`), which a device can hold for a quarter of each row and not
+for a whole one. Size it before launching (docs/scaling.md, "Long responses"):
 
     python -m launch.train --dry_run --target=h200 --num_devices=8 --config=configs/grpo_long.py
 
@@ -24,7 +26,12 @@ def get_config():
     c.model.path = "preset:qwen2.5-7b"
     c.model.dtype = "auto"
     c.model.param_dtype = "float32"
-    c.model.remat_policy = "full"
+    # Keep the matmuls' outputs and recompute only the elementwise work in the backward pass
+    # (no second forward of every layer, as "full" does): that holds 57.6 GiB of activations
+    # per device for a quarter row, and fits only because sequence=4 splits each row. The same
+    # config with whole rows per device (actor.mesh=fsdp=8) needs 212.5 GiB in actor.update and
+    # does not fit; with remat_policy=full it would (docs/scaling.md, "Long responses").
+    c.model.remat_policy = "dots_no_batch"
     c.sft.steps = 0
     c.data.train_batch_size = 16
     c.data.max_prompt_length = 1024
