@@ -54,6 +54,11 @@ class Records:
     compiles: list[Compile] = dataclasses.field(default_factory=list)
     trace_s: float = 0.0
 
+    @property
+    def seconds(self) -> float:
+        """All of it: backend compiles (or cache reads) plus tracing and lowering."""
+        return sum(c.seconds for c in self.compiles) + self.trace_s
+
 
 class CompileLog:
     """Collects compile events from the moment it is installed (see the module docstring)."""

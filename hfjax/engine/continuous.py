@@ -294,9 +294,7 @@ def rollout_sampler(model: nnx.Module, rollout: RolloutSpec, **kw: Any) -> Sampl
     Raises TypeError for a config section (build the spec once with `RolloutSpec.of`), and
     ValueError naming the key on a bad setting, before anything compiles.
     """
-    if not isinstance(rollout, RolloutSpec):
-        raise TypeError(f"rollout_sampler: rollout= is a {type(rollout).__name__}, not the "
-                        "RolloutSpec it needs; build it once with RolloutSpec.of(cfg.rollout)")
+    RolloutSpec.require(rollout, "rollout_sampler", "rollout")
     kw = {"decode_attention": rollout.decode_attention, "kv_layout": rollout.kv_layout, **kw}
     if rollout.mode == "static":
         return Sampler(model, **kw)

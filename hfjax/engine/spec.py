@@ -60,7 +60,8 @@ def read_spec(cls: type[S], section: Any, name: str) -> S:
 
 
 class Spec:
-    """`of`: a spec read from its config section (`ROLE` unless another is named)."""
+    """`of`: a spec read from its config section (`ROLE` unless another is named);
+    `require`: the check at a constructor that takes a built spec, not a config section."""
 
     ROLE: typing.ClassVar[str]
 
@@ -68,6 +69,14 @@ class Spec:
     def of(cls: type[S], section: Any, role: str | None = None) -> S:
         """`section` itself when it is already this spec, else the spec of a config section."""
         return read_spec(cls, section, role or cls.ROLE)
+
+    @classmethod
+    def require(cls, value: Any, owner: str, name: str) -> None:
+        """TypeError unless `value` (`owner`'s keyword `name`) is a `cls`, naming the fix."""
+        if not isinstance(value, cls):
+            raise TypeError(f"{owner}: {name}= is a {type(value).__name__}, not the "
+                            f"{cls.__name__} it needs; build it once with "
+                            f"{cls.__name__}.of(cfg.{cls.ROLE})")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -297,12 +297,8 @@ class ActorRollout(Reference):
     def __init__(self, *args, sampler: Sampler, spec: ActorSpec, rollout: RolloutSpec,
                  eos_ids: tuple[int, ...] = (), hybrid: HybridEngine | None = None,
                  agent: AgentLoop | None = None, **kw):
-        for value, cls, name, section in ((spec, ActorSpec, "spec", "actor"),
-                                          (rollout, RolloutSpec, "rollout", "rollout")):
-            if not isinstance(value, cls):
-                raise TypeError(f"ActorRollout: {name}= is a {type(value).__name__}, not the "
-                                f"{cls.__name__} it needs; build it once with "
-                                f"{cls.__name__}.of(cfg.{section})")
+        ActorSpec.require(spec, "ActorRollout", "spec")
+        RolloutSpec.require(rollout, "ActorRollout", "rollout")
         super().__init__(*args, temperature=rollout.temperature, budget=spec.budget,
                          micro_rows=spec.ppo_micro_batch_size, grouped=spec.group_by_length,
                          samples=spec.samples_per_row(rollout.n), chunk=spec.logprob_chunk,

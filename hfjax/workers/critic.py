@@ -26,12 +26,8 @@ class Critic(WorkerGroup):
     VALUES, RETURNS, METRICS = "values", "returns", "critic"
 
     def __init__(self, *args, spec: CriticSpec, rollout: RolloutSpec, **kw):
-        for value, cls, name, section in ((spec, CriticSpec, "spec", "critic"),
-                                          (rollout, RolloutSpec, "rollout", "rollout")):
-            if not isinstance(value, cls):
-                raise TypeError(f"{type(self).__name__}: {name}= is a {type(value).__name__}, "
-                                f"not the {cls.__name__} it needs; build it once with "
-                                f"{cls.__name__}.of(cfg.{section})")
+        CriticSpec.require(spec, type(self).__name__, "spec")
+        RolloutSpec.require(rollout, type(self).__name__, "rollout")
         super().__init__(*args, **kw)
         self.spec = spec
         self.rollout = rollout
