@@ -244,7 +244,7 @@ def main(argv: list[str]) -> None:
                    "remat_policy": cfg.model.remat_policy, "prompts": cfg.data.train_batch_size,
                    "n": cfg.rollout.n, "new_tokens": new,
                    "prompt_tokens": cfg.data.max_prompt_length,
-                   "actor_mesh": cfg.actor.mesh, "rollout_mesh": cfg.rollout.get("mesh", ""),
+                   "actor_mesh": cfg.actor.mesh, "rollout_mesh": cfg.rollout.mesh,
                    "overrides": [a for a in sys.argv[1:] if a.startswith("--config.")],
                    "measured_steps": len(steps)},
     }

@@ -5,16 +5,20 @@ in one pass (micro_rows=all) against ppo_micro_batch_size rows at a time. Best o
     python -m bench.scoring_micro_batches
 """
 
+import dataclasses
 import time
 
 import jax
 import numpy as np
 
 import hfjax.models as M
+from configs import ppo_arith
 from hfjax.controller.batch import Batch
+from hfjax.engine.spec import RolloutSpec
 from hfjax.models.smollm2 import smollm2_gguf_path
 from hfjax.parallel.mesh import ResourcePool
 from hfjax.workers.actor import Reference
+from hfjax.workers.spec import ActorSpec
 
 B, P, R = 128, 64, 128
 
@@ -29,8 +33,14 @@ def main() -> None:
     batch = Batch({"input_ids": ids * mask, "attention_mask": mask,
                    "responses": (ids * mask)[:, P:]})
     pool = ResourcePool("bench", tuple(jax.devices()[:1]))
+    # The default config's settings, one sample per prompt (no shared-prompt rows), padded
+    # rows of `micro` at a time (0: the whole batch in one pass).
+    cfg = ppo_arith.get_config()
+    rollout = RolloutSpec.of(cfg.rollout)
     for micro in (0, 64, 16, 8):
-        ref = Reference("ref", pool, "fsdp=1", model, micro_rows=micro)
+        spec = dataclasses.replace(ActorSpec.of(cfg.actor), ppo_micro_batch_size=micro,
+                                   use_remove_padding=False, group_by_length=False)
+        ref = Reference("ref", pool, "fsdp=1", model, spec=spec, rollout=rollout)
         jax.block_until_ready(ref.compute_ref_log_prob(batch).arrays)  # compile
         runs = []
         for _ in range(2):

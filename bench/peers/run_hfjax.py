@@ -99,16 +99,16 @@ def layout() -> str:
 
 
 def build(w: workload.Workload):
-    """(actor, workers, cfg, host prompt batch) for the workload."""
+    """(actor, workers, the step's settings, host prompt batch) for the workload."""
     import jax
     import numpy as np
-    from ml_collections import config_dict
 
     import hfjax.models as M
+    from hfjax.algorithms.spec import AlgoSpec, FilterGroupsSpec, OverlongSpec, StepSpec
     from hfjax.controller.batch import Batch
     from hfjax.engine import head_chunks
     from hfjax.engine.continuous import rollout_sampler
-    from hfjax.engine.spec import RolloutSpec
+    from hfjax.engine.spec import MultiTurnSpec, RolloutSpec
     from hfjax.engine.update import make_optimizer
     from hfjax.numerics.losses import FixedKLController
     from hfjax.parallel.mesh import ResourcePool
@@ -124,7 +124,6 @@ def build(w: workload.Workload):
     pad = tok.pad_id if tok.pad_id is not None else tok.eos_id
 
     mode, batches, _ = LAYOUTS[layout()] if w.natural else ("static", "padded", "hfjax")
-    cfg = config_dict.ConfigDict()
     # Every setting of the actor's spec (hfjax/workers/spec.py) is written here: the workload's.
     actor_spec = ActorSpec(
         ppo_mini_batch_size=w.prompts, ppo_micro_batch_size=w.micro_batch, ppo_epochs=1,
@@ -138,19 +137,23 @@ def build(w: workload.Workload):
         share_prompt=mode == "continuous",
         logprob_chunk=head_chunks.DEFAULT_CHUNK,
     )
-    # Every key of the rollout's spec (hfjax/engine/spec.py) too: decoding in the training
-    # layout, reading the cache the platform's way.
-    cfg.rollout = config_dict.ConfigDict(dict(
+    # Every field of the rollout's spec (hfjax/engine/spec.py) too: decoding in the training
+    # layout, reading the cache the platform's way, one turn.
+    rollout = RolloutSpec(
         n=w.samples, temperature=w.temperature, top_k=0, top_p=1.0, min_p=0.0,
         response_length=w.new_tokens, mesh="", hybrid_engine=False, offload_optimizer=False,
         mode=mode, decode_attention="auto", kv_layout="auto",
         slots=0, refill_every=8, min_slots=0, max_cache_len=0,
-    ))
-    rollout = RolloutSpec.of(cfg.rollout)
-    cfg.algo = config_dict.ConfigDict(dict(
+        multi_turn=MultiTurnSpec(enable=False, max_turns=1, tools="", max_tool_response_len=1,
+                                 tool_workers=1),
+    )
+    # And of the algorithm's (hfjax/algorithms/spec.py): GRPO's advantage, no KL term.
+    algo = AlgoSpec(
         adv_estimator="grpo", gamma=1.0, lam=1.0, norm_adv_by_std_in_grpo=True,
         use_kl_in_reward=False, kl_penalty="kl",
-    ))
+        filter_groups=FilterGroupsSpec(enable=False, max_num_gen_batches=0, on_exhausted="fill"),
+        overlong_buffer=OverlongSpec(enable=False, len=1, penalty_factor=0.0),
+    )
 
     pool = ResourcePool("all", tuple(jax.devices()))
     spec = "fsdp=-1"
@@ -177,7 +180,7 @@ def build(w: workload.Workload):
         mask[row, w.prompt_len - len(p):] = 1
     batch = Batch({"prompts": prompts, "prompt_mask": mask,
                    "seeds": np.arange(w.prompts, dtype=np.int32)})
-    return actor, workers, cfg, batch
+    return actor, workers, StepSpec(algo, rollout), batch
 
 
 def main() -> None:
@@ -192,7 +195,7 @@ def main() -> None:
     if jax.device_count() != 1:
         raise SystemExit(f"the workload runs on 1 CPU device; found {jax.device_count()}")
     peak = matmul_peak()
-    actor, workers, cfg, batch = build(w)
+    actor, workers, spec, batch = build(w)
     grpo = get_algorithm("grpo")
 
     times, cpu, stages, tokens, lengths = [], [], {}, [], []
@@ -201,7 +204,7 @@ def main() -> None:
         b.arrays["seeds"] = batch["seeds"] + np.int32(1000 * step)
         workers.timing.clear()
         t0, c0 = time.perf_counter(), time.process_time()
-        out, metrics = grpo.step(workers, b, cfg)
+        out, metrics = grpo.step(workers, b, spec)
         counts = {"tokens": jnp.sum(out["attention_mask"]),
                   "lengths": jnp.sum(out["response_mask"], axis=1)}
         with jax.transfer_guard("allow"):

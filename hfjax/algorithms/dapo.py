@@ -24,6 +24,7 @@ import numpy as np
 
 from hfjax.algorithms.dataflow import compute_advantage, log_probs, reward
 from hfjax.algorithms.registry import all_of, register_algorithm, requires
+from hfjax.algorithms.spec import StepSpec
 from hfjax.controller.batch import Batch
 from hfjax.numerics import shaping
 from hfjax.workers.groups import WorkerGroups
@@ -56,27 +57,28 @@ def _check(cfg) -> None:
 
 @register_algorithm("dapo", roles=("actor", "reward"), check=all_of(
     _check, requires("dapo", algo__adv_estimator="grpo", actor__loss_agg_mode="token-mean")))
-def dapo_step(w: WorkerGroups, batch: Batch, cfg) -> tuple[Batch, dict]:
-    batch, metrics = sample_varied_groups(w, batch, cfg)
-    batch = log_probs(w, batch, cfg)
-    batch, adv_metrics = w.run("adv", compute_advantage, batch, cfg, w.kl_ctrl.value)
+def dapo_step(w: WorkerGroups, batch: Batch, spec: StepSpec) -> tuple[Batch, dict]:
+    batch, metrics = sample_varied_groups(w, batch, spec)
+    batch = log_probs(w, batch, spec)
+    batch, adv_metrics = w.run("adv", compute_advantage, batch, spec, w.kl_ctrl.value)
     metrics |= adv_metrics
     metrics |= w.run("update_actor", w.actor.update_actor, batch)
     return batch, metrics
 
 
-def sample_varied_groups(w: WorkerGroups, prompts: Batch, cfg) -> tuple[Batch, dict]:
+def sample_varied_groups(w: WorkerGroups, prompts: Batch,
+                         spec: StepSpec) -> tuple[Batch, dict]:
     """Generates, scores and shapes groups of `rollout.n` samples until `len(prompts)` groups
     with differing scores are in hand (dynamic sampling), drawing further prompt batches from
     `w.next_prompts`. Returns the batch of kept groups and dapo/ metrics."""
-    f, n, want = cfg.algo.filter_groups, cfg.rollout.n, len(prompts)
+    f, n, want = spec.algo.filter_groups, spec.rollout.n, len(prompts)
     kept: list[Batch] = []
     dropped: list[Batch] = []
     have = tries = 0
     while True:
         tries += 1
         gen = w.run("gen", w.actor.generate, prompts)
-        gen = shape_overlong(reward(w, gen, cfg), cfg)
+        gen = shape_overlong(reward(w, gen, spec), spec)
         if not f.enable:
             return gen, {}
         keep = w.run("filter", varied_group_mask, gen, n)
@@ -127,15 +129,15 @@ def _varied(scores: jax.Array, n: int) -> jax.Array:
     return shaping.varied_groups(jnp.sum(scores, axis=1), jnp.arange(b) // n, b // n)
 
 
-def shape_overlong(batch: Batch, cfg) -> Batch:
+def shape_overlong(batch: Batch, spec: StepSpec) -> Batch:
     """Adds DAPO's overlong penalty to each response's score (on its last token) when
     `algo.overlong_buffer.enable`; the penalties stay in the batch as `overlong_penalty`."""
-    o = cfg.algo.overlong_buffer
+    o = spec.algo.overlong_buffer
     if not o.enable:
         return batch
     scores, penalty = _overlong(batch["token_level_scores"], batch["response_mask"],
-                                max_length=cfg.rollout.response_length, buffer=o.len,
-                                factor=float(o.penalty_factor))
+                                max_length=spec.rollout.response_length, buffer=o.len,
+                                factor=o.penalty_factor)
     # The rule stage's scores are replaced by the shaped ones (select drops the old entry).
     rest = batch.select([k for k in batch.arrays if k != "token_level_scores"])
     return rest.union(Batch({"token_level_scores": scores, "overlong_penalty": penalty}))

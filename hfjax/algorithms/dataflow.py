@@ -3,9 +3,10 @@ model rewards combined per data_source: `reward`), the cost stage (`cost`), the 
 stage (KL-in-reward plus a registered estimator, jitted once per shape), the step's batch
 metrics and the updates of the host-side controllers (KL coefficient, Lagrange multiplier).
 
-A driver receives `WorkerGroups` (one typed handle per role) and a host batch of prompts, and
-calls worker-group methods in order. Each method's transfer protocol moves its inputs onto the
-group's mesh and its results back onto the dataflow's, so a driver never places data itself.
+A driver receives `WorkerGroups` (one typed handle per role), a host batch of prompts and its
+settings (`hfjax.algorithms.spec.StepSpec`), and calls worker-group methods in order. Each
+method's transfer protocol moves its inputs onto the group's mesh and its results back onto
+the dataflow's, so a driver never places data itself.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from hfjax.algorithms.spec import StepSpec
 from hfjax.controller.batch import Batch
 from hfjax.numerics import core, losses, shaping
 from hfjax.numerics.advantages import AdvantageInputs
@@ -22,24 +24,24 @@ from hfjax.numerics.losses import KLController, LagrangeMultiplier
 from hfjax.workers.groups import WorkerGroups
 
 
-def sample(w: WorkerGroups, batch: Batch, cfg) -> Batch:
+def sample(w: WorkerGroups, batch: Batch, spec: StepSpec) -> Batch:
     """The stages every algorithm starts with: generate the responses, score them under the
     pre-update policy when the update needs it, and under the reference policy when there is
     one. Returns the batch with responses, old_log_probs and ref_log_prob as applicable."""
-    return log_probs(w, w.run("gen", w.actor.generate, batch), cfg)
+    return log_probs(w, w.run("gen", w.actor.generate, batch), spec)
 
 
-def log_probs(w: WorkerGroups, batch: Batch, cfg) -> Batch:
+def log_probs(w: WorkerGroups, batch: Batch, spec: StepSpec) -> Batch:
     """The scoring half of `sample`, for a batch already generated: old_log_probs when the
     update needs them, ref_log_prob when there is a reference."""
-    if needs_old_log_prob(w, batch, cfg):
+    if needs_old_log_prob(w, batch, spec):
         batch = batch.union(w.run("old_log_prob", w.actor.compute_log_prob, batch))
     if w.ref is not None:
         batch = batch.union(w.run("ref", w.ref.compute_ref_log_prob, batch))
     return batch
 
 
-def reward(w: WorkerGroups, batch: Batch, cfg, name: str = "reward") -> Batch:
+def reward(w: WorkerGroups, batch: Batch, spec: StepSpec, name: str = "reward") -> Batch:
     """The reward stage: `token_level_scores` [B, R], each sequence's score on its last
     response token.
 
@@ -49,7 +51,7 @@ def reward(w: WorkerGroups, batch: Batch, cfg, name: str = "reward") -> Batch:
     rewards are not computed at all when every row weighs them 0. The model's raw scores stay
     in the batch as `rm_scores`. Stages are timed as `name` (rules) and `name`_model.
     """
-    del cfg  # the weights live with the rule reward; the signature matches the other stages
+    del spec  # the weights live with the rule reward; the signature matches the other stages
     if w.reward_model is None:
         return batch.union(w.run(name, w.reward.compute_reward, batch))
     weights = w.reward.source_weights(batch)
@@ -82,14 +84,15 @@ def cost(w: WorkerGroups, batch: Batch) -> Batch:
 _on_last_token = jax.jit(shaping.scores_on_last_token)
 
 
-def needs_old_log_prob(w: WorkerGroups, batch: Batch, cfg) -> bool:
+def needs_old_log_prob(w: WorkerGroups, batch: Batch, spec: StepSpec) -> bool:
     """Whether a step must score its samples under the pre-update policy (`old_log_probs`).
 
     Not when the actor takes a single update on the batch and no KL penalty goes into the
     reward: the samples' policy is then the current one, and the actor's loss uses its own
     detached log-probs (as TRL and Tunix do), saving a forward pass over the batch.
     """
-    return bool(cfg.algo.use_kl_in_reward) or not w.actor.single_update(len(batch))
+    StepSpec.require(spec, "needs_old_log_prob")
+    return spec.algo.use_kl_in_reward or not w.actor.single_update(len(batch))
 
 
 # Batch arrays an estimator may read, beyond the rewards and the mask (AdvantageInputs fields).
@@ -123,19 +126,20 @@ def _advantage(arrays, kl_coef, scalars, *, estimator, kl_penalty, use_kl, n, op
     return out | (extra[0] if extra else {}), metrics
 
 
-def compute_advantage(batch: Batch, cfg, kl_coef: float,
+def compute_advantage(batch: Batch, spec: StepSpec, kl_coef: float,
                       lagrange: LagrangeMultiplier | None = None) -> tuple[Batch, dict]:
     """Adds token_level_rewards, advantages and returns (and whatever else the estimator
-    hands on, e.g. Safe-RLHF's cost_returns); rows come in groups of `cfg.rollout.n` samples.
+    hands on, e.g. Safe-RLHF's cost_returns); rows come in groups of `spec.rollout.n` samples.
     Every input an estimator may read that the batch holds is passed (`AdvantageInputs`), and
     the Lagrange multiplier's current value when there is one."""
-    a = cfg.algo
-    use_kl = bool(a.use_kl_in_reward)
+    StepSpec.require(spec, "compute_advantage")
+    a = spec.algo
+    use_kl = a.use_kl_in_reward
     keys = ["response_mask", "token_level_scores"] + (["old_log_probs", "ref_log_prob"]
                                                       if use_kl else [])
     keys += [k for k in _OPTIONAL_INPUTS if k in batch]
-    opts = (("gamma", float(a.gamma)), ("lam", float(a.lam)),
-            ("norm_adv_by_std_in_grpo", bool(a.norm_adv_by_std_in_grpo)))
+    opts = (("gamma", a.gamma), ("lam", a.lam),
+            ("norm_adv_by_std_in_grpo", a.norm_adv_by_std_in_grpo))
     # The KL coefficient is host-side controller state (the adaptive controller updates it from
     # the fetched metrics): one deliberate scalar upload per step.
     with jax.transfer_guard("allow"):
@@ -149,7 +153,7 @@ def compute_advantage(batch: Batch, cfg, kl_coef: float,
         estimator=a.adv_estimator,
         kl_penalty=a.kl_penalty,
         use_kl=use_kl,
-        n=cfg.rollout.n,
+        n=spec.rollout.n,
         opts=opts,
     )
     return batch.union(Batch(out)), metrics

@@ -9,6 +9,7 @@ its variants, the same dataflow with other numerics:
 
 from hfjax.algorithms.dataflow import compute_advantage, reward, sample
 from hfjax.algorithms.registry import register_algorithm, requires
+from hfjax.algorithms.spec import StepSpec
 from hfjax.controller.batch import Batch
 from hfjax.workers.groups import WorkerGroups
 
@@ -21,12 +22,12 @@ ROLES = ("actor", "ref", "reward")
     actor__loss_agg_mode="seq-mean-token-sum-norm"))
 @register_algorithm("gspo", roles=ROLES, check=requires(
     "gspo", algo__adv_estimator="grpo", actor__policy_loss="gspo"))
-def grpo_step(w: WorkerGroups, batch: Batch, cfg) -> tuple[Batch, dict]:
+def grpo_step(w: WorkerGroups, batch: Batch, spec: StepSpec) -> tuple[Batch, dict]:
     """The critic-free dataflow: sample, score, the advantage of the configured estimator
     (`algo.adv_estimator`), update the actor. The REINFORCE family runs it too
     (`hfjax.algorithms.reinforce`): its algorithms differ from GRPO in the estimator alone."""
-    batch = sample(w, batch, cfg)
-    batch = reward(w, batch, cfg)
-    batch, metrics = w.run("adv", compute_advantage, batch, cfg, w.kl_ctrl.value)
+    batch = sample(w, batch, spec)
+    batch = reward(w, batch, spec)
+    batch, metrics = w.run("adv", compute_advantage, batch, spec, w.kl_ctrl.value)
     metrics |= w.run("update_actor", w.actor.update_actor, batch)
     return batch, metrics

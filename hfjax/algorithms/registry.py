@@ -1,9 +1,10 @@
 """Algorithms by name: each is a short dataflow over worker groups (one training step).
 
-A driver has the signature `step(w: WorkerGroups, batch: Batch, cfg) -> (batch, metrics)`: it
-takes a host batch of prompts and returns the batch it built (responses, scores, advantages,
-...) and the step's metrics (device scalars). It is registered with the roles it needs, so the
-trainer builds only those worker groups, and optionally with a `check(cfg)` that refuses
+A driver has the signature `step(w: WorkerGroups, batch: Batch, spec: StepSpec) -> (batch,
+metrics)`: it takes a host batch of prompts and its settings (`hfjax.algorithms.spec`, read once
+from the config) and returns the batch it built (responses, scores, advantages, ...) and the
+step's metrics (device scalars). It is registered with the roles it needs, so the trainer
+builds only those worker groups, and optionally with a `check(cfg)` that refuses config
 settings the algorithm cannot run with, before anything is built.
 
 `--config.algorithm` names a registered algorithm, or a user's own as `package.module:step`

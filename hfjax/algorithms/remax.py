@@ -9,6 +9,7 @@ import jax.numpy as jnp
 
 from hfjax.algorithms.dataflow import compute_advantage, reward, sample
 from hfjax.algorithms.registry import register_algorithm, requires
+from hfjax.algorithms.spec import StepSpec
 from hfjax.controller.batch import Batch
 from hfjax.workers.groups import WorkerGroups
 
@@ -16,14 +17,14 @@ from hfjax.workers.groups import WorkerGroups
 @register_algorithm("remax", roles=("actor", "ref", "reward"),
                     provides=("reward_baselines",),
                     check=requires("remax", algo__adv_estimator="remax"))
-def remax_step(w: WorkerGroups, batch: Batch, cfg) -> tuple[Batch, dict]:
+def remax_step(w: WorkerGroups, batch: Batch, spec: StepSpec) -> tuple[Batch, dict]:
     greedy = w.run("gen_greedy", functools.partial(w.actor.generate, greedy=True, n=1), batch)
-    greedy = reward(w, greedy, cfg, name="reward_greedy")
-    batch = sample(w, batch, cfg)
-    batch = reward(w, batch, cfg)
+    greedy = reward(w, greedy, spec, name="reward_greedy")
+    batch = sample(w, batch, spec)
+    batch = reward(w, batch, spec)
     batch = batch.union(Batch({"reward_baselines": baselines(
-        greedy["token_level_scores"], cfg.rollout.n)}))
-    batch, metrics = w.run("adv", compute_advantage, batch, cfg, w.kl_ctrl.value)
+        greedy["token_level_scores"], spec.rollout.n)}))
+    batch, metrics = w.run("adv", compute_advantage, batch, spec, w.kl_ctrl.value)
     metrics |= w.run("update_actor", w.actor.update_actor, batch)
     return batch, metrics
 

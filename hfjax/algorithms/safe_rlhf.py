@@ -8,6 +8,7 @@ fetched metrics). docs/algorithms.md builds this algorithm step by step.
 
 from hfjax.algorithms.dataflow import compute_advantage, cost, reward, sample
 from hfjax.algorithms.registry import all_of, register_algorithm, requires
+from hfjax.algorithms.spec import StepSpec
 from hfjax.controller.batch import Batch
 from hfjax.workers.groups import WorkerGroups
 
@@ -29,13 +30,13 @@ def _check(cfg) -> None:
     provides=("values", "cost_values", "token_level_costs"),
     check=all_of(_check, requires("safe_rlhf", algo__adv_estimator="safe_rlhf")),
 )
-def safe_rlhf_step(w: WorkerGroups, batch: Batch, cfg) -> tuple[Batch, dict]:
-    batch = sample(w, batch, cfg)
+def safe_rlhf_step(w: WorkerGroups, batch: Batch, spec: StepSpec) -> tuple[Batch, dict]:
+    batch = sample(w, batch, spec)
     batch = batch.union(w.run("values", w.critic.compute_values, batch))
     batch = batch.union(w.run("cost_values", w.cost_critic.compute_values, batch))
-    batch = reward(w, batch, cfg)
+    batch = reward(w, batch, spec)
     batch = cost(w, batch)
-    batch, metrics = w.run("adv", compute_advantage, batch, cfg, w.kl_ctrl.value, w.lagrange)
+    batch, metrics = w.run("adv", compute_advantage, batch, spec, w.kl_ctrl.value, w.lagrange)
     metrics |= w.run("update_critic", w.critic.update_critic, batch)
     metrics |= w.run("update_cost_critic", w.cost_critic.update_critic, batch)
     metrics |= w.run("update_actor", w.actor.update_actor, batch)

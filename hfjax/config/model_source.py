@@ -44,7 +44,9 @@ def task_tokenizer(cfg):
     return arith.tokenizer()
 
 
-def _overrides(cfg, compute_dtype: str) -> dict:
+def model_overrides(cfg, compute_dtype: str) -> dict:
+    """The `model` section's settings of a model loaded from `model.path` (its weights' and
+    compute dtypes, layer scan, rematerialisation, attention), as `load_model` takes them."""
     m = cfg.model
     return dict(dtype=compute_dtype, param_dtype=m.get("param_dtype", "float32"),
                 scan_layers=m.scan_layers, remat_policy=m.remat_policy,
@@ -83,7 +85,7 @@ def model_config(cfg, tokenizer, compute_dtype: str) -> ModelConfig:
     ValueError for an unknown preset."""
     m = cfg.model
     if m.path:
-        return read_model_config(m.path, **_overrides(cfg, compute_dtype))
+        return read_model_config(m.path, **model_overrides(cfg, compute_dtype))
     positions = cfg.data.max_prompt_length + cfg.rollout.response_length
     return scratch_model_config(m, tokenizer.vocab_size, tokenizer.pad_id, tokenizer.eos_id,
                                 positions, compute_dtype)
@@ -103,6 +105,7 @@ def initial_model(cfg, tokenizer, compute_dtype: str, pools: Mapping[str, Resour
                 # layout, and the actor group moves it if it chooses other rules.
                 rules = layout_choice.CANDIDATES[0]
             kw = dict(mesh=pools["actor"].mesh(c.actor.mesh), rules=rules, seed=c.seed)
-        return load_model(c.model.path, head="causal_lm", **_overrides(cfg, compute_dtype), **kw)
+        return load_model(c.model.path, head="causal_lm", **model_overrides(cfg, compute_dtype),
+                          **kw)
     return transformer.build(model_config(cfg, tokenizer, compute_dtype), "causal_lm",
                              seed=c.seed)

@@ -42,7 +42,8 @@ def typed_value(section: str, name: str, v: Any, kind: type) -> Any:
 def read_spec(cls: type[S], section: Any, name: str) -> S:
     """The spec `cls` read from the config section `name` (a ConfigDict or a mapping): every
     field is the key of its name, which the section must have, with a value of the field's
-    type. `section` itself when it is already a `cls`."""
+    type; a field whose type is itself a spec is read from the subsection of its name
+    (`rollout.multi_turn`). `section` itself when it is already a `cls`."""
     if isinstance(section, cls):
         return section
     if section is None:
@@ -55,7 +56,10 @@ def read_spec(cls: type[S], section: Any, name: str) -> S:
             raise ValueError(f"the config's {name} section has no key {f.name}; derive the "
                              f"config from configs/ppo_arith.py, or set --config.{name}."
                              f"{f.name}")
-        values[f.name] = typed_value(name, f.name, section[f.name], hints[f.name])
+        kind, value = hints[f.name], section[f.name]
+        values[f.name] = (read_spec(kind, value, f"{name}.{f.name}")
+                          if dataclasses.is_dataclass(kind)
+                          else typed_value(name, f.name, value, kind))
     return cls(**values)
 
 
@@ -77,6 +81,19 @@ class Spec:
             raise TypeError(f"{owner}: {name}= is a {type(value).__name__}, not the "
                             f"{cls.__name__} it needs; build it once with "
                             f"{cls.__name__}.of(cfg.{cls.ROLE})")
+
+
+@dataclasses.dataclass(frozen=True)
+class MultiTurnSpec(Spec):
+    """Multi-turn rollouts with tools (`rollout.multi_turn`, `hfjax.engine.agent_loop`)."""
+
+    ROLE = "rollout.multi_turn"
+
+    enable: bool
+    max_turns: int  # policy turns per trajectory
+    tools: str  # names or package.module:Class, comma-separated (`hfjax.tools.registry`)
+    max_tool_response_len: int  # tokens per observation
+    tool_workers: int  # threads running tool calls
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,6 +124,7 @@ class RolloutSpec(Spec):
     refill_every: int
     min_slots: int
     max_cache_len: int  # 0: no limit
+    multi_turn: MultiTurnSpec
 
     @property
     def decode_mesh(self) -> str:

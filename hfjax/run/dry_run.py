@@ -63,6 +63,7 @@ import numpy as np
 from absl import logging
 
 from hfjax.algorithms import dataflow
+from hfjax.algorithms.spec import StepSpec
 from hfjax.config import model_source, run_roles, validate_config
 from hfjax.engine.sampler import SamplingParams, prompt_bucket
 from hfjax.models import attention, transformer
@@ -364,7 +365,7 @@ def _dry_run(cfg, device_memory_bytes, target, platform, on_program) -> DryRun:
     algo, pools = validate_config(cfg)
     compute = model_source.compute_dtype(cfg, platform)
     actor, tok = _abstract_actor(cfg, pools, compute)
-    d, r, c = cfg.data, cfg.rollout, cfg
+    d, r, c = cfg.data, actor.rollout, cfg
     resident: dict[str, dict[str, int]] = {}
     state: dict[str, int] = {}
 
@@ -396,7 +397,7 @@ def _dry_run(cfg, device_memory_bytes, target, platform, on_program) -> DryRun:
         hold(role, g)
     _rollout(out, w, cfg, tok, "rollout", d.train_batch_size, r.n,
              temperature=r.temperature, greedy=False)
-    v = r.val_kwargs
+    v = cfg.rollout.val_kwargs
     sampler = w.actor.sampler
     val_rows = sampler.padded_batch(d.n_test) * int(v.n)
     # Validation decodes the same widths as the training rollout: with no more rows, the
@@ -433,9 +434,10 @@ def device_groups(w: groups.WorkerGroups) -> list[tuple[str, WorkerGroup]]:
 
 def step_shape(w: groups.WorkerGroups, cfg) -> StepShape:
     """The widest batch of one RL step of `cfg` (`WorkerGroup.programs`)."""
-    n_seq = cfg.data.train_batch_size * cfg.rollout.n
-    return StepShape(n_seq, cfg.data.max_prompt_length, cfg.rollout.response_length,
-                     dataflow.needs_old_log_prob(w, _Rows(n_seq), cfg))
+    spec = StepSpec.of(cfg)
+    n_seq = cfg.data.train_batch_size * spec.rollout.n
+    return StepShape(n_seq, cfg.data.max_prompt_length, spec.rollout.response_length,
+                     dataflow.needs_old_log_prob(w, _Rows(n_seq), spec))
 
 
 def _abstract_actor(cfg, pools, compute: str):

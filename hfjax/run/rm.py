@@ -81,11 +81,8 @@ class RMTrainer:
         compute = model_source.compute_dtype(c, jax.devices()[0].platform)
         if c.model.path:
             # A causal LM gives the trunk (its head starts fresh); a score model continues.
-            return load_model(c.model.path, head="score", dtype=compute,
-                              param_dtype=c.model.get("param_dtype", "float32"),
-                              scan_layers=c.model.scan_layers,
-                              remat_policy=c.model.remat_policy,
-                              attention_impl=c.model.get("attention_impl", "auto"))
+            return load_model(c.model.path, head="score",
+                              **model_source.model_overrides(c, compute))
         mcfg = groups.scratch_model_config(c.model, self.tok.vocab_size, self.tok.pad_id,
                                            self.tok.eos_id, sum(self.width), compute)
         return transformer.build(mcfg, "score", seed=c.seed)

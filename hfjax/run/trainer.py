@@ -18,10 +18,11 @@ from absl import logging
 
 from hfjax.algorithms import dataflow
 from hfjax.algorithms.registry import import_spec
+from hfjax.algorithms.spec import StepSpec
 from hfjax.config import model_source, run_roles, validate_config
 from hfjax.controller import compile_log
 from hfjax.data.batching import prompt_batch
-from hfjax.data.dataset import Dataset, task_dataset
+from hfjax.data.dataset import task_dataset
 from hfjax.parallel import distributed, targets
 from hfjax.run import checkpoint as ckpt_lib
 from hfjax.run import health, mfu, sft
@@ -50,11 +51,13 @@ class Trainer:
             from hfjax.run.dry_run import resolve_remat
 
             cfg = resolve_remat(cfg)
-        self.cfg = cfg
+        self.cfg, self.spec = cfg, StepSpec.of(cfg)  # the spec: what the algorithm's steps read
         self.compute_dtype = model_source.compute_dtype(cfg, jax.devices()[0].platform)
         self.roles = run_roles(self.algo, cfg)
         self.tok = model_source.task_tokenizer(cfg)
-        self.train_data, self.test_data = self._datasets()
+        # Bad rows fail or are counted here, before compiling.
+        self.train_data, self.test_data = (task_dataset(cfg, self.tok, split)
+                                           for split in ("train", "test"))
         logging.info("train data: %s", self.train_data.report.summary())
         logging.info("validation data: %s", self.test_data.report.summary())
         # Every process builds its host batches itself (see `train_step`): they must all hold
@@ -83,11 +86,6 @@ class Trainer:
         self._collapse = health.CollapseWatch(self.model_cfg.vocab_size)
 
     # -- construction ------------------------------------------------------------------------
-
-    def _datasets(self) -> tuple[Dataset, Dataset]:
-        """(train, validation) Datasets; bad rows fail or are counted here, before compiling."""
-        return (task_dataset(self.cfg, self.tok, "train"),
-                task_dataset(self.cfg, self.tok, "test"))
 
     @property
     def workers(self) -> WorkerGroups:
@@ -167,8 +165,8 @@ class Trainer:
         rows = next(self.train_iter)
         batch = self._prompts(rows)
         t0 = time.perf_counter()
-        batch, metrics = self.algo.step(w, batch, c)
-        metrics |= dataflow.step_metrics(dict(batch.arrays), c.rollout.response_length)
+        batch, metrics = self.algo.step(w, batch, self.spec)
+        metrics |= dataflow.step_metrics(dict(batch.arrays), self.spec.rollout.response_length)
         with jax.transfer_guard("allow"):
             host = {k: float(v) for k, v in jax.device_get(metrics).items()}
         wall = time.perf_counter() - t0

@@ -91,45 +91,49 @@ def packed_logprobs(model, packed: packing.Packed, span: int, temperature: float
 
 
 class Reference(WorkerGroup):
-    """A frozen copy of the policy that scores responses (KL anchor).
+    """A frozen copy of the policy that scores responses (KL anchor), as the actor scores
+    them: from the actor's settings (`spec`, an `ActorSpec`) and the rollout's (`rollout`, a
+    `RolloutSpec`), as verl's reference takes the actor's micro-batches and packing.
 
-    `budget`: score packed rows, cut into micro-batches by this token budget
-    (`hfjax.engine.packing`); None: padded rows, `micro_rows` at a time (0: the whole batch in
-    one pass). `grouped`: padded micro-batches of `micro_rows` rows of similar lengths, each
-    only as wide as its rows need (`hfjax.engine.grouping`). `samples` > 1: the batches' rows
-    come in groups of that many sharing a prompt, and padded micro-batches of whole groups are
-    computed as shared-prompt rows (`hfjax.engine.shared_prompt.samples_per_row`). `chunk`:
+    Scoring options, read from the specs: `budget` (`actor.use_remove_padding`): score packed
+    rows, cut into micro-batches by this token budget (`hfjax.engine.packing`); None: padded
+    rows, `micro_rows` at a time (`actor.ppo_micro_batch_size`). `grouped`
+    (`actor.group_by_length`): padded micro-batches of `micro_rows` rows of similar lengths,
+    each only as wide as its rows need (`hfjax.engine.grouping`). `samples` > 1
+    (`actor.share_prompt` with `rollout.n` > 1): the batches' rows come in groups of that many
+    sharing a prompt, and padded micro-batches of whole groups are computed as shared-prompt
+    rows (`hfjax.engine.shared_prompt.samples_per_row`). `chunk` (`actor.logprob_chunk`):
     scored positions per data-parallel device that the LM head takes at a time in padded and
-    compact rows (`hfjax.engine.head_chunks.over_tokens`, `actor.logprob_chunk`; 0: whole
-    rows).
+    compact rows (`hfjax.engine.head_chunks.over_tokens`; 0: whole rows). Log-probs are of
+    the logits divided by `rollout.temperature`, the distribution the samples came from.
     """
 
-    def __init__(self, *args, temperature: float = 1.0,
-                 budget: packing.TokenBudget | None = None, micro_rows: int = 0,
-                 grouped: bool = False, samples: int = 1,
-                 chunk: int = head_chunks.DEFAULT_CHUNK, **kw):
+    def __init__(self, *args, spec: ActorSpec, rollout: RolloutSpec, **kw):
+        ActorSpec.require(spec, type(self).__name__, "spec")
+        RolloutSpec.require(rollout, type(self).__name__, "rollout")
         super().__init__(*args, **kw)
-        self._init_scoring(temperature, budget, micro_rows, grouped, samples, chunk)
+        self._init_scoring(spec, rollout)
 
     @property
     def resident_params(self) -> tuple[str, ...]:
         """The resident holdings (dry run) a scoring pass takes as its params argument."""
         return (f"{self.name} params",)
 
-    def _init_scoring(self, temperature: float, budget: packing.TokenBudget | None,
-                      micro_rows: int, grouped: bool, samples: int, chunk: int) -> None:
-        self.temperature = temperature
+    def _init_scoring(self, spec: ActorSpec, rollout: RolloutSpec) -> None:
+        self.spec, self.rollout = spec, rollout
+        self.temperature = rollout.temperature
+        chunk, samples = spec.logprob_chunk, spec.samples_per_row(rollout.n)
         if chunk < 0:
             raise ValueError(f"{self.name}: logprob_chunk must be >= 0 (0: whole rows), "
                              f"not {chunk}")
-        self.chunk = int(chunk)
-        self.budget = budget
-        self.micro_rows = int(micro_rows)
-        self.grouped = bool(grouped)
+        self.chunk = chunk
+        self.budget = spec.budget
+        self.micro_rows = spec.ppo_micro_batch_size
+        self.grouped = spec.group_by_length
         if samples < 1 or (samples > 1 and self.micro_rows % samples):
             raise ValueError(f"{self.name}: shared-prompt rows of {samples} samples need "
                              f"micro-batches of whole groups, not {self.micro_rows} rows")
-        self.samples = int(samples)
+        self.samples = samples
         self._logprob = self.jit(self._logprob_fn, static_argnums=(3, 4, 5))
         self._packed_logprob = self.jit(self._packed_logprob_fn, static_argnums=(3, 4))
         self._compact_logprob = self.jit(
@@ -248,12 +252,10 @@ class BaseReference(Reference):
     """The reference policy of a LoRA actor: the actor's frozen base, adapters off (verl's
     `ref_in_actor`). It holds no weights of its own: every pass reads the actor's current
     base arrays (`ActorRollout.base_params`) under the base model's graphdef, on the actor's
-    mesh and layout, so the run keeps one copy of the base. Scoring options as `Reference`."""
+    mesh and layout, so the run keeps one copy of the base. It scores as the actor does (the
+    actor's `spec` and `rollout`, as `Reference`)."""
 
-    def __init__(self, name: str, actor: WorkerGroup, *, temperature: float = 1.0,
-                 budget: packing.TokenBudget | None = None, micro_rows: int = 0,
-                 grouped: bool = False, samples: int = 1,
-                 chunk: int = head_chunks.DEFAULT_CHUNK):
+    def __init__(self, name: str, actor: ActorRollout):
         if actor.trainable is None:
             raise ValueError(f"{name}: a reference that shares the actor's base needs an "
                              "actor with LoRA adapters (actor.lora.rank > 0)")
@@ -267,7 +269,7 @@ class BaseReference(Reference):
             actor.base_params())
         self._train_calls = 0
         self.set_optimizer(None)
-        self._init_scoring(temperature, budget, micro_rows, grouped, samples, chunk)
+        self._init_scoring(actor.spec, actor.rollout)
 
     # The dry run's accounting: a pass takes the actor's base as its argument, in place of
     # the actor's resident params (their adapters, a fraction of a percent, go uncounted
@@ -297,16 +299,9 @@ class ActorRollout(Reference):
     def __init__(self, *args, sampler: Sampler, spec: ActorSpec, rollout: RolloutSpec,
                  eos_ids: tuple[int, ...] = (), hybrid: HybridEngine | None = None,
                  agent: AgentLoop | None = None, **kw):
-        ActorSpec.require(spec, "ActorRollout", "spec")
-        RolloutSpec.require(rollout, "ActorRollout", "rollout")
-        super().__init__(*args, temperature=rollout.temperature, budget=spec.budget,
-                         micro_rows=spec.ppo_micro_batch_size, grouped=spec.group_by_length,
-                         samples=spec.samples_per_row(rollout.n), chunk=spec.logprob_chunk,
-                         **kw)
+        super().__init__(*args, spec=spec, rollout=rollout, **kw)
         self.sampler = sampler
         self.eos_ids = tuple(eos_ids)
-        self.spec = spec
-        self.rollout = rollout
         self.hybrid = hybrid
         # Multi-turn rollouts with tools (`hfjax.engine.agent_loop`); None: one turn.
         self.agent = agent

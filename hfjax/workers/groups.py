@@ -29,7 +29,7 @@ from hfjax.controller.placement import place_role
 from hfjax.engine.agent_loop import AgentLoop, AgentOptions
 from hfjax.engine.continuous import rollout_sampler
 from hfjax.engine.layout_choice import actor_rules_and_engine
-from hfjax.engine.spec import RolloutSpec
+from hfjax.engine.spec import MultiTurnSpec, RolloutSpec
 from hfjax.engine.update import make_optimizer
 from hfjax.models import lora, transformer
 from hfjax.models.config import ModelConfig
@@ -154,7 +154,7 @@ def build_actor(cfg, model: nnx.Module, pools: Mapping[str, ResourcePool], pad_i
     rollout = RolloutSpec.of(c.rollout)
     rules, engine = actor_rules_and_engine(mesh, c.actor.rules,
                                            rollout.decode_mesh, nnx.state(model))
-    turns = multi_turn_enabled(c)
+    turns = rollout.multi_turn.enable
     # Later turns prefill the whole context so far: prompt plus the response budget.
     max_prompt = c.data.max_prompt_length + (rollout.response_length if turns else 0)
     sampler = rollout_sampler(model, rollout, mesh=engine.decode_mesh if engine else mesh,
@@ -166,18 +166,13 @@ def build_actor(cfg, model: nnx.Module, pools: Mapping[str, ResourcePool], pad_i
         optimizer=make_optimizer(c.sft.lr, grad_clip=c.actor.grad_clip),
         eos_ids=(eos_id,), hybrid=engine, home=mesh,
         sequence_parallel=c.actor.sequence_parallel,
-        agent=build_agent(c, sampler, tokenizer) if turns else None,
+        agent=build_agent(rollout.multi_turn, sampler, tokenizer) if turns else None,
     )
 
 
-def multi_turn_enabled(cfg) -> bool:
-    """Whether the config asks for multi-turn rollouts (`rollout.multi_turn.enable`)."""
-    return bool(cfg.rollout.multi_turn.enable)
-
-
-def build_agent(cfg, sampler, tokenizer, tools: str | None = None) -> AgentLoop:
-    """The multi-turn loop of `rollout.multi_turn` over `sampler`: the tools it names (or
-    `tools`, the same form) run in a `ToolRunner` of `tool_workers` threads."""
+def build_agent(spec: MultiTurnSpec, sampler, tokenizer) -> AgentLoop:
+    """The multi-turn loop of `rollout.multi_turn` (`spec`) over `sampler`: the tools it names
+    run in a `ToolRunner` of `tool_workers` threads."""
     if tokenizer is None:
         raise ValueError("rollout.multi_turn.enable needs the run's tokenizer (to read tool "
                          "calls and write their results); pass tokenizer= to build_actor")
@@ -187,12 +182,10 @@ def build_agent(cfg, sampler, tokenizer, tools: str | None = None) -> AgentLoop:
         raise ValueError("rollout.multi_turn.enable runs on one process for now; run it on one "
                          "host (every device of it), or set --config.rollout.multi_turn."
                          "enable=False")
-    m = cfg.rollout.multi_turn
-    spec = m.tools if tools is None else tools
-    runner = ToolRunner(resolve_tools(spec), max_workers=int(m.tool_workers))
+    runner = ToolRunner(resolve_tools(spec.tools), max_workers=spec.tool_workers)
     return AgentLoop(sampler, tokenizer, runner,
-                     AgentOptions(max_turns=int(m.max_turns),
-                                  max_tool_response_len=int(m.max_tool_response_len)))
+                     AgentOptions(max_turns=spec.max_turns,
+                                  max_tool_response_len=spec.max_tool_response_len))
 
 
 def build_reward(cfg, tokenizer, home: Mesh) -> RuleReward:
@@ -251,17 +244,14 @@ def _build_ref(ctx: BuildContext) -> Reference | None:
     c = ctx.cfg
     if not needs_ref(c, ctx.roles):
         return None
-    # The reference scores in the actor's packing and micro-batches, as in verl.
-    a = ctx.actor.spec
-    scoring = dict(temperature=ctx.actor.rollout.temperature, budget=a.budget,
-                   micro_rows=a.ppo_micro_batch_size, grouped=a.group_by_length,
-                   samples=a.samples_per_row(ctx.actor.rollout.n), chunk=a.logprob_chunk)
     if ctx.actor.trainable is not None:
         # LoRA: the reference is the actor's frozen base (adapters off), no copy of it, on
         # the actor's pool (`hfjax.config.check.validate_config` refuses another).
-        return BaseReference("ref", ctx.actor, **scoring)
+        return BaseReference("ref", ctx.actor)
+    # The reference scores in the actor's packing and micro-batches, as in verl.
     return Reference("ref", ctx.pools["ref"], c.ref.mesh, ctx.policy, home=ctx.home,
-                     sequence_parallel=c.ref.sequence_parallel, **scoring)
+                     sequence_parallel=c.ref.sequence_parallel, spec=ctx.actor.spec,
+                     rollout=ctx.actor.rollout)
 
 
 def _critic_builder(role: str, cls: type[Critic], seed_offset: int) -> RoleBuilder:

@@ -220,8 +220,8 @@ def test_user_algorithm_as_a_module_path(tmp_path, monkeypatch):
         from hfjax.algorithms.registry import register_algorithm
 
         @register_algorithm("my_grpo", roles=("actor", "ref", "reward"))
-        def step(w, batch, cfg):
-            return grpo_step(w, batch, cfg)
+        def step(w, batch, spec):
+            return grpo_step(w, batch, spec)
     '''))
     monkeypatch.syspath_prepend(str(tmp_path))
     algo = get_algorithm("my_pkg.my_algo:step")
@@ -257,8 +257,12 @@ def test_dapo_dynamic_sampling_that_cannot_fill_its_batch():
                              r"max_num_gen_batches=2\); raise the cap"):
         trainer.train_step()
 
-    # The same trainer (its programs compiled) with the other behaviour.
-    cfg.algo.filter_groups.on_exhausted = "fill"
+    # The same trainer (its programs compiled) with the other behaviour: the steps read the
+    # settings the trainer read once (its StepSpec), not the config.
+    algo = trainer.spec.algo
+    fill = dataclasses.replace(algo.filter_groups, on_exhausted="fill")
+    trainer.spec = dataclasses.replace(trainer.spec,
+                                       algo=dataclasses.replace(algo, filter_groups=fill))
     pulled = trainer.train_iter.state()["cursor"]
     m = trainer.train_step()
     assert m["dapo/gen_batches"] == 2 and m["dapo/filled_groups"] == 4
@@ -378,7 +382,7 @@ def test_safe_rlhf_step(score_dirs):
     # The actor's advantage: (A_r - lambda A_c) / (1 + lambda) over the two critics' GAE,
     # whitened, against a loop over the step's own batch.
     lam2 = w.lagrange.value
-    out, _ = trainer.algo.step(w, trainer._prompts(next(trainer.train_iter)), cfg)
+    out, _ = trainer.algo.step(w, trainer._prompts(next(trainer.train_iter)), trainer.spec)
     b = out.fetch(["response_mask", "token_level_rewards", "values", "token_level_costs",
                    "cost_values", "advantages"])
     b = {k: np.asarray(v, np.float64) for k, v in b.items()}

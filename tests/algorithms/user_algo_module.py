@@ -82,11 +82,11 @@ def centered(x):
 
 
 @register_algorithm("user_grpo_probe", roles=("actor", "reward", "probe"))
-def step(w, batch, cfg):
-    batch = sample(w, batch, cfg)
-    batch = reward(w, batch, cfg)
+def step(w, batch, spec):
+    batch = sample(w, batch, spec)
+    batch = reward(w, batch, spec)
     batch = batch.union(w.run("probe", w.probe.probe, batch))
-    batch, metrics = w.run("adv", compute_advantage, batch, cfg, w.kl_ctrl.value)
+    batch, metrics = w.run("adv", compute_advantage, batch, spec, w.kl_ctrl.value)
     metrics |= w.run("update_actor", w.actor.update_actor, batch)
     metrics["probe/mean"] = jnp.mean(batch["probe"])
     return batch, metrics

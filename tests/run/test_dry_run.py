@@ -46,7 +46,7 @@ def runs():
     rows = next(trainer.train_iter)
     batch = prompt_batch(rows, np.arange(len(rows)), trainer.tok.pad_id,
                          cfg.data.max_prompt_length)
-    batch, _ = trainer.algo.step(w, batch, cfg)
+    batch, _ = trainer.algo.step(w, batch, trainer.spec)
     return cfg, report, w, batch
 
 

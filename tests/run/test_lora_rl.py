@@ -83,7 +83,7 @@ def test_grpo_with_lora_trains_adapters_and_scores_the_reference_on_the_base():
         base_model = nnx.merge(t.actor.base_graphdef,
                                jax.tree.map(lambda x: x.copy(), t.actor.base_params()))
     plain = Reference("plain_ref", t.actor.pool, t.cfg.actor.mesh, base_model,
-                      temperature=t.cfg.rollout.temperature, home=t.actor.mesh)
+                      spec=t.actor.spec, rollout=t.actor.rollout, home=t.actor.mesh)
     seqs = Batch({k: batch[k] for k in ("input_ids", "attention_mask", "responses")})
     shared = np.asarray(w.ref.compute_ref_log_prob(seqs)["ref_log_prob"])
     copied = np.asarray(plain.compute_ref_log_prob(seqs)["ref_log_prob"])

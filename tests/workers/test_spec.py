@@ -1,25 +1,29 @@
-"""The typed specs of the roles (hfjax/workers/spec.py) and of the rollout
-(hfjax/engine/spec.py): read from a config section's keys, frozen, and refusing a missing key or
-a wrong type by name."""
+"""The typed specs of the roles (hfjax/workers/spec.py), of the rollout (hfjax/engine/spec.py)
+and of the algorithm's step (hfjax/algorithms/spec.py): read from a config section's keys,
+frozen, and refusing a missing key or a wrong type by name."""
 
 import dataclasses
 import importlib
 import pkgutil
+import typing
 
 import pytest
 
 import configs
 from configs import ppo_arith
+from hfjax.algorithms import dataflow
+from hfjax.algorithms.spec import AlgoSpec, FilterGroupsSpec, OverlongSpec, StepSpec
 from hfjax.config.keys import TRAIN_KEYS
 from hfjax.engine.packing import TokenBudget
-from hfjax.engine.spec import RolloutSpec
-from hfjax.workers.actor import ActorRollout
+from hfjax.engine.spec import MultiTurnSpec, RolloutSpec
+from hfjax.workers.actor import ActorRollout, Reference
 from hfjax.workers.critic import CostCritic, Critic
 from hfjax.workers.spec import ActorSpec, CriticSpec, ScoreSpec
 
 # (spec, the config sections it is read from)
 SPECS = [(ActorSpec, ("actor",)), (CriticSpec, ("critic", "cost_critic")),
-         (ScoreSpec, ("reward_model", "cost_model")), (RolloutSpec, ("rollout",))]
+         (ScoreSpec, ("reward_model", "cost_model")), (RolloutSpec, ("rollout",)),
+         (AlgoSpec, ("algo",))]
 
 
 def test_the_actor_spec_holds_the_default_configs_values():
@@ -57,7 +61,9 @@ def test_the_rollout_spec_holds_the_default_configs_values():
     assert r == RolloutSpec(
         n=1, response_length=10, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, mesh="",
         hybrid_engine=True, offload_optimizer=False, mode="static", decode_attention="auto",
-        kv_layout="auto", slots=0, refill_every=8, min_slots=0, max_cache_len=0)
+        kv_layout="auto", slots=0, refill_every=8, min_slots=0, max_cache_len=0,
+        multi_turn=MultiTurnSpec(enable=False, max_turns=4, tools="calculator",
+                                 max_tool_response_len=64, tool_workers=8))
     assert r.decode_mesh == ""  # no decode mesh: the actor decodes in its training layout
     assert RolloutSpec.of(r) is r
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -85,16 +91,43 @@ def test_budgets_follow_the_packing_keys():
     assert ScoreSpec.of(c.cost_model, "cost_model").budget == TokenBudget(40, 0)
 
 
+def test_the_step_spec_holds_the_default_configs_values():
+    c = ppo_arith.get_config()
+    s = StepSpec.of(c)
+    assert s.algo == AlgoSpec(
+        adv_estimator="gae", gamma=1.0, lam=1.0, norm_adv_by_std_in_grpo=True,
+        use_kl_in_reward=True, kl_penalty="kl",
+        filter_groups=FilterGroupsSpec(enable=False, max_num_gen_batches=10,
+                                       on_exhausted="fill"),
+        overlong_buffer=OverlongSpec(enable=False, len=4, penalty_factor=1.0))
+    assert s.rollout == RolloutSpec.of(c.rollout) and StepSpec.of(s) is s
+    assert isinstance(s.algo.gamma, float)  # read as the field's type
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        s.algo.overlong_buffer.len = 8
+
+
+def _keys(spec, prefix):
+    """The dotted keys a spec reads, through its nested specs."""
+    hints = typing.get_type_hints(spec)
+    for f in dataclasses.fields(spec):
+        if dataclasses.is_dataclass(hints[f.name]):
+            yield from _keys(hints[f.name], f"{prefix}.{f.name}")
+        else:
+            yield f"{prefix}.{f.name}"
+
+
 @pytest.mark.parametrize(("spec", "sections"), SPECS, ids=[s.__name__ for s, _ in SPECS])
 def test_every_field_is_a_key_of_the_table(spec, sections):
     """A spec reads only keys the key table declares, so a config checked by hfjax.config has
     every one of them, with a valid value."""
     c = ppo_arith.get_config()
     for role in sections:
-        for f in dataclasses.fields(spec):
-            key = f"{role}.{f.name}"
+        for key in _keys(spec, role):
             assert key in TRAIN_KEYS, key
-            assert TRAIN_KEYS[key](c[role][f.name]) is None, key
+            value = c
+            for part in key.split("."):
+                value = value[part]
+            assert TRAIN_KEYS[key](value) is None, key
 
 
 def test_every_shipped_config_builds_the_specs():
@@ -154,6 +187,16 @@ def test_a_missing_key_is_refused_by_name():
     del r["refill_every"]
     with pytest.raises(ValueError, match=r"rollout section has no key refill_every"):
         RolloutSpec.of(r)
+    # Nested sections are named by their dotted path.
+    r = ppo_arith.get_config().rollout.to_dict()
+    del r["multi_turn"]["tool_workers"]
+    with pytest.raises(ValueError, match=r"rollout\.multi_turn section has no key tool_workers; "
+                                         r".*--config\.rollout\.multi_turn\.tool_workers"):
+        RolloutSpec.of(r)
+    a = ppo_arith.get_config().algo.to_dict()
+    a["overlong_buffer"]["len"] = 4.5
+    with pytest.raises(ValueError, match=r"algo\.overlong_buffer\.len=4\.5 needs an int"):
+        AlgoSpec.of(a)
 
 
 def test_workers_refuse_a_config_section():
@@ -176,3 +219,23 @@ def test_workers_refuse_a_config_section():
                                             r"the RolloutSpec it needs; build it once with "
                                             r"RolloutSpec\.of\(cfg\.rollout\)"):
             cls("critic", None, "fsdp=1", None, spec=CriticSpec.of(c.critic), rollout=c.rollout)
+
+
+def test_the_reference_scores_with_the_actors_specs():
+    """The reference takes the actor's specs (one way for rollout.n to arrive) and refuses a
+    config section as the actor does."""
+    c = ppo_arith.get_config()
+    with pytest.raises(TypeError, match=r"Reference: spec= is a ConfigDict, not the "
+                                        r"ActorSpec it needs"):
+        Reference("ref", None, "fsdp=1", None, spec=c.actor, rollout=RolloutSpec.of(c.rollout))
+    with pytest.raises(TypeError, match=r"Reference: rollout= is a ConfigDict"):
+        Reference("ref", None, "fsdp=1", None, spec=ActorSpec.of(c.actor), rollout=c.rollout)
+
+
+def test_the_dataflow_refuses_a_config():
+    """The advantage stage reads a StepSpec; a run's ConfigDict is refused, naming the fix."""
+    c = ppo_arith.get_config()
+    with pytest.raises(TypeError, match=r"compute_advantage: the settings argument is a "
+                                        r"ConfigDict, not the StepSpec it needs; build it "
+                                        r"once with hfjax\.algorithms\.spec\.StepSpec\.of"):
+        dataflow.compute_advantage(None, c, 0.0)

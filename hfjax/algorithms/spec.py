@@ -1,0 +1,79 @@
+"""What an algorithm driver's step reads, as typed, frozen values: `StepSpec`, the algorithm's
+settings (`AlgoSpec`, the config's `algo` section) with the rollout's (`RolloutSpec`).
+
+The run loop builds it once (`StepSpec.of(cfg)`) and hands it to every step; drivers and the
+stages they share read its fields, never a config's keys. It is read like the other specs
+(`hfjax.engine.spec.Spec.of`): no defaults of its own, a missing key or a value of the wrong
+type refused by name. The controllers' settings (`algo.kl_ctrl`, `algo.safe_rlhf`) are read
+where the worker groups are built (`hfjax.workers.groups`), which holds the controllers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from hfjax.engine.spec import RolloutSpec, Spec
+
+
+@dataclasses.dataclass(frozen=True)
+class FilterGroupsSpec(Spec):
+    """DAPO's dynamic sampling (`algo.filter_groups`)."""
+
+    ROLE = "algo.filter_groups"
+
+    enable: bool
+    max_num_gen_batches: int  # 0: no cap
+    on_exhausted: str  # error | fill
+
+
+@dataclasses.dataclass(frozen=True)
+class OverlongSpec(Spec):
+    """DAPO's overlong reward shaping (`algo.overlong_buffer`)."""
+
+    ROLE = "algo.overlong_buffer"
+
+    enable: bool
+    len: int
+    penalty_factor: float
+
+
+@dataclasses.dataclass(frozen=True)
+class AlgoSpec(Spec):
+    """The advantage stage's settings and DAPO's sampling and shaping (the `algo` section)."""
+
+    ROLE = "algo"
+
+    adv_estimator: str
+    gamma: float
+    lam: float
+    norm_adv_by_std_in_grpo: bool
+    use_kl_in_reward: bool
+    kl_penalty: str
+    filter_groups: FilterGroupsSpec
+    overlong_buffer: OverlongSpec
+
+
+@dataclasses.dataclass(frozen=True)
+class StepSpec:
+    """A driver's settings: `algo` and `rollout` (samples per prompt `rollout.n`, the
+    response budget `rollout.response_length`, ...)."""
+
+    algo: AlgoSpec
+    rollout: RolloutSpec
+
+    @classmethod
+    def of(cls, cfg: Any) -> StepSpec:
+        """`cfg` itself when it is already a StepSpec, else the spec of a run's config."""
+        if isinstance(cfg, cls):
+            return cfg
+        return cls(AlgoSpec.of(cfg.algo), RolloutSpec.of(cfg.rollout))
+
+    @classmethod
+    def require(cls, value: Any, owner: str) -> None:
+        """TypeError unless `value` (`owner`'s settings argument) is a StepSpec, naming the
+        fix."""
+        if not isinstance(value, cls):
+            raise TypeError(f"{owner}: the settings argument is a {type(value).__name__}, not "
+                            "the StepSpec it needs; build it once with "
+                            "hfjax.algorithms.spec.StepSpec.of(cfg)")
