@@ -60,6 +60,13 @@ def trained_groups(w: WorkerGroups) -> dict[str, Any]:
     return {name: g for name, g in pairs if g is not None}
 
 
+def lora_base_path(cfg) -> str | None:
+    """The path a LoRA run's checkpoint names its frozen base by: `model.path` when RL starts
+    from that file as it is; None (the checkpoint holds the base) when the model comes from
+    scratch or from this run's warm start."""
+    return None if not cfg.model.path or cfg.sft.steps > 0 else cfg.model.path
+
+
 def checkpoint_items(w: WorkerGroups, cfg) -> dict[str, Any]:
     """The arrays a checkpoint holds: params and optimizer state of each trained group, and
     the reference's params (saved rather than rebuilt: they are the warm-started actor's)
@@ -67,7 +74,7 @@ def checkpoint_items(w: WorkerGroups, cfg) -> dict[str, Any]:
     if w.actor.trainable is not None:
         # LoRA: the adapters and their optimizer state, plus the base only when no path names
         # it (`hfjax.workers.lora_state`).
-        items = lora_state.items(w.actor, cfg)
+        items = lora_state.items(w.actor, lora_base_path(cfg))
     else:
         items = {"actor_params": w.actor.params, "actor_opt_state": w.actor.opt_state}
     if w.ref is not None and not isinstance(w.ref, BaseReference):
@@ -91,7 +98,7 @@ def host_state(w: WorkerGroups, cfg, *, step: int, data: dict, model_cfg) -> dic
         "lagrange": None if w.lagrange is None else w.lagrange.state(),
         "train_calls": {name: g._train_calls for name, g in trained_groups(w).items()},
         "model_config": dataclasses.asdict(model_cfg),
-        **({"lora": lora_state.state(w.actor, cfg, ckpt_lib.fingerprints)}
+        **({"lora": lora_state.state(w.actor, lora_base_path(cfg), ckpt_lib.fingerprints)}
            if w.actor.trainable is not None else {}),
     }
 

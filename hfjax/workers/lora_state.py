@@ -22,17 +22,11 @@ from hfjax.workers.base import WorkerGroup
 Fingerprints = Callable[[Mapping[str, Any]], dict[str, int]]
 
 
-def base_saved(cfg) -> bool:
-    """Whether a checkpoint of this run must hold the base: no path names the model RL
-    starts from (it comes from scratch, or from this run's warm start)."""
-    return not cfg.model.path or cfg.sft.steps > 0
-
-
-def items(actor: WorkerGroup, cfg) -> dict[str, Any]:
+def items(actor: WorkerGroup, base_path: str | None) -> dict[str, Any]:
     """The checkpoint items of a LoRA actor: adapters, their optimizer state, and the base
-    when `base_saved`."""
+    when no path names it (`base_path` None: the checkpoint holds it)."""
     out = {"actor_params": actor.trainable_params(), "actor_opt_state": actor.opt_state}
-    if base_saved(cfg):
+    if base_path is None:
         out["actor_base"] = actor.base_params()
     return out
 
@@ -44,11 +38,11 @@ def base_fingerprints(actor: WorkerGroup, fingerprints: Fingerprints) -> dict[st
     return actor._base_fingerprints
 
 
-def state(actor: WorkerGroup, cfg, fingerprints: Fingerprints) -> dict:
-    """The JSON record of the adapters' settings and of the base they adapt."""
+def state(actor: WorkerGroup, base_path: str | None, fingerprints: Fingerprints) -> dict:
+    """The JSON record of the adapters' settings and of the base they adapt (loaded from
+    `base_path`, or saved in the checkpoint when it is None)."""
     return {"spec": actor.lora.as_dict(),
-            "base": {"path": None if base_saved(cfg) else cfg.model.path,
-                     "saved": base_saved(cfg),
+            "base": {"path": base_path, "saved": base_path is None,
                      "fingerprints": base_fingerprints(actor, fingerprints)}}
 
 
