@@ -31,7 +31,7 @@ def task_tokenizer(cfg):
     """The run's tokenizer (see the module docstring). ValueError when a preset runs a parquet
     task without `model.tokenizer`."""
     m = cfg.model
-    if m.get("tokenizer", ""):
+    if m.tokenizer:
         return load_tokenizer(m.tokenizer)
     if m.path and presets.preset_name(m.path) is None:
         return load_tokenizer(m.path)
@@ -48,9 +48,9 @@ def model_overrides(cfg, compute_dtype: str) -> dict:
     """The `model` section's settings of a model loaded from `model.path` (its weights' and
     compute dtypes, layer scan, rematerialisation, attention), as `load_model` takes them."""
     m = cfg.model
-    return dict(dtype=compute_dtype, param_dtype=m.get("param_dtype", "float32"),
+    return dict(dtype=compute_dtype, param_dtype=m.param_dtype,
                 scan_layers=m.scan_layers, remat_policy=m.remat_policy,
-                attention_impl=m.get("attention_impl", "auto"))
+                attention_impl=m.attention_impl)
 
 
 def compute_dtype(cfg, platform: str) -> str:
@@ -99,7 +99,7 @@ def initial_model(cfg, tokenizer, compute_dtype: str, pools: Mapping[str, Resour
     if c.model.path:
         kw = {}
         if presets.preset_name(c.model.path) is not None:
-            rules = c.actor.get("rules", layout_choice.AUTO)
+            rules = c.actor.rules
             if rules == layout_choice.AUTO:
                 # The choice needs the model's state; create it in the first candidate's
                 # layout, and the actor group moves it if it chooses other rules.

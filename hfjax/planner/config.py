@@ -26,7 +26,7 @@ def planned_model_config(cfg, platform: str = "gpu") -> ModelConfig:
     """The actor's ModelConfig as the trainer builds it on `platform` (where `model.dtype=auto`
     resolves), without loading weights (`hfjax.config.model_source.model_config`)."""
     compute = model_source.compute_dtype(cfg, platform)
-    if cfg.model.get("remat_policy") == "auto":
+    if cfg.model.remat_policy == "auto":
         # A run resolves auto from its own dry run; a plan prices the policy auto falls back
         # to where memory is tight (per-layer checkpointing), so its memory verdict holds.
         cfg = cfg.copy_and_resolve_references()
@@ -75,7 +75,7 @@ def plan_inputs(cfg, reward_model: str = "", score_micro: int | None = None,
             m, dtype = cfg.model, (cfg.get("reward_model") or {}).get("dtype", "float32")
             rcfg = read_model_config(reward_model, dtype=dtype, scan_layers=m.scan_layers,
                                      remat_policy=actor_cfg.remat_policy,
-                                     attention_impl=m.get("attention_impl", "auto"))
+                                     attention_impl=m.attention_impl)
             models.append(ModelSpec("reward", rcfg, "score", False, f"reward {reward_model}"))
         else:
             host.append("reward")

@@ -346,7 +346,7 @@ def dry_run(cfg, *, device_memory_bytes: int | None = None, target: str | None =
     With `model.remat_policy=auto` the report is `choose_remat`'s (its `remat_policy` says
     which policy it chose).
     """
-    if cfg.model.get("remat_policy") == "auto":
+    if cfg.model.remat_policy == "auto":
         policy, report = choose_remat(cfg, device_memory_bytes, target=target,
                                       platform=platform, on_program=on_program)
         if report is None:

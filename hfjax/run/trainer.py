@@ -47,7 +47,7 @@ class Trainer:
         # (`_with_compiles`): the first RL step's carry the programs it compiled.
         self._compiles = compile_log.install()
         self.algo, self.pools = validate_config(cfg)
-        if cfg.model.get("remat_policy") == "auto":
+        if cfg.model.remat_policy == "auto":
             from hfjax.run.dry_run import resolve_remat
 
             cfg = resolve_remat(cfg)
@@ -132,7 +132,7 @@ class Trainer:
         v = self.cfg.rollout.val_kwargs
         w = self._groups
         models = [] if w is None else [g for g in (w.reward_model, w.cost_model) if g]
-        ref_fn = (self.cfg.get("cost_model") or {}).get("reference_fn", "")
+        ref_fn = self.cfg.cost_model.reference_fn
         return generation_metrics(
             self.actor, self.reward, self.test_data.rows, pad_id=self.tok.pad_id,
             max_prompt_length=self.cfg.data.max_prompt_length, n=int(v.n),
