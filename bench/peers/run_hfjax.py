@@ -7,8 +7,9 @@ classes the trainer builds (an `ActorRollout` with its KV-cache `Sampler`, no re
 one change of parts: the reward, "fraction of even token ids", is a jitted function of the
 response tokens on the device instead of the text-decoding `RuleReward`.
 
-On natural lengths (`smollm2_natural`) the actor is built as hfjax's trainer builds it for
-such a run (`hfjax.workers.groups.build_actor`): responses stop at the tokenizer's EOS, the
+On natural lengths (`smollm2_natural`) the actor is built from the parts hfjax's trainer
+builds it from for such a run (`hfjax.workers.groups.build_actor`: `rollout_sampler` and
+`ActorRollout` over the workload's specs): responses stop at the tokenizer's EOS, the
 prompts go in left-padded with their prompt_mask, and `PEERS_HFJAX_LAYOUT` (`LAYOUTS`) says
 which of the features for real tokens are on: continuous batching (`rollout.mode="continuous"`,
 the config defaults: one slot per sample, refills every 8 steps, with the drain), and training
