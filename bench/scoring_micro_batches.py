@@ -36,9 +36,9 @@ def main() -> None:
     # The default config's settings, one sample per prompt (no shared-prompt rows), padded
     # rows of `micro` at a time (0: the whole batch in one pass).
     cfg = ppo_arith.get_config()
-    rollout = RolloutSpec.of(cfg.rollout)
+    rollout, actor = RolloutSpec.of(cfg.rollout), ActorSpec.of(cfg.actor)
     for micro in (0, 64, 16, 8):
-        spec = dataclasses.replace(ActorSpec.of(cfg.actor), ppo_micro_batch_size=micro,
+        spec = dataclasses.replace(actor, ppo_micro_batch_size=micro,
                                    use_remove_padding=False, group_by_length=False)
         ref = Reference("ref", pool, "fsdp=1", model, spec=spec, rollout=rollout)
         jax.block_until_ready(ref.compute_ref_log_prob(batch).arrays)  # compile
