@@ -136,7 +136,7 @@ def shape_overlong(batch: Batch, spec: StepSpec) -> Batch:
     if not o.enable:
         return batch
     scores, penalty = _overlong(batch["token_level_scores"], batch["response_mask"],
-                                max_length=spec.rollout.response_length, buffer=o.len,
+                                batch["attention_mask"], max_length=spec.rollout.response_length, buffer=o.len,
                                 factor=o.penalty_factor)
     # The rule stage's scores are replaced by the shaped ones (select drops the old entry).
     rest = batch.select([k for k in batch.arrays if k != "token_level_scores"])
@@ -144,8 +144,9 @@ def shape_overlong(batch: Batch, spec: StepSpec) -> Batch:
 
 
 @functools.partial(jax.jit, static_argnames=("max_length", "buffer", "factor"))
-def _overlong(scores, mask, *, max_length, buffer, factor):
-    length = jnp.sum(mask, axis=1)
+def _overlong(scores, mask, attention_mask, *, max_length, buffer, factor):
+    # The length the budget counts: policy turns and the tool results between them.
+    length = shaping.response_extent(attention_mask, mask.shape[1])
     penalty = shaping.overlong_penalty(length, max_length, buffer, factor)
     return scores + shaping.scores_on_last_token(penalty, mask), penalty
 
@@ -173,6 +174,7 @@ def _pad_batch(b: Batch, p: int, r: int) -> Batch:
     if b["prompts"].shape[1] == p and b["responses"].shape[1] == r:
         return b
     arrays = {}
+    old_p = b["prompts"].shape[1]
     for k, x in b.arrays.items():
         if x.ndim < 2 or k in _SEQUENCE:
             arrays[k] = x
@@ -182,7 +184,12 @@ def _pad_batch(b: Batch, p: int, r: int) -> Batch:
             arrays[k] = _pad_cols(x, r - x.shape[1], left=False)
     if "input_ids" in arrays:
         arrays["input_ids"] = _join(arrays["prompts"], arrays["responses"])
-        arrays["attention_mask"] = _join(arrays["prompt_mask"], arrays["response_mask"])
+        # The response half of attention_mask is padded, not rebuilt from response_mask: a
+        # multi-turn row's tool results are attended to (context) but not in response_mask.
+        attn = b["attention_mask"]
+        arrays["attention_mask"] = _join(
+            _pad_cols(attn[:, :old_p], p - old_p, left=True),
+            _pad_cols(attn[:, old_p:], r - (attn.shape[1] - old_p), left=False))
     return Batch(arrays, b.meta, b.info)
 
 

@@ -181,7 +181,10 @@ def step_metrics(a: dict, response_length: int) -> dict:
         # Responses cut off at the limit (not finished): those the rollout marked truncated,
         # else (a batch built without `generate`) those that used every allowed token.
         "response_length/clip_ratio": jnp.mean(
-            a["truncated"] > 0 if "truncated" in a else length >= response_length),
+            a["truncated"] > 0 if "truncated" in a
+            # The budget counts tool results too (multi-turn rows: policy tokens with gaps).
+            else shaping.response_extent(a["attention_mask"], mask.shape[1])
+            >= response_length),
         "_tokens": jnp.sum(a["attention_mask"]).astype(jnp.float32),
         "_response_tokens": jnp.sum(mask),
     }

@@ -161,8 +161,10 @@ def compute_rloo_outcome_advantage(x: AdvantageInputs) -> tuple[Array, Array]:
 def compute_reinforce_plus_plus_outcome_advantage(x: AdvantageInputs) -> tuple[Array, Array]:
     """REINFORCE++: discounted return-to-go, whitened over the whole batch's mask.
 
-    The running return restarts after every masked-out token, so rewards beyond the end of a
-    response (or beyond a masked span) never flow back into it.
+    Tokens outside the mask are context, not steps: the running return passes through them
+    unchanged (not discounted, not restarted), so a score on the last policy turn reaches the
+    earlier turns across the tool results between them, as in `gae`. Rewards on masked tokens
+    are dropped, so padding after the response adds nothing.
 
     Returns (whitened returns as advantages, returns), each ``[B, T]``.
     """
@@ -171,8 +173,9 @@ def compute_reinforce_plus_plus_outcome_advantage(x: AdvantageInputs) -> tuple[A
 
     def step(running, xs):
         r_t, m_t = xs
-        ret_t = r_t + gamma * running
-        return ret_t * m_t, ret_t
+        ret_t = r_t * m_t + gamma * running
+        running = m_t * ret_t + (1 - m_t) * running
+        return running, ret_t
 
     zeros = jnp.zeros(x.token_level_rewards.shape[:1], m.dtype)
     _, ret_t_major = jax.lax.scan(step, zeros, (x.token_level_rewards.T, m.T), reverse=True)

@@ -31,14 +31,34 @@ def overlong_penalty(response_length: Array, max_length: int, buffer_length: int
     return jnp.minimum(-exceed / buffer_length * penalty_factor, 0.0)
 
 
-def scores_on_last_token(scores: Array, response_mask: Array) -> Array:
-    """[B] sequence scores -> [B, T], each on its row's last response token (0 elsewhere, and
-    everywhere in a row with no response token)."""
-    m = mask_like(response_mask, scores)
+def last_token_index(response_mask: Array) -> Array:
+    """[B] int32: the column of each row's last response (policy) token, -1 in a row with none.
+
+    Not ``sum(mask) - 1``: a multi-turn row's mask has gaps where tool results sit (context,
+    not policy tokens), so its last policy token lies beyond its count of policy tokens.
+    """
+    m = jnp.asarray(response_mask) > 0
     t = m.shape[1]
-    length = jnp.sum(m, axis=1).astype(jnp.int32)
-    last = jax.nn.one_hot(length - 1, t, dtype=m.dtype)  # all zeros when length is 0
-    return last * jnp.asarray(scores, m.dtype)[:, None]
+    last = t - 1 - jnp.argmax(jnp.flip(m, axis=1), axis=1)
+    return jnp.where(jnp.any(m, axis=1), last, -1).astype(jnp.int32)
+
+
+def response_extent(attention_mask: Array, response_width: int) -> Array:
+    """[B] int32: how many response columns each row spans, its policy tokens and the tool
+    results between them (the response part of ``attention_mask``, right-padded): the length
+    a response budget and DAPO's overlong rule measure."""
+    resp = jnp.asarray(attention_mask)[:, -response_width:] > 0
+    t = resp.shape[1]
+    last = t - 1 - jnp.argmax(jnp.flip(resp, axis=1), axis=1)
+    return jnp.where(jnp.any(resp, axis=1), last + 1, 0).astype(jnp.int32)
+
+
+def scores_on_last_token(scores: Array, response_mask: Array) -> Array:
+    """[B] sequence scores -> [B, T], each on its row's last response (policy) token (0
+    elsewhere, and everywhere in a row with no response token); see `last_token_index`."""
+    m = mask_like(response_mask, scores)
+    last = jax.nn.one_hot(last_token_index(response_mask), m.shape[1], dtype=m.dtype)
+    return last * jnp.asarray(scores, m.dtype)[:, None]  # one_hot(-1) is all zeros
 
 
 def varied_groups(scores: Array, index: Array, num_groups: int) -> Array:

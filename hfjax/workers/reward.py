@@ -25,13 +25,14 @@ from hfjax.rewards.registry import get_reward_fn
 
 
 def scores_at_last_token(scores: np.ndarray, response_mask: np.ndarray) -> np.ndarray:
-    """[B] scores -> [B, R] float32 with each score on the row's last response token (0
-    elsewhere, and everywhere in an empty row)."""
+    """[B] scores -> [B, R] float32 with each score on the row's last response (policy) token
+    (0 elsewhere, and everywhere in an empty row). The last policy token, not column
+    sum(mask) - 1: a multi-turn row's mask has gaps where tool results sit."""
     mask = np.asarray(response_mask) > 0
     out = np.zeros(mask.shape, np.float32)
-    length = mask.sum(axis=1)
-    rows = np.flatnonzero(length > 0)
-    out[rows, length[rows] - 1] = np.asarray(scores, np.float32)[rows]
+    rows = np.flatnonzero(mask.any(axis=1))
+    last = mask.shape[1] - 1 - np.argmax(mask[:, ::-1], axis=1)
+    out[rows, last[rows]] = np.asarray(scores, np.float32)[rows]
     return out
 
 
