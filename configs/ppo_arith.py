@@ -234,6 +234,19 @@ def get_config() -> config_dict.ConfigDict:
             overlong_buffer=config_dict.ConfigDict(
                 dict(enable=False, len=4, penalty_factor=1.0)
             ),
+            # Rollout correction (verl's names; docs/algorithms.md): importance weights
+            # pi_old / pi_rollout between the trainer's old log-probs and the sampler's,
+            # truncated at rollout_is_threshold, per token or sequence ("": off); rejection
+            # of tokens or sequences (token | sequence | geometric) whose ratio leaves
+            # [rollout_rs_threshold_lower, rollout_rs_threshold] (0: rollout_is_threshold and
+            # its reciprocal); a veto of sequences with a token below
+            # rollout_token_veto_threshold (0: off). bypass_mode: the sampler's log-probs are
+            # the old policy's (no old-log-prob pass; PPO clips against the sampler).
+            rollout_correction=config_dict.ConfigDict(
+                dict(rollout_is="", rollout_is_threshold=2.0, rollout_rs="",
+                     rollout_rs_threshold=0.0, rollout_rs_threshold_lower=0.0,
+                     rollout_token_veto_threshold=0.0, bypass_mode=False)
+            ),
         )
     )
     c.reward = config_dict.ConfigDict(

@@ -136,8 +136,8 @@ def shape_overlong(batch: Batch, spec: StepSpec) -> Batch:
     if not o.enable:
         return batch
     scores, penalty = _overlong(batch["token_level_scores"], batch["response_mask"],
-                                batch["attention_mask"], max_length=spec.rollout.response_length, buffer=o.len,
-                                factor=o.penalty_factor)
+                                batch["attention_mask"], max_length=spec.rollout.response_length,
+                                buffer=o.len, factor=o.penalty_factor)
     # The rule stage's scores are replaced by the shaped ones (select drops the old entry).
     rest = batch.select([k for k in batch.arrays if k != "token_level_scores"])
     return rest.union(Batch({"token_level_scores": scores, "overlong_penalty": penalty}))

@@ -19,8 +19,10 @@ import jax.numpy as jnp
 from hfjax.algorithms.spec import StepSpec
 from hfjax.controller.batch import Batch
 from hfjax.numerics import core, losses, shaping
+from hfjax.numerics import rollout_correction as rc_numerics
 from hfjax.numerics.advantages import AdvantageInputs
 from hfjax.numerics.losses import KLController, LagrangeMultiplier
+from hfjax.numerics.rollout_correction import RolloutCorrection
 from hfjax.workers.groups import WorkerGroups
 
 
@@ -34,7 +36,11 @@ def sample(w: WorkerGroups, batch: Batch, spec: StepSpec) -> Batch:
 def log_probs(w: WorkerGroups, batch: Batch, spec: StepSpec) -> Batch:
     """The scoring half of `sample`, for a batch already generated: old_log_probs when the
     update needs them, ref_log_prob when there is a reference."""
-    if needs_old_log_prob(w, batch, spec):
+    if spec.algo.rollout_correction.bypass_mode:
+        # verl's bypass mode: the sampler's log-probs stand for the old policy's, so PPO's
+        # ratio is taken against the policy that sampled, and no scoring pass runs.
+        batch = batch.union(Batch({"old_log_probs": batch["rollout_log_probs"]}))
+    elif needs_old_log_prob(w, batch, spec):
         batch = batch.union(w.run("old_log_prob", w.actor.compute_log_prob, batch))
     if w.ref is not None:
         batch = batch.union(w.run("ref", w.ref.compute_ref_log_prob, batch))
@@ -92,7 +98,11 @@ def needs_old_log_prob(w: WorkerGroups, batch: Batch, spec: StepSpec) -> bool:
     detached log-probs (as TRL and Tunix do), saving a forward pass over the batch.
     """
     StepSpec.require(spec, "needs_old_log_prob")
-    return spec.algo.use_kl_in_reward or not w.actor.single_update(len(batch))
+    rc = spec.algo.rollout_correction
+    # A rollout correction compares the sampler's log-probs with the old policy's, so it needs
+    # them even on-policy; bypass mode reads the sampler's as the old ones.
+    return (spec.algo.use_kl_in_reward or not w.actor.single_update(len(batch))
+            or rc.bypass_mode or rc.resolved.active)
 
 
 # Batch arrays an estimator may read, beyond the rewards and the mask (AdvantageInputs fields).
@@ -156,7 +166,31 @@ def compute_advantage(batch: Batch, spec: StepSpec, kl_coef: float,
         n=spec.rollout.n,
         opts=opts,
     )
+    batch = batch.union(Batch(out))
+    rc = a.rollout_correction.resolved
+    if rc.active and not a.rollout_correction.bypass_mode:
+        batch, rc_metrics = rollout_correction(batch, rc)
+        metrics = metrics | rc_metrics
+    return batch, metrics
+
+
+def rollout_correction(batch: Batch, c: RolloutCorrection) -> tuple[Batch, dict]:
+    """The rollout correction's stage: adds `rollout_is_weights` [B, R] (with `rollout_is`)
+    and `rollout_rs_mask` [B, R] (with rejection or a veto), which the actor's update applies
+    (`hfjax.workers.actor`), and returns its rollout_corr/ metrics. Reads `old_log_probs`
+    (pi_old) and `rollout_log_probs` (the sampler's pi_rollout). Advantages are left as they
+    were: a rejected token leaves the policy loss, not the credit of the tokens around it."""
+    weights, keep, metrics = _correct(batch["old_log_probs"], batch["rollout_log_probs"],
+                                      batch["response_mask"], c=c)
+    out = {}
+    if c.rollout_is:
+        out["rollout_is_weights"] = weights
+    if c.rollout_rs or c.veto_threshold:
+        out["rollout_rs_mask"] = keep
     return batch.union(Batch(out)), metrics
+
+
+_correct = jax.jit(rc_numerics.correct, static_argnames=("c",))
 
 
 @functools.partial(jax.jit, static_argnames=("response_length",))

@@ -14,6 +14,7 @@ import dataclasses
 from typing import Any
 
 from hfjax.engine.spec import RolloutSpec, Spec
+from hfjax.numerics.rollout_correction import RolloutCorrection, resolve
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +40,29 @@ class OverlongSpec(Spec):
 
 
 @dataclasses.dataclass(frozen=True)
+class RolloutCorrectionSpec(Spec):
+    """Rollout correction between the sampler's and the trainer's log-probs
+    (`algo.rollout_correction`, verl's names; `hfjax.numerics.rollout_correction`)."""
+
+    ROLE = "algo.rollout_correction"
+
+    rollout_is: str  # "" (off) | token | sequence
+    rollout_is_threshold: float  # upper truncation of the importance weights
+    rollout_rs: str  # "" (off) | token | sequence | geometric
+    rollout_rs_threshold: float  # 0: rollout_is_threshold
+    rollout_rs_threshold_lower: float  # 0: 1 / the upper threshold
+    rollout_token_veto_threshold: float  # 0: no veto
+    bypass_mode: bool  # the rollout's log-probs are the old policy's; no old-log-prob pass
+
+    @property
+    def resolved(self) -> RolloutCorrection:
+        """The settings in force (defaults filled in), as the numerics take them."""
+        return resolve(self.rollout_is, self.rollout_is_threshold, self.rollout_rs,
+                       self.rollout_rs_threshold, self.rollout_rs_threshold_lower,
+                       self.rollout_token_veto_threshold)
+
+
+@dataclasses.dataclass(frozen=True)
 class AlgoSpec(Spec):
     """The advantage stage's settings and DAPO's sampling and shaping (the `algo` section)."""
 
@@ -52,6 +76,7 @@ class AlgoSpec(Spec):
     kl_penalty: str
     filter_groups: FilterGroupsSpec
     overlong_buffer: OverlongSpec
+    rollout_correction: RolloutCorrectionSpec
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,6 +16,7 @@ from hfjax.config.validators import (
     kl_controllers,
     kl_names,
     layout_rules,
+    level_or_off,
     lora_targets,
     mesh,
     model_path,
@@ -225,6 +226,17 @@ TRAIN_KEYS: dict[str, Callable[[Any], str | None]] = {
     "algo.overlong_buffer.enable": Bool(),
     "algo.overlong_buffer.len": Int(1),
     "algo.overlong_buffer.penalty_factor": Float(0.0),
+    # Rollout correction (hfjax.numerics.rollout_correction; verl's names)
+    "algo.rollout_correction.rollout_is": Check(level_or_off(("token", "sequence"))),
+    "algo.rollout_correction.rollout_is_threshold": Float(0.0, lo_open=True),
+    "algo.rollout_correction.rollout_rs": Check(level_or_off(("token", "sequence",
+                                                              "geometric"))),
+    "algo.rollout_correction.rollout_rs_threshold": Float(
+        0.0, note="0: rollout_is_threshold"),
+    "algo.rollout_correction.rollout_rs_threshold_lower": Float(
+        0.0, note="0: the reciprocal of the upper threshold"),
+    "algo.rollout_correction.rollout_token_veto_threshold": Float(0.0, 1.0, note="0: no veto"),
+    "algo.rollout_correction.bypass_mode": Bool(),
     # rewards
     "reward.custom_fn": Check(custom_reward),
     "reward.num_processes": Int(0, note="0: score in the controller, without timeouts"),

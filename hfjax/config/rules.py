@@ -259,6 +259,24 @@ def _one_length_layout(c) -> str | None:
     return None
 
 
+def _rollout_correction(c) -> str | None:
+    r = c.algo.get("rollout_correction")
+    if r is None:
+        return None
+    if r.bypass_mode and (r.rollout_is or r.rollout_rs or r.rollout_token_veto_threshold):
+        return ("algo.rollout_correction.bypass_mode=True makes the sampler's log-probs the old "
+                "policy's, so rollout_is, rollout_rs and the veto have nothing to correct; "
+                "turn them off (rollout_is='', rollout_rs='', rollout_token_veto_threshold=0) "
+                "or set bypass_mode=False")
+    if r.rollout_rs:
+        upper = r.rollout_rs_threshold or r.rollout_is_threshold
+        lower = r.rollout_rs_threshold_lower or 1.0 / upper
+        if not lower < upper:
+            return (f"algo.rollout_correction: the rejection interval [{lower:g}, {upper:g}] "
+                    "is empty; set rollout_rs_threshold_lower below rollout_rs_threshold")
+    return None
+
+
 TRAIN_RULES: tuple[Callable[[Any], str | None], ...] = (
     _selected_models,
     _estimator_inputs,
@@ -277,6 +295,7 @@ TRAIN_RULES: tuple[Callable[[Any], str | None], ...] = (
     _slot_cache,
     _token_budget,
     _one_length_layout,
+    _rollout_correction,
 )
 
 

@@ -307,3 +307,13 @@ def tool_spec(v) -> str | None:
 
 def split(files: str) -> list[str]:
     return [f.strip() for f in files.split(",") if f.strip()]
+
+
+def level_or_off(levels: tuple[str, ...]) -> Callable[[Any], str | None]:
+    """A check for a setting that is one of `levels` or "" for off (rollout correction's)."""
+    def check(v) -> str | None:
+        if isinstance(v, str) and v in ("", *levels):
+            return None
+        return f"needs one of {', '.join(levels)}, or '' (off)"
+
+    return check

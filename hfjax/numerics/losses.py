@@ -2,7 +2,9 @@
 penalties, the KL coefficient controllers and Safe-RLHF's Lagrange multiplier.
 
 Every policy loss takes one `PolicyLossInputs` and returns (pg_loss, pg_clipfrac, ppo_kl,
-pg_clipfrac_lower); a loss that needs a new input adds a field there.
+pg_clipfrac_lower); a loss that needs a new input adds a field there. A loss reduces its
+per-token loss with `PolicyLossInputs.aggregate`, never `agg_loss` directly, so per-token
+weights (the rollout correction's) apply to every loss.
 """
 
 from __future__ import annotations
@@ -34,7 +36,13 @@ class PolicyLossInputs:
     """Everything a policy loss may read: token-level [B, T] log-probs under the sampling
     (old) and current policy, advantages and the response mask, plus the clipping and
     aggregation settings (verl's names). ``cliprange_low``/``cliprange_high`` default to
-    ``cliprange``; ``loss_scale_factor`` is the divisor of "seq-mean-token-sum-norm"."""
+    ``cliprange``; ``loss_scale_factor`` is the divisor of "seq-mean-token-sum-norm".
+
+    ``rollout_is_weights`` [B, T] (None: all 1) are per-token weights on the loss, the
+    rollout correction's importance weights (`hfjax.numerics.rollout_correction`). Every policy
+    loss reduces its per-token loss with `aggregate`, which applies them and the mask, so a
+    weight reaches every registered loss the same way; tokens a correction rejects are already
+    out of ``response_mask``."""
 
     old_log_prob: Array
     log_prob: Array
@@ -46,6 +54,16 @@ class PolicyLossInputs:
     clip_ratio_c: float = 3.0
     loss_agg_mode: str = "token-mean"
     loss_scale_factor: float | None = None
+    rollout_is_weights: Array | None = None
+
+    def aggregate(self, loss_mat: Array) -> Array:
+        """The scalar loss of a [B, T] per-token loss: weighted by ``rollout_is_weights`` (when
+        given), reduced over ``response_mask`` by ``loss_agg_mode``."""
+        if self.rollout_is_weights is not None:
+            loss_mat = loss_mat * jax.lax.stop_gradient(
+                self.rollout_is_weights.astype(loss_mat.dtype))
+        return agg_loss(loss_mat, self.response_mask, self.loss_agg_mode,
+                        self.loss_scale_factor)
 
     @property
     def clip_low(self) -> float:
@@ -92,7 +110,7 @@ def compute_policy_loss(x: PolicyLossInputs) -> tuple[Array, Array, Array, Array
     pg_clipfrac_lower = masked_mean(((loss_ppo > loss_cap) & negative).astype(m.dtype), m)
     pg_losses = jnp.where(negative, jnp.minimum(loss_ppo, loss_cap), loss_ppo)
 
-    pg_loss = agg_loss(pg_losses, m, x.loss_agg_mode, x.loss_scale_factor)
+    pg_loss = x.aggregate(pg_losses)
     return pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower
 
 
@@ -121,7 +139,7 @@ def compute_policy_loss_gspo(x: PolicyLossInputs) -> tuple[Array, Array, Array, 
     loss_unclipped = -advantages * ratio
     loss_clipped = -advantages * jnp.clip(ratio, 1 - low, 1 + high)
     pg_losses = jnp.maximum(loss_unclipped, loss_clipped)
-    pg_loss = agg_loss(pg_losses, m, x.loss_agg_mode, x.loss_scale_factor)
+    pg_loss = x.aggregate(pg_losses)
     pg_clipfrac = masked_mean((loss_clipped > loss_unclipped).astype(m.dtype), m)
     ppo_kl = masked_mean(-log_ratio, m)
     return pg_loss, pg_clipfrac, ppo_kl, jnp.zeros((), pg_loss.dtype)

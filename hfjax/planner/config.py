@@ -91,7 +91,7 @@ def plan_inputs(cfg, reward_model: str = "", score_micro: int | None = None,
         critic_mini=c.ppo_mini_batch_size * n if "critic" in algo.roles else 0,
         critic_micro=c.ppo_micro_batch_size if "critic" in algo.roles else 0,
         critic_epochs=c.ppo_epochs if "critic" in algo.roles else 1,
-        old_log_prob=bool(cfg.algo.use_kl_in_reward) or not single,
+        old_log_prob=_scores_old_policy(cfg, single),
         score_micro=score_micro, gen_rows=gen_rows, shared=ActorSpec.of(a).samples_per_row(n),
     )
     return models, tuple(host), workload
@@ -141,3 +141,14 @@ def _has_key(cfg, key: str) -> bool:
             return False
         node = node[part]
     return True
+
+
+def _scores_old_policy(cfg, single: bool) -> bool:
+    """Whether a step runs the old-policy scoring pass (`dataflow.needs_old_log_prob`, less
+    rollout correction's bypass mode, which takes the sampler's log-probs instead)."""
+    rc = cfg.algo.get("rollout_correction")
+    if rc is not None and rc.bypass_mode:
+        return False
+    corrects = rc is not None and bool(rc.rollout_is or rc.rollout_rs
+                                       or rc.rollout_token_veto_threshold)
+    return bool(cfg.algo.use_kl_in_reward) or not single or corrects

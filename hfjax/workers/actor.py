@@ -470,6 +470,7 @@ class ActorRollout(Reference):
                 clip_ratio_c=a.clip_ratio_c,
                 loss_agg_mode=a.loss_agg_mode,
                 loss_scale_factor=horizon,
+                rollout_is_weights=mb.get("rollout_is_weights"),
             )
         )
         entropy = core.agg_loss(ent, mask, a.loss_agg_mode, horizon)
@@ -513,11 +514,20 @@ class ActorRollout(Reference):
         return a.ppo_epochs == 1 and a.ppo_mini_batch_size * self.rollout.n == rows
 
     @method(DP_COMPUTE, reads=("response_mask", "advantages", *SEQUENCES),
-            may_read=("old_log_probs", "ref_log_prob"))
+            may_read=("old_log_probs", "ref_log_prob", "rollout_is_weights", "rollout_rs_mask"))
     def update_actor(self, batch: Batch) -> dict[str, jax.Array]:
-        """PPO epochs over shuffled mini-batches; returns mean metrics (device scalars)."""
+        """PPO epochs over shuffled mini-batches; returns mean metrics (device scalars).
+
+        A rollout correction's rejected tokens (`rollout_rs_mask` 0) leave the loss mask, and
+        its importance weights (`rollout_is_weights`) weigh every token's policy loss."""
         a = self.spec
+        if "rollout_rs_mask" in batch:
+            keep = _keep(batch["response_mask"], batch["rollout_rs_mask"])
+            batch = batch.select([k for k in batch.arrays if k != "response_mask"]).union(
+                Batch({"response_mask": keep}))
         keys = ["input_ids", "attention_mask", "responses", "response_mask", "advantages"]
+        if "rollout_is_weights" in batch:
+            keys.append("rollout_is_weights")
         if "old_log_probs" in batch:
             keys.append("old_log_probs")
         if a.use_kl_loss:
@@ -603,6 +613,11 @@ def trim_responses(out: GenerateOutput) -> GenerateOutput:
 
 
 _truncated = jax.jit(token_select.truncated, static_argnums=(2, 3))
+
+
+@jax.jit
+def _keep(mask, keep):
+    return (mask * keep.astype(mask.dtype)).astype(mask.dtype)
 
 
 @jax.jit

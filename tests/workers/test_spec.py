@@ -12,7 +12,13 @@ import pytest
 import configs
 from configs import ppo_arith
 from hfjax.algorithms import dataflow
-from hfjax.algorithms.spec import AlgoSpec, FilterGroupsSpec, OverlongSpec, StepSpec
+from hfjax.algorithms.spec import (
+    AlgoSpec,
+    FilterGroupsSpec,
+    OverlongSpec,
+    RolloutCorrectionSpec,
+    StepSpec,
+)
 from hfjax.config.keys import TRAIN_KEYS
 from hfjax.engine.packing import TokenBudget
 from hfjax.engine.spec import MultiTurnSpec, RolloutSpec
@@ -99,7 +105,12 @@ def test_the_step_spec_holds_the_default_configs_values():
         use_kl_in_reward=True, kl_penalty="kl",
         filter_groups=FilterGroupsSpec(enable=False, max_num_gen_batches=10,
                                        on_exhausted="fill"),
-        overlong_buffer=OverlongSpec(enable=False, len=4, penalty_factor=1.0))
+        overlong_buffer=OverlongSpec(enable=False, len=4, penalty_factor=1.0),
+        rollout_correction=RolloutCorrectionSpec(
+            rollout_is="", rollout_is_threshold=2.0, rollout_rs="", rollout_rs_threshold=0.0,
+            rollout_rs_threshold_lower=0.0, rollout_token_veto_threshold=0.0,
+            bypass_mode=False))
+    assert not s.algo.rollout_correction.resolved.active
     assert s.rollout == RolloutSpec.of(c.rollout) and StepSpec.of(s) is s
     assert isinstance(s.algo.gamma, float)  # read as the field's type
     with pytest.raises(dataclasses.FrozenInstanceError):

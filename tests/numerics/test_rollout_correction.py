@@ -1,0 +1,297 @@
+"""Rollout correction (`algo.rollout_correction`): every setting's weights, rejection mask and
+metrics against a loop over tokens written here; every registered policy loss applying the
+per-token weights; bad settings refused in one line; and a training step that applies them
+(decoupled) or skips the old-policy pass (bypass)."""
+
+import dataclasses
+import math
+
+import numpy as np
+import pytest
+from support import tiny_rl_config
+
+from hfjax.config import validate_config
+from hfjax.numerics import core
+from hfjax.numerics import rollout_correction as rc
+from hfjax.numerics.losses import PolicyLossInputs
+
+BOUND = 20.0
+
+
+def _batch(seed=0, b=5, t=9):
+    """Old and rollout log-probs close to each other, a few far apart; a response mask with a
+    gap (a tool result) and padding; one row empty."""
+    rng = np.random.default_rng(seed)
+    roll = -rng.uniform(0.05, 3.0, (b, t))
+    old = roll + rng.normal(0.0, 0.4, (b, t))
+    old[1, 2] = roll[1, 2] - 9.0  # a token the trainer finds ~8000x less likely
+    mask = np.ones((b, t))
+    mask[0, 6:] = 0
+    mask[2, 3:5] = 0  # tool tokens inside the response
+    mask[3, 4:] = 0
+    mask[4] = 0  # batch padding
+    return old.astype(np.float32), roll.astype(np.float32), mask.astype(np.float32)
+
+
+def loop_correction(old, roll, mask, c):
+    """The correction, token by token (float64)."""
+    b, t = mask.shape
+    weights, keep = np.zeros((b, t)), np.zeros((b, t))
+    ratios, highs, vetoed_rows, rows = [], [], 0, 0
+    kl, k3 = [], []
+    rejected_tok, rejected_rows = 0, 0
+    for i in range(b):
+        toks = [j for j in range(t) if mask[i, j] > 0]
+        if not toks:
+            continue
+        rows += 1
+        raw = {j: float(old[i, j]) - float(roll[i, j]) for j in toks}
+        seq_raw = sum(raw.values())
+        seq = min(max(seq_raw, -BOUND), BOUND)
+        geo = min(max(seq_raw / len(toks), -BOUND), BOUND)
+        vetoed = bool(c.veto_threshold) and any(v < math.log(c.veto_threshold)
+                                                for v in raw.values())
+        vetoed_rows += vetoed
+        any_rejected = False
+        for j in toks:
+            tok = min(max(raw[j], -BOUND), BOUND)
+            ratio = math.exp(seq if c.rollout_is == "sequence" else tok)
+            ratios.append(ratio)
+            if c.rollout_is:
+                weights[i, j] = min(ratio, c.is_threshold)
+                highs.append(ratio > c.is_threshold)
+            else:
+                weights[i, j] = 1.0
+                highs.append(False)
+            ok = True
+            if c.rollout_rs:
+                x = {"token": tok, "sequence": seq, "geometric": geo}[c.rollout_rs]
+                ok = math.log(c.rs_lower) <= x <= math.log(c.rs_upper)
+            keep[i, j] = float(ok and not vetoed)
+            rejected_tok += 1 - keep[i, j]
+            any_rejected |= keep[i, j] == 0
+            kl.append(-raw[j])
+            k3.append(math.exp(tok) - tok - 1)
+        rejected_rows += any_rejected
+    n = len(ratios)
+    w = [weights[i, j] for i in range(b) for j in range(t) if mask[i, j] > 0]
+    metrics = {
+        "rollout_is_mean": sum(ratios) / n,
+        "rollout_is_max": max(ratios),
+        "rollout_is_ratio_fraction_high": sum(highs) / n,
+        "rollout_is_eff_sample_size": (sum(w) / n) ** 2 / (sum(x * x for x in w) / n),
+        "rollout_rs_masked_fraction": rejected_tok / n,
+        "rollout_rs_seq_masked_fraction": rejected_rows / rows,
+        "rollout_is_veto_fraction": vetoed_rows / rows,
+        "kl": sum(kl) / n,
+        "k3_kl": sum(k3) / n,
+    }
+    return weights, keep, metrics
+
+
+SETTINGS = {
+    # (rollout_is, threshold, rollout_rs, rs upper, rs lower, veto); 0 thresholds: defaults
+    "token-is": ("token", 1.5, "", 0.0, 0.0, 0.0),
+    "sequence-is": ("sequence", 2.0, "", 0.0, 0.0, 0.0),
+    "token-rs": ("", 2.0, "token", 1.2, 0.0, 0.0),
+    "sequence-rs": ("", 2.0, "sequence", 0.0, 0.0, 0.0),
+    "geometric-rs": ("token", 2.0, "geometric", 1.05, 0.97, 0.0),
+    "veto": ("", 2.0, "", 0.0, 0.0, 1e-3),
+    "sequence-is-token-rs-veto": ("sequence", 3.0, "token", 0.0, 0.0, 1e-3),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SETTINGS))
+def test_each_setting_against_a_loop(name):
+    c = rc.resolve(*SETTINGS[name])
+    old, roll, mask = _batch()
+    w, keep, metrics = rc.correct(old, roll, mask, c)
+    want_w, want_keep, want_m = loop_correction(old, roll, mask, c)
+    np.testing.assert_allclose(np.asarray(w), want_w, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(keep), want_keep)
+    for k, v in want_m.items():
+        assert float(metrics[f"rollout_corr/{k}"]) == pytest.approx(v, rel=1e-4, abs=1e-6), k
+    assert c.active
+
+
+def test_defaults_and_the_cases_that_bite():
+    c = rc.resolve("", 2.5, "token", 0.0, 0.0, 0.0)
+    assert (c.rs_upper, c.rs_lower) == (2.5, 0.4)  # verl's nulls: the IS threshold, 1 / it
+    assert not rc.resolve("", 2.0, "", 0.0, 0.0, 0.0).active
+    old, roll, mask = _batch()
+    # The far-off token: a token-level rejection and the veto both remove it (the veto its
+    # whole row); truncation leaves its tiny weight alone (only the upper side is cut).
+    _, keep, _ = rc.correct(old, roll, mask, rc.resolve("", 2.0, "token", 0.0, 0.0, 0.0))
+    assert keep[1, 2] == 0 and keep[1, 3] == 1
+    _, keep, _ = rc.correct(old, roll, mask, rc.resolve("", 2.0, "", 0.0, 0.0, 1e-3))
+    assert np.asarray(keep)[1].sum() == 0 and np.asarray(keep)[0].sum() == 6
+    w, _, _ = rc.correct(old, roll, mask, rc.resolve("token", 2.0, "", 0.0, 0.0, 0.0))
+    assert 0 < w[1, 2] < 1e-3
+    # Nothing outside the response: tool tokens and padding weigh 0 and are never kept.
+    assert np.all(np.asarray(w)[mask == 0] == 0) and np.all(np.asarray(keep)[mask == 0] == 0)
+    with pytest.raises(ValueError, match=r"rejection interval \[3, 2\] is empty"):
+        rc.resolve("", 2.0, "token", 2.0, 3.0, 0.0)
+
+
+# ------------------------------------------------------------------- every loss applies weights
+
+
+def _agg(loss, mask, mode, horizon):
+    """verl's aggregations, by loops."""
+    b, t = mask.shape
+    if mode == "token-mean":
+        n = sum(mask[i, j] for i in range(b) for j in range(t))
+        return sum(loss[i, j] * mask[i, j] for i in range(b) for j in range(t)) / n
+    rows = [i for i in range(b) if mask[i].sum() > 0]
+    if mode == "seq-mean-token-sum-norm":
+        return sum(loss[i, j] * mask[i, j] for i in range(b) for j in range(t)) / horizon
+    per = []
+    for i in rows:
+        s = sum(loss[i, j] * mask[i, j] for j in range(t))
+        per.append(s / mask[i].sum() if mode == "seq-mean-token-mean" else s)
+    return sum(per) / len(per)
+
+
+def _vanilla(x):
+    old, lp, adv, m = (np.asarray(a, np.float64) for a in (x.old_log_prob, x.log_prob,
+                                                           x.advantages, x.response_mask))
+    out = np.zeros(m.shape)
+    for i in range(m.shape[0]):
+        for j in range(m.shape[1]):
+            r = math.exp(lp[i, j] - old[i, j])
+            a = adv[i, j]
+            loss = max(-a * r, -a * min(max(r, 1 - x.clip_low), 1 + x.clip_high))
+            if a < 0:
+                loss = min(loss, -a * x.clip_ratio_c)
+            out[i, j] = loss
+    return out
+
+
+def _gspo(x):
+    old, lp, adv, m = (np.asarray(a, np.float64) for a in (x.old_log_prob, x.log_prob,
+                                                           x.advantages, x.response_mask))
+    out = np.zeros(m.shape)
+    for i in range(m.shape[0]):
+        n = max(m[i].sum(), 1.0)
+        s = math.exp(min(sum((lp[i, j] - old[i, j]) * m[i, j] for j in range(m.shape[1])) / n,
+                         10.0))
+        for j in range(m.shape[1]):
+            a = adv[i, j]
+            out[i, j] = max(-a * s, -a * min(max(s, 1 - x.clip_low), 1 + x.clip_high))
+    return out
+
+
+PER_TOKEN = {"vanilla": _vanilla, "gspo": _gspo}
+
+
+def test_every_registered_policy_loss_has_a_reference_here():
+    # A new loss must show here that it applies the weights.
+    assert set(core.POLICY_LOSSES.names()) <= set(PER_TOKEN)
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
+                                  "seq-mean-token-sum-norm"])
+@pytest.mark.parametrize("name", sorted(core.POLICY_LOSSES.names()))
+def test_every_policy_loss_applies_the_weights(name, mode):
+    rng = np.random.default_rng(3)
+    old, roll, mask = _batch()
+    lp = old + rng.normal(0.0, 0.3, old.shape).astype(np.float32)
+    adv = rng.normal(0.0, 1.0, old.shape).astype(np.float32)
+    weights, keep, _ = rc.correct(old, roll, mask,
+                                  rc.resolve("token", 1.5, "token", 0.0, 0.0, 0.0))
+    loss_mask = np.asarray(mask * keep, np.float32)  # rejected tokens leave the mask
+    x = PolicyLossInputs(old, lp, adv, loss_mask, cliprange=0.2, clip_ratio_c=3.0,
+                         loss_agg_mode=mode, loss_scale_factor=9.0,
+                         rollout_is_weights=np.asarray(weights))
+    got = float(core.POLICY_LOSSES.get(name)(x)[0])
+    per_token = PER_TOKEN[name](x) * np.asarray(weights, np.float64)
+    want = _agg(per_token, loss_mask, mode, 9.0)
+    assert got == pytest.approx(want, rel=1e-4, abs=1e-6)
+    # Without weights the loss differs: the weights did something.
+    plain = float(core.POLICY_LOSSES.get(name)(dataclasses.replace(x, rollout_is_weights=None))[0])
+    assert abs(plain - got) > 1e-4
+
+
+# --------------------------------------------------------------------------------- bad settings
+
+
+BAD = {
+    "level": ({"rollout_is": "tokens"},
+              r"rollout_is='tokens': needs one of token, sequence, or '' \(off\)"),
+    "rs-level": ({"rollout_rs": "seq"},
+                 r"rollout_rs='seq': needs one of token, sequence, geometric"),
+    "threshold": ({"rollout_is_threshold": 0.0}, r"rollout_is_threshold=0.0: needs a float > 0"),
+    "veto": ({"rollout_token_veto_threshold": 2.0}, r"veto_threshold=2.0: needs a float in"),
+    "bypass-with-is": ({"bypass_mode": True, "rollout_is": "token"},
+                       r"bypass_mode=True makes the sampler's log-probs the old policy's, so "
+                       r"rollout_is, rollout_rs and the veto have nothing to correct"),
+    "empty-interval": ({"rollout_rs": "token", "rollout_rs_threshold": 1.5,
+                        "rollout_rs_threshold_lower": 2.0},
+                       r"the rejection interval \[2, 1.5\] is empty"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD))
+def test_bad_settings_are_refused_in_one_line(name):
+    keys, message = BAD[name]
+    cfg = tiny_rl_config()
+    for k, v in keys.items():
+        cfg.algo.rollout_correction[k] = v
+    with pytest.raises(ValueError, match=message) as e:
+        validate_config(cfg)
+    assert "\n" not in str(e.value)
+
+
+# ------------------------------------------------------------------------------ in a real step
+
+
+@pytest.mark.slow
+def test_a_grpo_step_applies_the_correction_and_bypass_skips_the_old_pass():
+    from hfjax.run.trainer import Trainer
+
+    cfg = tiny_rl_config(algorithm="grpo")
+    cfg.algo.adv_estimator = "grpo"
+    cfg.rollout.n, cfg.data.train_batch_size = 4, 4
+    cfg.actor.ppo_mini_batch_size, cfg.actor.ppo_micro_batch_size = 4, 16
+    # Top-k sampling: the sampler's distribution is renormalised over 3 tokens, so
+    # pi_rollout >= pi_old token by token and the weights are not all 1 (for this untrained,
+    # near-uniform policy they lie near 0.22, and the lower bound splits them).
+    cfg.rollout.top_k = 3
+    r = cfg.algo.rollout_correction
+    r.rollout_is, r.rollout_is_threshold, r.rollout_rs = "token", 2.0, "token"
+    r.rollout_rs_threshold_lower = 0.22
+    trainer = Trainer(cfg)
+    actor = trainer.actor
+    seen, scored = [], []
+    update, score = actor.update_actor, actor.compute_log_prob
+    actor.update_actor = lambda b: seen.append(b) or update(b)
+    actor.compute_log_prob = lambda b: scored.append(b) or score(b)
+    # One mini-batch, one epoch: on-policy, yet the correction needs pi_old, so it is scored.
+    assert actor.single_update(16)
+    m = trainer.train_step()
+    assert len(scored) == 1
+    got = {k: np.asarray(v, np.float64) for k, v in seen[0].fetch(
+        ["old_log_probs", "rollout_log_probs", "response_mask", "rollout_is_weights",
+         "rollout_rs_mask"]).items()}
+    c = trainer.spec.algo.rollout_correction.resolved
+    want_w, want_keep, want_m = loop_correction(got["old_log_probs"], got["rollout_log_probs"],
+                                                got["response_mask"], c)
+    np.testing.assert_allclose(got["rollout_is_weights"], want_w, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(got["rollout_rs_mask"], want_keep)
+    for k in ("rollout_is_mean", "kl", "rollout_rs_masked_fraction"):
+        assert m[f"rollout_corr/{k}"] == pytest.approx(want_m[k], rel=1e-4, abs=1e-6), k
+    assert m["rollout_corr/rollout_is_mean"] < 1.0 and m["rollout_corr/kl"] > 0
+    assert 0 < m["rollout_corr/rollout_rs_masked_fraction"] < 1
+
+    # Bypass: the sampler's log-probs are the old ones; no scoring pass, no correction.
+    algo = trainer.spec.algo
+    bypass = dataclasses.replace(algo.rollout_correction, rollout_is="", rollout_rs="",
+                                 bypass_mode=True)
+    trainer.spec = dataclasses.replace(trainer.spec, algo=dataclasses.replace(
+        algo, rollout_correction=bypass))
+    seen.clear(), scored.clear()
+    m = trainer.train_step()
+    assert not scored and not any(k.startswith("rollout_corr/") for k in m)
+    got = seen[0].fetch(["old_log_probs", "rollout_log_probs"])
+    np.testing.assert_array_equal(got["old_log_probs"], got["rollout_log_probs"])
+    assert "rollout_is_weights" not in seen[0] and np.isfinite(m["actor/pg_loss"])
