@@ -7,7 +7,8 @@ default, on the default device.
     python -m bench.attention --impls=dense,xla,cudnn,blockwise --width=4096 --rows=4  # a GPU
 
 An implementation that cannot run here is replaced as the model would replace it
-(`hfjax.models.attention.resolve`: e.g. cudnn on a CPU runs blockwise); the line says which ran.
+(`hfjax.models.backend.attention_impl`: e.g. cudnn on a CPU runs blockwise); the line says
+which ran.
 Prints each variant's best of `--repeats` after a compiling call, the largest difference from
 the first variant at real (not padding) queries, and a JSON line with every variant's times.
 """
@@ -22,6 +23,7 @@ from absl import app, flags
 
 from bench.timing import best_time
 from hfjax.models import attention as attn
+from hfjax.models import backend
 from hfjax.models.config import ModelConfig
 
 flags.DEFINE_integer("rows", 8, "rows (sequences) of the micro-batch")
@@ -53,7 +55,7 @@ def main(_) -> None:
                 "backend": jax.default_backend()}, None
     for impl in FLAGS.impls:
         cfg = dataclasses.replace(base, attention_impl=impl)
-        ran = attn.resolve(impl, q.dtype, h)
+        ran = backend.attention_impl(impl, q.dtype, h)
         fn = attn.attention_fn(cfg, valid, t, q.dtype)
         fwd = jax.jit(fn)
         grad = jax.jit(jax.grad(

@@ -85,7 +85,7 @@ def main(argv: list[str]) -> None:
     from bench.timing import best_time
     from hfjax.engine.decode import decode_options, decode_step, empty_cache, split_layers
     from hfjax.models import presets
-    from hfjax.models.transformer import storage_dtype
+    from hfjax.models.backend import storage_dtype
 
     f = flags.FLAGS
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "

@@ -36,17 +36,19 @@ def get_config() -> config_dict.ConfigDict:
             head_dim=32,
             # Compute dtype: float32 | bfloat16 | auto (bfloat16 on GPUs and TPUs and, for
             # hidden sizes >= 512, on CPUs with AMX or AVX-512 BF16; else float32: see
-            # hfjax.models.precision.resolve_compute_dtype). Matmuls take
+            # hfjax.models.backend.compute_dtype). Matmuls take
             # operands in it and accumulate in float32; logits, log-probs and values are float32.
             dtype="auto",
             # Master weights, gradients and optimizer state.
             param_dtype="float32",
             scan_layers=True,
             # none | full (checkpoint every layer) | dots | dots_no_batch | auto (the dry run
-            # picks none or full from the device memory; none on CPU: docs/scaling.md)
+            # picks none or full from the device memory; none on CPU: docs/scaling.md,
+            # hfjax.models.backend.remat_policy)
             remat_policy="none",
             # Attention: auto | dense | xla | cudnn | blockwise | splash; auto picks per
-            # platform (dense on CPU, cudnn on GPU, splash on TPU; hfjax/models/attention.py).
+            # platform (dense on CPU, blockwise on GPU, splash on TPU; cudnn is opt-in;
+            # hfjax.models.backend.attention_impl).
             attention_impl="auto",
         )
     )
@@ -163,7 +165,8 @@ def get_config() -> config_dict.ConfigDict:
             max_cache_len=0,  # continuous: cache columns per slot; 0 = prompt + response buckets
             # How a decode step reads its KV cache: auto | full | chunked (only the response
             # columns some row has written) | pallas (GPU kernel); and its layout: auto | cpu |
-            # gpu. auto: full + cpu on CPUs, chunked + gpu elsewhere (hfjax/engine/decode.py).
+            # gpu. auto: full + cpu on CPUs, pallas + gpu on GPUs, full + gpu on TPUs
+            # (hfjax.models.backend.decode_choice).
             decode_attention="auto",
             kv_layout="auto",
             n=1,

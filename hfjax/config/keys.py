@@ -107,13 +107,17 @@ TRAIN_KEYS: dict[str, Callable[[Any], str | None]] = {
     "model.num_kv_heads": Int(1),
     "model.head_dim": Int(2),
     "model.dtype": Choice(("float32", "bfloat16", "auto"), note="compute; auto: bfloat16 on "
-                          "GPUs, TPUs and AMX CPUs for hidden >= 512, else float32"),
+                          "GPUs, TPUs and CPUs with native bf16 multiplies (AMX, AVX-512 "
+                          "BF16) for hidden >= 512, else float32 (hfjax.models.backend)"),
     "model.param_dtype": Choice(("float32", "bfloat16"), note="master weights and optimizer "
                                 "state"),
     "model.scan_layers": Bool(),
-    "model.remat_policy": Choice(remat_policies),
-    "model.attention_impl": Choice(attention_impls, note="auto: dense on CPU, cudnn on GPU, "
-                                   "splash on TPU; blockwise where those cannot run"),
+    "model.remat_policy": Choice(remat_policies, note="auto: none, or full where the dry run "
+                                 "without recomputation exceeds 90% of the device memory "
+                                 "(hfjax.models.backend.remat_policy)"),
+    "model.attention_impl": Choice(attention_impls, note="auto: dense on CPU, blockwise on "
+                                   "GPU, splash on TPU; blockwise where cudnn or splash cannot "
+                                   "run (hfjax.models.backend.attention_impl)"),
     # data
     "data.task": Choice(("arith", "arith_tool", "parquet"),
                         note="arith_tool: 3-4 digit products, for the calculator"),
@@ -184,8 +188,11 @@ TRAIN_KEYS: dict[str, Callable[[Any], str | None]] = {
                            note="continuous: decode slots refilled as rows stop"),
     "rollout.slots": Int(0, note="0: one per sample"),
     "rollout.decode_attention": Choice(("auto", "full", "chunked", "pallas"),
-                                       note="auto: full on CPU, chunked on GPU and TPU"),
-    "rollout.kv_layout": Choice(("auto", "cpu", "gpu"), note="auto: the platform's"),
+                                       note="auto: full on CPU and TPU, pallas on GPU; "
+                                       "chunked where pallas cannot run "
+                                       "(hfjax.models.backend.decode_choice)"),
+    "rollout.kv_layout": Choice(("auto", "cpu", "gpu"), note="auto: cpu on CPU, gpu on GPU "
+                                "and TPU"),
     "rollout.refill_every": Int(1),
     "rollout.min_slots": Int(0, note="0: the start of the slots' row range"),
     "rollout.max_cache_len": Int(0, note="0: no limit"),

@@ -19,12 +19,11 @@ from collections.abc import Mapping
 
 from hfjax.data import arith, tool_arith
 from hfjax.engine import layout_choice
+from hfjax.models import backend, load_tokenizer, presets, transformer
 from hfjax.models import load as load_model
-from hfjax.models import load_tokenizer, precision, presets, transformer
-from hfjax.models.config import ModelConfig
+from hfjax.models.config import ModelConfig, scratch_model_config
 from hfjax.models.hf_io import read_model_config
 from hfjax.parallel.mesh import ResourcePool
-from hfjax.workers.groups import scratch_model_config
 
 
 def task_tokenizer(cfg):
@@ -55,28 +54,13 @@ def model_overrides(cfg, compute_dtype: str) -> dict:
 
 def compute_dtype(cfg, platform: str) -> str:
     """`model.dtype` resolved on `platform` for this run's actor
-    (`precision.resolve_compute_dtype`; for `auto` on a CPU the model's hidden size counts,
+    (`hfjax.models.backend.compute_dtype`; for `auto` on a CPU the model's hidden size counts,
     read from model.path's preset, .gguf header or config.json without loading weights)."""
     m = cfg.model
     hidden = None
     if m.dtype == "auto" and platform == "cpu":
         hidden = read_model_config(m.path).hidden_size if m.path else m.hidden_size
-    return precision.resolve_compute_dtype(m.dtype, platform, hidden)
-
-
-def policy_alone(cfg, tokenizer):
-    """The policy alone, as SFT and evaluation run it: `initial_model` in the run's compute
-    dtype, as the actor of a colocated pool over every device, on `actor.mesh`. Returns
-    (pools, actor)."""
-    import jax
-
-    from hfjax.controller.placement import resolve_placement
-    from hfjax.workers import groups
-
-    pools = resolve_placement("colocate", ("actor",), jax.devices())
-    model = initial_model(cfg, tokenizer, compute_dtype(cfg, jax.devices()[0].platform), pools)
-    return pools, groups.build_actor(cfg, model, pools, tokenizer.pad_id, tokenizer.eos_id,
-                                     tokenizer=tokenizer)
+    return backend.compute_dtype(m.dtype, backend.canonical(platform), hidden)
 
 
 def model_config(cfg, tokenizer, compute_dtype: str) -> ModelConfig:

@@ -1,6 +1,6 @@
 """Engines that run the actor's programs: the rollout sampler (`sampler`, `decode`,
-`sampling`), the 3D-HybridEngine that reshards the actor between its training and decoding
-layouts (`hybrid`), and micro-batched update steps (`update`)."""
+`token_select`, `continuous`), the 3D-HybridEngine that reshards the actor between its
+training and decoding layouts (`hybrid`), and micro-batched update steps (`update`)."""
 
 from hfjax.engine.sampler import (
     GenerateOutput,

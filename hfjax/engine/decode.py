@@ -28,7 +28,8 @@ a decode step's time goes"); the prompt's part is never written inside the decod
 That layout and the full-width read are the CPU's. On GPUs and TPUs a step is bound by the
 bytes it reads, and a rollout's early steps have written few of the response's columns, so
 the step has three ways to read the cache (`DecodeOptions.attention`) and two layouts
-(`DecodeOptions.layout`), resolved once per backend by `decode_options` ("auto"):
+(`DecodeOptions.layout`), resolved once per backend by `decode_options` ("auto" is chosen by
+`hfjax.models.backend.decode_choice`):
 
 - "full" (CPU, TPU): both parts over their whole width, columns past a row's own masked.
 - "chunked": the response part in chunks of `chunk` columns, only as many as the
@@ -53,11 +54,11 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from absl import logging
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from hfjax.models import attention as attention_lib
+from hfjax.models import backend
+from hfjax.models.backend import storage_dtype
 from hfjax.models.config import ModelConfig
 from hfjax.models.transformer import (
     KVCache,
@@ -66,13 +67,10 @@ from hfjax.models.transformer import (
     rms_norm,
     rope_inv_freq,
     rope_tables,
-    storage_dtype,
 )
 from hfjax.parallel import mesh as mesh_lib
 from hfjax.parallel import sharding as shd
 
-DECODE_ATTENTION = ("auto", "full", "chunked", "pallas")
-KV_LAYOUTS = ("auto", "cpu", "gpu")
 # Response columns per chunk of the "chunked" read. A step reads at most chunk - 1 columns no
 # row has written; smaller chunks mean more loop iterations, each a pair of small matmuls.
 DECODE_CHUNK = 128
@@ -96,42 +94,16 @@ CPU_OPTIONS = DecodeOptions()
 def decode_options(attention: str = "auto", layout: str = "auto", *,
                    chunk: int = DECODE_CHUNK, interpret: bool = False) -> DecodeOptions:
     """`rollout.decode_attention` and `rollout.kv_layout` resolved for the platform programs
-    are compiled for (`hfjax.models.attention.target_platform`): "auto" is the full read and
-    the "cpu" layout on CPU, the Pallas read and the "gpu" layout on GPUs, the full read and
-    the "gpu" layout on TPUs. "pallas" where the kernel cannot run (no GPU, and not
-    `interpret`: a dry run for a GPU target compiled on CPU) becomes "chunked", with a log
-    line.
-    Raises ValueError for an unknown choice or "pallas" with the "cpu" layout."""
-    if attention not in DECODE_ATTENTION:
-        raise ValueError(f"rollout.decode_attention={attention!r}; choose one of "
-                         f"{DECODE_ATTENTION}")
-    if layout not in KV_LAYOUTS:
-        raise ValueError(f"rollout.kv_layout={layout!r}; choose one of {KV_LAYOUTS}")
+    are compiled for, by `hfjax.models.backend.decode_choice` (where "auto" is decided).
+    Raises ValueError for an unknown choice, a chunk < 1 or "pallas" with the "cpu" layout."""
+    attention, layout = backend.decode_choice(attention, layout, interpret=interpret)
     if chunk < 1:
         raise ValueError(f"decode chunk={chunk}; it must be >= 1")
-    on_cpu = attention_lib.target_platform() == "cpu"
-    if layout == "auto":
-        layout = "cpu" if on_cpu else "gpu"
-    if attention == "auto":
-        # Measured on an H200 (Qwen2.5-1.5B, 512 rows, 32 + 256 columns; docs/benchmarks.md,
-        # "Decode on an H200"): Pallas 5.98 ms per step, full read 7.25, chunked 8.97. TPUs
-        # have no Pallas decode read here yet, and the chunked loop did not pay on the GPU.
-        attention = "full" if on_cpu else ("pallas" if attention_lib.target_platform() == "gpu"
-                                          else "full")
-    if attention == "pallas":
-        if layout != "gpu":
-            raise ValueError("rollout.decode_attention=pallas reads the 'gpu' cache layout; "
-                             "set rollout.kv_layout=gpu (or auto on a GPU)")
-        if attention_lib.device_platform() != "gpu" and not interpret:
-            logging.info("decode: the Pallas decode-attention kernel runs on GPUs and programs "
-                         "are compiled on %s; using the chunked read",
-                         attention_lib.device_platform())
-            attention = "chunked"
     return DecodeOptions(attention, layout, int(chunk), bool(interpret))
 
 
 class LayerCache(NamedTuple):
-    """One layer's cache, in the prefill cache's dtype (`hfjax.models.transformer.storage_dtype`
+    """One layer's cache, in the prefill cache's dtype (`hfjax.models.backend.storage_dtype`
     of the compute dtype): the prompt's keys and values, then the response's, each in the
     options' layout ("cpu": keys [rows, kv_heads, head_dim, columns], values [rows, kv_heads,
     columns, head_dim]; "gpu": both [rows, columns, kv_heads, head_dim]). Cache column c is
@@ -173,20 +145,10 @@ def _zeros(shape: tuple[int, int, int], width: int, dtype,
 
 
 def fuse_projections() -> bool:
-    """Whether `split_layers` fuses each layer's q/k/v and gate/up weights into one matrix:
-    on GPUs and TPUs, where the decode layout has no `tensor` axis to split them over.
-
-    XLA's GPU compiler merges dots that share an operand (x @ Wq, x @ Wk, x @ Wv) into one dot
-    over concatenated weights, and inside the decode loop it concatenates those weights again
-    on every step: on an H200 (Qwen2.5-1.5B, 512 rows) those copies took 23% of the decode
-    loop's device time (docs/benchmarks.md, "Decode on an H200"). Concatenated once per rollout
-    here, the loop runs the merged matmuls on weights that are already whole. On a tensor
-    axis the concatenation would have to move shards between devices, and on CPU the separate
-    matmuls are what XLA:CPU runs well, so both keep the separate weights."""
-    if attention_lib.target_platform() == "cpu":
-        return False
+    """Whether `split_layers` fuses each layer's q/k/v and gate/up weights into one matrix for
+    the active layout (`hfjax.models.backend.fuse_projections` decides, and says why)."""
     layout = shd.active_layout()
-    return layout is None or layout.mesh.shape.get("tensor", 1) == 1
+    return backend.fuse_projections(1 if layout is None else layout.mesh.shape.get("tensor", 1))
 
 
 _FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hfjax.models import attention as attention_lib
+from hfjax.models import backend
 from hfjax.parallel import sharding as shd
 
 # --------------------------------------------------------------------------------------------
@@ -251,8 +251,7 @@ def select_tokens(
         vals = jnp.where(keep, vals, -jnp.inf)
     logp = jax.nn.log_softmax(vals, axis=-1)
     u = jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(keys)
-    # The vocabulary-wide cumulative sum is cheap on CPU and a slow pass on accelerators.
-    draw = inverse_cdf if attention_lib.target_platform() == "cpu" else blocked_inverse_cdf
+    draw = blocked_inverse_cdf if backend.blocked_token_draw() else inverse_cdf
     choice = draw(jnp.exp(logp), u)
     lp = jnp.take_along_axis(logp, choice[:, None], axis=-1)[:, 0]
     tok = choice if idx is None else jnp.take_along_axis(idx, choice[:, None], axis=-1)[:, 0]

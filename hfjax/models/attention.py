@@ -1,9 +1,10 @@
 """Attention: one entry point (`attention_fn`) for the model's training, scoring and prefill
 passes, and the implementations it chooses between.
 
-The implementation is picked here and nowhere else, from `ModelConfig.attention_impl`
-(`model.attention_impl` in a run config) and, for "auto", from the platform the program is
-compiled for (`target_platform`: the devices' backend, or the target a dry run compiles for):
+The implementation is chosen by `hfjax.models.backend.attention_impl`, from
+`ModelConfig.attention_impl` (`model.attention_impl` in a run config) and, for "auto", from the
+platform the program is compiled for (`backend.target_platform`: the devices' backend, or the
+target a dry run compiles for):
 
 - "dense": the batched-matmul path (`attend`; causal rows by query blocks, `dense_attention`)
   that materialises float32 scores per query block. "auto" on CPU: tuned there.
@@ -37,8 +38,6 @@ a fused kernel for them would be chosen here too.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import functools
 import math
 from typing import NamedTuple
@@ -46,113 +45,14 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import logging
 
+from hfjax.models import backend
 from hfjax.models import sequence_parallel as sp
 from hfjax.models.blockwise import blockwise_attention
 from hfjax.models.config import ATTENTION_IMPLS, ModelConfig
 from hfjax.parallel import sharding as shd
 
 IMPLEMENTATIONS = ATTENTION_IMPLS
-
-_TARGET: contextvars.ContextVar[str | None] = contextvars.ContextVar(
-    "hfjax_attention_target", default=None)
-
-
-@contextlib.contextmanager
-def compiling_for(platform: str | None):
-    """Within this context, "auto" choices (attention here, the decode step's in
-    `hfjax.engine.decode`) are made for `platform` ("cpu", "gpu", "tpu"; None: the devices')
-    instead of the devices' backend. The dry run compiles a GPU or TPU target's programs on CPU
-    devices under it."""
-    token = _TARGET.set(_canonical(platform) if platform else None)
-    try:
-        yield
-    finally:
-        _TARGET.reset(token)
-
-
-def _canonical(platform: str) -> str:
-    return "gpu" if platform in ("cuda", "rocm", "gpu") else platform
-
-
-def device_platform() -> str:
-    """The backend programs run on here: "cpu", "gpu" or "tpu"."""
-    return _canonical(jax.default_backend())
-
-
-def target_platform() -> str:
-    """The platform "auto" choices are made for: the `compiling_for` target, else the devices'."""
-    return _TARGET.get() or device_platform()
-
-
-def stand_in() -> bool:
-    """Whether programs are compiled on this machine for another platform (a dry run's target):
-    kernels that only the target has are then replaced by portable ones of the same memory
-    behaviour."""
-    return target_platform() != device_platform()
-
-
-_LOGGED: set[str] = set()
-
-
-def _log_once(message: str) -> None:
-    if message not in _LOGGED:
-        _LOGGED.add(message)
-        logging.info(message)
-
-
-def _splash_module():
-    try:
-        from jax.experimental.pallas.ops.tpu.splash_attention import (
-            splash_attention_kernel,
-            splash_attention_mask,
-        )
-    except ImportError:  # a jax without the TPU Pallas kernels
-        return None
-    return splash_attention_kernel, splash_attention_mask
-
-
-def cudnn_takes(dtype, head_dim: int) -> str | None:
-    """Why cuDNN's fused attention cannot take q/k/v of `dtype` and `head_dim` (None: it can)."""
-    if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
-        return f"cuDNN flash attention needs bfloat16 or float16, not {jnp.dtype(dtype).name}"
-    if head_dim % 8 or head_dim > 256:
-        return f"cuDNN flash attention needs a head dim that is a multiple of 8 up to 256, " \
-               f"not {head_dim}"
-    return None
-
-
-def resolve(impl: str, dtype, head_dim: int) -> str:
-    """The implementation `impl` stands for with q/k/v of `dtype` and `head_dim` on the target
-    platform: "auto" chosen by platform, and a fused kernel that cannot run the case (or cannot
-    run here: a dry run's stand-in) replaced by "blockwise", with one log line saying why."""
-    if impl not in IMPLEMENTATIONS:
-        raise ValueError(f"model.attention_impl={impl!r}; choose one of {IMPLEMENTATIONS}")
-    target = target_platform()
-    if impl == "auto":
-        # GPUs: blockwise, measured on an H200 (the GRPO update at 39% MFU, the default job);
-        # "cudnn" is opt-in: there its programs did not finish compiling within 40 s at
-        # 16 x 2048 columns (docs/benchmarks.md, "Decode on an H200").
-        impl = {"cpu": "dense", "gpu": "blockwise", "tpu": "splash"}.get(target, "dense")
-    if impl == "cudnn":
-        why = cudnn_takes(dtype, head_dim)
-        if why is None and device_platform() != "gpu":
-            why = f"cuDNN runs on GPUs and programs are compiled on {device_platform()}"
-        if why is not None:
-            _log_once(f"attention: {why}; using blockwise attention")
-            return "blockwise"
-    if impl == "splash":
-        why = None
-        if device_platform() != "tpu":
-            why = f"splash attention runs on TPUs and programs are compiled on {device_platform()}"
-        elif _splash_module() is None:
-            why = "jax.experimental.pallas.ops.tpu.splash_attention does not import"
-        if why is not None:
-            _log_once(f"attention: {why}; using blockwise attention")
-            return "blockwise"
-    return impl
-
 
 def attention_fn(
     cfg: ModelConfig,
@@ -170,7 +70,7 @@ def attention_fn(
     """The attention of one forward pass, as fn(q [B, T, N, H], k, v [B, S, K, H]) -> [B, T, N, H].
 
     `key_valid` [B, S] marks real keys, T = `query_count` and `dtype` is q/k/v's
-    (`hfjax.models.transformer.storage_dtype`). Without a cache
+    (`hfjax.models.backend.storage_dtype`). Without a cache
     (`cache_index` None) the keys are the queries' own columns (S == T) and query t sees keys up
     to t; with one, the T queries sit at cache slots [cache_index, cache_index + T) and see the
     slots up to their own. Packed rows give `segment_ids` [B, T] (a query sees only its own
@@ -242,7 +142,7 @@ def _attention(
     attention_mask: jax.Array | None = None,
 ):
     """`attention_fn` on rows whole on each device."""
-    impl = resolve(cfg.attention_impl, dtype, cfg.head_dim)
+    impl = backend.attention_impl(cfg.attention_impl, dtype, cfg.head_dim)
     if shared_prompt is not None:
         return shared_prompt_attention(cfg, attention_mask, shared_prompt,
                                        blockwise=impl != "dense")
@@ -254,8 +154,8 @@ def _attention(
     self_attention = cache_index is None or (
         isinstance(cache_index, int) and cache_index == 0 and key_valid.shape[1] == T)
     if impl in ("xla", "cudnn", "splash") and (segment_ids is not None or not self_attention):
-        _log_once(f"attention: {impl} takes self-attention over unpacked rows; packed rows and "
-                  "cache offsets use blockwise attention")
+        backend.log_once(f"attention: {impl} takes self-attention over unpacked rows; packed "
+                         "rows and cache offsets use blockwise attention")
         impl = "blockwise"
     if impl == "dense":
         q_slot = jnp.arange(T)[:, None] + (0 if cache_index is None else cache_index)
@@ -316,10 +216,10 @@ def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
     K = k.shape[2]
     G = N // K
     if T % SPLASH_BLOCK:
-        _log_once(f"attention: splash attention takes rows of a multiple of {SPLASH_BLOCK} "
-                  f"columns, not {T}; using blockwise attention")
+        backend.log_once(f"attention: splash attention takes rows of a multiple of {SPLASH_BLOCK} "
+                         f"columns, not {T}; using blockwise attention")
         return _blockwise(q, k, v, key_valid=key_valid, offset=0, segment_ids=None)
-    kernel_lib, mask_lib = _splash_module()
+    kernel_lib, mask_lib = backend.splash_module()
     mask = mask_lib.MultiHeadMask([mask_lib.CausalMask((T, T)) for _ in range(G)])
     kernel = kernel_lib.make_splash_mqa(mask, head_shards=1, q_seq_shards=1,
                                         interpret=interpret)

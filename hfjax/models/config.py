@@ -212,3 +212,29 @@ class ModelConfig:
             hf["sliding_window"] = None
             hf["use_sliding_window"] = False
         return hf
+
+
+def scratch_model_config(m, vocab_size: int, pad_id: int, eos_id: int,
+                         max_positions: int, compute_dtype: str = "float32") -> ModelConfig:
+    """The config of a model trained from scratch, from the `model` config section; it holds
+    `max_positions` tokens (the task's longest prompt plus response) and computes in
+    `compute_dtype` (`model.dtype` resolved for the platform) over `model.param_dtype`
+    weights."""
+    return ModelConfig(
+        vocab_size=m.vocab_size or vocab_size,
+        hidden_size=m.hidden_size,
+        intermediate_size=m.intermediate_size,
+        num_layers=m.num_layers,
+        num_heads=m.num_heads,
+        num_kv_heads=m.num_kv_heads,
+        head_dim=m.head_dim,
+        tie_word_embeddings=True,
+        param_dtype=m.param_dtype,
+        dtype=compute_dtype,
+        scan_layers=m.scan_layers,
+        remat_policy=m.remat_policy,
+        attention_impl=m.attention_impl,
+        pad_token_id=pad_id,
+        eos_token_id=eos_id,
+        max_position_embeddings=max_positions,
+    )

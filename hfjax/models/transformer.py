@@ -21,9 +21,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from hfjax.models import lora_dropout
+from hfjax.models import backend, lora_dropout
 from hfjax.models import sequence_parallel as sp
 from hfjax.models.attention import ResponseBlocks, SharedPrompt, attention_fn
+from hfjax.models.backend import storage_dtype
 from hfjax.models.config import ModelConfig
 from hfjax.parallel import sharding as shd
 
@@ -39,27 +40,6 @@ class KVCache(NamedTuple):
         shape = (cfg.num_layers, batch, slots, cfg.num_kv_heads, cfg.head_dim)
         dt = storage_dtype(cfg.jnp_dtype)
         return cls(jnp.zeros(shape, dt), jnp.zeros(shape, dt))
-
-
-def storage_dtype(dtype, platform: str | None = None) -> jnp.dtype:
-    """The dtype in which a `dtype` model keeps its KV cache and computes attention (queries,
-    keys, values, RoPE) on `platform` (default: the process's backend): `dtype`, except 16-bit
-    floats on CPU, which are kept in float32.
-
-    XLA:CPU has no 16-bit float arithmetic: it computes every bfloat16 element-wise op in
-    float32 between a pair of conversions. A bfloat16 cache's slice update becomes the whole
-    buffer converted to float32, updated and converted back (a copy of the cache per layer per
-    write), and the attention products convert the cache to float32 again; in a training pass,
-    RoPE and the attention gradients summed over the causal query blocks convert at every op
-    (those fusions took ~15% of the bf16 actor update's op time). In float32 the cache is
-    updated in place and the attention's element-wise work runs as it is; the projections
-    still multiply in `dtype` (`matmul`). GPUs and TPUs keep the compute dtype.
-    """
-    dtype = jnp.dtype(dtype)
-    platform = platform or jax.default_backend()
-    if dtype.itemsize == 2 and jnp.issubdtype(dtype, jnp.floating) and platform == "cpu":
-        return jnp.dtype(jnp.float32)
-    return dtype
 
 
 def positions_from_mask(attention_mask: jax.Array) -> jax.Array:
@@ -222,7 +202,7 @@ def dot_form(a: jax.Array, b: jax.Array, form: str) -> jax.Array:
     if form == "abT":
         return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=f32)
     m = a.shape[0]
-    if m % 2 or jax.default_backend() != "cpu":
+    if m % 2 or backend.device_platform() != "cpu":
         return jnp.dot(a.T, b, preferred_element_type=f32)
     return jax.lax.dot_general(a.reshape(m // 2, 2, -1), b.reshape(m // 2, 2, -1),
                                (((0, 1), (0, 1)), ((), ())), preferred_element_type=f32)

@@ -33,10 +33,14 @@ process's devices, shared-prompt rows (the stand-in programs use padded rows), a
 or the compile budget (`budget_s`) spent. Figures are cached per (model, program, per-device
 shapes, tensor size, rules): a search over many allocations compiles each program once.
 
-Programs are compiled by XLA:CPU when the planning process runs on CPU devices: an accelerator's
-compiler fuses differently, so its temporaries differ somewhat, and on CPU a 16-bit model keeps
-attention and its KV cache in float32 (`hfjax.models.transformer.storage_dtype`), where the
-closed forms follow the target's platform.
+Programs are compiled by XLA:CPU when the planning process runs on CPU devices, for the
+target's platform (`hfjax.models.backend.compiling_for`): a 16-bit model's attention inputs and
+KV cache are in the target's dtype (bfloat16 for a bf16 model on a GPU or TPU target, as the
+closed forms price them; float32 only for a CPU target), and kernels only the target has are
+compiled as their portable stand-ins of the same memory behaviour (blockwise attention, the
+chunked decode read). What remains different is the compiler: an accelerator's fuses
+differently, so its temporaries differ somewhat (XLA:CPU computes bfloat16 element-wise work in
+float32 between conversions, which can add float32 temporaries the accelerator does not have).
 """
 
 from __future__ import annotations
@@ -52,7 +56,7 @@ import jax.numpy as jnp
 from absl import logging
 from flax import nnx
 
-from hfjax.models import attention, transformer
+from hfjax.models import backend, transformer
 from hfjax.parallel import sharding as shd
 from hfjax.parallel.mesh import MeshSpec
 from hfjax.planner.pricing import (
@@ -88,7 +92,7 @@ class CompiledPrices:
     possible (module docstring).
 
     platform: the target's ("gpu", "tpu", "cpu"): attention is compiled as it runs there
-    (`hfjax.models.attention.compiling_for`) and the fallback's closed forms are that platform's.
+    (`hfjax.models.backend.compiling_for`) and the fallback's closed forms are that platform's.
     devices: the devices to compile on (default `jax.devices()`). budget_s: compile seconds
     after which new programs are priced by the closed forms (None: no limit).
     """
@@ -208,7 +212,7 @@ def compile_pass(model: ModelSpec, rules: str, devices: Sequence[Any], call: Cal
         logp = jax.nn.log_softmax(logits, axis=-1)
         return jnp.take_along_axis(logp, responses[..., None], axis=-1)[..., 0]
 
-    cache_dtype = transformer.storage_dtype(cfg.jnp_dtype)
+    cache_dtype = backend.storage_dtype(cfg.jnp_dtype, platform)  # the target's cache
     kv = jax.ShapeDtypeStruct((layers, rows, call.seq, cfg.num_kv_heads, cfg.head_dim),
                               cache_dtype, sharding=lay.sharding(
                                   (None, None, None, "kv_heads", None),
@@ -238,7 +242,7 @@ def compile_pass(model: ModelSpec, rules: str, devices: Sequence[Any], call: Cal
 
         fn, donate = step, (1, 2)
         args = (params, kv, kv, ids(rows, width))
-    with attention.compiling_for(platform):
+    with backend.compiling_for(platform):
         compiled = jax.jit(shd.under_layout(lay, fn), donate_argnums=donate).lower(
             *args).compile()
     cost = compiled.cost_analysis()

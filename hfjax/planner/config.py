@@ -13,7 +13,7 @@ from hfjax.algorithms.registry import get_algorithm
 from hfjax.config import model_source
 from hfjax.data import arith
 from hfjax.engine.sampler import MIN_NEW_TOKENS_BUCKET, bucket_size, prompt_bucket
-from hfjax.models import lora
+from hfjax.models import backend, lora
 from hfjax.models.config import ModelConfig
 from hfjax.models.hf_io import read_model_config
 from hfjax.planner.pricing import ModelSpec
@@ -26,11 +26,12 @@ def planned_model_config(cfg, platform: str = "gpu") -> ModelConfig:
     """The actor's ModelConfig as the trainer builds it on `platform` (where `model.dtype=auto`
     resolves), without loading weights (`hfjax.config.model_source.model_config`)."""
     compute = model_source.compute_dtype(cfg, platform)
-    if cfg.model.remat_policy == "auto":
-        # A run resolves auto from its own dry run; a plan prices the policy auto falls back
-        # to where memory is tight (per-layer checkpointing), so its memory verdict holds.
+    # A run resolves auto from its own dry run; a plan compiles no run, and
+    # `backend.remat_policy` without a dry run's peak gives the policy auto falls back to.
+    policy = backend.remat_policy(cfg.model.remat_policy)
+    if policy != cfg.model.remat_policy:
         cfg = cfg.copy_and_resolve_references()
-        cfg.model.remat_policy = "full"
+        cfg.model.remat_policy = policy
     return model_source.model_config(cfg, arith.tokenizer(), compute)
 
 

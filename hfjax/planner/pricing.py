@@ -74,10 +74,10 @@ from typing import Protocol
 
 import numpy as np
 
+from hfjax.models.backend import storage_dtype
 from hfjax.models.config import ModelConfig
 from hfjax.models.flops import head_flops, layer_matmul_params, layers_flops  # noqa: F401
 from hfjax.models.lora import LoraSpec, adapter_bytes
-from hfjax.models.transformer import storage_dtype
 from hfjax.planner import virtual
 
 HEADS = ("causal_lm", "value", "score")
@@ -264,7 +264,7 @@ def forward_flops(cfg: ModelConfig, head: str, rows: int, seq: int, scored: int)
 
 def kv_bytes_per_token(cfg: ModelConfig, platform: str = "gpu") -> int:
     """KV-cache bytes per token over all layers on `platform`: 2 L K H c, c the size of the
-    cache's dtype there (`hfjax.models.transformer.storage_dtype`: a 16-bit model's cache is
+    cache's dtype there (`hfjax.models.backend.storage_dtype`: a 16-bit model's cache is
     float32 on CPU)."""
     c = storage_dtype(cfg.jnp_dtype, platform).itemsize
     return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * c
@@ -305,7 +305,7 @@ def saved_activation_bytes(cfg: ModelConfig, seq: int, tensor: int,
 
 def _attention_itemsize(cfg: ModelConfig, platform: str) -> int:
     """Bytes per element of q/k/v, the attention and its output on `platform`
-    (`hfjax.models.transformer.storage_dtype`: float32 for a 16-bit model on CPU)."""
+    (`hfjax.models.backend.storage_dtype`: float32 for a 16-bit model on CPU)."""
     return int(storage_dtype(cfg.jnp_dtype, platform).itemsize)
 
 

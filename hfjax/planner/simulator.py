@@ -53,7 +53,7 @@ import math
 from collections.abc import Mapping
 
 from hfjax.engine import shared_prompt
-from hfjax.models.transformer import storage_dtype
+from hfjax.models.backend import storage_dtype
 from hfjax.parallel.targets import Target, get_target
 from hfjax.planner import virtual
 from hfjax.planner.pricing import (

@@ -45,9 +45,18 @@ decode's FLOPs are those of one decode step, and a program that loops (micro-bat
 is a lower bound, not the step's work. The planner's compiled prices
 (`hfjax.planner.compiled`) compile unrolled one- and two-layer passes for that reason.
 
-Compiled on CPU devices standing in for the target's, the programs are XLA:CPU's: an
-accelerator's compiler fuses differently and its temporaries differ somewhat, while arguments
-and outputs (parameters, optimizer state, batches, caches) are the same bytes.
+Dtypes and kernels are the target's (`hfjax.models.backend`, every choice made for the
+`platform` the run is priced for, under `backend.compiling_for`): for a GPU or TPU target a
+bfloat16 model's attention inputs (q, k, v, RoPE) and KV caches are bfloat16, as on the
+accelerator, not the float32 a CPU run keeps them in; only a CPU target prices them in float32.
+Kernels only the target has are compiled as their portable stand-ins of the same memory
+behaviour: blockwise attention for cuDNN and splash, the chunked cache read for the Pallas
+decode read. What remains different is the compiler. Compiled on CPU devices standing in for
+the target's, the programs are XLA:CPU's: an accelerator's compiler fuses differently, and
+XLA:CPU computes bfloat16 element-wise work in float32 between conversions, so temporaries
+differ somewhat (float32 copies of bfloat16 operands can appear that the accelerator does not
+make). Arguments, outputs and resident state (parameters, optimizer state, batches, caches) are
+the accelerator's bytes.
 """
 
 from __future__ import annotations
@@ -66,7 +75,7 @@ from hfjax.algorithms import dataflow
 from hfjax.algorithms.spec import StepSpec
 from hfjax.config import model_source, run_roles, validate_config
 from hfjax.engine.sampler import SamplingParams, prompt_bucket
-from hfjax.models import attention, transformer
+from hfjax.models import backend, transformer
 from hfjax.workers import groups
 from hfjax.workers.actor import BaseReference
 from hfjax.workers.base import Program, StepShape, WorkerGroup
@@ -303,31 +312,31 @@ def _flops(compiled) -> float:
     return float((cost or {}).get("flops", 0.0))
 
 
-# `model.remat_policy=auto` keeps every activation when the run's peak without recomputation
-# stays under this share of the device memory (the rest is the runtime's and the compiler's
-# margin: XLA:CPU's temporaries stand in for the accelerator's), else checkpoints every layer.
-REMAT_HEADROOM = 0.9
-
-
 def choose_remat(cfg, device_memory_bytes: int | None, **kw) -> tuple[str, DryRun | None]:
     """(the remat policy `model.remat_policy=auto` resolves to, the dry run that decided it).
 
-    "none" when no device memory is known (nothing to fit: CPU) or when the dry run without
-    recomputation peaks under REMAT_HEADROOM of `device_memory_bytes`; else "full" (per-layer
-    checkpointing), whose dry run is returned whether it fits or not. `kw` goes to dry_run.
+    The rule is `hfjax.models.backend.remat_policy`'s: "none" when no device memory is known
+    (nothing to fit: CPU; no dry run) or when the dry run without recomputation peaks under
+    `backend.REMAT_HEADROOM` of `device_memory_bytes`; else "full" (per-layer checkpointing),
+    whose dry run is returned whether it fits or not. `kw` goes to dry_run.
     """
-    if not device_memory_bytes:
-        return "none", None
-    for policy in ("none", "full"):
-        trial = cfg.copy_and_resolve_references()
-        trial.model.remat_policy = policy
-        report = dry_run(trial, device_memory_bytes=device_memory_bytes, **kw)
+    reports: dict[str, DryRun] = {}
+
+    def trial(policy: str) -> DryRun:
+        c = cfg.copy_and_resolve_references()
+        c.model.remat_policy = policy
+        reports[policy] = report = dry_run(c, device_memory_bytes=device_memory_bytes, **kw)
         report.remat_policy = policy
-        if report.peak_bytes_per_device <= REMAT_HEADROOM * device_memory_bytes:
-            break
+        return report
+
+    policy = backend.remat_policy(
+        "auto", device_memory_bytes, lambda: trial("none").peak_bytes_per_device)
+    if not device_memory_bytes:
+        return policy, None
+    report = reports.get(policy) or trial(policy)
     logging.info("model.remat_policy=auto: %s (peak %.2f GiB per device of %.2f GiB, headroom "
                  "%.0f%%)", policy, report.peak_bytes_per_device / GiB,
-                 device_memory_bytes / GiB, 100 * (1 - REMAT_HEADROOM))
+                 device_memory_bytes / GiB, 100 * (1 - backend.REMAT_HEADROOM))
     return policy, report
 
 
@@ -340,9 +349,10 @@ def dry_run(cfg, *, device_memory_bytes: int | None = None, target: str | None =
     `platform` is the one `model.dtype=auto` is resolved for (a target's, where the devices
     are simulated CPUs; default: the devices'). `on_program` is called with each program's
     figures as soon as it is compiled. Raises ValueError for a bad config, before compiling.
-    Attention and the decode step are compiled as `platform` runs them
-    (`hfjax.models.attention.compiling_for`: a GPU or TPU target's fused kernels by their
-    memory-linear stand-in, blockwise attention and the chunked cache read).
+    Every per-backend choice is made for `platform` (`hfjax.models.backend.compiling_for`):
+    its storage dtype (bfloat16 attention inputs and KV caches for a bf16 model on a GPU or
+    TPU), and its kernels, a GPU or TPU target's fused kernels by their memory-linear stand-in
+    (blockwise attention, the chunked cache read).
     With `model.remat_policy=auto` the report is `choose_remat`'s (its `remat_policy` says
     which policy it chose).
     """
@@ -356,8 +366,8 @@ def dry_run(cfg, *, device_memory_bytes: int | None = None, target: str | None =
                              platform=platform, on_program=on_program)
             report.remat_policy = policy
         return report
-    platform = platform or jax.devices()[0].platform
-    with attention.compiling_for(platform):
+    platform = backend.canonical(platform or jax.devices()[0].platform)
+    with backend.compiling_for(platform):
         return _dry_run(cfg, device_memory_bytes, target, platform, on_program)
 
 

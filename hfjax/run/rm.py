@@ -27,9 +27,9 @@ from hfjax.data import arith, preferences
 from hfjax.engine.update import make_optimizer
 from hfjax.models import load as load_model
 from hfjax.models import load_tokenizer, save_hf, transformer
+from hfjax.models.config import scratch_model_config
 from hfjax.parallel.mesh import MeshSpec, dp_size
 from hfjax.parallel.transfer import to_host
-from hfjax.workers import groups
 from hfjax.workers.score import ModelReward
 
 
@@ -83,8 +83,8 @@ class RMTrainer:
             # A causal LM gives the trunk (its head starts fresh); a score model continues.
             return load_model(c.model.path, head="score",
                               **model_source.model_overrides(c, compute))
-        mcfg = groups.scratch_model_config(c.model, self.tok.vocab_size, self.tok.pad_id,
-                                           self.tok.eos_id, sum(self.width), compute)
+        mcfg = scratch_model_config(c.model, self.tok.vocab_size, self.tok.pad_id,
+                                    self.tok.eos_id, sum(self.width), compute)
         return transformer.build(mcfg, "score", seed=c.seed)
 
     def _arrays(self, data: preferences.PreferenceData) -> Batch:

@@ -28,7 +28,7 @@ from hfjax.data.dataset import task_dataset
 from hfjax.models import save_hf
 from hfjax.parallel.mesh import dp_size
 from hfjax.run import health
-from hfjax.run.validation import generation_metrics
+from hfjax.run.validation import generation_metrics, policy_alone
 from hfjax.workers import groups
 
 # Steps between checks for non-finite updates (each check is one small fetch).
@@ -137,7 +137,7 @@ class SFTTrainer:
             raise ValueError("an SFT run needs sft.train_files (SFT parquet), or data.task="
                              "'arith' for the embedded task's demonstrations")
         logging.info("SFT data: %s", self.train.summary())
-        self.pools, self.actor = model_source.policy_alone(c, self.tok)
+        self.pools, self.actor = policy_alone(c, self.tok)
         self.reward = (groups.build_reward(c, self.tok, home=self.actor.mesh)
                        if self.prompt_rows else None)
 

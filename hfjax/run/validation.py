@@ -67,14 +67,13 @@ def generation_metrics(actor, reward, rows: Sequence[dict], *, pad_id: int,
 
 def evaluate_policy(cfg, tokenizer, rows, samples: int = 1, temperature: float = 1.0,
                     records: dict[str, list] | None = None) -> dict[str, float]:
-    """`generation_metrics` of the config's policy (`model_source.policy_alone`) on prompt
+    """`generation_metrics` of the config's policy (`policy_alone`) on prompt
     `rows`: greedy, and with samples > 1 also `samples` samples per prompt at `temperature`.
     What `launch.evaluate` prints. With `records` (a dict), its "greedy" and "sampled" lists
     receive the per-response records."""
-    from hfjax.config import model_source
     from hfjax.workers import groups
 
-    _, actor = model_source.policy_alone(cfg, tokenizer)
+    _, actor = policy_alone(cfg, tokenizer)
     reward = groups.build_reward(cfg, tokenizer, home=actor.mesh)
     kw = dict(pad_id=tokenizer.pad_id, max_prompt_length=cfg.data.max_prompt_length)
     keep = (lambda name: records.setdefault(name, [])) if records is not None else (
@@ -84,3 +83,20 @@ def evaluate_policy(cfg, tokenizer, rows, samples: int = 1, temperature: float =
         out |= generation_metrics(actor, reward, rows, n=samples, temperature=temperature,
                                   records=keep("sampled"), **kw)
     return out
+
+
+def policy_alone(cfg, tokenizer):
+    """The policy alone, as SFT and evaluation run it: `initial_model` in the run's compute
+    dtype, as the actor of a colocated pool over every device, on `actor.mesh`. Returns
+    (pools, actor)."""
+    import jax
+
+    from hfjax.config import model_source
+    from hfjax.controller.placement import resolve_placement
+    from hfjax.workers import groups
+
+    pools = resolve_placement("colocate", ("actor",), jax.devices())
+    compute = model_source.compute_dtype(cfg, jax.devices()[0].platform)
+    model = model_source.initial_model(cfg, tokenizer, compute, pools)
+    return pools, groups.build_actor(cfg, model, pools, tokenizer.pad_id, tokenizer.eos_id,
+                                     tokenizer=tokenizer)

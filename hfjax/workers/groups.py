@@ -32,7 +32,6 @@ from hfjax.engine.layout_choice import actor_rules_and_engine
 from hfjax.engine.spec import MultiTurnSpec, RolloutSpec
 from hfjax.engine.update import make_optimizer
 from hfjax.models import lora, transformer
-from hfjax.models.config import ModelConfig
 from hfjax.models.hf_io import load_score, read_model_config
 from hfjax.numerics.losses import (
     FixedKLController,
@@ -112,32 +111,6 @@ class WorkerGroups:
 
 # The built-in roles with a typed field in WorkerGroups.
 ROLE_FIELDS = ("actor", "reward", "ref", "critic", "cost_critic", "reward_model", "cost_model")
-
-
-def scratch_model_config(m, vocab_size: int, pad_id: int, eos_id: int,
-                         max_positions: int, compute_dtype: str = "float32") -> ModelConfig:
-    """The config of a model trained from scratch, from the `model` config section; it holds
-    `max_positions` tokens (the task's longest prompt plus response) and computes in
-    `compute_dtype` (`model.dtype` resolved for the platform) over `model.param_dtype`
-    weights."""
-    return ModelConfig(
-        vocab_size=m.vocab_size or vocab_size,
-        hidden_size=m.hidden_size,
-        intermediate_size=m.intermediate_size,
-        num_layers=m.num_layers,
-        num_heads=m.num_heads,
-        num_kv_heads=m.num_kv_heads,
-        head_dim=m.head_dim,
-        tie_word_embeddings=True,
-        param_dtype=m.param_dtype,
-        dtype=compute_dtype,
-        scan_layers=m.scan_layers,
-        remat_policy=m.remat_policy,
-        attention_impl=m.attention_impl,
-        pad_token_id=pad_id,
-        eos_token_id=eos_id,
-        max_position_embeddings=max_positions,
-    )
 
 
 def build_actor(cfg, model: nnx.Module, pools: Mapping[str, ResourcePool], pad_id: int,

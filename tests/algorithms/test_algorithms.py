@@ -20,9 +20,9 @@ from hfjax.config import check_config, validate_config
 from hfjax.controller.batch import Batch
 from hfjax.data import arith
 from hfjax.models import save_hf, transformer
+from hfjax.models.config import scratch_model_config
 from hfjax.rewards.registry import register_reward
 from hfjax.run.trainer import Trainer
-from hfjax.workers.groups import scratch_model_config
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # The helper's module name, whole, ships its file with this test in the Bazel build.

@@ -186,15 +186,15 @@ def test_variants_equal_the_full_read(llama, name, per_row):
 
 
 def test_options_resolve_per_platform():
-    from hfjax.models import attention
+    from hfjax.models import backend
 
     assert decode_options() == DecodeOptions("full", "cpu")
-    with attention.compiling_for("gpu"):
+    with backend.compiling_for("gpu"):
         # "auto" is the Pallas read on a GPU; the kernel cannot run on these CPU devices, so
         # the chunked read stands in (a dry run for a GPU target).
         assert decode_options()[:2] == ("chunked", "gpu")
         assert decode_options("pallas")[:2] == ("chunked", "gpu")
-    with attention.compiling_for("tpu"):
+    with backend.compiling_for("tpu"):
         assert decode_options("auto", "cpu")[:2] == ("full", "cpu")
         assert decode_options()[:2] == ("full", "gpu")
     with pytest.raises(ValueError, match="kv_layout=gpu"):

@@ -161,22 +161,8 @@ def test_blockwise_kernel_equals_a_loop():
     np.testing.assert_array_equal(np.asarray(got)[~seen], 0.0)  # sees nothing: zeros
 
 
-def test_choice_by_platform():
-    f32, bf16 = jnp.float32, jnp.bfloat16
-    assert attention.resolve("auto", bf16, 64) == "dense"  # these CPU devices
-    assert attention.resolve("xla", f32, 64) == "xla"
-    assert attention.resolve("cudnn", bf16, 64) == "blockwise"  # no GPU here
-    with attention.compiling_for("gpu"):  # a dry run for a GPU target
-        assert attention.target_platform() == "gpu" and attention.stand_in()
-        assert attention.resolve("auto", bf16, 64) == "blockwise"
-    with attention.compiling_for("tpu"):
-        assert attention.resolve("auto", bf16, 128) == "blockwise"
-    assert attention.target_platform() == "cpu"
-    assert attention.cudnn_takes(f32, 64) is not None
-    assert attention.cudnn_takes(bf16, 60) is not None
-    assert attention.cudnn_takes(bf16, 128) is None
-    with pytest.raises(ValueError, match="attention_impl='flash'"):
-        attention.resolve("flash", f32, 64)
+def test_unknown_implementation_is_refused():
+    # The choice per platform is hfjax.models.backend's (tests/models/test_backend.py).
     with pytest.raises(ValueError, match="unknown attention_impl 'flash'"):
         dataclasses.replace(CFG, attention_impl="flash")
 

@@ -14,11 +14,11 @@ from support import subprocess_env
 from configs import ppo_arith
 from hfjax.data import arith
 from hfjax.data.batching import prompt_batch
-from hfjax.models import save_hf, transformer
+from hfjax.models import backend, save_hf, transformer
+from hfjax.models.config import scratch_model_config
 from hfjax.models.hf_io import load_score
 from hfjax.run import dry_run as dr
 from hfjax.run.trainer import Trainer
-from hfjax.workers.groups import scratch_model_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -247,7 +247,7 @@ def test_remat_auto_keeps_activations_where_they_fit_and_checkpoints_where_not()
     assert dr.choose_remat(c, None) == ("none", None)  # no memory limit known (CPU)
     roomy = dr.dry_run(c, device_memory_bytes=10**12)
     assert roomy.remat_policy == "none"
-    tight = int(roomy.peak_bytes_per_device / dr.REMAT_HEADROOM) - 1
+    tight = int(roomy.peak_bytes_per_device / backend.REMAT_HEADROOM) - 1
     report = dr.dry_run(c, device_memory_bytes=tight)
     assert report.summary()["remat_policy"] == "full"
     assert report.peak_bytes_per_device < roomy.peak_bytes_per_device
