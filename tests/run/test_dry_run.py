@@ -14,9 +14,11 @@ from support import subprocess_env
 from configs import ppo_arith
 from hfjax.data import arith
 from hfjax.data.batching import prompt_batch
+from hfjax.engine.sampler import MIN_NEW_TOKENS_BUCKET, bucket_size, prompt_bucket
 from hfjax.models import backend, save_hf, transformer
 from hfjax.models.config import scratch_model_config
 from hfjax.models.hf_io import load_score
+from hfjax.models.presets import get_preset
 from hfjax.run import dry_run as dr
 from hfjax.run.trainer import Trainer
 
@@ -251,3 +253,37 @@ def test_remat_auto_keeps_activations_where_they_fit_and_checkpoints_where_not()
     report = dr.dry_run(c, device_memory_bytes=tight)
     assert report.summary()["remat_policy"] == "full"
     assert report.peak_bytes_per_device < roomy.peak_bytes_per_device
+
+
+def test_a_gpu_target_is_priced_in_its_dtypes():
+    """A bf16 model dry-run for a GPU target keeps its KV cache in bfloat16, as the GPU does:
+    the decode's cache bytes are half a CPU target's (which keeps it in float32, as CPUs do),
+    and everything else it passes the decode is the same."""
+    c = ppo_arith.get_config()
+    c.algorithm = "grpo"
+    c.model.path, c.model.dtype = "preset:tiny", "bfloat16"
+    c.sft.steps = 0
+    c.data.n_train, c.data.n_test, c.data.train_batch_size = 64, 8, 8
+    c.rollout.n, c.rollout.response_length = 2, 32
+    c.actor.ppo_mini_batch_size, c.actor.ppo_micro_batch_size = 8, 16
+    c.actor.use_kl_loss, c.algo.adv_estimator = False, "grpo"
+    c.actor.mesh = c.ref.mesh = "fsdp=1"
+    c.placement = "actor=1:actor+ref+reward"
+    c.trainer.test_freq, c.trainer.val_before_train = 0, False
+    c.reward.num_processes = 0
+    c.trainer.out_dir = "/nonexistent"
+    m = get_preset("tiny")
+    rows = c.data.train_batch_size * c.rollout.n  # one device
+    cols = prompt_bucket(c.data.max_prompt_length) + bucket_size(32, MIN_NEW_TOKENS_BUCKET)
+    elements = 2 * m.num_layers * rows * cols * m.num_kv_heads * m.head_dim  # keys and values
+    got = {}
+    for platform in ("cpu", "gpu"):
+        report = dr.dry_run(c.copy_and_resolve_references(), platform=platform)
+        assert report.compute_dtype == "bfloat16"
+        decode, prefill = _program(report, "rollout.decode"), _program(report, "rollout.prefill")
+        got[platform] = decode.arguments["cache and loop state"], prefill.output_bytes
+    # The cache is the carry's bulk: 4 bytes an element on CPU, 2 on the GPU; the rest (tokens,
+    # positions, log-probs) is the same on both.
+    assert got["cpu"][0] - got["gpu"][0] == elements * (4 - 2)
+    assert got["cpu"][1] - got["gpu"][1] == elements * (4 - 2)
+    assert got["gpu"][0] - elements * 2 < elements // 10
