@@ -217,7 +217,9 @@ def compute_remax_outcome_advantage(x: AdvantageInputs) -> tuple[Array, Array]:
     baselines = _require(x.reward_baselines, "reward_baselines [B] (greedy scores)", "remax")
     m = mask_like(x.response_mask, x.token_level_rewards)
     masked = x.token_level_rewards * m
-    returns = jnp.flip(jnp.cumsum(jnp.flip(masked, axis=-1), axis=-1), axis=-1)
+    # The cumulative sum also fills tool tokens inside the response: masked after it, so they
+    # get no advantage (they are context, not the policy's).
+    returns = jnp.flip(jnp.cumsum(jnp.flip(masked, axis=-1), axis=-1), axis=-1) * m
     advantages = returns - baselines[:, None].astype(returns.dtype) * m
     return advantages, returns
 
