@@ -15,10 +15,10 @@ from hfjax.algorithms.registry import ALGORITHMS, _load_builtin
 from hfjax.controller.batch import Batch
 from hfjax.data import arith
 from hfjax.models import save_hf, transformer
+from hfjax.models.config import scratch_model_config
 from hfjax.numerics import core, shaping
 from hfjax.numerics.advantages import AdvantageInputs
 from hfjax.rewards.registry import register_reward
-from hfjax.workers.groups import scratch_model_config
 from hfjax.workers.reward import scores_at_last_token
 
 EPS = 1e-6
