@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ast
 import operator
+import re
 from fractions import Fraction
 
 from hfjax.tools.base import Tool, ToolError
@@ -37,6 +38,22 @@ _SYMBOLS = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.Div: "/", ast.FloorDi
 def _digits(x: Fraction) -> int:
     # bit_length * log10(2), rounded up: cheap and never an underestimate by more than one digit
     return max(abs(x.numerator).bit_length(), x.denominator.bit_length()) * 30103 // 100000 + 1
+
+
+_FLOAT_TEXT = re.compile(r"([0-9_]*)\.?([0-9_]*)(?:[eE]([+-]?[0-9_]+))?")
+
+
+def _literal_digits(text: str) -> int:
+    """An upper bound on the digits of the numerator or denominator of the float literal
+    `text`, from the text alone (nothing is built)."""
+    match = _FLOAT_TEXT.fullmatch(text.strip())
+    if match is None:
+        return 0  # not a plain literal (repr of inf, say): Fraction refuses it cheaply
+    whole, frac, exp = (g.replace("_", "") if g else "" for g in match.groups())
+    # len(exp) > 6 means an exponent of at least a million: far past any limit, and never
+    # converted (int() of a long digit string is itself the cost being avoided).
+    shift = 10**7 if len(exp.lstrip("+-")) > 6 else abs(int(exp or "0"))
+    return len(whole) + len(frac) + shift
 
 
 def _checked(x: Fraction) -> Fraction:
@@ -75,8 +92,12 @@ class _Evaluator:
             raise ToolError(f"{value!r} is not a number")
         if isinstance(value, int):
             return _checked(Fraction(value))
-        # A float literal is taken from its text, so 0.1 is exactly one tenth.
+        # A float literal is taken from its text, so 0.1 is exactly one tenth. Its size is
+        # checked on the text first: Fraction("1e15000000") would build the 15-million-digit
+        # integer (seconds holding the interpreter lock) before any check on the result.
         text = ast.get_source_segment(self.source, node) or repr(value)
+        if _literal_digits(text) > MAX_DIGITS:
+            raise ToolError(f"{text[:40]!r} has more than {MAX_DIGITS} digits")
         try:
             return _checked(Fraction(text.replace("_", "")))
         except (ValueError, ZeroDivisionError):

@@ -7,7 +7,8 @@
 `parse_tool_calls` returns one entry per `<tool_call>` opening tag, in order: a `ToolCall` when
 the body is a JSON object with a string "name" and an object "arguments", else an error
 `Observation` saying what is wrong, so the policy is told about its malformed call in that call's
-place (and the runner passes it through untouched).
+place (and the runner passes it through untouched). Parsing never raises, whatever the text
+(deep nesting, numbers too long to convert, lone surrogates): the policy's text is untrusted.
 """
 
 from __future__ import annotations
@@ -35,6 +36,12 @@ def parse_one(body: str) -> ToolCall | Observation:
         obj = json.loads(body)
     except json.JSONDecodeError as err:
         return _error(f"invalid JSON ({err.msg} at character {err.pos})")
+    except RecursionError:
+        # The decoder recurses once per nesting level: `[[[[...` past ~1000 levels.
+        return _error("the JSON is nested too deeply")
+    except (ValueError, MemoryError) as err:
+        # e.g. an integer literal longer than the interpreter converts (4300 digits).
+        return _error(f"invalid JSON ({type(err).__name__}: {str(err)[:120]})")
     if not isinstance(obj, dict):
         return _error(f"expected a JSON object, got {type(obj).__name__}")
     name = obj.get("name")
@@ -47,6 +54,10 @@ def parse_one(body: str) -> ToolCall | Observation:
             args = json.loads(args) if args.strip() else {}
         except json.JSONDecodeError as err:
             return _error(f'"arguments" is a string that is not JSON ({err.msg})')
+        except RecursionError:
+            return _error('"arguments" is a string of JSON nested too deeply')
+        except (ValueError, MemoryError) as err:
+            return _error(f'"arguments" is a string that is not JSON ({type(err).__name__})')
     if not isinstance(args, dict):
         return _error(f'"arguments" must be a JSON object, got {type(args).__name__}')
     return ToolCall(name=name, arguments=args)

@@ -90,3 +90,13 @@ def test_tool_call_and_schema():
     assert spec["type"] == "function"
     assert spec["function"]["name"] == "calculator"
     assert spec["function"]["parameters"]["required"] == ["expression"]
+
+
+def test_huge_literals_are_refused_from_their_text():
+    # Fraction("1e15000000") would build a 15-million-digit integer (seconds holding the GIL)
+    # before the digit check; the literal's text is checked first.
+    for text in ("1e15000000", "1e-15000000", "1.5e5001", "1e" + "9" * 400, "2 * 1e9999"):
+        with pytest.raises(ToolError, match="more than 5000 digits"):
+            calculate(text)
+    assert calculate("1.5e3") == "1500"
+    assert calculate("1_0.0_1e3") == "10010"

@@ -65,3 +65,53 @@ def test_arguments_as_a_json_string_and_missing_arguments():
 
 def test_stray_close_tag_is_ignored():
     assert parse_tool_calls("done </tool_call>") == []
+
+
+# -- the parser never raises, whatever the policy writes ------------------------------------
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from hfjax.tools.parse import TOOL_CALL_CLOSE, TOOL_CALL_OPEN  # noqa: E402
+
+
+def _check_parsed(text):
+    out = parse_tool_calls(text)
+    assert len(out) == text.count(TOOL_CALL_OPEN)
+    for entry in out:
+        assert isinstance(entry, (ToolCall, Observation))
+        if isinstance(entry, Observation):
+            assert entry.error and entry.text.startswith("Error: malformed tool call")
+
+
+def test_deep_nesting_and_huge_numbers_are_error_observations():
+    deep = TOOL_CALL_OPEN + "[" * 1000 + TOOL_CALL_CLOSE
+    (obs,) = parse_tool_calls(deep)
+    assert obs.error and "nested too deeply" in obs.text
+    deep_args = (TOOL_CALL_OPEN + '{"name": "a", "arguments": "' + "{" * 5000 + '"}'
+                 + TOOL_CALL_CLOSE)
+    assert parse_tool_calls(deep_args)[0].error
+    big = TOOL_CALL_OPEN + '{"name": "a", "arguments": {"x": ' + "9" * 5000 + "}}" + TOOL_CALL_CLOSE
+    (obs,) = parse_tool_calls(big)
+    assert obs.error and "invalid JSON" in obs.text
+    # Numbers the decoder can build stay numbers.
+    (ok,) = parse_tool_calls(TOOL_CALL_OPEN + '{"name": "a", "arguments": {"x": 1e999999}}'
+                             + TOOL_CALL_CLOSE)
+    assert ok == call("a", x=float("inf"))
+
+
+_pieces = st.sampled_from([
+    TOOL_CALL_OPEN, TOOL_CALL_CLOSE, "{", "}", "[", "]", '"', ":", ",", '"name"', '"arguments"',
+    '"a"', "1e999999", "9" * 4400, "-", "\\", "\\ud800", "\ud800", "null", " ", "\n"])
+_adversarial = st.lists(st.one_of(_pieces, st.text(max_size=8)), max_size=60).map("".join)
+_nested = st.tuples(st.sampled_from("[{"), st.integers(0, 3000), st.booleans()).map(
+    lambda t: TOOL_CALL_OPEN + (t[0] if t[0] == "[" else '{"a":') * t[1]
+    + (TOOL_CALL_CLOSE if t[2] else ""))
+_bytes = st.binary(max_size=200).map(lambda b: TOOL_CALL_OPEN + b.decode("utf-8", "surrogateescape")
+                                     + TOOL_CALL_CLOSE)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.one_of(st.text(), _adversarial, _nested, _bytes))
+def test_parser_never_raises(text):
+    _check_parsed(text)
