@@ -310,6 +310,14 @@ def get_config() -> config_dict.ConfigDict:
             eval_every=250,  # held-out accuracy every N steps (0: only before and after)
         )
     )
+    # Asynchronous rollout (docs/async.md): the rollout pool generates with its own copy of the
+    # actor's weights, at most max_staleness updates behind the trainer. 0: synchronous.
+    c.async_rollout = config_dict.ConfigDict(
+        dict(
+            max_staleness=0,
+            push_every=1,  # push the trainer's weights to the rollout pool every N updates
+        )
+    )
     c.trainer = config_dict.ConfigDict(
         dict(
             total_steps=60,

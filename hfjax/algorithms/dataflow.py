@@ -30,7 +30,8 @@ def sample(w: WorkerGroups, batch: Batch, spec: StepSpec) -> Batch:
     """The stages every algorithm starts with: generate the responses, score them under the
     pre-update policy when the update needs it, and under the reference policy when there is
     one. Returns the batch with responses, old_log_probs and ref_log_prob as applicable."""
-    return log_probs(w, w.run("gen", w.actor.generate, batch), spec)
+    gen = w.actor.generate if w.rollout_source is None else w.rollout_source
+    return log_probs(w, w.run("gen", gen, batch), spec)
 
 
 def log_probs(w: WorkerGroups, batch: Batch, spec: StepSpec) -> Batch:

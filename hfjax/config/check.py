@@ -82,7 +82,7 @@ def validate_config(cfg):
     import jax
 
     from hfjax.algorithms.registry import get_algorithm
-    from hfjax.controller.placement import resolve_placement
+    from hfjax.controller.async_pools import resolve_pools
     from hfjax.engine.update import check_mini_batching
     from hfjax.parallel.mesh import MeshSpec, dp_size
     from hfjax.workers.groups import needs_ref
@@ -91,7 +91,13 @@ def validate_config(cfg):
     algo = get_algorithm(cfg.algorithm)
     roles = run_roles(algo, cfg)
     n_seq = cfg.data.train_batch_size * cfg.rollout.n
-    pools = resolve_placement(placement_of(cfg), active_roles(algo, cfg), jax.devices())
+    if cfg.async_rollout.max_staleness >= 1 and jax.process_count() > 1:
+        raise ConfigError("async_rollout.max_staleness >= 1 runs in one process for now (its "
+                          "rollout thread's transfers are not ordered across processes); run "
+                          "on one host, or set --config.async_rollout.max_staleness=0")
+    # A rollout pool of its own (asynchronous rollout) is an extra entry, "rollout".
+    pools = resolve_pools(placement_of(cfg), active_roles(algo, cfg), jax.devices(),
+                          cfg.async_rollout.max_staleness)
     dp = dp_size(MeshSpec.parse(cfg.actor.mesh).build(pools["actor"].devices, "actor"))
     check_mini_batching(n_seq, cfg.actor.ppo_mini_batch_size * cfg.rollout.n,
                         cfg.actor.ppo_micro_batch_size, dp, "actor")

@@ -270,6 +270,10 @@ TRAIN_KEYS: dict[str, Callable[[Any], str | None]] = {
     "rm.center_coef": Float(0.0),
     "rm.mesh": Check(mesh(optional=False)),
     "rm.eval_every": Int(0, note="0: only before and after"),
+    # asynchronous rollout (hfjax.run.async_loop)
+    "async_rollout.max_staleness": Int(0, note="0: the synchronous loop; K >= 1: generation "
+                                       "runs up to K updates ahead, on a rollout pool of its own"),
+    "async_rollout.push_every": Int(1, note="updates between weight pushes to the rollout pool"),
     # the run
     "trainer.total_steps": Int(0),
     "trainer.test_freq": Int(0, note="0: never"),

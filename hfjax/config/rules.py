@@ -277,6 +277,29 @@ def _rollout_correction(c) -> str | None:
     return None
 
 
+def _async_rollout(c) -> str | None:
+    a = c.get("async_rollout")
+    if a is None:
+        return None
+    from hfjax.controller.async_pools import rollout_pool_name, rollout_pool_problem
+
+    k = a.max_staleness
+    if a.push_every > k + 1:
+        return (f"async_rollout.push_every={a.push_every} leaves samples more than "
+                f"max_staleness={k} updates old; set push_every <= {k + 1}")
+    problem = rollout_pool_problem(placement_of(c), k)
+    if problem or rollout_pool_name(placement_of(c), k) is None:
+        return problem
+    for bad, fix in ((c.actor.lora.rank, "actor.lora.rank=0"),
+                     (c.rollout.multi_turn.enable, "rollout.multi_turn.enable=False"),
+                     (c.algo.filter_groups.enable, "algo.filter_groups.enable=False")):
+        if bad:
+            return (f"a rollout pool of its own (async_rollout) does not run with "
+                    f"{fix.split('=')[0]} yet; set --config.{fix}, or use a placement without "
+                    "one and max_staleness=0")
+    return None
+
+
 TRAIN_RULES: tuple[Callable[[Any], str | None], ...] = (
     _selected_models,
     _estimator_inputs,
@@ -296,6 +319,7 @@ TRAIN_RULES: tuple[Callable[[Any], str | None], ...] = (
     _token_budget,
     _one_length_layout,
     _rollout_correction,
+    _async_rollout,
 )
 
 

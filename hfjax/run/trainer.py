@@ -21,11 +21,13 @@ from hfjax.algorithms.registry import import_spec
 from hfjax.algorithms.spec import StepSpec
 from hfjax.config import model_source, run_roles, validate_config
 from hfjax.controller import compile_log
+from hfjax.controller.async_pools import ROLE as ROLLOUT
 from hfjax.data.batching import prompt_batch
 from hfjax.data.dataset import task_dataset
 from hfjax.parallel import distributed, targets
 from hfjax.run import checkpoint as ckpt_lib
 from hfjax.run import health, mfu, sft
+from hfjax.run.async_loop import AsyncRollout
 from hfjax.run.metrics import MetricsLogger
 from hfjax.run.resume import (
     check_resume,
@@ -37,6 +39,7 @@ from hfjax.run.resume import (
 from hfjax.run.validation import generation_metrics
 from hfjax.workers import groups
 from hfjax.workers.groups import WorkerGroups
+from hfjax.workers.rollout import build_rollout
 
 
 class Trainer:
@@ -84,6 +87,7 @@ class Trainer:
                                         tokenizer=self.tok)
         self._groups: WorkerGroups | None = None
         self._collapse = health.CollapseWatch(self.model_cfg.vocab_size)
+        self._async: AsyncRollout | None = None
 
     # -- construction ------------------------------------------------------------------------
 
@@ -139,16 +143,36 @@ class Trainer:
             temperature=float(v.temperature), models=models,
             text_metrics={"cost_reference": import_spec(ref_fn)} if ref_fn else None)
 
-    def _prompts(self, rows, attempt: int = 0):
+    def _prompts(self, rows, attempt: int = 0, step: int | None = None):
         c = self.cfg
+        step = self.step if step is None else step
         # Attempt 0 is the step's batch; DAPO's further attempts get seeds of their own.
-        seeds = (c.seed * 1_000_003 + self.step * 65_537 + attempt * 8_191
+        seeds = (c.seed * 1_000_003 + step * 65_537 + attempt * 8_191
                  + np.arange(len(rows))) % (2**31)
         return prompt_batch(rows, seeds, self.tok.pad_id, c.data.max_prompt_length)
 
     def _more_prompts(self, attempt: int):
         """Another host batch of prompts for the current step (dynamic sampling)."""
         return self._prompts(next(self.train_iter), attempt)
+
+    def _issue(self, step: int):
+        """(the host prompts of `step`, the data cursor before drawing them): what the
+        asynchronous rollout issues ahead of the trainer."""
+        cursor = self.train_iter.state()
+        return self._prompts(next(self.train_iter), step=step), cursor
+
+    @property
+    def async_rollout(self) -> AsyncRollout | None:
+        """The rollout pool's queue when the placement gives the rollout a pool of its own
+        (docs/async.md); built on first use, from the actor's weights at that step."""
+        if self._async is None and ROLLOUT in self.pools:
+            a = self.cfg.async_rollout
+            group = build_rollout(self.cfg, self.actor, self.pools[ROLLOUT], self.tok.pad_id,
+                                  self.actor.eos_ids)
+            self._async = AsyncRollout(self.actor, group, max_staleness=a.max_staleness,
+                                       push_every=a.push_every, start_version=self.step,
+                                       prompts=self._issue)
+        return self._async
 
     def train_step(self) -> dict[str, float]:
         """One RL iteration; returns host metrics (the step's one metrics fetch).
@@ -162,18 +186,28 @@ class Trainer:
         """
         c, w = self.cfg, self.workers
         w.timing.clear()
-        rows = next(self.train_iter)
-        batch = self._prompts(rows)
+        queue = self.async_rollout
         t0 = time.perf_counter()
+        if queue is None:
+            batch = self._prompts(next(self.train_iter))
+        else:
+            batch, made = queue.take(self.step)
+            w.rollout_source = lambda _prompts: made()
+        n_prompts = len(batch)
         batch, metrics = self.algo.step(w, batch, self.spec)
         metrics |= dataflow.step_metrics(dict(batch.arrays), self.spec.rollout.response_length)
+        if queue is not None:
+            w.rollout_source = None
+            metrics |= queue.metrics(self.step, batch)
         with jax.transfer_guard("allow"):
             host = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        if queue is not None:  # the update has finished: its weights go to the rollout pool
+            queue.after_update(self.step + 1)
         wall = time.perf_counter() - t0
         # A non-finite KL or cost (from a step whose update is being refused) must not reach
         # the controllers' state, which checkpoints hold.
         if math.isfinite(host.get("actor/reward_kl_penalty", 0.0)):
-            w.kl_ctrl = dataflow.update_kl_controller(w.kl_ctrl, host, len(rows))
+            w.kl_ctrl = dataflow.update_kl_controller(w.kl_ctrl, host, n_prompts)
         if math.isfinite(host.get("cost/mean", 0.0)):
             w.lagrange = dataflow.update_lagrange(w.lagrange, host)
         host.update(w.timing)
@@ -206,8 +240,11 @@ class Trainer:
     def state_dict(self) -> dict:
         """The host state that, with `checkpoint_items()`, fixes every later step (JSON-able).
         Sampling seeds are a function of (seed, step), so the step carries them."""
-        return host_state(self.workers, self.cfg, step=self.step, data=self.train_iter.state(),
-                          model_cfg=self.model_cfg)
+        # Batches issued ahead of the trainer and not yet consumed are not saved: the data
+        # cursor goes back to the first of them, so a resumed run issues those prompts again.
+        queued = None if self._async is None else self._async.data_state()
+        return host_state(self.workers, self.cfg, step=self.step,
+                          data=queued or self.train_iter.state(), model_cfg=self.model_cfg)
 
     def load_state(self, restored: ckpt_lib.Restored) -> None:
         """Installs a restored checkpoint: arrays into the worker groups, host state here."""
@@ -302,6 +339,8 @@ class Trainer:
                 if not saved:
                     self.save(ckpt)
         finally:
+            if self._async is not None:
+                self._async.close()
             if ckpt is not None:
                 ckpt.wait()
         result.step = self.step

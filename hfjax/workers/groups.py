@@ -69,6 +69,9 @@ class WorkerGroups:
     kl_ctrl: KLController = dataclasses.field(default_factory=lambda: FixedKLController(0.0))
     lagrange: LagrangeMultiplier | None = None
     next_prompts: Callable[[int], Batch] | None = None
+    # Where `sample` takes a step's responses from: None, the actor generates them; in an
+    # asynchronous run, the rollout pool's queue (`hfjax.run.async_loop`).
+    rollout_source: Callable[[Batch], Batch] | None = None
     sync_timing: bool = True
     timing: dict[str, float] = dataclasses.field(default_factory=dict)
 

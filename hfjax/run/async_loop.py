@@ -1,0 +1,199 @@
+"""Asynchronous rollout: the rollout pool generates the batches of later steps while the
+trainer updates on the current one, each sample at most `max_staleness` (K) updates old
+(docs/async.md).
+
+The schedule is fixed by the step numbers, never by timing, so a run is reproducible:
+
+- the batch the trainer consumes at step s is generated with policy version `version_of(s)`,
+  the oldest pushed version the bound admits: the smallest multiple of `push_every` that is at
+  least s - K (and at least the version the run started from). Version v is the actor after v
+  updates; the trainer pushes it after update v when v is a multiple of `push_every`.
+- at step t the trainer issues the prompts of every step up to t + K (drawn from the data in
+  order) and no further: a batch that could not meet the bound is never started, so none is
+  ever thrown away, and the trainer consumes them oldest first.
+
+With K >= 1 a rollout thread runs the issued jobs in order; it waits for a job's version to
+arrive (a push builds it beside the weights decoding reads, and the thread swaps at the next
+job: double buffering). With K = 0 the job runs inline, in the trainer's thread: the
+synchronous loop on two pools. Every token carries its version (`token_versions`, [B, R]).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from hfjax.controller.batch import Batch
+from hfjax.workers import rollout as rollout_lib
+from hfjax.workers.actor import ActorRollout
+
+
+def version_of(step: int, max_staleness: int, push_every: int, start: int = 0) -> int:
+    """The policy version that generates the batch of `step` (see the module docstring)."""
+    lo = max(start, step - max_staleness)
+    return max(start, -(-lo // push_every) * push_every)
+
+
+@dataclasses.dataclass
+class _Job:
+    step: int
+    prompts: Batch
+    version: int
+    data_state: dict  # the data cursor before this job's rows were drawn
+
+
+class AsyncRollout:
+    """The rollout pool's side of an asynchronous run: its group (`rollout`), the weights of
+    each pushed version it still needs, the jobs issued and the batches made."""
+
+    def __init__(self, actor: ActorRollout, rollout: ActorRollout, *, max_staleness: int,
+                 push_every: int, start_version: int,
+                 prompts: Callable[[int], tuple[Batch, dict]]):
+        self.actor, self.rollout = actor, rollout
+        self.k, self.every, self.start = int(max_staleness), int(push_every), int(start_version)
+        self._prompts = prompts  # step -> (host prompts, data cursor before drawing them)
+        self._cv = threading.Condition()
+        self._weights: dict[int, Any] = {}
+        self._jobs: collections.deque[_Job] = collections.deque()
+        self._pending: collections.deque[_Job] = collections.deque()  # issued, not consumed
+        self._made: dict[int, Batch] = {}
+        self._error: BaseException | None = None
+        self._closed = False
+        self._idle_rollout = 0.0
+        self._issued = start_version  # the next step to issue
+        self._thread: threading.Thread | None = None
+        self._metrics: dict[str, float] = {}
+        self.push(start_version)
+
+    # -- the trainer's side ----------------------------------------------------------------
+
+    def push(self, version: int) -> None:
+        """Moves the actor's current weights (version `version`) to the rollout pool."""
+        params, seconds = rollout_lib.push(self.actor, self.rollout)
+        with self._cv:
+            self._weights[version] = params
+            self._cv.notify_all()
+        self._metrics["async/push_bytes"] = float(rollout_lib.param_bytes(params))
+        self._metrics["async/push_s"] = seconds
+
+    def after_update(self, version: int) -> None:
+        """Called once the update that made `version` has finished: pushes when due."""
+        if version % self.every == 0:
+            self.push(version)
+
+    def data_state(self) -> dict | None:
+        """The data cursor before the oldest issued batch not yet consumed (what a checkpoint
+        saves, so that a resumed run issues those prompts again), or None when none is."""
+        return self._pending[0].data_state if self._pending else None
+
+    def take(self, step: int) -> tuple[Batch, Callable[[], Batch]]:
+        """(the host prompts of `step`, a function giving its generated batch), issuing every
+        step the bound admits first. With K >= 1 the batch is waited for here; with K = 0 the
+        function generates it (the driver's "gen" stage)."""
+        for s in range(self._issued, step + self.k + 1):
+            prompts, cursor = self._prompts(s)
+            job = _Job(s, prompts, version_of(s, self.k, self.every, self.start), cursor)
+            self._pending.append(job)
+            if self.k >= 1:
+                with self._cv:
+                    self._jobs.append(job)
+                    self._cv.notify_all()
+        self._issued = max(self._issued, step + self.k + 1)
+        assert self._pending and self._pending[0].step == step, "steps consumed out of order"
+        if self.k == 0:
+            job = self._pending.popleft()
+            self._metrics["timing_s/idle/train"] = 0.0
+            return job.prompts, lambda: self._generate(job)
+        self._start()
+        t0 = time.perf_counter()
+        with self._cv:
+            while step not in self._made and self._error is None:
+                self._cv.wait()
+            if self._error is not None:
+                raise RuntimeError("the rollout thread failed") from self._error
+            batch = self._made.pop(step)
+            self._metrics["timing_s/idle/rollout"] = self._idle_rollout
+            self._idle_rollout = 0.0
+        self._metrics["timing_s/idle/train"] = time.perf_counter() - t0
+        return self._pending.popleft().prompts, lambda: batch
+
+    def metrics(self, step: int, batch: Batch) -> dict:
+        """This step's async metrics: push bytes and seconds, idle times (host floats) and
+        the staleness of every response token the trainer sees at `step` (device scalars)."""
+        out = dict(self._metrics)
+        self._metrics = {k: v for k, v in self._metrics.items() if k.startswith("async/push")}
+        with jax.transfer_guard("allow"):  # the step number: one scalar upload
+            mean, worst = _staleness(batch["token_versions"], batch["response_mask"], step)
+        return out | {"async/staleness/mean": mean, "async/staleness/max": worst}
+
+    def close(self) -> None:
+        """Stops the rollout thread (after its current job)."""
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    # -- the rollout's side ------------------------------------------------------------------
+
+    def _start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="hfjax-rollout",
+                                            daemon=True)
+            self._thread.start()
+
+    def _loop(self) -> None:
+        try:
+            while True:
+                t0 = time.perf_counter()
+                with self._cv:
+                    while not self._closed and not self._jobs:
+                        self._cv.wait()
+                    if self._closed:
+                        return
+                    job = self._jobs.popleft()
+                    while not self._closed and job.version not in self._weights:
+                        self._cv.wait()
+                    if self._closed:
+                        return
+                    self._idle_rollout += time.perf_counter() - t0
+                batch = self._generate(job)
+                jax.block_until_ready(batch.arrays)
+                with self._cv:
+                    self._made[job.step] = batch
+                    self._cv.notify_all()
+        except BaseException as err:  # handed to the trainer, which raises it
+            with self._cv:
+                self._error = err
+                self._cv.notify_all()
+
+    def _generate(self, job: _Job) -> Batch:
+        with self._cv:
+            # The swap: decoding reads this version from now on; older ones are dropped.
+            self.rollout.params = self._weights[job.version]
+            for v in [v for v in self._weights if v < job.version]:
+                del self._weights[v]
+        batch = self.rollout.generate(job.prompts)
+        with jax.transfer_guard("allow"):  # the version number: one scalar upload
+            versions = _versions(batch["response_mask"], job.version)
+        return batch.union(Batch({"token_versions": versions}))
+
+
+@jax.jit
+def _versions(mask, version):
+    return jnp.full(mask.shape, version, jnp.int32)
+
+
+@jax.jit
+def _staleness(versions, mask, step):
+    m = mask.astype(jnp.float32)
+    age = (step - versions).astype(jnp.float32)
+    return jnp.sum(age * m) / jnp.maximum(jnp.sum(m), 1.0), jnp.max(jnp.where(m > 0, age, 0.0))
