@@ -286,7 +286,8 @@ def _async_rollout(c) -> str | None:
     k = a.max_staleness
     if a.push_every > k + 1:
         return (f"async_rollout.push_every={a.push_every} leaves samples more than "
-                f"max_staleness={k} updates old; set push_every <= {k + 1}")
+                f"max_staleness={k} updates old; set --config.async_rollout.push_every <= "
+                f"{k + 1}")
     problem = rollout_pool_problem(placement_of(c), k)
     if problem or rollout_pool_name(placement_of(c), k) is None:
         return problem

@@ -63,7 +63,7 @@ def rollout_pool_problem(placement: Any, max_staleness: int) -> str | None:
             if list(roles) != [ROLE]:
                 return (f"placement pool {rollout_pool_name(placement, max_staleness)!r} lists "
                         f"{list(roles)}: a rollout pool holds the rollout alone; move the other "
-                        "roles to a training pool")
+                        "roles to a training pool in --config.placement")
     return None
 
 

@@ -37,8 +37,9 @@ from hfjax.workers.actor import ActorRollout
 
 def version_of(step: int, max_staleness: int, push_every: int, start: int = 0) -> int:
     """The policy version that generates the batch of `step` (see the module docstring)."""
-    lo = max(start, step - max_staleness)
-    return max(start, -(-lo // push_every) * push_every)
+    lo = step - max_staleness
+    # Pushed: the version the run started from, then every multiple of push_every after it.
+    return start if lo <= start else -(-lo // push_every) * push_every
 
 
 @dataclasses.dataclass
