@@ -24,6 +24,7 @@ turn's calls and results), why it stopped, and its turn, call and error counts.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -170,12 +171,14 @@ def _write(path: str | None, records: list[dict]) -> None:
 
 
 def _generate_turns(f, model, tokenizer, tools, ids, mask, mesh, pad, say) -> None:
-    """Multi-turn trajectories with `tools` (`hfjax.engine.agent_loop`), printed turn by
+    """Multi-turn trajectories with `tools` (`hfjax.agents`), printed turn by
     turn."""
     from flax import nnx
 
-    from hfjax.engine.agent_loop import AgentLoop, AgentOptions
+    from configs.ppo_arith import get_config
+    from hfjax.agents import AgentLoop
     from hfjax.engine.sampler import Sampler, SamplingParams
+    from hfjax.engine.spec import MultiTurnSpec
     from hfjax.tools import ToolRunner
 
     sampler = Sampler(model, mesh=mesh, max_prompt_len=ids.shape[1] + f.max_new_tokens,
@@ -185,7 +188,10 @@ def _generate_turns(f, model, tokenizer, tools, ids, mask, mesh, pad, say) -> No
                             eos_ids=_eos_ids(tokenizer, model.config))
     start = time.perf_counter()
     with ToolRunner(tools) as runner:
-        loop = AgentLoop(sampler, tokenizer, runner, AgentOptions(max_turns=f.max_turns))
+        # The base config's multi-turn settings, with this command's turns and tools.
+        spec = dataclasses.replace(MultiTurnSpec.of(get_config().rollout.multi_turn),
+                                   enable=True, max_turns=f.max_turns, tools=f.tools)
+        loop = AgentLoop(sampler, tokenizer, runner, spec)
         out = loop.run(nnx.state(model), ids, mask, params, seed=f.seed)
     seconds = time.perf_counter() - start
     records = []

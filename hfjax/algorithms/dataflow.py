@@ -223,7 +223,7 @@ def step_metrics(a: dict, response_length: int) -> dict:
         "_tokens": jnp.sum(a["attention_mask"]).astype(jnp.float32),
         "_response_tokens": jnp.sum(mask),
     }
-    # Multi-turn trajectories (hfjax.engine.agent_loop): policy turns, tool calls and the
+    # Multi-turn trajectories (hfjax.agents): policy turns, tool calls and the
     # calls that came back as errors, per trajectory.
     for key in ("num_turns", "tool_calls", "tool_errors"):
         if key in a:

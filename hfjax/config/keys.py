@@ -196,7 +196,7 @@ TRAIN_KEYS: dict[str, Callable[[Any], str | None]] = {
     "rollout.refill_every": Int(1),
     "rollout.min_slots": Int(0, note="0: the start of the slots' row range"),
     "rollout.max_cache_len": Int(0, note="0: no limit"),
-    # Multi-turn rollouts with tools (hfjax/engine/agent_loop.py, docs/agents.md).
+    # Multi-turn rollouts with tools (hfjax/agents/, docs/agents.md).
     "rollout.multi_turn.enable": Bool(),
     "rollout.multi_turn.max_turns": Int(1, note="policy turns per trajectory"),
     "rollout.multi_turn.tools": Check(tool_spec),

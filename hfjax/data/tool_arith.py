@@ -6,7 +6,7 @@ A prompt is "a*b="; a good response calls the calculator in the Hermes/Qwen form
     <tool_call>{"name": "calculator", "arguments": {"expression": "a*b"}}</tool_call>
 
 reads the result the environment appends (`<tool_response>N</tool_response>`: the fixed
-rendering of a tokenizer without a chat template, `hfjax.engine.agent_loop`), and answers
+rendering of a tokenizer without a chat template, `hfjax.agents.render`), and answers
 `#### N`. The reward is the arithmetic task's (`####` then the exact product).
 
 The tokenizer is character-level over printable ASCII plus added tokens for the tags and the

@@ -85,7 +85,7 @@ class Spec:
 
 @dataclasses.dataclass(frozen=True)
 class MultiTurnSpec(Spec):
-    """Multi-turn rollouts with tools (`rollout.multi_turn`, `hfjax.engine.agent_loop`)."""
+    """Multi-turn rollouts with tools (`rollout.multi_turn`, `hfjax.agents`)."""
 
     ROLE = "rollout.multi_turn"
 

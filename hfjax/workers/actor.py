@@ -16,10 +16,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from hfjax.agents import AgentLoop, turn_lists
 from hfjax.controller.batch import Batch
 from hfjax.controller.protocol import DP_COMPUTE, ON_HOST, method
-from hfjax.engine import agent_loop, grouping, head_chunks, packing, shared_prompt, token_select
-from hfjax.engine.agent_loop import AgentLoop
+from hfjax.engine import grouping, head_chunks, packing, shared_prompt, token_select
 from hfjax.engine.hybrid import HybridEngine
 from hfjax.engine.sampler import (
     MIN_NEW_TOKENS_BUCKET,
@@ -303,7 +303,7 @@ class ActorRollout(Reference):
         self.sampler = sampler
         self.eos_ids = tuple(eos_ids)
         self.hybrid = hybrid
-        # Multi-turn rollouts with tools (`hfjax.engine.agent_loop`); None: one turn.
+        # Multi-turn rollouts with tools (`hfjax.agents`); None: one turn.
         self.agent = agent
 
     # -- generation -------------------------------------------------------------------------
@@ -426,7 +426,7 @@ class ActorRollout(Reference):
         host = {"responses": res.tokens[:, :keep], "attn": res.attn_mask[:, :keep].astype(pdtype),
                 "response_mask": res.gen_mask[:, :keep].astype(pdtype),
                 "rollout_log_probs": res.logprobs[:, :keep],
-                **agent_loop.turn_lists(res.trajectories)}
+                **turn_lists(res.trajectories)}
         # The rollout's one deliberate upload: the trajectories were assembled on the host
         # (their tool turns came from there).
         with jax.transfer_guard("allow"):

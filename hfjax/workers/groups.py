@@ -23,10 +23,10 @@ from flax import nnx
 from jax.sharding import Mesh
 from ml_collections import config_dict
 
+from hfjax.agents import AgentLoop
 from hfjax.controller import compile_log
 from hfjax.controller.batch import Batch
 from hfjax.controller.placement import place_role
-from hfjax.engine.agent_loop import AgentLoop, AgentOptions
 from hfjax.engine.continuous import rollout_sampler
 from hfjax.engine.layout_choice import actor_rules_and_engine
 from hfjax.engine.spec import MultiTurnSpec, RolloutSpec
@@ -159,9 +159,7 @@ def build_agent(spec: MultiTurnSpec, sampler, tokenizer) -> AgentLoop:
                          "host (every device of it), or set --config.rollout.multi_turn."
                          "enable=False")
     runner = ToolRunner(resolve_tools(spec.tools), max_workers=spec.tool_workers)
-    return AgentLoop(sampler, tokenizer, runner,
-                     AgentOptions(max_turns=spec.max_turns,
-                                  max_tool_response_len=spec.max_tool_response_len))
+    return AgentLoop(sampler, tokenizer, runner, spec)
 
 
 def build_reward(cfg, tokenizer, home: Mesh) -> RuleReward:

@@ -32,115 +32,20 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import dataclasses
-import json
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 from absl import logging
 
+from hfjax.agents.fit import check_spec
+from hfjax.agents.render import close_tag_id, observation_renderer
+from hfjax.agents.trajectory import AgentOutput, Trajectory
 from hfjax.engine.sampler import Sampler, bucket_size
+from hfjax.engine.spec import MultiTurnSpec
 from hfjax.engine.token_select import SamplingParams
 from hfjax.tools import Observation, ToolCall, parse_tool_calls
 from hfjax.tools.parse import TOOL_CALL_CLOSE
-
-RESPONSE_OPEN = "<tool_response>"
-RESPONSE_CLOSE = "</tool_response>"
-_MARK = "\x00HFJAX_TURN_END\x00"
-
-
-@dataclasses.dataclass(frozen=True)
-class AgentOptions:
-    """How trajectories run: `max_turns` policy turns at most (>= 1), each observation cut to
-    `max_tool_response_len` tokens (>= 1)."""
-
-    max_turns: int = 4
-    max_tool_response_len: int = 64
-
-    def __post_init__(self):
-        for name in ("max_turns", "max_tool_response_len"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
-                raise ValueError(f"rollout.multi_turn.{name}={v!r}; it must be an int >= 1")
-
-
-@dataclasses.dataclass
-class Trajectory:
-    """One row's turns, for rewards, metrics and inspection (JSON-able via `to_dict`).
-
-    `turns`: {"role": "assistant", "text", "tokens"} for policy turns and {"role": "tool",
-    "calls": [{"name", "arguments"} or None for a malformed one], "results": [{"text",
-    "error"}], "tokens"} for tool turns; `stop`: "eos", "max_turns" or "length"."""
-
-    turns: list[dict] = dataclasses.field(default_factory=list)
-    stop: str = ""
-
-    @property
-    def num_turns(self) -> int:
-        return sum(t["role"] == "assistant" for t in self.turns)
-
-    @property
-    def tool_calls(self) -> int:
-        return sum(len(t["calls"]) for t in self.turns if t["role"] == "tool")
-
-    @property
-    def tool_errors(self) -> int:
-        return sum(r["error"] for t in self.turns if t["role"] == "tool" for r in t["results"])
-
-    def to_dict(self) -> dict:
-        return {"turns": self.turns, "stop": self.stop, "num_turns": self.num_turns,
-                "tool_calls": self.tool_calls, "tool_errors": self.tool_errors}
-
-
-@dataclasses.dataclass
-class AgentOutput:
-    """Host arrays [rows, max_new_tokens] (row b * n + j is sample j of prompt b): `tokens`
-    (pad after the end), `gen_mask` (1 on tokens the policy generated), `attn_mask` (1 on every
-    real response token, observations included), `logprobs` (the sampler's, 0 off gen_mask);
-    and one `Trajectory` per row."""
-
-    tokens: np.ndarray
-    gen_mask: np.ndarray
-    attn_mask: np.ndarray
-    logprobs: np.ndarray
-    trajectories: list[Trajectory]
-
-
-def observation_renderer(tokenizer) -> Callable[[Sequence[Observation]], str]:
-    """fn(observations) -> the text that follows a policy turn ending in a tool call, up to
-    where the policy's next turn starts.
-
-    With a chat template: what the template writes after an assistant message for the `tool`
-    messages holding the observations, with the generation prompt (e.g. Qwen's
-    `<|im_end|>` ... `<tool_response>` ... `<|im_start|>assistant`). Without one:
-    `<tool_response>TEXT</tool_response>` per observation. ValueError when the template cannot
-    render tool messages."""
-    if not getattr(tokenizer, "chat_template", None):
-        return lambda obs: "".join(f"{RESPONSE_OPEN}{o.text}{RESPONSE_CLOSE}" for o in obs)
-
-    def render(obs: Sequence[Observation]) -> str:
-        messages = [{"role": "user", "content": "x"}, {"role": "assistant", "content": _MARK}]
-        messages += [{"role": "tool", "content": o.text} for o in obs]
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        at = text.find(_MARK)
-        if at < 0:
-            raise ValueError("the chat template drops the assistant's content; multi-turn "
-                             "rollouts need a template that renders assistant and tool messages")
-        return text[at + len(_MARK):]
-
-    try:
-        render([Observation("1", False)])
-    except Exception as err:  # a template error: say which feature is missing
-        raise ValueError(f"the tokenizer's chat template cannot render a 'tool' message "
-                         f"({err}); multi-turn rollouts need one that does") from err
-    return render
-
-
-def close_tag_id(tokenizer) -> int | None:
-    """The id of `</tool_call>` when the tokenizer encodes it as one token, else None (the
-    loop then finds the tag in the decoded text)."""
-    ids = tokenizer.encode(TOOL_CALL_CLOSE, add_special_tokens=False)
-    return int(ids[0]) if len(ids) == 1 else None
 
 
 def _turn_seed(seed: int, prompt: int, sample: int, turn: int) -> int:
@@ -176,14 +81,16 @@ class _Row:
 
 class AgentLoop:
     """Runs multi-turn rollouts with a sampler, a tokenizer and a tool runner (module
-    docstring). `runner` is a `hfjax.tools.ToolRunner` (anything with `submit(calls) ->
-    Future[list[Observation]]`)."""
+    docstring), as `spec` (`rollout.multi_turn`) says. `runner` is a `hfjax.tools.ToolRunner`
+    (anything with `submit(calls) -> Future[list[Observation]]`)."""
 
-    def __init__(self, sampler: Sampler, tokenizer, runner, options: AgentOptions):
+    def __init__(self, sampler: Sampler, tokenizer, runner, spec: MultiTurnSpec):
+        MultiTurnSpec.require(spec, "AgentLoop", "spec")
+        check_spec(spec)
         self.sampler = sampler
         self.tok = tokenizer
         self.runner = runner
-        self.opts = options
+        self.spec = spec
         self.render = observation_renderer(tokenizer)
         self.close_id = close_tag_id(tokenizer)
         self.pad_id = int(sampler.pad_id)
@@ -223,7 +130,7 @@ class AgentLoop:
             return
         if len(row.tokens) >= budget:
             row.finish("length")
-        elif row.traj.num_turns >= self.opts.max_turns:
+        elif row.traj.num_turns >= self.spec.max_turns:
             row.finish("max_turns")
         else:
             row.calls = parse_tool_calls(self._text(tokens))
@@ -238,7 +145,7 @@ class AgentLoop:
         except Exception as err:  # a runner that broke its promise never to raise
             obs = [Observation(f"Error: the tool runner failed: {err}", True)] * len(row.calls)
         row.future = None
-        cap = self.opts.max_tool_response_len
+        cap = self.spec.max_tool_response_len
         cut = []
         for o in obs:
             ids = self.tok.encode(o.text, add_special_tokens=False)
@@ -334,27 +241,5 @@ class AgentLoop:
                             self.generate_calls, np.mean([t.num_turns for t in trajs]),
                             np.mean([t.tool_calls for t in trajs]))
         return AgentOutput(tokens, gen, attn, lps, trajs)
-
-
-def trajectory_json(traj: Trajectory) -> str:
-    """A trajectory as one JSON line's text."""
-    return json.dumps(traj.to_dict(), ensure_ascii=False)
-
-
-def turn_lists(trajs: Sequence[Trajectory]) -> dict[str, np.ndarray]:
-    """Per-row counts [rows] int32: num_turns, tool_calls, tool_errors."""
-    return {k: np.array([getattr(t, k) for t in trajs], np.int32)
-            for k in ("num_turns", "tool_calls", "tool_errors")}
-
-
-def check_agent_fits(sampler: Sampler, max_prompt_length: int, response_length: int) -> None:
-    """Refuses a sampler whose prompt limit cannot hold a trajectory's context (prompt plus the
-    whole response budget, which later turns take as their prompt)."""
-    need = max_prompt_length + response_length
-    if sampler.max_prompt_len < need:
-        raise ValueError(f"multi-turn rollouts prefill contexts of up to {need} tokens "
-                         f"(data.max_prompt_length + rollout.response_length), more than the "
-                         f"sampler's max_prompt_len={sampler.max_prompt_len}; build it with "
-                         f"max_prompt_len >= {need}")
 
 

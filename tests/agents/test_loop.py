@@ -1,7 +1,9 @@
-"""Multi-turn rollouts (hfjax.engine.agent_loop): the turn structure, the masks, and the
+"""Multi-turn rollouts (hfjax.agents): the turn structure, the masks, and the
 log-probs and gradients the loss sees."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -9,13 +11,13 @@ import numpy as np
 import pytest
 
 from configs import ppo_arith
+from hfjax.agents import AgentLoop, observation_renderer
 from hfjax.controller.batch import Batch
 from hfjax.data import tool_arith
 from hfjax.data.batching import left_pad
 from hfjax.engine import update
-from hfjax.engine.agent_loop import AgentLoop, AgentOptions, observation_renderer
 from hfjax.engine.sampler import Sampler, SamplingParams
-from hfjax.engine.spec import RolloutSpec
+from hfjax.engine.spec import MultiTurnSpec, RolloutSpec
 from hfjax.models import transformer
 from hfjax.models.config import ModelConfig
 from hfjax.parallel.mesh import ResourcePool
@@ -56,8 +58,14 @@ def _prompts():
 
 
 def _loop(sampler, runner, max_turns=3, obs_len=8):
-    return AgentLoop(sampler, TOK, runner, AgentOptions(max_turns=max_turns,
-                                                        max_tool_response_len=obs_len))
+    return AgentLoop(sampler, TOK, runner, _spec(max_turns=max_turns, obs_len=obs_len))
+
+
+def _spec(max_turns=3, obs_len=8, **kw):
+    """The base config's `rollout.multi_turn`, enabled, with these settings."""
+    base = MultiTurnSpec.of(ppo_arith.get_config().rollout.multi_turn)
+    return dataclasses.replace(base, enable=True, max_turns=max_turns,
+                               max_tool_response_len=obs_len, **kw)
 
 
 def _params():
@@ -139,7 +147,7 @@ def test_a_turn_is_cut_at_the_close_tag_and_the_tool_runs(sampler, runner):
     </tool_call> (by its id, or by the text when the tokenizer has no single id for it); the
     real calculator's result follows as observed tokens; EOS ends the trajectory; a call at
     the turn limit is not run."""
-    from hfjax.engine.agent_loop import _Row
+    from hfjax.agents.loop import _Row
 
     for by_text in (False, True):
         loop = _loop(sampler, runner, max_turns=2)
@@ -164,7 +172,7 @@ def test_a_turn_is_cut_at_the_close_tag_and_the_tool_runs(sampler, runner):
         assert row.done and row.traj.stop == "eos" and row.traj.num_turns == 2
         # At the turn limit a further call is not run.
         row2 = _Row([1])
-        loop.opts = AgentOptions(max_turns=1)
+        loop.spec = _spec(max_turns=1)
         loop._policy_turn(row2, np.array(call), lps, {TOK.eos_id}, budget=R)
         assert row2.done and row2.traj.stop == "max_turns" and row2.future is None
 
@@ -172,7 +180,7 @@ def test_a_turn_is_cut_at_the_close_tag_and_the_tool_runs(sampler, runner):
 def test_observations_are_cut_and_the_budget_holds(sampler, runner):
     """An observation longer than max_tool_response_len tokens is cut to it, and a tool turn
     that does not fit the budget ends the trajectory at the budget."""
-    from hfjax.engine.agent_loop import _Row
+    from hfjax.agents.loop import _Row
 
     loop = _loop(sampler, runner, obs_len=3)
     call = TOK.encode(tool_arith.tool_call_text(9999, 9999), add_special_tokens=False)
@@ -212,7 +220,7 @@ def _actor(model, sampler, runner):
     a.entropy_coeff = 0.01
     c.rollout.n, c.rollout.response_length = N, R
     pool = ResourcePool("devices0-1", tuple(jax.devices()[:1]))
-    agent = AgentLoop(sampler, TOK, runner, AgentOptions(max_turns=3, max_tool_response_len=8))
+    agent = AgentLoop(sampler, TOK, runner, _spec())
     return ActorRollout("actor", pool, "fsdp=1", model, rules="train", sampler=sampler,
                         spec=ActorSpec.of(a), rollout=RolloutSpec.of(c.rollout),
                         eos_ids=(TOK.eos_id,),
@@ -278,7 +286,7 @@ def test_the_continuous_engine_runs_the_same_trajectories(model, sampler, runner
     ids, mask = _prompts()
     outs = []
     for s in (sampler, ContinuousSampler(model, max_prompt_len=P + R, pad_id=TOK.pad_id)):
-        loop = AgentLoop(s, TOK, runner, AgentOptions(max_turns=3, max_tool_response_len=8))
+        loop = AgentLoop(s, TOK, runner, _spec())
         outs.append(loop.run(nnx.state(model), ids[:2], mask[:2], _params(), seed=np.array([7, 8])))
     assert sum(t.num_turns for t in outs[0].trajectories) > len(outs[0].trajectories)
     np.testing.assert_array_equal(outs[0].tokens, outs[1].tokens)
@@ -331,7 +339,7 @@ def test_rows_waiting_for_a_tool_do_not_stall_the_others(model, sampler, rollout
         return real(*a, **k)
 
     runner = _LateRunner(delay=3.0)
-    loop = AgentLoop(sampler, TOK, runner, AgentOptions(max_turns=3, max_tool_response_len=8))
+    loop = AgentLoop(sampler, TOK, runner, _spec())
     sampler.generate = timed
     try:
         ids, mask = _prompts()

@@ -1,0 +1,28 @@
+"""Checks that a multi-turn rollout's settings fit the engine it runs on, made when the run is
+built, before anything compiles."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def check_agent_fits(sampler, max_prompt_length: int, response_length: int) -> None:
+    """Refuses a sampler whose prompt limit cannot hold a trajectory's context (prompt plus the
+    whole response budget, which later turns take as their prompt)."""
+    need = max_prompt_length + response_length
+    if sampler.max_prompt_len < need:
+        raise ValueError(f"multi-turn rollouts prefill contexts of up to {need} tokens "
+                         f"(data.max_prompt_length + rollout.response_length), more than the "
+                         f"sampler's max_prompt_len={sampler.max_prompt_len}; build it with "
+                         f"max_prompt_len >= {need}")
+
+
+def check_spec(spec) -> None:
+    """Refuses settings of `rollout.multi_turn` (a `MultiTurnSpec`) no trajectory can run with,
+    in one line naming the key and its fix. The config's key table checks the same ranges;
+    this holds for a spec built directly."""
+    for name in ("max_turns", "max_tool_response_len", "tool_workers"):
+        v = getattr(spec, name)
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+            raise ValueError(f"rollout.multi_turn.{name}={v!r}; it must be an int >= 1 (set "
+                             f"--config.rollout.multi_turn.{name})")
