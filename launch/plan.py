@@ -77,6 +77,7 @@ def _gb(x: float) -> str:
 
 
 def main(argv):
+    from hfjax.models import backend
     from hfjax.planner import search
     from hfjax.planner.config import flagfile_lines, plan_inputs
     from hfjax.planner.simulator import (
@@ -157,6 +158,8 @@ def main(argv):
               f"compiles in {compiled.compile_s:.1f} s; the search ranked by the closed forms)")
         for label, why in compiled.fallbacks.items():
             print(f"  closed forms for {label}: {why}")
+        if differences := backend.stand_in_differences(t.platform):
+            print(f"  {differences}")
     else:
         print("prices: closed forms (--prices=compiled prices the plans shown from compiled "
               "programs)")

@@ -174,6 +174,7 @@ def dry_run_main() -> int:
     jax.config.update("jax_platforms", "cpu")
     topo = distributed.initialize(distributed.Settings("single process", cpu_devices=n))
     distributed.check_config_meshes(_CONFIG.value, topo)
+    from hfjax.models import backend
     from hfjax.run.dry_run import dry_run
 
     cfg = _CONFIG.value
@@ -184,12 +185,15 @@ def dry_run_main() -> int:
     print(f"hfjax dry run: {cfg.algorithm}, model {cfg.model.path or 'from scratch'}, "
           f"placement={cfg.placement}, on {where}; compiling on {n} simulated CPU devices",
           flush=True)
+    platform = target.platform if target else None
+    if platform and (differences := backend.stand_in_differences(platform)):
+        print(f"  {differences}", flush=True)
     t0 = time.perf_counter()
     try:
         report = dry_run(
             cfg, device_memory_bytes=limit,
             target=target.name if target else None,
-            platform=target.platform if target else None,
+            platform=platform,
             on_program=lambda p: print(f"  compiled {p.name} in {p.compile_s:.1f}s", flush=True))
     except (ValueError, FileNotFoundError) as err:
         raise cli.UserError(f"cannot build the run: {err}") from None

@@ -265,3 +265,27 @@ def remat_policy(policy: str, device_memory_bytes: int | None = None,
     if not device_memory_bytes:
         return none
     return none if peak_without() <= REMAT_HEADROOM * device_memory_bytes else full
+
+
+# --- what a stand-in compilation still differs in -----------------------------------------
+
+_STAND_INS = {
+    "gpu": "cuDNN attention (opt-in) and the Pallas decode read compiled as blockwise attention "
+           "and the chunked read (the same memory behaviour)",
+    "tpu": "splash attention compiled as blockwise attention (the same memory behaviour)",
+}
+
+
+def stand_in_differences(platform: str) -> str:
+    """One line saying how programs compiled here for `platform` differ from the ones the
+    target compiles itself (empty when this machine is that platform): the dtypes are the
+    target's, the compiler and the target-only kernels are not."""
+    target, here = canonical(platform), device_platform()
+    if target == here:
+        return ""
+    kernels = _STAND_INS.get(target)
+    kept = "float32" if target == "cpu" else "its 16-bit dtype"
+    return (f"compiled by XLA:{here.upper()} for {target}: dtypes are the {target}'s (a 16-bit "
+            f"model's attention inputs and KV caches in {kept}); temporaries are "
+            f"XLA:{here.upper()}'s (it computes 16-bit element-wise work in float32)"
+            + (f"; {kernels}" if kernels else ""))

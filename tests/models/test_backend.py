@@ -112,3 +112,10 @@ def test_attention_inputs_compiled_for_a_gpu_target_are_bf16():
     assert dtypes() == {F32}
     with backend.compiling_for("gpu"):
         assert dtypes() == {BF16}
+
+
+def test_the_remaining_differences_are_stated():
+    assert backend.stand_in_differences("cpu") == ""  # compiled on what it runs on
+    gpu = backend.stand_in_differences("cuda")
+    assert "for gpu" in gpu and "XLA:CPU" in gpu and "Pallas decode read" in gpu
+    assert "splash" in backend.stand_in_differences("tpu")
