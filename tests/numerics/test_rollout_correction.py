@@ -262,10 +262,11 @@ def test_a_grpo_step_applies_the_correction_and_bypass_skips_the_old_pass():
     r.rollout_rs_threshold_lower = 0.22
     trainer = Trainer(cfg)
     actor = trainer.actor
-    seen, scored = [], []
-    update, score = actor.update_actor, actor.compute_log_prob
+    seen, scored, trained = [], [], []
+    update, score, train = actor.update_actor, actor.compute_log_prob, actor.train
     actor.update_actor = lambda b: seen.append(b) or update(b)
     actor.compute_log_prob = lambda b: scored.append(b) or score(b)
+    actor.train = lambda fn, b, keys, **kw: trained.append((b, keys)) or train(fn, b, keys, **kw)
     # One mini-batch, one epoch: on-policy, yet the correction needs pi_old, so it is scored.
     assert actor.single_update(16)
     m = trainer.train_step()
@@ -282,6 +283,11 @@ def test_a_grpo_step_applies_the_correction_and_bypass_skips_the_old_pass():
         assert m[f"rollout_corr/{k}"] == pytest.approx(want_m[k], rel=1e-4, abs=1e-6), k
     assert m["rollout_corr/rollout_is_mean"] < 1.0 and m["rollout_corr/kl"] > 0
     assert 0 < m["rollout_corr/rollout_rs_masked_fraction"] < 1
+    # The update trains on the kept tokens only, with the weights in its loss's inputs.
+    b, keys = trained[0]
+    np.testing.assert_array_equal(np.asarray(b["response_mask"]),
+                                  got["response_mask"] * want_keep)
+    assert "rollout_is_weights" in keys
 
     # Bypass: the sampler's log-probs are the old ones; no scoring pass, no correction.
     algo = trainer.spec.algo
@@ -289,7 +295,7 @@ def test_a_grpo_step_applies_the_correction_and_bypass_skips_the_old_pass():
                                  bypass_mode=True)
     trainer.spec = dataclasses.replace(trainer.spec, algo=dataclasses.replace(
         algo, rollout_correction=bypass))
-    seen.clear(), scored.clear()
+    seen.clear(), scored.clear(), trained.clear()
     m = trainer.train_step()
     assert not scored and not any(k.startswith("rollout_corr/") for k in m)
     got = seen[0].fetch(["old_log_probs", "rollout_log_probs"])
