@@ -89,12 +89,12 @@ def main(argv: list[str]) -> None:
     _, state = nnx.split(model)
     print(f"{jax.devices()[0].device_kind}: {f.preset}, {f.rows} rows, {f.prompt} + {f.new} "
           f"tokens, jax {jax.__version__}", flush=True)
-    fuse = decode_lib.fuse_projections
+    fuse = decode_lib.fuses_for_layout
     result: dict = {"device": jax.devices()[0].device_kind, "preset": f.preset, "rows": f.rows,
                     "prompt": f.prompt, "new": f.new, "variants": {}}
     for i, variant in enumerate(f.variants):
         read, layout, *rest = variant.split(":")
-        decode_lib.fuse_projections = (lambda: False) if rest == ["separate"] else fuse
+        decode_lib.fuses_for_layout = (lambda: False) if rest == ["separate"] else fuse
         try:
             sampler = Sampler(model, decode_attention=read, kv_layout=layout)
             one = SamplingParams(max_new_tokens=1)
@@ -108,7 +108,7 @@ def main(argv: list[str]) -> None:
                 with jax.profiler.trace(f.trace_dir, create_perfetto_trace=True):
                     jax.block_until_ready(sampler.generate(state, ids, mask, full))
         finally:
-            decode_lib.fuse_projections = fuse
+            decode_lib.fuses_for_layout = fuse
         step_ms = (gen - prefill) / max(f.new - 1, 1) * 1e3
         result["variants"][variant] = {"ms_per_step": round(step_ms, 3),
                                        "tokens_per_s": round(f.rows * f.new / gen),

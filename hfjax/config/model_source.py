@@ -6,7 +6,7 @@ section. `model_config` gives the ModelConfig either way without reading a weigh
 run compiles from); `initial_model` builds the model itself.
 
 Precision: `model.dtype` is the compute dtype (`auto` resolved for the platform by
-`hfjax.models.precision.resolve_compute_dtype`), `model.param_dtype` the master weights'.
+`hfjax.models.backend.compute_dtype`), `model.param_dtype` the master weights'.
 
 Presets carry no tokenizer. A run takes `model.tokenizer` when given, else the checkpoint's own,
 else the embedded arithmetic task's (its 18 ids are valid ids of any preset's vocabulary, so a

@@ -144,7 +144,7 @@ def _zeros(shape: tuple[int, int, int], width: int, dtype,
     return jnp.zeros((rows, kv, hd, width), dtype), jnp.zeros((rows, kv, width, hd), dtype)
 
 
-def fuse_projections() -> bool:
+def fuses_for_layout() -> bool:
     """Whether `split_layers` fuses each layer's q/k/v and gate/up weights into one matrix for
     the active layout (`hfjax.models.backend.fuse_projections` decides, and says why)."""
     layout = shd.active_layout()
@@ -159,7 +159,7 @@ def split_layers(model, fuse: bool | None = None) -> list[dict[str, jax.Array]]:
     layer. Call it inside a program but outside its decode loop: the slices are then made once
     per call, not once per step.
 
-    `fuse` (default: `fuse_projections()`) replaces q/k/v and gate/up by one `qkv_proj`
+    `fuse` (default: `fuses_for_layout()`) replaces q/k/v and gate/up by one `qkv_proj`
     [embed, (heads + 2 kv_heads) * head_dim] and one `gate_up_proj` [embed, 2 * mlp] weight,
     which `hfjax.models.transformer`'s layer pieces take in one matmul each."""
     cfg = model.config
@@ -173,7 +173,7 @@ def split_layers(model, fuse: bool | None = None) -> list[dict[str, jax.Array]]:
                    for k, v in stacked.items()}
     # Unmerged LoRA adapters (`hfjax.models.lora`) apply per projection: no fusion then.
     adapters = any("_lora_" in k for k in stacked)
-    if (fuse_projections() if fuse is None else fuse) and not adapters:
+    if (fuses_for_layout() if fuse is None else fuse) and not adapters:
         L, D = cfg.num_layers, cfg.hidden_size
         for fused, names in _FUSED.items():
             stacked[fused] = jnp.concatenate(

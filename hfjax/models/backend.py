@@ -8,7 +8,8 @@ target's where this machine can compile them:
 
 - `storage_dtype`: the dtype of attention's inputs and the KV cache (float32 for a 16-bit
   model on CPU only);
-- `compute_dtype`: what `model.dtype=auto` resolves to (`hfjax.models.precision`);
+- `compute_dtype`: what `model.dtype=auto` resolves to (the CPU's bfloat16 units are read by
+  `hfjax.models.precision`);
 - `attention_impl`: the training, scoring and prefill attention (`model.attention_impl`);
 - `decode_choice`: the decode step's cache read and cache layout (`rollout.decode_attention`,
   `rollout.kv_layout`);
@@ -33,8 +34,8 @@ import jax
 import jax.numpy as jnp
 from absl import logging
 
+from hfjax.models import precision
 from hfjax.models.config import ATTENTION_IMPLS
-from hfjax.models.precision import resolve_compute_dtype
 
 PLATFORMS = ("cpu", "gpu", "tpu")
 DECODE_ATTENTION = ("auto", "full", "chunked", "pallas")
@@ -118,11 +119,24 @@ def storage_dtype(dtype, platform: str | None = None) -> jnp.dtype:
     return dtype
 
 
-def compute_dtype(name: str, platform: str | None = None, hidden_size: int | None = None) -> str:
-    """`model.dtype` (`name`) resolved on `platform`: bfloat16 for auto on GPUs and TPUs; on CPU
-    where the cores multiply bfloat16 natively and the model is large enough
-    (`hfjax.models.precision.resolve_compute_dtype`)."""
-    return resolve_compute_dtype(name, _platform(platform), hidden_size)
+def compute_dtype(name: str, platform: str | None = None, hidden_size: int | None = None,
+                  cpuinfo: str | None = None) -> str:
+    """The compute dtype a config's `model.dtype` (`name`) asks for on `platform`: 'float32' or
+    'bfloat16' as given; for 'auto', bfloat16 on GPUs and TPUs, and on a CPU with native
+    bfloat16 multiplies (`cpuinfo`, default this host's: `hfjax.models.precision`) for a model
+    of `hidden_size` >= BF16_MIN_HIDDEN; float32 otherwise (other CPUs emulate bfloat16 and gain
+    nothing; a small model's many small ops and casts eat the matmuls' gain)."""
+    if name not in precision.COMPUTE_DTYPES:
+        raise ValueError(f"model.dtype={name!r}; use one of {', '.join(precision.COMPUTE_DTYPES)}")
+    if name != "auto":
+        return name
+    target = _platform(platform)
+    if target in ("gpu", "tpu"):
+        return "bfloat16"
+    if (target == "cpu" and hidden_size is not None and hidden_size >= precision.BF16_MIN_HIDDEN
+            and precision.native_bf16_flags(cpuinfo)):
+        return "bfloat16"
+    return "float32"
 
 
 # --- attention ----------------------------------------------------------------------------

@@ -59,22 +59,3 @@ COMPUTE_DTYPES = ("float32", "bfloat16", "auto")
 # SmolLM2-135M (hidden 576) decode 1.47x and its gsm_symbolic GRPO step 1.41x faster, and the
 # default task's model (hidden 128) 0.94x as fast, its matmuls too small to repay the casts.
 BF16_MIN_HIDDEN = 512
-
-
-def resolve_compute_dtype(name: str, platform: str, hidden_size: int | None = None,
-                          cpuinfo: str | None = None) -> str:
-    """The compute dtype a config's `model.dtype` asks for on `platform`: 'float32' or
-    'bfloat16' as given; for 'auto', bfloat16 on GPUs and TPUs, and on a CPU with native
-    bfloat16 multiplies (`cpuinfo`, default this host's) for a model of `hidden_size` >=
-    BF16_MIN_HIDDEN; float32 otherwise (other CPUs emulate bfloat16 and gain nothing; a small
-    model's many small ops and casts eat the matmuls' gain)."""
-    if name not in COMPUTE_DTYPES:
-        raise ValueError(f"model.dtype={name!r}; use one of {', '.join(COMPUTE_DTYPES)}")
-    if name != "auto":
-        return name
-    if platform in ("gpu", "cuda", "rocm", "tpu"):
-        return "bfloat16"
-    if (platform == "cpu" and hidden_size is not None and hidden_size >= BF16_MIN_HIDDEN
-            and native_bf16_flags(cpuinfo)):
-        return "bfloat16"
-    return "float32"

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from hfjax.models import precision, transformer
+from hfjax.models import backend, precision, transformer
 from hfjax.models.presets import get_preset
 from hfjax.numerics import core
 
@@ -126,7 +126,7 @@ def test_native_bf16_detection_and_auto_dtype():
     assert precision.native_bf16_flags(ZEN5_CPUINFO) == ("avx512_bf16",)
     assert precision.native_bf16_flags(EPYC_CPUINFO) == ()  # whole flags only
     assert precision.native_bf16_flags("") == ()  # no /proc/cpuinfo
-    auto = precision.resolve_compute_dtype
+    auto = backend.compute_dtype
     big, small = precision.BF16_MIN_HIDDEN, precision.BF16_MIN_HIDDEN - 1
     assert auto("auto", "cpu", big, AMX_CPUINFO) == "bfloat16"
     assert auto("auto", "cpu", big, ZEN5_CPUINFO) == "bfloat16"
