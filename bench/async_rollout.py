@@ -1,0 +1,122 @@
+"""Asynchronous rollout side by side: the same GRPO workload synchronous (colocated, and on
+two pools in turn) and with max_staleness K = 1 and K = 4 (docs/async.md).
+
+Usage: python bench/async_rollout.py [--steps=6] [--warmup=2] [--runs=colocate,sync,k1,k4]
+
+Each run is a fresh process on 2 simulated CPU devices: `colocate` puts every role on both;
+the others give the rollout one device and the trainer the other
+("gen=1:rollout;train=1:actor+ref+reward"). XLA runs each program on one thread
+(--xla_cpu_multi_thread_eigen=false), so the rollout thread and the trainer's thread can each
+keep one core busy: that is what overlap means on a 2-core machine, where one process's
+multi-threaded programs already fill both cores. Per run: steps/s over the steps after
+`--warmup` (which compile), the rollout pool's and the trainer's idle seconds per step (for the
+synchronous two-pool run: the trainer idles while generation runs, the rollout pool while the
+rest of the step runs), and the ratio to the synchronous two-pool run. The last line is JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TWO_POOLS = "gen=1:rollout;train=1:actor+ref+reward"
+RUNS = {"colocate": ("colocate", 0), "sync": (TWO_POOLS, 0), "k1": (TWO_POOLS, 1),
+        "k4": (TWO_POOLS, 4)}
+
+
+def workload(placement: str, k: int, steps: int, smoke: bool):
+    """GRPO on the arithmetic task with a small model, sized so that generation and the rest
+    of the step (scoring, reference, update) take comparable time on one CPU core."""
+    from configs import ppo_arith
+
+    c = ppo_arith.get_config()
+    c.algorithm, c.algo.adv_estimator, c.placement = "grpo", "grpo", placement
+    m = c.model
+    m.hidden_size, m.intermediate_size, m.head_dim = 64, 128, 16
+    m.num_layers, m.num_heads, m.num_kv_heads = 2, 4, 2
+    c.data.n_train, c.data.n_test = 256, 16
+    c.data.train_batch_size = 4 if smoke else 16
+    c.rollout.n = 4
+    c.rollout.response_length = 8 if smoke else 24
+    c.actor.ppo_mini_batch_size = c.data.train_batch_size
+    c.actor.ppo_micro_batch_size = c.data.train_batch_size * c.rollout.n
+    c.actor.mesh = c.ref.mesh = "fsdp=-1"
+    c.sft.steps = 0
+    c.reward.num_processes = 0
+    c.async_rollout.max_staleness = k
+    c.trainer.total_steps = steps
+    c.trainer.val_before_train = False
+    c.trainer.test_freq = 0
+    return c
+
+
+def one(name: str, steps: int, warmup: int, smoke: bool) -> dict:
+    """Runs one configuration in this process; returns its figures."""
+    import jax
+
+    jax.config.update("jax_cpu_enable_async_dispatch", False)  # as launch.train does on CPU
+    from hfjax.run.trainer import Trainer
+
+    placement, k = RUNS[name]
+    trainer = Trainer(workload(placement, k, warmup + steps, smoke))
+    for _ in range(warmup):
+        trainer.train_step()
+    t0 = time.perf_counter()
+    ms = [trainer.train_step() for _ in range(steps)]
+    wall = time.perf_counter() - t0
+    if trainer.async_rollout is not None:
+        trainer.async_rollout.close()
+    gen = statistics.mean(m["timing_s/gen"] for m in ms)
+    step = wall / steps
+    if k >= 1:
+        idle_rollout = statistics.mean(m["timing_s/idle/rollout"] for m in ms)
+        idle_train = statistics.mean(m["timing_s/idle/train"] for m in ms)
+    elif name == "sync":  # in turn: each pool idles while the other works
+        idle_rollout, idle_train = step - gen, gen
+    else:  # colocated: both stages on every device, nothing idles by placement
+        idle_rollout = idle_train = 0.0
+    return {"run": name, "steps_per_s": steps / wall, "step_s": step, "gen_s": gen,
+            "idle_rollout_s": idle_rollout, "idle_train_s": idle_train,
+            "staleness_mean": statistics.mean(m.get("async/staleness/mean", 0.0) for m in ms),
+            "push_s": statistics.mean(m.get("async/push_s", 0.0) for m in ms)}
+
+
+def main(argv: list[str]) -> None:
+    args = dict(a[2:].split("=", 1) for a in argv if a.startswith("--") and "=" in a)
+    steps, warmup = int(args.get("steps", 6)), int(args.get("warmup", 2))
+    smoke = os.environ.get("HFJAX_SMOKE") == "1"
+    if smoke:
+        steps, warmup = 2, 1
+    if "one" in args:
+        print(json.dumps(one(args["one"], steps, warmup, smoke)))
+        return
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get(
+        "PYTHONPATH")])), XLA_FLAGS="--xla_force_host_platform_device_count=2 "
+        "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1")
+    results = {}
+    for name in args.get("runs", ",".join(RUNS)).split(","):
+        p = subprocess.run([sys.executable, os.path.abspath(__file__), f"--one={name}",
+                            f"--steps={steps}", f"--warmup={warmup}"],
+                           env=env, capture_output=True, text=True, check=False)
+        if p.returncode != 0:
+            raise SystemExit(f"run {name} failed:\n{p.stderr[-3000:]}")
+        results[name] = json.loads(p.stdout.strip().splitlines()[-1])
+    base = results.get("sync")
+    print(f"{'run':10} {'steps/s':>8} {'step s':>7} {'gen s':>7} {'idle rollout':>13} "
+          f"{'idle train':>11} {'staleness':>9} {'vs sync':>8}")
+    for name, r in results.items():
+        ratio = r["steps_per_s"] / base["steps_per_s"] if base else float("nan")
+        r["vs_sync"] = ratio
+        print(f"{name:10} {r['steps_per_s']:8.3f} {r['step_s']:7.3f} {r['gen_s']:7.3f} "
+              f"{r['idle_rollout_s']:13.3f} {r['idle_train_s']:11.3f} "
+              f"{r['staleness_mean']:9.2f} {ratio:8.2f}")
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
