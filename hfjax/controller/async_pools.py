@@ -81,7 +81,8 @@ def resolve_pools(placement: Any, active_roles: Iterable[str], devices: Sequence
         half = len(devices) // 2
         if half < 1:
             raise ValueError(f"async_rollout on placement 'split' needs 2 devices or more, "
-                             f"there are {len(devices)}; {_FIX}")
+                             f"there are {len(devices)}; run on more devices (--cpu_devices=2 "
+                             "on CPU) or set --config.async_rollout.max_staleness=0")
         mapping = {SPLIT_POOL: {"size": half, "roles": [ROLE]},
                    "actor_pool": {"size": len(devices) - half, "roles": list(active)}}
     if all("devices" in e for e in mapping.values()):
