@@ -85,6 +85,16 @@ def test_compiled_prices_say_what_the_closed_forms_priced(env):
     assert plan["prices"] == "compiled" and plan["closed_form_fallbacks"] == len(fallbacks)
 
 
+def test_compiled_prices_for_a_gpu_target_say_what_still_differs(env):
+    """Compiled on these CPU devices for an H200, the plan says the dtypes are the GPU's and
+    what is not (the compiler's temporaries, the stand-ins for GPU-only kernels)."""
+    p = _run(["launch.plan", "--target=h200", "--num_devices=8", "--prices=compiled",
+              "--compile_budget_s=0"], env, timeout=300)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    said = [x for x in p.stdout.splitlines() if x.startswith("  compiled by XLA:CPU for gpu")]
+    assert len(said) == 1 and "dtypes are the gpu's" in said[0] and "Pallas" in said[0]
+
+
 def test_the_paper_config_plans_the_docs_row_from_the_command_line(env):
     # docs/scaling.md: "Llama-2 7B | 16 | colocate | 227.5 | ... | data=2,fsdp=8 → data=2,tensor=8"
     p = _run(["launch.plan", "--config=configs/hybridflow_paper.py",

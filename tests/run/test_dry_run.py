@@ -133,6 +133,9 @@ def test_dry_run_command_says_when_it_does_not_fit():
     worst = summary["worst_program"]
     assert not summary["fits"] and summary["device_memory_bytes"] == 2**30 // 1000
     assert summary["target"] == "v5e" and summary["compute_dtype"] == "bfloat16"
+    # A TPU target compiled here: the header says what still differs from the TPU's programs.
+    assert any(x.startswith("  compiled by XLA:CPU for tpu: dtypes are the tpu's") and "splash"
+               in x for x in lines)
     assert summary["peak_bytes_per_device"] == max(
         p["peak_bytes"] for p in summary["programs"].values())
     assert any(line.startswith("does not fit by ") and f"in program {worst}" in line
