@@ -175,13 +175,14 @@ def get_config() -> config_dict.ConfigDict:
             top_p=1.0,
             min_p=0.0,
             response_length=10,
-            # Multi-turn rollouts (docs/agents.md): a policy turn ends at </tool_call> or EOS;
-            # the calls run (tools: names or pkg.mod:Class, comma-separated) and their results
-            # are appended as context the loss does not see, until EOS, max_turns policy turns
-            # or response_length tokens over the whole trajectory.
+            # Multi-turn rollouts (docs/agents.md): a policy turn ends at EOS or at the close
+            # tag of its max_parallel_calls-th call (verl's name; 1: at </tool_call>); its
+            # calls run (tools: names or pkg.mod:Class, comma-separated) and their results are
+            # appended in order as context the loss does not see, until a turn without calls,
+            # max_turns policy turns or response_length tokens over the whole trajectory.
             multi_turn=config_dict.ConfigDict(
                 dict(enable=False, max_turns=4, tools="calculator", max_tool_response_len=64,
-                     tool_workers=8)
+                     tool_workers=8, max_parallel_calls=1)
             ),
             # Validation sampling (verl's val_kwargs): n samples per held-out prompt at this
             # temperature (0: greedy), reported as val-core/<source>/acc/mean@n (and best@n).

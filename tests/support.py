@@ -10,6 +10,7 @@ from configs import ppo_arith
 from hfjax.controller.batch import Batch
 from hfjax.engine.spec import RolloutSpec
 from hfjax.parallel.mesh import ResourcePool
+from hfjax.tools import Tool
 from launch import compile_cache
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -127,3 +128,64 @@ def host(tree):
             jax.tree_util.keystr(path): np.array(leaf, copy=True)
             for path, leaf in jax.tree_util.tree_leaves_with_path(tree)
         }
+
+
+def scripted_policy(model, successors: dict[int, int], scale: float = 40.0):
+    """Rewrites the weights of `model` (a `CausalLM` with an untied head) so that it is a
+    bigram policy: after token t it emits `successors[t]`, with a logit margin of `scale` over
+    every other token (a temperature-1 draw picks it but for a chance of about V * e^-scale).
+    Next tokens after tokens not in `successors` are whatever the head gives.
+
+    It lets a test force a trajectory (a tool call, its answer) through the real engine,
+    trainer and tools: the layers' output projections are zeroed, so the final hidden state at
+    a position is the normed embedding of its token alone, and the head is solved to map each
+    named token's hidden state to its successor. Needs len(successors) <= hidden_size."""
+    from flax import nnx
+
+    cfg = model.config
+    if cfg.tie_word_embeddings or len(successors) > cfg.hidden_size:
+        raise ValueError("scripted_policy needs an untied head and at most hidden_size tokens")
+    state = nnx.state(model)
+    for path, var in state.flat_state():
+        if path[-1] in ("o_proj", "down_proj"):
+            var.value = np.zeros_like(var.value)
+    d, v = cfg.hidden_size, cfg.vocab_size
+    # The head reads out the final hidden state itself first: [I | 0].
+    model.lm_head.value = np.eye(d, v, dtype=np.float32)
+    nnx.update(model, state)
+    current = np.array(list(successors), np.int32)
+    hidden = np.asarray(model(current[:, None]))[:, 0, :d]
+    target = np.zeros((len(current), v), np.float32)
+    target[np.arange(len(current)), [successors[int(t)] for t in current]] = scale
+    head, *_ = np.linalg.lstsq(hidden.astype(np.float64), target.astype(np.float64), rcond=None)
+    model.lm_head.value = head.astype(np.float32)
+    return model
+
+
+class AnswerTool(Tool):
+    """Resolved as "support:AnswerTool": a tool without arguments that always answers "42".
+    Named "calculator" because that quoted name is one token of the arith_tool tokenizer, so
+    a `scripted_policy` can write a whole call, `<tool_call>{"name":"calculator"}</tool_call>`,
+    one token after another."""
+
+    name = "calculator"
+    description = "Answers 42."
+    parameters = {"type": "object", "properties": {}, "required": []}
+
+    def call(self, arguments: dict) -> str:
+        return "42"
+
+
+def tool_call_successors(tok, after_result: str) -> dict[int, int]:
+    """`scripted_policy`'s successors on the arith_tool tokenizer `tok`: after a prompt's last
+    token (a digit, "=", space or newline) the policy writes the `AnswerTool` call and ends its
+    turn with EOS; after a tool result (`</tool_response>`) it writes `after_result`'s one
+    token ("<eos>": answer; "<tool_call>": call again)."""
+    one = lambda text: tok.encode(text, add_special_tokens=False)[0]  # noqa: E731
+    chain = ["<tool_call>", "{", '"name"', ":", '"calculator"', "}", "</tool_call>"]
+    succ = {one(a): one(b) for a, b in zip(chain, chain[1:])}
+    succ[one("</tool_call>")] = tok.eos_id
+    for t in list("0123456789= \n"):
+        succ[one(t)] = one("<tool_call>")
+    succ[one("</tool_response>")] = tok.eos_id if after_result == "<eos>" else one(after_result)
+    return succ

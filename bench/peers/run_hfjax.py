@@ -146,7 +146,7 @@ def build(w: workload.Workload):
         mode=mode, decode_attention="auto", kv_layout="auto",
         slots=0, refill_every=8, min_slots=0, max_cache_len=0,
         multi_turn=MultiTurnSpec(enable=False, max_turns=1, tools="", max_tool_response_len=1,
-                                 tool_workers=1),
+                                 tool_workers=1, max_parallel_calls=1),
     )
     # And of the algorithm's (hfjax/algorithms/spec.py): GRPO's advantage, no KL term.
     algo = AlgoSpec(

@@ -7,21 +7,30 @@ import numpy as np
 
 
 def check_agent_fits(sampler, max_prompt_length: int, response_length: int) -> None:
-    """Refuses a sampler whose prompt limit cannot hold a trajectory's context (prompt plus the
-    whole response budget, which later turns take as their prompt)."""
+    """Refuses a sampler that cannot hold a trajectory's context: later turns take the prompt
+    plus every response token so far as their prompt, so the sampler's prompt limit and, for the
+    continuous engine, a slot's `max_cache_len` must hold prompt plus the whole response
+    budget. Called where the run builds its loop, so a run that would fail at a later turn is
+    refused before its first compiles."""
     need = max_prompt_length + response_length
     if sampler.max_prompt_len < need:
         raise ValueError(f"multi-turn rollouts prefill contexts of up to {need} tokens "
                          f"(data.max_prompt_length + rollout.response_length), more than the "
                          f"sampler's max_prompt_len={sampler.max_prompt_len}; build it with "
                          f"max_prompt_len >= {need}")
+    cap = getattr(sampler, "max_cache_len", None)
+    if cap is not None and cap < need:
+        raise ValueError(f"rollout.max_cache_len={cap} cannot hold a multi-turn context of "
+                         f"{need} tokens (data.max_prompt_length + rollout.response_length); "
+                         f"set --config.rollout.max_cache_len to 0 or >= {need}")
 
 
 def check_spec(spec) -> None:
     """Refuses settings of `rollout.multi_turn` (a `MultiTurnSpec`) no trajectory can run with,
     in one line naming the key and its fix. The config's key table checks the same ranges;
     this holds for a spec built directly."""
-    for name in ("max_turns", "max_tool_response_len", "tool_workers"):
+    for name in ("max_turns", "max_tool_response_len", "tool_workers",
+                 "max_parallel_calls"):
         v = getattr(spec, name)
         if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
             raise ValueError(f"rollout.multi_turn.{name}={v!r}; it must be an int >= 1 (set "

@@ -2,21 +2,24 @@
 
 A trajectory starts from a prompt. A **policy turn** is decoded by the rollout engine (either
 `Sampler`: static or continuous batching) and ends at one of
-- the tool-call close tag `</tool_call>`: a stop token when the tokenizer encodes the tag as one
-  id, else found in the decoded tail of the turn, which is cut right after it;
-- EOS: the policy has answered, and the trajectory is finished;
+- EOS (the end-of-turn token);
+- the close tag `</tool_call>` of its `max_parallel_calls`-th call, so a turn holds at most that
+  many calls (with one call per turn the tag is a stop token when the tokenizer encodes it as
+  one id; else the tag is found in the decoded turn, which is cut right after it);
 - the token budget: `max_new_tokens` counts every response token of the trajectory, generated
   or not.
-After a close tag the turn's calls are parsed (`hfjax.tools.parse_tool_calls`) and handed to a
-`ToolRunner`, which runs them in its thread pool. The row leaves the engine while its tools
-run: the loop keeps decoding the rows that are ready (their tools done, or their first turn)
-and only waits for tools when no row is ready. When a row's tools are done its **tool turn** is
-appended: the observations rendered as the chat template renders `tool` messages (or, for a
-tokenizer without a template, `<tool_response>...</tool_response>` per observation), each
-observation cut to `max_tool_response_len` tokens. Those tokens are context, not policy output:
-the response mask is 0 on them (module `hfjax.workers.actor` keeps them out of log-probs,
-entropy, KL and the loss), the attention mask 1. The trajectory ends at EOS, after
-`max_turns` policy turns, or when the budget is spent.
+A turn with calls has them parsed (`hfjax.tools.parse_tool_calls`) and handed to a `ToolRunner`,
+which runs them in its thread pool; a turn without one ends the trajectory. The row leaves the
+engine while its tools run: the loop keeps decoding the rows that are ready (their tools done,
+or their first turn) and only waits for tools when no row is ready. When a row's tools are done
+its **tool turn** is appended: the observations rendered as the chat template renders `tool`
+messages (or, for a tokenizer without a template, `<tool_response>...</tool_response>` per
+observation), each observation in its call's order and cut to `max_tool_response_len` tokens,
+ending in `CUT_MARK` when cut; a tool turn that does not fit the budget is dropped and ends the
+trajectory. Those tokens are context, not policy output: the response mask is 0 on them (module
+`hfjax.workers.actor` keeps them out of log-probs, entropy, KL and the loss), the attention mask
+1. The trajectory ends at a turn without calls, after `max_turns` policy turns, or when the
+budget is spent.
 
 Each policy turn is one `generate` call over the ready rows, whose prompts are the rows'
 contexts so far (prompt, earlier turns, observations), prefilled again: a turn pays a prefill
@@ -39,7 +42,7 @@ import numpy as np
 from absl import logging
 
 from hfjax.agents.fit import check_spec
-from hfjax.agents.render import close_tag_id, observation_renderer
+from hfjax.agents.render import CUT_MARK, close_tag_id, observation_renderer
 from hfjax.agents.trajectory import AgentOutput, Trajectory
 from hfjax.engine.sampler import Sampler, bucket_size
 from hfjax.engine.spec import MultiTurnSpec
@@ -69,6 +72,7 @@ class _Row:
         self.future: cf.Future | None = None
         self.calls: list = []
         self.done = False
+        self.ended_eos = False  # the last policy turn ended at an EOS/end-of-turn token
 
     def add(self, tokens, gen: int, lps=None):
         self.tokens += [int(t) for t in tokens]
@@ -93,19 +97,25 @@ class AgentLoop:
         self.spec = spec
         self.render = observation_renderer(tokenizer)
         self.close_id = close_tag_id(tokenizer)
+        self.mark_len = len(tokenizer.encode(CUT_MARK, add_special_tokens=False))
+        if spec.max_tool_response_len <= self.mark_len:
+            raise ValueError(f"rollout.multi_turn.max_tool_response_len="
+                             f"{spec.max_tool_response_len} leaves no room for a cut result's "
+                             f"mark {CUT_MARK!r} ({self.mark_len} tokens); set it above "
+                             f"{self.mark_len}")
         self.pad_id = int(sampler.pad_id)
         self.generate_calls = 0  # generate calls of the last `run`
 
-    def _cut_at_close(self, tokens: np.ndarray) -> int | None:
-        """The number of tokens up to and including the first close tag, or None."""
+    def _cut_at_close(self, tokens: np.ndarray, k: int) -> int | None:
+        """The number of tokens up to and including the `k`-th close tag, or None."""
         if self.close_id is not None:
             hit = np.flatnonzero(tokens == self.close_id)
-            return int(hit[0]) + 1 if hit.size else None
-        if TOOL_CALL_CLOSE not in self._text(tokens):
+            return int(hit[k - 1]) + 1 if hit.size >= k else None
+        if self._text(tokens).count(TOOL_CALL_CLOSE) < k:
             return None
-        for k in range(1, len(tokens) + 1):  # the shortest prefix holding the tag
-            if TOOL_CALL_CLOSE in self._text(tokens[:k]):
-                return k
+        for j in range(1, len(tokens) + 1):  # the shortest prefix holding k tags
+            if self._text(tokens[:j]).count(TOOL_CALL_CLOSE) >= k:
+                return j
         return None
 
     def _text(self, tokens) -> str:
@@ -115,48 +125,65 @@ class AgentLoop:
                      budget: int) -> None:
         """Appends one decoded turn to `row` and decides what follows it."""
         room = budget - len(row.tokens)
-        cut = self._cut_at_close(tokens)
-        if cut is not None and cut <= room:
+        limit = self.spec.max_parallel_calls
+        cut = self._cut_at_close(tokens, limit)
+        if cut is not None and cut <= room:  # the limit's last call: nothing after it runs
             tokens, lps = tokens[:cut], lps[:cut]
         else:
-            cut = None
             tokens, lps = tokens[:room], lps[:room]
         row.add(tokens, 1, lps)
-        row.traj.turns.append({"role": "assistant", "text": self._text(tokens),
-                               "tokens": len(tokens)})
-        if cut is None:
-            ended = len(tokens) and int(tokens[-1]) in eos
-            row.finish("eos" if ended else "length")
-            return
-        if len(row.tokens) >= budget:
+        text = self._text(tokens)
+        row.traj.turns.append({"role": "assistant", "text": text, "tokens": len(tokens)})
+        row.ended_eos = bool(len(tokens)) and int(tokens[-1]) in eos
+        if TOOL_CALL_CLOSE not in text:
+            row.finish("eos" if row.ended_eos else "length")
+        elif len(row.tokens) >= budget:
             row.finish("length")
         elif row.traj.num_turns >= self.spec.max_turns:
             row.finish("max_turns")
         else:
-            row.calls = parse_tool_calls(self._text(tokens))
-            if not row.calls:  # a close tag without an opening one: nothing to run
-                row.calls = [Observation(f"Error: {TOOL_CALL_CLOSE} without <tool_call>", True)]
+            calls = parse_tool_calls(text)
+            if not calls:  # a close tag without an opening one: nothing to run
+                calls = [Observation(f"Error: {TOOL_CALL_CLOSE} without <tool_call>", True)]
+            # Cut at the limit's close tag, a turn holds at most `limit` calls; a parser that
+            # reads more (a malformed block) gets them answered, not run.
+            over = Observation(f"Error: more than max_parallel_calls={limit} calls in one "
+                               "turn; this one was not run", True)
+            row.calls = calls[:limit] + [over] * (len(calls) - limit)
             row.future = self.runner.submit(row.calls)
 
+    def _observation(self, o: Observation) -> Observation:
+        """`o` cut to max_tool_response_len tokens, ending in CUT_MARK when cut."""
+        ids = self.tok.encode(o.text, add_special_tokens=False)
+        cap = self.spec.max_tool_response_len
+        if len(ids) <= cap:
+            return o
+        return Observation(self._text(ids[:cap - self.mark_len]) + CUT_MARK, o.error)
+
     def _tool_turn(self, row: _Row, budget: int) -> None:
-        """Appends the observations of `row`'s finished tool calls."""
+        """Appends the observations of `row`'s finished tool calls, in the calls' order; a tool
+        turn that does not fit what is left of the budget is dropped and ends the trajectory
+        ("tool_length"): half a result would read as a whole one."""
         try:
             obs = list(row.future.result())
         except Exception as err:  # a runner that broke its promise never to raise
             obs = [Observation(f"Error: the tool runner failed: {err}", True)] * len(row.calls)
         row.future = None
-        cap = self.spec.max_tool_response_len
-        cut = []
-        for o in obs:
-            ids = self.tok.encode(o.text, add_special_tokens=False)
-            cut.append(o if len(ids) <= cap else Observation(self._text(ids[:cap]), o.error))
+        cut = [self._observation(o) for o in obs]
         ids = self.tok.encode(self.render(cut), add_special_tokens=False)
+        if row.ended_eos and ids and ids[0] == row.tokens[-1]:
+            # A turn that ran to its end-of-turn token already holds the one the template
+            # writes after an assistant message (Qwen's <|im_end|>).
+            ids = ids[1:]
         room = budget - len(row.tokens)
-        row.add(ids[:room], 0)
+        if len(ids) > room:
+            row.finish("tool_length")
+            return
+        row.add(ids, 0)
         row.traj.turns.append({
             "role": "tool", "calls": [_call_dict(c) for c in row.calls],
             "results": [{"text": o.text, "error": bool(o.error)} for o in cut],
-            "tokens": min(len(ids), room)})
+            "tokens": len(ids)})
         if len(ids) >= room:
             row.finish("length")
 
@@ -171,7 +198,11 @@ class AgentLoop:
         seeds = (np.full((batch,), int(seed)) if np.ndim(seed) == 0
                  else np.asarray(seed).reshape(-1))
         stops = set(params.eos_ids)
-        turn_stops = tuple(params.eos_ids) + ((self.close_id,) if self.close_id is not None
+        # With one call per turn the close tag ends the turn on device; with more, the turn
+        # decodes on and is cut at the limit's close tag afterwards (the tokens before the cut
+        # are the same either way: a stop only ends a row).
+        one_call = self.spec.max_parallel_calls == 1 and self.close_id is not None
+        turn_stops = tuple(params.eos_ids) + ((self.close_id,) if one_call
                                               else ())
         rows = [_Row([int(t) for t in ids[b][mask[b]]]) for b in range(batch) for _ in range(n)]
         self.generate_calls = 0

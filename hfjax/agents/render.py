@@ -11,6 +11,9 @@ from hfjax.tools.parse import TOOL_CALL_CLOSE
 
 RESPONSE_OPEN = "<tool_response>"
 RESPONSE_CLOSE = "</tool_response>"
+# Ends a tool result cut to max_tool_response_len tokens, so the policy can tell a cut
+# result from a whole one.
+CUT_MARK = " [cut]"
 _MARK = "\x00HFJAX_TURN_END\x00"
 
 

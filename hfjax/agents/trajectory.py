@@ -16,7 +16,9 @@ class Trajectory:
 
     `turns`: {"role": "assistant", "text", "tokens"} for policy turns and {"role": "tool",
     "calls": [{"name", "arguments"} or None for a malformed one], "results": [{"text",
-    "error"}], "tokens"} for tool turns; `stop`: "eos", "max_turns" or "length"."""
+    "error"}], "tokens"} for tool turns; `stop`: "eos" (a turn without calls ended
+    at EOS), "max_turns", "length" (the budget spent) or "tool_length" (a tool turn did not fit
+    what was left of the budget and was dropped)."""
 
     turns: list[dict] = dataclasses.field(default_factory=list)
     stop: str = ""

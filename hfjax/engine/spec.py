@@ -94,6 +94,7 @@ class MultiTurnSpec(Spec):
     tools: str  # names or package.module:Class, comma-separated (`hfjax.tools.registry`)
     max_tool_response_len: int  # tokens per observation
     tool_workers: int  # threads running tool calls
+    max_parallel_calls: int  # tool calls run per policy turn, in order
 
 
 @dataclasses.dataclass(frozen=True)

@@ -23,7 +23,7 @@ from flax import nnx
 from jax.sharding import Mesh
 from ml_collections import config_dict
 
-from hfjax.agents import AgentLoop
+from hfjax.agents import AgentLoop, check_agent_fits
 from hfjax.controller import compile_log
 from hfjax.controller.batch import Batch
 from hfjax.controller.placement import place_role
@@ -142,13 +142,17 @@ def build_actor(cfg, model: nnx.Module, pools: Mapping[str, ResourcePool], pad_i
         optimizer=make_optimizer(c.sft.lr, grad_clip=c.actor.grad_clip),
         eos_ids=(eos_id,), hybrid=engine, home=mesh,
         sequence_parallel=c.actor.sequence_parallel,
-        agent=build_agent(rollout.multi_turn, sampler, tokenizer) if turns else None,
+        agent=(build_agent(rollout.multi_turn, sampler, tokenizer, c.data.max_prompt_length,
+                           rollout.response_length) if turns else None),
     )
 
 
-def build_agent(spec: MultiTurnSpec, sampler, tokenizer) -> AgentLoop:
+def build_agent(spec: MultiTurnSpec, sampler, tokenizer, max_prompt_length: int,
+                response_length: int) -> AgentLoop:
     """The multi-turn loop of `rollout.multi_turn` (`spec`) over `sampler`: the tools it names
-    run in a `ToolRunner` of `tool_workers` threads."""
+    run in a `ToolRunner` of `tool_workers` threads. Refuses, before anything compiles, a
+    sampler that cannot hold prompts of `max_prompt_length` plus `response_length` tokens
+    (`check_agent_fits`)."""
     if tokenizer is None:
         raise ValueError("rollout.multi_turn.enable needs the run's tokenizer (to read tool "
                          "calls and write their results); pass tokenizer= to build_actor")
@@ -158,8 +162,13 @@ def build_agent(spec: MultiTurnSpec, sampler, tokenizer) -> AgentLoop:
         raise ValueError("rollout.multi_turn.enable runs on one process for now; run it on one "
                          "host (every device of it), or set --config.rollout.multi_turn."
                          "enable=False")
+    check_agent_fits(sampler, max_prompt_length, response_length)
     runner = ToolRunner(resolve_tools(spec.tools), max_workers=spec.tool_workers)
-    return AgentLoop(sampler, tokenizer, runner, spec)
+    try:
+        return AgentLoop(sampler, tokenizer, runner, spec)
+    except ValueError:  # a setting the loop refuses: its runner's threads go too
+        runner.close()
+        raise
 
 
 def build_reward(cfg, tokenizer, home: Mesh) -> RuleReward:

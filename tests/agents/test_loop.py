@@ -57,8 +57,8 @@ def _prompts():
     return np.asarray(ids), np.asarray(mask)
 
 
-def _loop(sampler, runner, max_turns=3, obs_len=8):
-    return AgentLoop(sampler, TOK, runner, _spec(max_turns=max_turns, obs_len=obs_len))
+def _loop(sampler, runner, max_turns=3, obs_len=8, **kw):
+    return AgentLoop(sampler, TOK, runner, _spec(max_turns=max_turns, obs_len=obs_len, **kw))
 
 
 def _spec(max_turns=3, obs_len=8, **kw):
@@ -92,7 +92,8 @@ def test_turns_alternate_and_the_masks_follow_them(rollout):
     for r, traj in enumerate(out.trajectories):
         length = int(out.attn_mask[r].sum())
         assert out.attn_mask[r, :length].all() and not out.attn_mask[r, length:].any()
-        assert traj.num_turns <= 3 and traj.stop in ("eos", "max_turns", "length")
+        assert traj.num_turns <= 3
+        assert traj.stop in ("eos", "max_turns", "length", "tool_length")
         at = 0
         for k, turn in enumerate(traj.turns):
             seg = slice(at, at + turn["tokens"])
@@ -177,24 +178,119 @@ def test_a_turn_is_cut_at_the_close_tag_and_the_tool_runs(sampler, runner):
         assert row2.done and row2.traj.stop == "max_turns" and row2.future is None
 
 
-def test_observations_are_cut_and_the_budget_holds(sampler, runner):
-    """An observation longer than max_tool_response_len tokens is cut to it, and a tool turn
-    that does not fit the budget ends the trajectory at the budget."""
+def test_observations_are_cut_with_a_mark_and_a_tool_turn_that_does_not_fit_is_dropped(
+        sampler, runner):
+    """An observation longer than max_tool_response_len tokens is cut to it, its last tokens
+    the cut mark; a tool turn that does not fit what is left of the budget is not kept half:
+    it is dropped and the trajectory ends ("tool_length")."""
     from hfjax.agents.loop import _Row
+    from hfjax.agents.render import CUT_MARK
 
-    loop = _loop(sampler, runner, obs_len=3)
-    call = TOK.encode(tool_arith.tool_call_text(9999, 9999), add_special_tokens=False)
+    loop = _loop(sampler, runner, obs_len=8)
+    call = TOK.encode(tool_arith.tool_call_text(99999999, 99999999), add_special_tokens=False)
     row = _Row([1])
     loop._policy_turn(row, np.array(call), np.zeros(len(call)), {TOK.eos_id}, budget=R)
     loop._tool_turn(row, budget=R)
     obs = TOK.decode([t for t, g in zip(row.tokens, row.gen) if not g],
                      skip_special_tokens=False)
-    assert obs == "<tool_response>999</tool_response>"  # 99980001 cut to 3 tokens
+    # 9999999800000001 (16 tokens) cut to 8: 2 of its digits, then the 6-token mark.
+    assert obs == f"<tool_response>99{CUT_MARK}</tool_response>"
+    assert row.traj.turns[-1]["results"] == [{"text": "99" + CUT_MARK, "error": False}]
+    # A whole result has no mark.
     row = _Row([1])
-    loop._policy_turn(row, np.array(call), np.zeros(len(call)), {TOK.eos_id},
-                      budget=len(call) + 2)
-    loop._tool_turn(row, budget=len(call) + 2)
-    assert row.done and row.traj.stop == "length" and len(row.tokens) == len(call) + 2
+    small = TOK.encode(tool_arith.tool_call_text(2, 3), add_special_tokens=False)
+    loop._policy_turn(row, np.array(small), np.zeros(len(small)), {TOK.eos_id}, budget=R)
+    loop._tool_turn(row, budget=R)
+    assert row.traj.turns[-1]["results"] == [{"text": "6", "error": False}]
+    # The tool turn needs 2 + 8 tokens; 9 are left: dropped whole, trajectory ended.
+    budget = len(call) + 9
+    row = _Row([1])
+    loop._policy_turn(row, np.array(call), np.zeros(len(call)), {TOK.eos_id}, budget=budget)
+    loop._tool_turn(row, budget=budget)
+    assert row.done and row.traj.stop == "tool_length" and len(row.tokens) == len(call)
+    assert [t["role"] for t in row.traj.turns] == ["assistant"]
+    # With 10 left it fits exactly, and the budget is spent.
+    row = _Row([1])
+    loop._policy_turn(row, np.array(call), np.zeros(len(call)), {TOK.eos_id}, budget=budget + 1)
+    loop._tool_turn(row, budget=budget + 1)
+    assert row.done and row.traj.stop == "length" and len(row.tokens) == budget + 1
+
+
+def test_several_calls_per_turn_run_in_order_up_to_the_limit(sampler, runner):
+    """With max_parallel_calls=2 a turn decodes past its first call: both calls run and their
+    results follow in the calls' order; a third call is cut off with the rest of the turn (the
+    turn ends at the limit's close tag). With the limit 1, the turn ends at its first call."""
+    from hfjax.agents.loop import _Row
+
+    calls = [(2, 3), (40, 5), (7, 7)]
+    text = "".join(tool_arith.tool_call_text(a, b) for a, b in calls)
+    turn = np.array(TOK.encode(text, add_special_tokens=False) + [TOK.eos_id])
+    for limit, by_text in ((2, False), (2, True), (3, False), (1, False)):
+        loop = _loop(sampler, runner, max_parallel_calls=limit)
+        if by_text:
+            loop.close_id = None
+        row = _Row([1])
+        loop._policy_turn(row, turn, np.zeros(len(turn)), {TOK.eos_id}, budget=4 * R)
+        kept = "".join(tool_arith.tool_call_text(a, b) for a, b in calls[:limit])
+        assert TOK.decode(row.tokens, skip_special_tokens=False) == kept
+        loop._tool_turn(row, budget=4 * R)
+        want = [str(a * b) for a, b in calls[:limit]]
+        assert [r["text"] for r in row.traj.turns[-1]["results"]] == want
+        assert [c["arguments"]["expression"] for c in row.traj.turns[-1]["calls"]] == [
+            f"{a}*{b}" for a, b in calls[:limit]]
+        obs = TOK.decode([t for t, g in zip(row.tokens, row.gen) if not g],
+                         skip_special_tokens=False)
+        assert obs == "".join(f"<tool_response>{w}</tool_response>" for w in want)
+        assert not row.done and row.traj.tool_errors == 0
+
+
+def test_a_turn_that_ends_at_eos_with_calls_goes_on_and_one_without_ends(sampler, runner):
+    """A turn that writes its calls and then its end-of-turn token (EOS) runs them and the
+    trajectory goes on; when the template writes that token after the assistant's message,
+    the tool turn does not repeat it. A turn without calls that ends at EOS ends the
+    trajectory."""
+    import copy
+
+    from hfjax.agents.loop import _Row
+
+    tok = copy.copy(TOK)
+    tok.chat_template = (
+        "{% for m in messages %}<{{ m.role }}>{{ m.content }}<eos>{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}")
+    loop = AgentLoop(sampler, tok, runner, _spec(max_parallel_calls=2))
+    turn = TOK.encode(tool_arith.tool_call_text(6, 7), add_special_tokens=False) + [TOK.eos_id]
+    row = _Row([1])
+    loop._policy_turn(row, np.array(turn), np.zeros(len(turn)), {TOK.eos_id}, budget=2 * R)
+    assert not row.done and row.ended_eos
+    loop._tool_turn(row, budget=2 * R)
+    text = TOK.decode(row.tokens, skip_special_tokens=False)
+    assert text == tool_arith.tool_call_text(6, 7) + "<eos><tool>42<eos><assistant>"
+    answer = TOK.encode("#### 42", add_special_tokens=False) + [TOK.eos_id]
+    loop._policy_turn(row, np.array(answer), np.zeros(len(answer)), {TOK.eos_id}, budget=2 * R)
+    assert row.done and row.traj.stop == "eos" and row.traj.num_turns == 2
+
+
+def test_bad_settings_are_refused_in_one_line(model, sampler, runner):
+    """max_parallel_calls (and every count) < 1, a result length with no room for the cut
+    mark, and a sampler that cannot hold the context are refused when the loop is built."""
+    from hfjax.agents import check_agent_fits
+    from hfjax.workers.groups import build_agent
+
+    for key in ("max_parallel_calls", "max_turns", "tool_workers"):
+        with pytest.raises(ValueError, match=f"^rollout.multi_turn.{key}=0; it must be an int "
+                                             f">= 1 [^\n]*$"):
+            AgentLoop(sampler, TOK, runner, _spec(**{key: 0}))
+    with pytest.raises(ValueError, match="^rollout.multi_turn.max_tool_response_len=6 leaves "
+                                         "no room for a cut result's mark"):
+        AgentLoop(sampler, TOK, runner, _spec(obs_len=6))
+    with pytest.raises(ValueError, match=f"max_prompt_len={P + R}; build it with "
+                                         f"max_prompt_len >= {P + R + 1}$"):
+        build_agent(_spec(), sampler, TOK, P, R + 1)
+    small = Sampler(model, max_prompt_len=P + R, pad_id=TOK.pad_id)
+    small.max_cache_len = P + R - 1
+    with pytest.raises(ValueError, match=f"^rollout.max_cache_len={P + R - 1} cannot hold"):
+        check_agent_fits(small, P, R)
+    check_agent_fits(sampler, P, R)
 
 
 def test_a_chat_template_renders_the_tool_turn():

@@ -259,6 +259,8 @@ CONFIG_CASES = [
      r"rollout.multi_turn.tools='calculator,abacus': unknown tool 'abacus'; known: calculator"),
     ("max-turns", _set(rollout__multi_turn__max_turns=0), r"rollout.multi_turn.max_turns=0: "
      r"needs an int >= 1"),
+    ("parallel-calls", _set(rollout__multi_turn__max_parallel_calls=0),
+     r"rollout.multi_turn.max_parallel_calls=0: needs an int >= 1"),
     ("val-n", _set(rollout__val_kwargs__n=0), r"rollout.val_kwargs.n=0: needs an int >= 1"),
     ("val-temperature", _set(rollout__val_kwargs__temperature=-0.5),
      r"rollout.val_kwargs.temperature=-0.5"),

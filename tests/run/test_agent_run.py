@@ -2,14 +2,17 @@
 turns, calls and errors and hands the trajectories to the reward; launch.evaluate runs the same
 loop and writes each trajectory turn by turn."""
 
+import dataclasses
 import json
 import os
 import subprocess
 import sys
 
 import pytest
-from support import subprocess_env, tiny_rl_config
+from support import scripted_policy, subprocess_env, tiny_rl_config, tool_call_successors
 
+from hfjax.config import model_source
+from hfjax.models import transformer
 from hfjax.rewards.registry import register_reward
 from hfjax.run.trainer import Trainer
 
@@ -37,15 +40,30 @@ def _config(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_multi_turn_grpo_step(tmp_path):
-    trainer = Trainer(_config(tmp_path))
+def test_a_multi_turn_grpo_step_calls_its_tool_and_takes_a_second_turn(tmp_path, monkeypatch):
+    """A GRPO step whose policy is forced to call its tool (a `scripted_policy`: it writes
+    `<tool_call>{"name":"calculator"}</tool_call>` after the prompt and EOS after the result):
+    through the trainer's real actor, engine, loop and tool runner every trajectory has one
+    successful call and two policy turns, and the reward reads them. A loop built with
+    max_turns=1 (or one that drops the call or its result) fails here."""
+    c = _config(tmp_path)
+    c.rollout.multi_turn.tools = "support:AnswerTool"
+
+    def forced(cfg, tokenizer, compute_dtype, pools):
+        model_cfg = dataclasses.replace(model_source.model_config(cfg, tokenizer, compute_dtype),
+                                        tie_word_embeddings=False)
+        model = transformer.build(model_cfg, "causal_lm", seed=cfg.seed)
+        return scripted_policy(model, tool_call_successors(tokenizer, "<eos>"))
+
+    monkeypatch.setattr(model_source, "initial_model", forced)
+    trainer = Trainer(c)
     for row in trainer.train_data.rows:
         row["data_source"] = SOURCE
     m = trainer.train_step()
-    assert 1.0 <= m["num_turns/mean"] <= 3.0
-    assert 0.0 <= m["tool_errors/mean"] <= m["tool_calls/mean"]
+    assert m["tool_calls/mean"] == 1.0 and m["tool_errors/mean"] == 0.0
+    assert m["num_turns/mean"] == 2.0
     # The reward read each trajectory's turns: its mean score is the mean policy turns.
-    assert m["critic/score/mean"] == pytest.approx(m["num_turns/mean"], abs=1e-5)
+    assert m["critic/score/mean"] == pytest.approx(2.0, abs=1e-5)
 
 
 @pytest.mark.slow
@@ -62,8 +80,8 @@ def test_evaluate_writes_trajectories_turn_by_turn(tmp_path):
     recs = [json.loads(line) for line in open(out)]
     assert len(recs) == 4
     for r in recs:
-        assert r["turns"][0]["role"] == "assistant" and r["stop"] in ("eos", "max_turns",
-                                                                      "length")
+        assert r["turns"][0]["role"] == "assistant" and r["stop"] in (
+            "eos", "max_turns", "length", "tool_length")
         assert r["num_turns"] == sum(t["role"] == "assistant" for t in r["turns"])
         # The response's mask counts the policy's tokens only.
         assert sum(t["tokens"] for t in r["turns"] if t["role"] == "assistant") == \

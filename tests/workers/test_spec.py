@@ -69,7 +69,8 @@ def test_the_rollout_spec_holds_the_default_configs_values():
         hybrid_engine=True, offload_optimizer=False, mode="static", decode_attention="auto",
         kv_layout="auto", slots=0, refill_every=8, min_slots=0, max_cache_len=0,
         multi_turn=MultiTurnSpec(enable=False, max_turns=4, tools="calculator",
-                                 max_tool_response_len=64, tool_workers=8))
+                                 max_tool_response_len=64, tool_workers=8,
+                                 max_parallel_calls=1))
     assert r.decode_mesh == ""  # no decode mesh: the actor decodes in its training layout
     assert RolloutSpec.of(r) is r
     with pytest.raises(dataclasses.FrozenInstanceError):
