@@ -1,7 +1,7 @@
 """Asynchronous rollout side by side: the same GRPO workload synchronous (colocated, and on
 two pools in turn) and with max_staleness K = 1 and K = 4 (docs/async.md).
 
-Usage: python bench/async_rollout.py [--steps=6] [--warmup=2] [--runs=colocate,sync,k1,k4]
+Usage: python bench/async_rollout.py [--steps=6] [--warmup=3] [--runs=colocate,sync,k1,k4]
 
 Each run is a fresh process on 2 simulated CPU devices: `colocate` puts every role on both;
 the others give the rollout one device and the trainer the other
@@ -42,7 +42,7 @@ def workload(placement: str, k: int, steps: int, smoke: bool):
     c.data.n_train, c.data.n_test = 256, 16
     c.data.train_batch_size = 4 if smoke else 16
     c.rollout.n = 4
-    c.rollout.response_length = 8 if smoke else 24
+    c.rollout.response_length = 8 if smoke else 64
     c.actor.ppo_mini_batch_size = c.data.train_batch_size
     c.actor.ppo_micro_batch_size = c.data.train_batch_size * c.rollout.n
     c.actor.mesh = c.ref.mesh = "fsdp=-1"
@@ -88,7 +88,7 @@ def one(name: str, steps: int, warmup: int, smoke: bool) -> dict:
 
 def main(argv: list[str]) -> None:
     args = dict(a[2:].split("=", 1) for a in argv if a.startswith("--") and "=" in a)
-    steps, warmup = int(args.get("steps", 6)), int(args.get("warmup", 2))
+    steps, warmup = int(args.get("steps", 6)), int(args.get("warmup", 3))
     smoke = os.environ.get("HFJAX_SMOKE") == "1"
     if smoke:
         steps, warmup = 2, 1

@@ -5,13 +5,15 @@ token's staleness, pushes the parameters' bytes, reruns identically and rewinds 
 cursor over batches issued ahead."""
 
 import jax
+import numpy as np
 import pytest
 from support import tiny_rl_config
 
 from hfjax.config import check_config
 from hfjax.config.values import ConfigError
 from hfjax.controller.async_pools import resolve_pools
-from hfjax.run.async_loop import version_of
+from hfjax.run.async_loop import AsyncRollout, version_of
+from hfjax.run.checkpoint import RunCheckpointer
 from hfjax.run.trainer import Trainer
 from hfjax.workers.rollout import param_bytes
 
@@ -107,3 +109,33 @@ def test_staleness_one_is_bounded_reproducible_and_loses_no_prompt():
     again._async.close()
     for a, b in zip(first, second, strict=True):
         assert _numeric(a) == _numeric(b)
+
+
+@pytest.mark.slow
+def test_a_resumed_run_trains_every_prompt_once_in_data_order(tmp_path, monkeypatch):
+    """K = 1 with a checkpoint after every step: a run of 2 steps ends with the prompts of its
+    third already issued to the rollout pool; a new trainer resumes from the checkpoint and
+    trains to step 4. The prompts consumed at each step are the data order's, none skipped, none
+    twice: the checkpoint's cursor goes back over the batch issued ahead."""
+    consumed = {}
+    take = AsyncRollout.take
+
+    def recording(self, step):
+        prompts, made = take(self, step)
+        consumed.setdefault(step, []).append(np.asarray(prompts["prompts"]).copy())
+        return prompts, made
+
+    monkeypatch.setattr(AsyncRollout, "take", recording)
+    cfg = grpo_config("split", 1, steps=2)
+    cfg.trainer.save_freq, cfg.trainer.test_freq, cfg.trainer.val_before_train = 1, 0, False
+    ckpt = RunCheckpointer(str(tmp_path / "ckpt"), async_save=False)
+    assert Trainer(cfg).fit(ckpt).step == 2
+    cfg.trainer.total_steps = 4
+    result = Trainer(cfg).fit(RunCheckpointer(str(tmp_path / "ckpt"), async_save=False))
+    assert result.resumed_from == 2 and result.step == 4
+    # The data order: a fresh trainer's prompts of steps 0..3, drawn in turn.
+    fresh = Trainer(cfg)
+    for step in range(4):
+        want = np.asarray(fresh._prompts(next(fresh.train_iter), step=step)["prompts"])
+        assert len(consumed[step]) == 1, f"step {step} trained {len(consumed[step])} times"
+        np.testing.assert_array_equal(consumed[step][0], want)
