@@ -194,10 +194,12 @@ class Trainer:
             batch, made = queue.take(self.step)
             w.rollout_source = lambda _prompts: made()
         n_prompts = len(batch)
-        batch, metrics = self.algo.step(w, batch, self.spec)
+        try:
+            batch, metrics = self.algo.step(w, batch, self.spec)
+        finally:
+            w.rollout_source = None
         metrics |= dataflow.step_metrics(dict(batch.arrays), self.spec.rollout.response_length)
         if queue is not None:
-            w.rollout_source = None
             metrics |= queue.metrics(self.step, batch)
         with jax.transfer_guard("allow"):
             host = {k: float(v) for k, v in jax.device_get(metrics).items()}
