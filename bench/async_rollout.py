@@ -11,7 +11,9 @@ keep one core busy: that is what overlap means on a 2-core machine, where one pr
 multi-threaded programs already fill both cores. Per run: steps/s over the steps after
 `--warmup` (which compile), the rollout pool's and the trainer's idle seconds per step (for the
 synchronous two-pool run: the trainer idles while generation runs, the rollout pool while the
-rest of the step runs), and the ratio to the synchronous two-pool run. The last line is JSON.
+rest of the step runs), the ratio to the synchronous two-pool run, and the planner's price of
+each two-pool run's step (`hfjax.planner.simulator.async_step_seconds`, from the synchronous
+run's measured generation and other stage times). The last line is JSON.
 """
 
 from __future__ import annotations
@@ -109,15 +111,24 @@ def main(argv: list[str]) -> None:
         if p.returncode != 0:
             raise SystemExit(f"run {name} failed:\n{p.stderr[-3000:]}")
         results[name] = json.loads(p.stdout.strip().splitlines()[-1])
+    from hfjax.planner.simulator import async_step_seconds
+
     base = results.get("sync")
     print(f"{'run':10} {'steps/s':>8} {'step s':>7} {'gen s':>7} {'idle rollout':>13} "
-          f"{'idle train':>11} {'staleness':>9} {'vs sync':>8}")
+          f"{'idle train':>11} {'staleness':>9} {'vs sync':>8} {'predicted':>9}")
     for name, r in results.items():
         ratio = r["steps_per_s"] / base["steps_per_s"] if base else float("nan")
         r["vs_sync"] = ratio
+        # The simulator's price of this run's step, from the synchronous run's stage times
+        # (generation; the rest, less its push) and this run's push.
+        pred = float("nan")
+        if base and name != "colocate":
+            rest = base["step_s"] - base["gen_s"] - base["push_s"]
+            pred = async_step_seconds(base["gen_s"], rest, r["push_s"], RUNS[name][1])
+        r["predicted_step_s"] = pred
         print(f"{name:10} {r['steps_per_s']:8.3f} {r['step_s']:7.3f} {r['gen_s']:7.3f} "
               f"{r['idle_rollout_s']:13.3f} {r['idle_train_s']:11.3f} "
-              f"{r['staleness_mean']:9.2f} {ratio:8.2f}")
+              f"{r['staleness_mean']:9.2f} {ratio:8.2f} {pred:9.3f}")
     print(json.dumps(results))
 
 

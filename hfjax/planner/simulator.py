@@ -537,6 +537,28 @@ class Simulator:
         return self.costs.call(model, lay, self.score_call(model, lay)[1]).extra_bytes
 
 
+def async_step_seconds(gen_s: float, train_s: float, push_s: float,
+                       max_staleness: int) -> float:
+    """Seconds per step, in steady state, of a run whose rollout has a pool of its own
+    (docs/async.md): `gen_s` generating one batch there, `train_s` the rest of the step on the
+    trainer's pool, `push_s` moving the weights across after each update.
+
+    K = 0 runs the three in turn. With K >= 1 the batch of step s is generated with the
+    weights pushed after update s - K, so while the trainer runs step s - 1 (and pushes after
+    it, in its own thread) the rollout generates step s: the slower side sets the pace. A
+    larger K admits the same steady state; it only absorbs steps whose times vary."""
+    if max_staleness <= 0:
+        return gen_s + train_s + push_s
+    return max(gen_s, train_s + push_s)
+
+
+def push_seconds(cluster: Cluster, model: ModelSpec, across_nodes: bool) -> float:
+    """Seconds to push `model`'s parameters from the trainer's pool to the rollout's: every
+    byte crosses once, over the fast link, or the network between nodes."""
+    bandwidth = cluster.scale_out_bandwidth if across_nodes else cluster.link_bandwidth
+    return _model_bytes(model) / bandwidth
+
+
 def _model_bytes(model: ModelSpec) -> float:
     return float(sum(leaf.nbytes for leaf in model_leaves(model)))
 
