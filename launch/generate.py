@@ -209,7 +209,7 @@ def _generate_turns(f, model, tokenizer, tools, ids, mask, mesh, pad, say) -> No
                         "prompt_text": f.prompt[prompt_idx], **traj.to_dict()})
     _write(f.responses, records)
     say(f"[{int(out.gen_mask.sum())} generated and {int((out.attn_mask - out.gen_mask).sum())} "
-        f"tool tokens in {seconds:.1f}s over {loop.generate_calls} generate calls, compile "
+        f"tool tokens in {seconds:.1f}s over {loop.turn_calls} turn programs, compile "
         "included]", flush=True)
 
 

@@ -44,7 +44,8 @@ from absl import logging
 from hfjax.agents.fit import check_spec
 from hfjax.agents.render import CUT_MARK, close_tag_id, observation_renderer
 from hfjax.agents.trajectory import AgentOutput, Trajectory
-from hfjax.engine.sampler import Sampler, bucket_size
+from hfjax.engine.sampler import Sampler
+from hfjax.engine.session import TurnEngine, TurnSession
 from hfjax.engine.spec import MultiTurnSpec
 from hfjax.engine.token_select import SamplingParams
 from hfjax.tools import Observation, ToolCall, parse_tool_calls
@@ -72,6 +73,7 @@ class _Row:
         self.future: cf.Future | None = None
         self.calls: list = []
         self.done = False
+        self.cached = 0  # response tokens whose keys and values the session's cache holds
         self.ended_eos = False  # the last policy turn ended at an EOS/end-of-turn token
 
     def add(self, tokens, gen: int, lps=None):
@@ -104,7 +106,9 @@ class AgentLoop:
                              f"mark {CUT_MARK!r} ({self.mark_len} tokens); set it above "
                              f"{self.mark_len}")
         self.pad_id = int(sampler.pad_id)
-        self.generate_calls = 0  # generate calls of the last `run`
+        self.engine = TurnEngine(sampler)
+        self.turn_calls = 0  # session programs (first turn and resumes) of the last `run`
+        self.prefilled = 0  # tokens the last `run`'s resumes prefilled
 
     def _cut_at_close(self, tokens: np.ndarray, k: int) -> int | None:
         """The number of tokens up to and including the `k`-th close tag, or None."""
@@ -202,19 +206,15 @@ class AgentLoop:
         # decodes on and is cut at the limit's close tag afterwards (the tokens before the cut
         # are the same either way: a stop only ends a row).
         one_call = self.spec.max_parallel_calls == 1 and self.close_id is not None
-        turn_stops = tuple(params.eos_ids) + ((self.close_id,) if one_call
-                                              else ())
+        turn_stops = tuple(params.eos_ids) + ((self.close_id,) if one_call else ())
         rows = [_Row([int(t) for t in ids[b][mask[b]]]) for b in range(batch) for _ in range(n)]
-        self.generate_calls = 0
+        self.turn_calls = 0
 
         # First turn: the caller's request as it stands (n samples per prompt, its seeds).
         first = dataclasses.replace(params, eos_ids=turn_stops)
-        out = self.sampler.generate(state, ids, mask.astype(np.int32), first, seed=seed)
-        self.generate_calls += 1
-        toks, m, lps = (np.asarray(x) for x in out)
-        for r, row in enumerate(rows):
-            keep = m[r] > 0
-            self._policy_turn(row, toks[r][keep], lps[r][keep], stops, budget)
+        session = self.engine.open(state, ids, mask.astype(np.int32), first, seed)
+        self.turn_calls += 1
+        self._read_turns(session, rows, range(len(rows)), stops, budget)
 
         while not all(row.done for row in rows):
             pending = [row.future for row in rows if row.future is not None]
@@ -229,33 +229,28 @@ class AgentLoop:
                 self._tool_turn(rows[i], budget)
             go = [i for i in ready if not rows[i].done]
             if go:
-                self._next_turns(state, rows, go, params, turn_stops, seeds, budget)
+                # Each row's cache lacks its turn's last token and the tool's result: only
+                # those are prefilled. Later turns are keyed per row (prompt seed, sample,
+                # turn), so a trajectory does not depend on which rows share a call.
+                session.resume(
+                    {i: (rows[i].cached, rows[i].tokens[rows[i].cached:]) for i in go},
+                    {i: _turn_seed(int(seeds[i // n]), i // n, i % n, rows[i].traj.num_turns)
+                     for i in go})
+                self.turn_calls += 1
+                self._read_turns(session, rows, go, stops, budget)
+        self.prefilled = session.prefilled
         return self._assemble(rows, budget)
 
-    def _next_turns(self, state, rows: list[_Row], go: list[int], params: SamplingParams,
-                    turn_stops: tuple[int, ...], seeds: np.ndarray, budget: int) -> None:
-        """One policy turn for rows `go`, their contexts as prompts."""
-        n = params.n
-        width = bucket_size(len(go), min(8, len(rows)))
-        picks = go + [go[0]] * (width - len(go))
-        contexts = [rows[i].prompt + rows[i].tokens for i in picks]
-        longest = max(len(c) for c in contexts)
-        ids = np.full((width, longest), self.pad_id, np.int32)
-        mask = np.zeros((width, longest), np.int32)
-        for k, c in enumerate(contexts):
-            ids[k, longest - len(c):] = c
-            mask[k, longest - len(c):] = 1
-        turn_seeds = np.array(
-            [_turn_seed(int(seeds[i // n]), i // n, i % n, rows[i].traj.num_turns)
-             for i in picks], np.int64)
-        room = max(budget - len(rows[i].tokens) for i in go)
-        p = dataclasses.replace(params, n=1, max_new_tokens=room, eos_ids=turn_stops)
-        out = self.sampler.generate(state, ids, mask, p, seed=turn_seeds)
-        self.generate_calls += 1
-        toks, m, lps = (np.asarray(x) for x in out)
-        for k, i in enumerate(go):
-            keep = m[k] > 0
-            self._policy_turn(rows[i], toks[k][keep], lps[k][keep], set(params.eos_ids), budget)
+    def _read_turns(self, session: TurnSession, rows: list[_Row], which, eos: set[int],
+                    budget: int) -> None:
+        """Appends the turn the session just decoded to each of rows `which`."""
+        toks, lps, start, t = session.turns()
+        for i in which:
+            a, b = int(start[i]), int(t[i])
+            self._policy_turn(rows[i], toks[i, a:b], lps[i, a:b], eos, budget)
+            # The turn's last kept token was drawn but never fed: its key and value are not
+            # in the cache (nor, where the turn was cut short, those of the tokens after it).
+            rows[i].cached = len(rows[i].tokens) - 1
 
     def _assemble(self, rows: list[_Row], budget: int) -> AgentOutput:
         shape = (len(rows), budget)
@@ -267,9 +262,9 @@ class AgentLoop:
             k = len(row.tokens)
             tokens[r, :k], gen[r, :k], attn[r, :k], lps[r, :k] = row.tokens, row.gen, 1, row.lps
         trajs = [row.traj for row in rows]
-        logging.log_every_n(logging.INFO, "hfjax.engine: %d trajectories, %d generate calls, "
+        logging.log_every_n(logging.INFO, "hfjax.engine: %d trajectories, %d turn programs, "
                             "%.2f turns and %.2f tool calls per trajectory", 10, len(rows),
-                            self.generate_calls, np.mean([t.num_turns for t in trajs]),
+                            self.turn_calls, np.mean([t.num_turns for t in trajs]),
                             np.mean([t.tool_calls for t in trajs]))
         return AgentOutput(tokens, gen, attn, lps, trajs)
 
