@@ -181,8 +181,7 @@ def _generate_turns(f, model, tokenizer, tools, ids, mask, mesh, pad, say) -> No
     from hfjax.engine.spec import MultiTurnSpec
     from hfjax.tools import ToolRunner
 
-    sampler = Sampler(model, mesh=mesh, max_prompt_len=ids.shape[1] + f.max_new_tokens,
-                      pad_id=pad)
+    sampler = Sampler(model, mesh=mesh, max_prompt_len=ids.shape[1], pad_id=pad)
     params = SamplingParams(max_new_tokens=f.max_new_tokens, temperature=f.temperature,
                             top_k=f.top_k, top_p=f.top_p, min_p=f.min_p, n=f.n,
                             eos_ids=_eos_ids(tokenizer, model.config))

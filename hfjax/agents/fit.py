@@ -7,20 +7,21 @@ import numpy as np
 
 
 def check_agent_fits(sampler, max_prompt_length: int, response_length: int) -> None:
-    """Refuses a sampler that cannot hold a trajectory's context: later turns take the prompt
-    plus every response token so far as their prompt, so the sampler's prompt limit and, for the
-    continuous engine, a slot's `max_cache_len` must hold prompt plus the whole response
-    budget. Called where the run builds its loop, so a run that would fail at a later turn is
-    refused before its first compiles."""
+    """Refuses a sampler that cannot hold a trajectory: the first turn prefills the prompt, so
+    the sampler's prompt limit must hold `max_prompt_length`; every row keeps its cache for the
+    whole trajectory (`hfjax.engine.session`), prompt and response budget together, so a
+    continuous engine's `max_cache_len`, the bound a run sets on a row's cache, must hold both.
+    Called where the run builds its loop, so a run that would fail is refused before its first
+    program compiles."""
+    if sampler.max_prompt_len < max_prompt_length:
+        raise ValueError(f"multi-turn rollouts prefill prompts of up to {max_prompt_length} "
+                         f"tokens (data.max_prompt_length), more than the sampler's "
+                         f"max_prompt_len={sampler.max_prompt_len}; build it with "
+                         f"max_prompt_len >= {max_prompt_length}")
     need = max_prompt_length + response_length
-    if sampler.max_prompt_len < need:
-        raise ValueError(f"multi-turn rollouts prefill contexts of up to {need} tokens "
-                         f"(data.max_prompt_length + rollout.response_length), more than the "
-                         f"sampler's max_prompt_len={sampler.max_prompt_len}; build it with "
-                         f"max_prompt_len >= {need}")
     cap = getattr(sampler, "max_cache_len", None)
     if cap is not None and cap < need:
-        raise ValueError(f"rollout.max_cache_len={cap} cannot hold a multi-turn context of "
+        raise ValueError(f"rollout.max_cache_len={cap} cannot hold a multi-turn row's cache of "
                          f"{need} tokens (data.max_prompt_length + rollout.response_length); "
                          f"set --config.rollout.max_cache_len to 0 or >= {need}")
 

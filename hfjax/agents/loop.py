@@ -21,14 +21,15 @@ trajectory. Those tokens are context, not policy output: the response mask is 0 
 1. The trajectory ends at a turn without calls, after `max_turns` policy turns, or when the
 budget is spent.
 
-Each policy turn is one `generate` call over the ready rows, whose prompts are the rows'
-contexts so far (prompt, earlier turns, observations), prefilled again: a turn pays a prefill
-of its context, not a KV cache kept across tool calls. The ready rows are padded to a power of
-two (repeating the first) so a run compiles a few batch shapes, and each row's later turns get
-seeds of their own (its prompt's seed, sample and turn), so a row's trajectory does not depend
-on which other rows share its calls. The first turn of every row is one call with the caller's
-seeds and `n` samples per prompt, so a trajectory without tool calls is exactly what the
-single-turn engine samples.
+Every row keeps its KV cache for the whole trajectory (`hfjax.engine.session`): the first turn
+is the caller's request as it stands (its seeds, `n` samples per prompt, the single-turn
+engine's prefill), so a trajectory without tool calls is exactly what the single-turn engine
+samples; a later turn resumes the row's cache, prefilling only what it lacks (its turn's last
+token, then the tool's result), and decodes on. Rows whose tools finish together resume in one
+program; the others wait in their own rows of the session meanwhile. Each later turn has a seed
+of its own (its prompt's seed, sample and turn), so a row's trajectory does not depend on which
+other rows share its calls, and a turn draws what the engine draws when the row's whole context
+is prefilled again with that seed (tests/engine/test_session.py).
 """
 
 from __future__ import annotations

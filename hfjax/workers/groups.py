@@ -131,10 +131,9 @@ def build_actor(cfg, model: nnx.Module, pools: Mapping[str, ResourcePool], pad_i
     rules, engine = actor_rules_and_engine(mesh, c.actor.rules,
                                            rollout.decode_mesh, nnx.state(model))
     turns = rollout.multi_turn.enable
-    # Later turns prefill the whole context so far: prompt plus the response budget.
-    max_prompt = c.data.max_prompt_length + (rollout.response_length if turns else 0)
+    # Later turns keep their cache (hfjax.engine.session): only prompts are prefilled whole.
     sampler = rollout_sampler(model, rollout, mesh=engine.decode_mesh if engine else mesh,
-                              max_prompt_len=max_prompt, pad_id=pad_id, rules=None,
+                              max_prompt_len=c.data.max_prompt_length, pad_id=pad_id, rules=None,
                               param_rules=engine.decode_rules if engine else rules)
     return ActorRollout(
         "actor", pool, c.actor.mesh, model, rules=rules,
@@ -151,8 +150,8 @@ def build_agent(spec: MultiTurnSpec, sampler, tokenizer, max_prompt_length: int,
                 response_length: int) -> AgentLoop:
     """The multi-turn loop of `rollout.multi_turn` (`spec`) over `sampler`: the tools it names
     run in a `ToolRunner` of `tool_workers` threads. Refuses, before anything compiles, a
-    sampler that cannot hold prompts of `max_prompt_length` plus `response_length` tokens
-    (`check_agent_fits`)."""
+    sampler that cannot hold prompts of `max_prompt_length` tokens, or rows of those plus
+    `response_length` tokens within its `max_cache_len` (`check_agent_fits`)."""
     if tokenizer is None:
         raise ValueError("rollout.multi_turn.enable needs the run's tokenizer (to read tool "
                          "calls and write their results); pass tokenizer= to build_actor")

@@ -272,7 +272,8 @@ def test_a_turn_that_ends_at_eos_with_calls_goes_on_and_one_without_ends(sampler
 
 def test_bad_settings_are_refused_in_one_line(model, sampler, runner):
     """max_parallel_calls (and every count) < 1, a result length with no room for the cut
-    mark, and a sampler that cannot hold the context are refused when the loop is built."""
+    mark, a sampler that cannot hold the prompts, and a continuous engine whose
+    max_cache_len cannot hold a row's kept cache are refused when the loop is built."""
     from hfjax.agents import check_agent_fits
     from hfjax.workers.groups import build_agent
 
@@ -285,10 +286,11 @@ def test_bad_settings_are_refused_in_one_line(model, sampler, runner):
         AgentLoop(sampler, TOK, runner, _spec(obs_len=6))
     with pytest.raises(ValueError, match=f"max_prompt_len={P + R}; build it with "
                                          f"max_prompt_len >= {P + R + 1}$"):
-        build_agent(_spec(), sampler, TOK, P, R + 1)
+        build_agent(_spec(), sampler, TOK, P + R + 1, R)
     small = Sampler(model, max_prompt_len=P + R, pad_id=TOK.pad_id)
     small.max_cache_len = P + R - 1
-    with pytest.raises(ValueError, match=f"^rollout.max_cache_len={P + R - 1} cannot hold"):
+    with pytest.raises(ValueError, match=f"^rollout.max_cache_len={P + R - 1} cannot hold a "
+                                         f"multi-turn row's cache of {P + R} tokens"):
         check_agent_fits(small, P, R)
     check_agent_fits(sampler, P, R)
 
@@ -373,8 +375,9 @@ def test_the_loss_sees_only_generated_tokens(model, sampler, runner):
 
 @pytest.mark.slow
 def test_the_continuous_engine_runs_the_same_trajectories(model, sampler, runner):
-    """Policy turns decoded through the continuous-batching engine's slots give the static
-    engine's trajectories, token for token (the loop is the engine's, whichever engine)."""
+    """A loop over the continuous-batching engine runs its turns in the same kept-cache
+    session (`hfjax.engine.session`) as over the static engine: the same trajectories, token
+    for token."""
     from flax import nnx
 
     from hfjax.engine.continuous import ContinuousSampler
@@ -419,31 +422,34 @@ class _LateRunner(ToolRunner):
 
 
 def test_rows_waiting_for_a_tool_do_not_stall_the_others(model, sampler, rollout):
-    """While one row's tool call is slow, the loop decodes the other rows' next turns: some
-    generate call starts after the first turn and before the slow observation arrives, and the
-    trajectories are those of the run without the delay (seeds are per row and turn)."""
+    """While one row's tool call is slow, the loop decodes the other rows' next turns (their
+    kept caches resume while the slow row's waits in its own): some resume starts after the
+    first turn and before the slow observation arrives, and the trajectories are those of the
+    run without the delay (seeds are per row and turn)."""
     import time
 
     from flax import nnx
 
+    from hfjax.engine.session import TurnSession
+
     _, want = rollout
     starts = []
-    real = sampler.generate
+    real = TurnSession.resume
 
-    def timed(*a, **k):
+    def timed(self, *a, **k):
         starts.append(time.perf_counter())
-        return real(*a, **k)
+        return real(self, *a, **k)
 
     runner = _LateRunner(delay=3.0)
     loop = AgentLoop(sampler, TOK, runner, _spec())
-    sampler.generate = timed
+    TurnSession.resume = timed
     try:
         ids, mask = _prompts()
         out = loop.run(nnx.state(model), ids, mask, _params(), seed=np.array([3, 4, 5, 6]))
     finally:
-        del sampler.generate
+        TurnSession.resume = real
         runner.close()
     assert runner.arrived is not None
-    assert any(starts[0] < s < runner.arrived for s in starts[1:]), (starts, runner.arrived)
+    assert any(s < runner.arrived for s in starts), (starts, runner.arrived)
     np.testing.assert_array_equal(out.tokens, want.tokens)
     np.testing.assert_array_equal(out.gen_mask, want.gen_mask)
