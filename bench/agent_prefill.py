@@ -15,7 +15,8 @@ log-prob difference).
 Figures: `prefilled_per_trajectory`, real tokens run through a prefill per trajectory (prompt
 included; padding excluded), and `step_s`, the median wall time of one rollout of the batch
 (`--repeats` after a warm-up that compiles), with their ratios. The model is SmolLM2-135M's
-shape with random weights (no download) over the arith_tool tokenizer; `--layers` and
+shape with random weights (no download) over the arith_tool tokenizer (its vocabulary
+padded to the hidden size); `--layers` and
 `--hidden` shrink it. HFJAX_SMOKE=1 (launch/smoke.py) runs a 2-layer model, one repeat.
 
     python -m bench.agent_prefill
@@ -146,8 +147,10 @@ def _model(layers: int, hidden: int):
     base = presets.PRESETS["smollm2-135m"]
     hidden = hidden or base.hidden_size
     heads = max(1, hidden // base.head_dim)
+    # `scripted_policy` reads the hidden state through the head: at least `hidden` ids (the
+    # ones past the tokenizer's are never drawn).
     cfg = dataclasses.replace(
-        base, vocab_size=TOK.vocab_size, tie_word_embeddings=False,
+        base, vocab_size=max(TOK.vocab_size, hidden), tie_word_embeddings=False,
         num_layers=layers or base.num_layers, hidden_size=hidden, num_heads=heads,
         num_kv_heads=heads if heads % base.num_kv_heads else base.num_kv_heads,
         intermediate_size=base.intermediate_size * hidden // base.hidden_size,

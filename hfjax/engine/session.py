@@ -46,8 +46,6 @@ import jax.numpy as jnp
 import numpy as np
 from absl import logging
 from flax import nnx
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from hfjax.engine.decode import (
     DecodeOptions,

@@ -13,6 +13,7 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
+from support import scripted_policy, tool_call_successors
 
 from configs import ppo_arith
 from hfjax.agents import AgentLoop
@@ -29,7 +30,6 @@ from hfjax.models.config import ModelConfig
 from hfjax.parallel import sharding as shd
 from hfjax.parallel.mesh import MeshSpec
 from hfjax.tools import ToolRunner, resolve_tools
-from support import scripted_policy, tool_call_successors
 
 TOK = tool_arith.tokenizer()
 P, R, N = 16, 48, 2  # prompt columns, response budget, samples per prompt
