@@ -40,16 +40,21 @@ CFG = ModelConfig(vocab_size=TOK.vocab_size + 1, hidden_size=32, intermediate_si
                   eos_token_id=TOK.eos_id)
 PROBLEMS = ["123*456=", "9876*54=", "31*2=", "4444*1234="]
 SEEDS = np.array([3, 4, 5, 6])
+OPEN, CLOSE = (TOK.encode(t, add_special_tokens=False)[0] for t in ("<tool_call>", "</tool_call>"))
 
 
-def _policy(scale: float, mix: float, seed: int = 5):
+def _policy(scale: float, mix: float, seed: int = 5, chain: bool = False):
     """The arith_tool tiny model scripted to call its tool after the prompt and after every
     result (`scripted_policy`), with `mix` times its random attention output projections put
     back: its logits then depend on the cache (the script alone reads only the current token).
-    With a small `scale` a temperature-1 draw often leaves the script."""
+    With a small `scale` a temperature-1 draw often leaves the script. With `chain`, a call is
+    followed by another call instead of the end of the turn."""
     model = transformer.build(CFG, "causal_lm", seed=seed)
     o_proj = np.asarray(model.model.layers.o_proj[...])
-    scripted_policy(model, tool_call_successors(TOK, "<tool_call>"), scale=scale)
+    successors = tool_call_successors(TOK, "<tool_call>")
+    if chain:
+        successors[CLOSE] = successors[TOK.eos_id] = OPEN
+    scripted_policy(model, successors, scale=scale)
     model.model.layers.o_proj[...] = mix * o_proj
     return model
 
@@ -76,10 +81,10 @@ def _prompts():
     return np.asarray(ids), np.asarray(mask)
 
 
-def _loop(sampler, runner):
+def _loop(sampler, runner, calls=1):
     base = MultiTurnSpec.of(ppo_arith.get_config().rollout.multi_turn)
     spec = dataclasses.replace(base, enable=True, tools="support:AnswerTool,python",
-                               max_turns=3, max_tool_response_len=8)
+                               max_turns=3, max_tool_response_len=8, max_parallel_calls=calls)
     return AgentLoop(sampler, TOK, runner, spec)
 
 
@@ -88,8 +93,8 @@ def _params(**kw):
                              "eos_ids": (TOK.eos_id,), **kw})
 
 
-def _run(sampler, runner, state):
-    loop = _loop(sampler, runner)
+def _run(sampler, runner, state, calls=1):
+    loop = _loop(sampler, runner, calls)
     ids, mask = _prompts()
     out = loop.run(state, ids, mask, _params(), seed=SEEDS)
     return loop, out
@@ -112,7 +117,8 @@ def _check_against_reprefill(model, loop, out):
     Returns the number of later turns checked."""
     ids, mask = _prompts()
     state = nnx.state(model)
-    stops = (TOK.eos_id, loop.close_id)
+    # With one call per turn the close tag stops a turn; with more the loop cuts it after.
+    stops = (TOK.eos_id,) + ((loop.close_id,) if loop.spec.max_parallel_calls == 1 else ())
     single = Sampler(model, max_prompt_len=P, pad_id=TOK.pad_id)
     first = single.generate(state, ids, mask, _params(eos_ids=stops), seed=SEEDS)
     reprefill = Sampler(model, max_prompt_len=P + R, pad_id=TOK.pad_id)
@@ -138,7 +144,7 @@ def _check_against_reprefill(model, loop, out):
                                  _params(n=1, max_new_tokens=room, eos_ids=stops), seed=seeds)
         rt, rm, rl = (np.asarray(x) for x in ref)
         for j, (r, at, n) in enumerate(turns):
-            got = rt[j][rm[j] > 0][:R - at]  # the loop cuts a turn at the row's budget
+            got = rt[j][rm[j] > 0][:n]  # the loop cuts a turn at the row's budget or calls
             np.testing.assert_array_equal(out.tokens[r, at:at + n], got, err_msg=f"row {r}")
             np.testing.assert_allclose(out.logprobs[r, at:at + n], rl[j][:n], atol=1e-5,
                                        err_msg=f"row {r} turn {k}")
@@ -177,6 +183,20 @@ def test_sampled_trajectories_equal_reprefilling(noisy, noisy_run):
     assert max(turns) == 3 and min(turns) < 3, turns
     assert len({len(_turns(t)) and _turns(t)[-1][0] for t in out.trajectories}) > 2
     assert _check_against_reprefill(noisy, loop, out) >= 6
+
+
+def test_turns_cut_after_their_calls_resume_from_the_cut(runner):
+    """With max_parallel_calls=2 and a policy that chains calls, a turn decodes past its second
+    call and the loop cuts it there: the tokens drawn after the cut went into the cache, and
+    the resume overwrites them. Every turn still equals re-prefilling."""
+    model = _policy(8.0, 1.0, chain=True)
+    sampler = Sampler(model, max_prompt_len=P, pad_id=TOK.pad_id)
+    loop, out = _run(sampler, runner, nnx.state(model), calls=2)
+    cut = [k for t in out.trajectories for k, turn in enumerate(t.turns[:-1])
+           if turn["role"] == "assistant" and turn["text"].endswith("</tool_call>")
+           and turn["text"].count("</tool_call>") == 2]
+    assert len(cut) >= 3, cut  # cut turns that a resume follows
+    assert _check_against_reprefill(model, loop, out) >= 3
 
 
 def test_the_hybrid_engines_data_parallel_mesh_and_the_gpu_layout_give_the_same_trajectories(
