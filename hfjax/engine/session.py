@@ -14,18 +14,21 @@ row, so rows at different indices decode in one step.
 **Programs.** Two, each one jitted program per shape:
 - `open`: the first turn, the static engine's own prefill (n samples per prompt, the
   caller's seeds) followed by the session's decode loop;
-- `resume`: the next turn of the rows in `go`. Their new tokens (the last token of their turn,
-  whose key and value no step has written yet, then the tool's result) are prefilled in one
-  forward pass against the kept cache (`_extend`), the turn's first token is drawn from the last
-  new position's logits, and the decode loop runs until every row of `go` has stopped.
+- `resume`: the next turn of some rows (those whose tools are done). Their rows are gathered
+  out of the session (their count padded to a power of two and to the data-parallel size),
+  their new tokens (the last token of their turn, whose key and value no step has written yet,
+  then the tool's result) are prefilled in one forward pass against the kept cache
+  (`_extend_layer`), the turn's first token is drawn from the last new position's logits, the
+  decode loop runs until each of them has stopped, and the rows go back in place.
 The new tokens travel in a window of `chunk` columns (a power of two, at least 16, at most
-`width`), so a run compiles a few resume programs. A window that would pass the cache's end is
-moved back; columns it covers that are not new keep their values.
+`width`), so a run compiles a few resume programs: one per (window, rows resumed) pair of
+powers of two. A window that would pass the cache's end is moved back; columns it covers that
+are not new keep their values.
 
-**Rows that are not decoding** (waiting for a tool, or finished) stay where they are: the
-decode step computes them with the batch, feeding their last token at their current column,
-and the result is discarded. That column is the one their next resume writes first, so nothing
-they attend to later is changed.
+**Rows that are not resuming** (waiting for a tool, or finished) are not computed: they stay
+parked in the session. Within a decode loop, as in the static engine, a row that has stopped is
+computed with the others until the last one stops; it feeds its last token at its current
+column, which its next resume writes first, so nothing it attends to later changes.
 
 **Seeds.** The first turn keys its rows as the static engine does (`fold_in(key(seed_b),
 salt_b)`, sample j, token t). A later turn takes one seed per row (the loop's `_turn_seed`) and
@@ -184,23 +187,27 @@ def _extend_layer(cfg, rope, p, h, kv: LayerCache, at, new, ok, layout: str):
 
 
 def _resume(graphdef, static: Static, opts: DecodeOptions, shardings, state, s: Session,
-            window, at, new, pick, go, seeds, knobs: Knobs, stops) -> Session:
-    """The next turn of the rows in `go` [R]: their new tokens `window` [R, C] (marked by `new`,
-    starting at response column `at`) prefilled into the kept cache, the first token drawn from
-    position `pick` [R] of the window, then the decode loop."""
+            rows, go, window, at, new, pick, seeds, knobs: Knobs, stops) -> Session:
+    """The next turn of session rows `rows` [S] (`go` [S] marks the real entries; the others
+    repeat a real one and are dropped): their rows are gathered out of the session, their new
+    tokens `window` [S, C] (marked by `new`, starting at response column `at`) are prefilled
+    into the kept cache, the first token is drawn from position `pick` [S] of the window, the
+    decode loop runs, and the rows go back in place. The session's other rows are not
+    computed."""
     model = nnx.merge(graphdef, state)
     cfg = model.config
     layers = split_layers(model)
-    width = s.tokens.shape[1]
+    sub = _constrain(jax.tree.map(lambda x: x[rows], s), shardings)
+    width = sub.tokens.shape[1]
     P_ = static.prompt_bucket
-    positions = s.lengths[:, None] + at[:, None] + jnp.arange(window.shape[1])[None, :]
+    positions = sub.lengths[:, None] + at[:, None] + jnp.arange(window.shape[1])[None, :]
     rope = rope_tables(positions, rope_inv_freq(cfg), storage_dtype(cfg.jnp_dtype),
                        P_ + width)
     h = model.model.embed(window)
-    ok = s.attn[:, :P_].astype(bool)
+    ok = sub.attn[:, :P_].astype(bool)
     cache = []
-    for p, kv in zip(layers, s.cache):
-        h, kv = _extend_layer(cfg, rope, p, h, kv, at, new, ok, opts.layout)
+    for p, kv in zip(layers, sub.cache):
+        h, kv = _extend_layer(cfg, rope, p, h, kv, at, new & go[:, None], ok, opts.layout)
         cache.append(kv)
     h = jnp.take_along_axis(h, pick[:, None, None], axis=1)[:, 0]
     logits = model.logits(rms_norm(h, model.model.norm[...], cfg.rms_norm_eps))
@@ -208,18 +215,14 @@ def _resume(graphdef, static: Static, opts: DecodeOptions, shardings, state, s: 
     keys = jax.vmap(lambda x: jax.random.fold_in(jax.random.fold_in(jax.random.key(x), 0), 0))(
         seeds)
     t = at + pick + 1  # the turn's first token's column
-    s = s._replace(cache=tuple(cache), keys=_where_keys(go, keys, s.keys),
-                   t=jnp.where(go, t, s.t), start=jnp.where(go, t, s.start), live=go)
-    tok, lp = select_tokens(logits, jax.vmap(jax.random.fold_in)(s.keys, s.t - s.start), static,
-                            knobs)
-    s = _constrain(_record(s, tok, lp, stops, knobs), shardings)
-    return _turn_loop(model, layers, static, opts, shardings, s, knobs, stops)
-
-
-def _where_keys(go, a, b):
-    """Typed PRNG keys: a where `go`, else b."""
-    data = jnp.where(go[:, None], jax.random.key_data(a), jax.random.key_data(b))
-    return jax.random.wrap_key_data(data, impl=jax.random.key_impl(a))
+    sub = sub._replace(cache=tuple(cache), keys=keys, t=t, start=t, live=go)
+    tok, lp = select_tokens(logits, jax.vmap(jax.random.fold_in)(keys, jnp.zeros_like(t)),
+                            static, knobs)
+    sub = _constrain(_record(sub, tok, lp, stops, knobs), shardings)
+    sub = _turn_loop(model, layers, static, opts, shardings, sub, knobs, stops)
+    back = jnp.where(go, rows, s.t.shape[0])  # padding entries fall outside: dropped
+    return _constrain(jax.tree.map(lambda x, y: x.at[back].set(y, mode="drop"), s, sub),
+                      shardings)
 
 
 # --------------------------------------------------------------------------------------------
@@ -239,14 +242,14 @@ class TurnEngine:
         self._programs: dict[tuple, Any] = {}
         self.compile_log: list[tuple] = []  # one entry per compiled program, in order
 
-    def _program(self, kind: str, static: Static, chunk: int = 0) -> Any:
-        key = (kind, static, chunk)
+    def _program(self, kind: str, static: Static, shape: tuple[int, int] = (0, 0)) -> Any:
+        key = (kind, static, shape)
         fn = self._programs.get(key)
         if fn is None:
             s = self.sampler
             logging.info("hfjax.engine: compiling session %s for rows=%d prompt_bucket=%d "
-                         "width=%d chunk=%d mesh=%s", kind, static.batch * static.n,
-                         static.prompt_bucket, static.new_bucket, chunk,
+                         "width=%d (window, rows resumed)=%s mesh=%s", kind,
+                         static.batch * static.n, static.prompt_bucket, static.new_bucket, shape,
                          dict(s.mesh.shape) if s.mesh is not None else None)
             body = _open if kind == "open" else _resume
             fn = functools.partial(body, s.graphdef, static, s.decode, self._shardings)
@@ -311,29 +314,37 @@ class TurnSession:
     def resume(self, new: dict[int, tuple[int, list[int]]], seeds: dict[int, int]) -> None:
         """Decodes the next turn of the rows in `new`: row r's entry (at, tokens) are the tokens
         from response column `at` on that its cache lacks (its turn's last token, then the
-        tool's result); `seeds[r]` keys its turn. The other rows stay as they are."""
+        tool's result); `seeds[r]` keys its turn. Only these rows are computed (padded to a
+        power of two and to the data-parallel size); the others stay as they are."""
         total = self.session.t.shape[0]
         width = self.width
+        dp = self.engine.sampler._dp
+        order = sorted(new)
+        count = min(-(-bucket_size(len(order), 1) // dp) * dp, total)
         longest = max(len(toks) for _, toks in new.values())
         chunk = min(bucket_size(longest, MIN_CHUNK), width)
-        window = np.full((total, chunk), self.engine.sampler.pad_id, np.int32)
-        mask = np.zeros((total, chunk), bool)
-        at = np.zeros((total,), np.int32)
-        pick = np.zeros((total,), np.int32)
-        go = np.zeros((total,), bool)
-        turn_seeds = np.zeros((total,), np.uint32)
-        for r, (col, toks) in new.items():
+        rows = np.full((count,), order[0], np.int32)
+        go = np.zeros((count,), bool)
+        window = np.full((count, chunk), self.engine.sampler.pad_id, np.int32)
+        mask = np.zeros((count, chunk), bool)
+        at = np.zeros((count,), np.int32)
+        pick = np.zeros((count,), np.int32)
+        turn_seeds = np.zeros((count,), np.uint32)
+        for k, r in enumerate(order):
+            col, toks = new[r]
             m = len(toks)
             if col < 0 or m < 1 or col + m >= width:
                 raise ValueError(f"row {r}: {m} new tokens from response column {col} do not "
                                  f"fit its {width} columns")
-            at[r] = min(col, width - chunk)  # a window past the cache's end moves back
-            d = col - at[r]
-            window[r, d:d + m], mask[r, d:d + m], pick[r], go[r] = toks, True, d + m - 1, True
-            turn_seeds[r] = seeds[r] & 0xFFFFFFFF
+            at[k] = min(col, width - chunk)  # a window past the cache's end moves back
+            d = col - at[k]
+            window[k, d:d + m], mask[k, d:d + m], pick[k] = toks, True, d + m - 1
+            rows[k], go[k], turn_seeds[k] = r, True, seeds[r] & 0xFFFFFFFF
             self.prefilled += m
-        (window, at, mask, pick, go, turn_seeds), _ = self.engine._put(
-            (window, at, mask, pick, go, turn_seeds), ())
-        program = self.engine._program("resume", self.static, chunk)
-        self.session = program(self.state, self.session, window, at, mask, pick, go, turn_seeds,
-                               self.knobs, self.stops)
+        for k in range(len(order), count):  # padding entries: a real row, computed, dropped
+            window[k], at[k], pick[k] = window[0], at[0], pick[0]
+        (rows, go, window, at, mask, pick, turn_seeds), _ = self.engine._put(
+            (rows, go, window, at, mask, pick, turn_seeds), ())
+        program = self.engine._program("resume", self.static, (chunk, count))
+        self.session = program(self.state, self.session, rows, go, window, at, mask, pick,
+                               turn_seeds, self.knobs, self.stops)

@@ -226,12 +226,25 @@ def test_the_hybrid_engines_data_parallel_mesh_and_the_gpu_layout_give_the_same_
     assert session.session.t.sharding.spec == jax.sharding.PartitionSpec("data")
 
 
-def test_bad_resumes_are_refused(forced):
-    """A resume whose new tokens would not fit the row's cache is refused before it runs."""
+def test_a_resume_computes_only_its_rows_and_a_bad_one_is_refused(forced):
+    """A resume leaves every other row of the session exactly as it was (cache, tokens,
+    indices) and refuses new tokens that would not fit the row's cache, before it runs."""
     sampler = Sampler(forced, max_prompt_len=P, pad_id=TOK.pad_id)
     ids, mask = _prompts()
-    session = TurnEngine(sampler).open(nnx.state(forced), ids[:1], mask[:1],
-                                       _params(n=1), seed=0)
+    session = TurnEngine(sampler).open(nnx.state(forced), ids, mask, _params(), seed=SEEDS)
+    leaves = lambda: [np.asarray(x) for x in jax.tree.leaves(  # noqa: E731
+        session.session._replace(keys=jax.random.key_data(session.session.keys)))]
+    before = leaves()
+    t = np.asarray(session.session.t)
+    session.resume({2: (int(t[2]) - 1, [TOK.pad_id + 1, 5, 6]),
+                    5: (int(t[5]) - 1, [TOK.pad_id + 1, 7])}, {2: 11, 5: 12})
+    changed = set()
+    for a, b in zip(before, leaves()):
+        for r in range(a.shape[0]):
+            if not np.array_equal(a[r], b[r]):
+                changed.add(r)
+    assert changed == {2, 5}
+    assert session.prefilled == 5
     width = session.width
     with pytest.raises(ValueError, match=f"^row 0: 3 new tokens from response column "
                                          f"{width - 2} do not fit its {width} columns$"):
