@@ -3,7 +3,9 @@
 Both sides run `hfjax.agents.AgentLoop` on the same forced 3-turn trajectories, one after the
 other in one process: a policy scripted into a model's weights (`scripted_policy` and
 `tool_call_successors` of tests/support.py) calls its tool after the prompt and after every
-result, and a tool answers with `--result_digits` digits; the loop stops it at `max_turns=3`.
+result, and a tool answers with `--result_digits` digits (at once: every row's calls finish
+together, so each side runs 3 turn programs of fixed shapes); the loop stops it at
+`max_turns=3`.
 - **kept**: the loop as it is (`hfjax.engine.session`): a later turn prefills its turn's last
   token and the tool's result into the row's kept cache;
 - **re-prefill**: the loop with the engine of hfjax before it kept caches, reproduced here
@@ -27,6 +29,7 @@ The last line printed is JSON.
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import dataclasses
 import json
 import os
@@ -143,6 +146,18 @@ class RePrefill:
         return session
 
 
+class _AtOnce(ToolRunner):
+    """A runner whose calls are done when `submit` returns: every row's tools finish together,
+    so both sides run the same 3 turn programs per rollout, the same shapes every time
+    (with a thread pool, rows whose calls finish a moment apart resume apart, and each new
+    grouping can compile a new shape inside a timed rollout)."""
+
+    def submit(self, calls):
+        future = cf.Future()
+        future.set_result(super().submit(calls).result())
+        return future
+
+
 def _model(layers: int, hidden: int):
     base = presets.PRESETS["smollm2-135m"]
     hidden = hidden or base.hidden_size
@@ -191,7 +206,7 @@ def main(argv):
            "model": {"layers": model.config.num_layers, "hidden": model.config.hidden_size},
            "rows": FLAGS.prompts * FLAGS.samples, "prompt_tokens": FLAGS.prompt_tokens,
            "result_digits": FLAGS.result_digits, "budget": params.max_new_tokens}
-    with ToolRunner({"calculator": Digits(FLAGS.result_digits)}, max_workers=8) as runner:
+    with _AtOnce({"calculator": Digits(FLAGS.result_digits)}, max_workers=1) as runner:
         sampler = Sampler(model, max_prompt_len=FLAGS.prompt_tokens + params.max_new_tokens,
                           pad_id=TOK.pad_id)
         loops = {"kept": AgentLoop(sampler, TOK, runner, spec),

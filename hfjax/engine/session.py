@@ -15,7 +15,8 @@ row, so rows at different indices decode in one step.
 - `open`: the first turn, the static engine's own prefill (n samples per prompt, the
   caller's seeds) followed by the session's decode loop;
 - `resume`: the next turn of some rows (those whose tools are done). Their rows are gathered
-  out of the session (their count padded to a power of two and to the data-parallel size),
+  out of the session (their count padded to a power of two, at least 8, and to the
+  data-parallel size),
   their new tokens (the last token of their turn, whose key and value no step has written yet,
   then the tool's result) are prefilled in one forward pass against the kept cache
   (`_extend_layer`), the turn's first token is drawn from the last new position's logits, the
@@ -70,7 +71,8 @@ from hfjax.models.transformer import (
 from hfjax.parallel import mesh as mesh_lib
 from hfjax.parallel import sharding as sharding_lib
 
-MIN_CHUNK = 16
+MIN_CHUNK = 16  # columns of the narrowest resume window
+MIN_ROWS = 8  # rows of the narrowest resume batch
 
 
 class Session(NamedTuple):
@@ -315,12 +317,14 @@ class TurnSession:
         """Decodes the next turn of the rows in `new`: row r's entry (at, tokens) are the tokens
         from response column `at` on that its cache lacks (its turn's last token, then the
         tool's result); `seeds[r]` keys its turn. Only these rows are computed (padded to a
-        power of two and to the data-parallel size); the others stay as they are."""
+        power of two, at least MIN_ROWS, and to the data-parallel size); the others stay as
+        they are."""
         total = self.session.t.shape[0]
         width = self.width
         dp = self.engine.sampler._dp
         order = sorted(new)
-        count = min(-(-bucket_size(len(order), 1) // dp) * dp, total)
+        # At least 8 rows (as many shapes as the old re-prefilling loop's batches, no more).
+        count = min(-(-bucket_size(len(order), MIN_ROWS) // dp) * dp, total)
         longest = max(len(toks) for _, toks in new.values())
         chunk = min(bucket_size(longest, MIN_CHUNK), width)
         rows = np.full((count,), order[0], np.int32)
