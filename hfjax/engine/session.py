@@ -323,7 +323,7 @@ class TurnSession:
         width = self.width
         dp = self.engine.sampler._dp
         order = sorted(new)
-        # At least 8 rows (as many shapes as the old re-prefilling loop's batches, no more).
+        # At least MIN_ROWS rows: a few shapes to compile, at the price of padding rows.
         count = min(-(-bucket_size(len(order), MIN_ROWS) // dp) * dp, total)
         longest = max(len(toks) for _, toks in new.values())
         chunk = min(bucket_size(longest, MIN_CHUNK), width)
