@@ -154,8 +154,8 @@ def _check_against_reprefill(model, loop, out):
 
 def test_forced_three_turn_trajectories_equal_reprefilling(forced, runner):
     """The scripted policy calls its tool, reads 42 and calls again: 3 policy turns per row.
-    Each turn equals re-prefilling, and the resumes prefilled exactly each turn's last token
-    and the tool's result. (Forced tokens have log-probs near 0 whatever the cache holds: the
+    Each turn equals re-prefilling, the resumes prefilled exactly each turn's last token and
+    the tool's result, and a second rollout compiles nothing. (Forced tokens have log-probs near 0 whatever the cache holds: the
     sampled test below is the one that checks the cache's numbers.)"""
     sampler = Sampler(forced, max_prompt_len=P, pad_id=TOK.pad_id)
     loop, out = _run(sampler, runner, nnx.state(forced))
@@ -165,6 +165,15 @@ def test_forced_three_turn_trajectories_equal_reprefilling(forced, runner):
                if t["role"] == "tool")
     assert loop.prefilled == tool + 2 * len(out.trajectories)
     assert loop.turn_calls >= 3  # rows whose tools finish apart resume apart
+    # Bucketed shapes: one open program, resumes of power-of-two windows and row counts (at
+    # least 8 here: every row); running again compiles nothing new.
+    kinds = [key[0] for key in loop.engine.compile_log]
+    assert kinds.count("open") == 1
+    assert {key[2] for key in loop.engine.compile_log if key[0] == "resume"} <= {(16, 8)}
+    compiled = len(loop.engine.compile_log)
+    ids, mask = _prompts()
+    loop.run(nnx.state(forced), ids, mask, _params(), seed=SEEDS + 10)
+    assert len(loop.engine.compile_log) == compiled
 
 
 @pytest.fixture(scope="module")
