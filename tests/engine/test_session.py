@@ -155,8 +155,8 @@ def _check_against_reprefill(model, loop, out):
 def test_forced_three_turn_trajectories_equal_reprefilling(forced, runner):
     """The scripted policy calls its tool, reads 42 and calls again: 3 policy turns per row.
     Each turn equals re-prefilling, the resumes prefilled exactly each turn's last token and
-    the tool's result, and a second rollout compiles nothing. (Forced tokens have log-probs near 0 whatever the cache holds: the
-    sampled test below is the one that checks the cache's numbers.)"""
+    the tool's result, and a second rollout compiles nothing. (Forced tokens have log-probs
+    near 0 whatever the cache holds: the sampled test below checks the cache's numbers.)"""
     sampler = Sampler(forced, max_prompt_len=P, pad_id=TOK.pad_id)
     loop, out = _run(sampler, runner, nnx.state(forced))
     assert all(t.num_turns == 3 and t.stop == "max_turns" for t in out.trajectories)
