@@ -81,6 +81,9 @@ def get_config() -> config_dict.ConfigDict:
             response_key="response",
             messages_key="messages",
             max_response_length=0,  # 0: rollout.response_length
+            # launch.sft: held-out accuracy by greedy generation before and after, when the
+            # run has prompt rows (data.val_files or the embedded task)
+            heldout_generation=True,
             # arith demonstrations: a worked scratchpad of this many 14-token lines before the
             # answer (hfjax.data.arith.scratchpad; configs/grpo_long_arith.py); 0: none
             scratchpad_lines=0,

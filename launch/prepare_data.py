@@ -6,7 +6,9 @@
 Tasks: gsm_symbolic, basic_arithmetic, countdown, chain_sum (reasoning-gym) and arith (the
 embedded arithmetic task), arith_tool (3-4 digit products for the calculator tool, with verl's
 multi-turn fields: docs/agents.md), in verl's prompt schema (docs/data.md); `--tools=calculator`
-starts every prompt with a system message describing the tools (docs/agents.md); and arith_prefs /
+starts every prompt with a system message describing the tools (docs/agents.md), and
+`--sft_demos` adds tool-use demonstrations of the same prompts for an SFT warm start
+(sft_train.parquet, sft_test.parquet; docs/algorithms.md); and arith_prefs /
 arith_cost_prefs, preference pairs for reward / cost models (docs/algorithms.md):
 
     python -m launch.prepare_data --task=arith_prefs --n_train=1400 --n_test=200 \
@@ -33,6 +35,11 @@ _TOOLS = flags.DEFINE_string(
     "tools", "", "tools to tell the model about (names or pkg.mod:Class, comma-separated): each "
     "prompt starts with a system message describing them, and rows get extra_info.tools_kwargs"
 )
+_SFT_DEMOS = flags.DEFINE_bool(
+    "sft_demos", False, "also write sft_train.parquet and sft_test.parquet: tool-use "
+    "demonstrations of the same prompts (call the calculator, read its result, answer), "
+    "multi-turn SFT parquet for launch.sft; needs --tools=calculator"
+)
 
 
 def main(argv):
@@ -43,7 +50,8 @@ def main(argv):
                                             for k in FLAG_KEYS["prepare_data"]})
     config = json.loads(_CONFIG.value)
     paths = prepare.prepare(_TASK.value, _N_TRAIN.value, _N_TEST.value, _OUT.value,
-                            seed=_SEED.value, config=config, tools=_TOOLS.value)
+                            seed=_SEED.value, config=config, tools=_TOOLS.value,
+                            sft_demos=_SFT_DEMOS.value)
     import pyarrow.parquet as pq
 
     for path in paths.values():
@@ -52,6 +60,11 @@ def main(argv):
         sources = collections.Counter(column.to_pylist() if column is not None else [])
         print(f"wrote {path}: {table.num_rows} rows, data_source {dict(sources)}")
     first = pq.read_table(next(iter(paths.values()))).slice(0, 1).to_pylist()[0]
+    if "sft_train" in paths or "sft_test" in paths:
+        demo = pq.read_table(paths.get("sft_train") or paths["sft_test"]).slice(0, 1)
+        print("first demonstration's turns after the prompt:")
+        print(json.dumps(demo.to_pylist()[0]["messages"][len(first["prompt"]):],
+                         ensure_ascii=False))
     extra = first.get("extra_info") or {}
     if isinstance(extra.get("entry"), str) and len(extra["entry"]) > 120:
         extra["entry"] = extra["entry"][:120] + "..."

@@ -20,7 +20,7 @@ from hfjax.config.validators import (
     target_name,
     tool_spec,
 )
-from hfjax.config.values import Check, Float, Int
+from hfjax.config.values import Bool, Check, Float, Int
 
 _CACHE = Check(cache_dir)
 
@@ -78,6 +78,7 @@ FLAG_KEYS: dict[str, dict[str, Callable[[Any], str | None]]] = {
         "seed": Int(0),
         "task_config": Check(json_object),
         "tools": Check(tool_spec),
+        "sft_demos": Bool(),
     },
 }
 
@@ -127,6 +128,12 @@ def _some_rows(v) -> str | None:
     return None
 
 
+def _demos_need_calculator(v) -> str | None:
+    if v.get("sft_demos") and "calculator" not in [t.strip() for t in v["tools"].split(",")]:
+        return "--sft_demos writes calls to the calculator; add --tools=calculator"
+    return None
+
+
 def _step_needs_run(v) -> str | None:
     from hfjax.config.run_dir import is_run
 
@@ -140,5 +147,5 @@ FLAG_RULES: dict[str, tuple[Callable[[Mapping[str, Any]], str | None], ...]] = {
     "convert": (_convert_target,),
     "export": (_export_target,),
     "evaluate": (_step_needs_run,),
-    "prepare_data": (_some_rows,),
+    "prepare_data": (_some_rows, _demos_need_calculator),
 }

@@ -142,6 +142,7 @@ TRAIN_KEYS: dict[str, Callable[[Any], str | None]] = {
     "sft.response_key": Text(nonempty=True),
     "sft.messages_key": Text(nonempty=True),
     "sft.max_response_length": Int(0, note="0: rollout.response_length"),
+    "sft.heldout_generation": Bool(),
     "sft.scratchpad_lines": Int(0, 1000, note="arith demonstrations: lines of worked "
                                               "scratchpad before the answer (0: none)"),
     # actor

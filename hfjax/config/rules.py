@@ -121,9 +121,11 @@ def _data_files(c) -> str | None:
 
 
 def _warm_start_needs_arith(c) -> str | None:
-    if c.sft.steps > 0 and c.data.task not in ("arith", "arith_tool"):
+    if c.sft.steps > 0 and c.data.task not in ("arith", "arith_tool") \
+            and not split(c.sft.get("train_files", "")):
         return (f"sft.steps={c.sft.steps}: the warm start uses the arith task's "
-                f"demonstrations, and data.task={c.data.task!r}; set --config.sft.steps=0")
+                f"demonstrations, and data.task={c.data.task!r}; set --config.sft.steps=0, or "
+                "--config.sft.train_files to SFT parquet")
     return None
 
 

@@ -24,6 +24,10 @@ them (`hfjax.tools.prompt.system_message`: name, description, JSON schema of the
 `<tool_call>` format), and every row gets `agent_name` "tool_agent" and verl's
 `extra_info.tools_kwargs` for them.
 
+`sft_demos` also writes tool-use demonstrations of the same prompts (call the calculator, read
+its result, answer) as multi-turn SFT parquet, for a warm start before RL with the tool
+(`hfjax.data.tool_demos`).
+
 Train and test come from one seeded stream of problems, deduplicated by prompt, so the two
 splits never share a question and the same seed always writes the same files.
 """
@@ -38,7 +42,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from hfjax.data import arith, preferences, tool_arith
+from hfjax.data import arith, preferences, tool_arith, tool_demos
 from hfjax.tools import prompt as tool_prompt
 from hfjax.tools import resolve_tools
 
@@ -211,11 +215,18 @@ def _preference_splits(task, n_train, n_test, seed, config):
 
 def prepare(
     task: str, n_train: int, n_test: int, out_dir: str | os.PathLike, seed: int = 0,
-    config: dict | None = None, tools: str = "",
+    config: dict | None = None, tools: str = "", sft_demos: bool = False,
 ) -> dict[str, str]:
     """Write `train.parquet` and `test.parquet` for `task` into `out_dir` (with `tools`: the
-    system message and tools_kwargs of `make_splits`); returns the paths of the files written
-    (a split with 0 rows is not written)."""
+    system message and tools_kwargs of `make_splits`); with `sft_demos`, also
+    `sft_train.parquet` and `sft_test.parquet`, tool-use demonstrations of the same prompts
+    (`hfjax.data.tool_demos`; needs the calculator in `tools`). Returns the paths of the files
+    written (a split with 0 rows is not written)."""
+    if sft_demos and task in PREFERENCE_TASKS:
+        raise ValueError(f"task {task!r} writes preference pairs; --sft_demos needs a task "
+                         "with arithmetic expressions")
+    if sft_demos and "calculator" not in (resolve_tools(tools) if tools.strip() else {}):
+        raise ValueError("--sft_demos writes calls to the calculator; add --tools=calculator")
     train, test = make_splits(task, n_train, n_test, seed, config, tools)
     os.makedirs(out_dir, exist_ok=True)
     paths = {}
@@ -224,4 +235,8 @@ def prepare(
         if rows:
             paths[split] = os.path.join(os.fspath(out_dir), f"{split}.parquet")
             write(rows, paths[split])
+        if rows and sft_demos:
+            demos, _ = tool_demos.demonstrations(rows, tools)
+            paths[f"sft_{split}"] = os.path.join(os.fspath(out_dir), f"sft_{split}.parquet")
+            tool_demos.write_demonstrations(demos, paths[f"sft_{split}"])
     return paths

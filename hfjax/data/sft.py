@@ -11,7 +11,9 @@ response token; the loss is taken only where the flag is 1. Sources:
     the response's tokens and EOS carry the loss; or
   - `messages` (a multi-turn conversation, needs a chat template): everything up to the first
     assistant turn is the prompt; every assistant turn carries the loss, the other turns and the
-    template's own headers do not.
+    template's own headers do not. Tool-use conversations (`tool` messages, assistant
+    `tool_calls` in OpenAI's format) are laid out token for token as a multi-turn rollout:
+    the tool's results are context, never loss (`conversation`).
 
 Column names are settable (`prompt_key`, `response_key`, `messages_key`). Examples whose
 prompt or response does not fit the configured lengths are skipped and counted, never cut.
@@ -26,6 +28,8 @@ from collections.abc import Sequence
 import numpy as np
 import pyarrow.parquet as pq
 from absl import logging
+
+from hfjax.agents.render import rollout_layout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,10 +86,19 @@ def _messages(value, where: str) -> list[dict]:
                          f"{type(value).__name__}")
     msgs = []
     for j, m in enumerate(value):
+        calls = m.get("tool_calls") if isinstance(m, dict) else None
+        content = m.get("content") if isinstance(m, dict) else None
+        if calls is not None and content is None:
+            content = ""  # an assistant message that only calls tools
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) \
-                or not isinstance(m.get("content"), str):
+                or not isinstance(content, str):
             raise ValueError(f"{where}: message {j} needs string fields role and content")
-        msgs.append({"role": m["role"], "content": m["content"]})
+        msgs.append({"role": m["role"], "content": content})
+        if calls is not None and len(calls):
+            if m["role"] != "assistant":
+                raise ValueError(f"{where}: message {j} is a {m['role']!r} message with "
+                                 "tool_calls; only assistant messages make calls")
+            msgs[-1]["tool_calls"] = [dict(c) for c in calls]
     return msgs
 
 
@@ -107,7 +120,19 @@ def conversation(tok, messages: list[dict], where: str) -> SFTExample:
     """A multi-turn conversation as one example: the prompt runs to the first assistant turn
     (with the generation prompt); each assistant turn's tokens, as the chat template writes
     them, carry the loss. Needs a chat template whose renderings of a conversation's prefixes
-    are prefixes of each other (true of common templates); ValueError otherwise."""
+    are prefixes of each other (true of common templates); ValueError otherwise.
+
+    A tool-use conversation (`tool` messages, or assistant messages with `tool_calls`) is laid
+    out as a multi-turn rollout lays out a trajectory (`hfjax.agents.render.rollout_layout`):
+    the policy's turns carry the loss, the tool turns (the template's text around the results
+    included) are context, and the token sequence is the one RL trains on."""
+    if any(m["role"] == "tool" or m.get("tool_calls") for m in messages):
+        try:
+            prompt, ids, mask = rollout_layout(tok, messages, where)
+        except ValueError as err:
+            raise ValueError(f"{err} (tool-use demonstrations are laid out as rollouts)") \
+                from None
+        return SFTExample(tuple(prompt), tuple(ids), tuple(mask))
     if not tok.chat_template:
         raise ValueError(f"{where}: a messages conversation needs a tokenizer with a chat "
                          "template; use prompt/response columns for plain text")

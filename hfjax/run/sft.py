@@ -92,6 +92,15 @@ def arith_demonstrations(cfg, tok, rows) -> sft_data.SFTData:
     return sft_data.from_texts(tok, pairs, source="arith demonstrations")
 
 
+def parquet_examples(cfg, tok, files: str) -> sft_data.SFTData:
+    """The SFT examples of comma-separated SFT parquet `files`, with the run's lengths and
+    column names."""
+    c, s = cfg, cfg.sft
+    return sft_data.load_parquet(files.split(","), tok, max_prompt_length=c.data.max_prompt_length,
+                                 max_response_length=response_width(c), prompt_key=s.prompt_key,
+                                 response_key=s.response_key, messages_key=s.messages_key)
+
+
 def batches_for(cfg, tok, data: sft_data.SFTData) -> Iterator[Batch]:
     """The run's SFT batches of `data` (`sft.batch_size` examples, `sft.steps` of them)."""
     c, s = cfg, cfg.sft
@@ -120,19 +129,15 @@ class SFTTrainer:
         self.tok = model_source.task_tokenizer(c)
         self.prompt_rows = []  # held-out prompts with rule rewards, for generation accuracy
         if s.get("train_files"):
-            kw = dict(max_prompt_length=c.data.max_prompt_length,
-                      max_response_length=response_width(c), prompt_key=s.prompt_key,
-                      response_key=s.response_key, messages_key=s.messages_key)
-            self.train = sft_data.load_parquet(s.train_files.split(","), self.tok, **kw)
-            self.val = (sft_data.load_parquet(s.val_files.split(","), self.tok, **kw)
-                        if s.get("val_files") else None)
-            if c.data.task == "parquet" and c.data.val_files:
+            self.train = parquet_examples(c, self.tok, s.train_files)
+            self.val = parquet_examples(c, self.tok, s.val_files) if s.get("val_files") else None
+            if c.data.task == "parquet" and c.data.val_files and s.heldout_generation:
                 self.prompt_rows = task_dataset(c, self.tok, "test").rows
         elif c.data.task in ("arith", "arith_tool"):
             train, test = (task_dataset(c, self.tok, s) for s in ("train", "test"))
             self.train = arith_demonstrations(c, self.tok, train.rows)
             self.val = arith_demonstrations(c, self.tok, test.rows)
-            self.prompt_rows = test.rows
+            self.prompt_rows = test.rows if s.heldout_generation else []
         else:
             raise ValueError("an SFT run needs sft.train_files (SFT parquet), or data.task="
                              "'arith' for the embedded task's demonstrations")

@@ -104,18 +104,22 @@ class Trainer:
 
     def warm_start(self, on_log: Callable | None = None,
                    should_stop: Callable[[], bool] | None = None) -> dict:
-        """Supervised steps on the task's imperfect demonstrations (the general SFT loop,
-        `hfjax.run.sft.sft_steps`); returns the last metrics (empty when `should_stop` ended it
+        """Supervised steps on `sft.train_files` (SFT parquet) when set, else on the task's
+        imperfect demonstrations (the general SFT loop, `hfjax.run.sft.sft_steps`); returns the last metrics (empty when `should_stop` ended it
         early), with `sft/nonfinite_updates` counting the steps whose update was not applied
         (NonFiniteError for the first such step under trainer.nonfinite=stop)."""
         s, c = self.cfg.sft, self.cfg
         if s.steps <= 0:
             return {}
-        if c.data.task not in ("arith", "arith_tool"):
+        if s.get("train_files"):
+            data = sft.parquet_examples(c, self.tok, s.train_files)
+        elif c.data.task not in ("arith", "arith_tool"):
             raise ValueError("sft.steps > 0 needs data.task='arith' (the warm start uses its "
-                             "demonstrations); set --config.sft.steps=0 for other data, and "
-                             "fine-tune on your own data first with python -m launch.sft")
-        data = sft.arith_demonstrations(c, self.tok, self.train_data.rows)
+                             "demonstrations) or sft.train_files; set --config.sft.steps=0 for "
+                             "other data, and fine-tune on your own data first with python -m "
+                             "launch.sft")
+        else:
+            data = sft.arith_demonstrations(c, self.tok, self.train_data.rows)
         return sft.sft_steps(self.actor, sft.batches_for(c, self.tok, data), s.steps,
                              s.micro_batch_size, cfg=c, on_log=on_log, should_stop=should_stop)
 
