@@ -41,10 +41,10 @@ def get_config():
     m.tools = "calculator"
     m.max_turns = 2
     m.max_tool_response_len = 32
-    c.trainer.total_steps = 8
+    c.trainer.total_steps = 4
     c.trainer.test_freq = 0  # held-out accuracy: launch.evaluate, before and after
     c.trainer.val_before_train = False
-    c.trainer.save_freq = 8
+    c.trainer.save_freq = 4
     c.trainer.out_dir = "runs/grpo_smollm2_tool"
     return c
 
