@@ -106,7 +106,8 @@ class Trainer:
                    should_stop: Callable[[], bool] | None = None) -> dict:
         """Supervised steps on `sft.train_files` (SFT parquet) when set, else on the task's
         imperfect demonstrations (the general SFT loop, `hfjax.run.sft.sft_steps`); returns
-        the last metrics (empty when `should_stop` ended it early), with `sft/nonfinite_updates` counting the steps whose update was not applied
+        the last metrics (empty when `should_stop` ended it early), with
+        `sft/nonfinite_updates` counting the steps whose update was not applied
         (NonFiniteError for the first such step under trainer.nonfinite=stop)."""
         s, c = self.cfg.sft, self.cfg
         if s.steps <= 0:

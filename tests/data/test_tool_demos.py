@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from types import SimpleNamespace
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -109,24 +110,27 @@ def tool_demos_call_text(message: dict) -> str:
             + "\n</tool_call>")
 
 
-class ScriptedSampler:
-    """Stands in for the policy's sampler: each generate call returns, per row, the next turn
-    of a fixed script (followed by junk after a call, which the loop must cut at the close
-    tag), with the masks a real sampler returns."""
+class ScriptedTurns:
+    """Stands in for the policy's turn engine (`hfjax.engine.session.TurnEngine`): the session
+    it opens decodes, for every row, the next turn of a fixed script (followed by junk after a
+    call, which the loop must cut at the close tag), in the layout `TurnSession.turns`
+    returns."""
 
-    def __init__(self, turns: list[list[int]], pad_id: int, junk: list[int]):
-        self.turns, self.pad_id, self.junk, self.calls = turns, pad_id, junk, 0
+    def __init__(self, turns: list[list[int]], junk: list[int]):
+        self.script, self.junk, self.k, self.rows, self.prefilled = turns, junk, 0, 0, 0
 
-    def generate(self, state, ids, mask, params, seed=0):
-        turn = self.turns[self.calls]
-        self.calls += 1
-        tokens = turn + (self.junk if self.calls < len(self.turns) else [])
-        rows = np.asarray(ids).shape[0] * params.n
-        out = np.full((rows, params.max_new_tokens), self.pad_id, np.int32)
-        m = np.zeros_like(out)
-        k = min(len(tokens), params.max_new_tokens)
-        out[:, :k], m[:, :k] = tokens[:k], 1
-        return out, m, np.zeros(out.shape, np.float32)
+    def open(self, state, ids, mask, params, seed):
+        self.rows = np.asarray(ids).shape[0] * params.n
+        return self
+
+    def resume(self, new, seeds):
+        self.k += 1
+
+    def turns(self):
+        turn = self.script[self.k] + (self.junk if self.k + 1 < len(self.script) else [])
+        toks = np.tile(np.asarray(turn, np.int32), (self.rows, 1))
+        return (toks, np.zeros(toks.shape, np.float32), np.zeros(self.rows, np.int32),
+                np.full(self.rows, len(turn), np.int32))
 
 
 def test_sft_layout_is_the_rollouts_token_for_token(files, tok):
@@ -136,12 +140,12 @@ def test_sft_layout_is_the_rollouts_token_for_token(files, tok):
     prompt, ids, mask = rollout_layout(tok, demo)
     call = tok.encode(tool_demos_call_text(demo[2]), add_special_tokens=False)
     answer = tok.encode(demo[4]["content"], add_special_tokens=False) + [tok.eos_id]
-    sampler = ScriptedSampler([call, answer], tok.pad_id,
-                              junk=tok.encode(" and more", add_special_tokens=False))
+    script = ScriptedTurns([call, answer], junk=tok.encode(" and more", add_special_tokens=False))
     base = MultiTurnSpec.of(ppo_arith.get_config().rollout.multi_turn)
     spec = dataclasses.replace(base, enable=True, max_turns=2, max_tool_response_len=32)
     with ToolRunner(resolve_tools("calculator")) as runner:
-        loop = AgentLoop(sampler, tok, runner, spec)
+        loop = AgentLoop(SimpleNamespace(pad_id=tok.pad_id, mesh=None), tok, runner, spec)
+        loop.engine = script
         out = loop.run(None, np.asarray([prompt]), np.ones((1, len(prompt)), np.int32),
                        SamplingParams(max_new_tokens=128, temperature=1.0, n=1,
                                       eos_ids=(tok.eos_id,)))
@@ -149,7 +153,7 @@ def test_sft_layout_is_the_rollouts_token_for_token(files, tok):
     assert out.trajectories[0].tool_calls == 1 and out.trajectories[0].stop == "eos"
     assert out.tokens[0, :k].tolist() == ids
     assert out.gen_mask[0, :k].tolist() == mask
-    assert sum(mask) == len(call) + len(answer)
+    assert sum(mask) == len(call) + len(answer) and script.k == 1
 
 
 @pytest.mark.parametrize("messages, match", [
@@ -195,3 +199,20 @@ def test_demos_need_the_calculator_and_an_expression(tmp_path):
     demos, skipped = tool_demos.demonstrations(rows, "calculator")
     assert not skipped and [d["messages"][-1]["content"] for d in demos] == [
         f"#### {r['reward_model']['ground_truth']}" for r in rows]
+
+
+def test_sft_parquet_warm_start_passes_the_config_rules(files):
+    """data.task=parquet with sft.steps > 0 is accepted when sft.train_files names the
+    demonstrations (launch.sft, and launch.train's warm start, read them); without them the
+    warm start is refused in one line."""
+    from configs import sft_smollm2_tool
+    from hfjax.config import check_config
+
+    c = sft_smollm2_tool.get_config()
+    c.data.train_files, c.data.val_files = files["train"], files["test"]
+    c.sft.train_files = files["sft_train"]
+    check_config(c)
+    c.sft.train_files = ""
+    with pytest.raises(ValueError, match=r"sft.steps=40: the warm start .* or "
+                                         r"--config.sft.train_files to SFT parquet"):
+        check_config(c)
