@@ -85,7 +85,7 @@ def _check_parsed(text):
 
 
 def test_deep_nesting_and_huge_numbers_are_error_observations():
-    deep = TOOL_CALL_OPEN + "[" * 1000 + TOOL_CALL_CLOSE
+    deep = TOOL_CALL_OPEN + "[" * 100_000 + TOOL_CALL_CLOSE
     (obs,) = parse_tool_calls(deep)
     assert obs.error and "nested too deeply" in obs.text
     deep_args = (TOOL_CALL_OPEN + '{"name": "a", "arguments": "' + "{" * 5000 + '"}'
