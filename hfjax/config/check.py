@@ -91,13 +91,17 @@ def validate_config(cfg):
     algo = get_algorithm(cfg.algorithm)
     roles = run_roles(algo, cfg)
     n_seq = cfg.data.train_batch_size * cfg.rollout.n
-    if cfg.async_rollout.max_staleness >= 1 and jax.process_count() > 1:
-        raise ConfigError("async_rollout.max_staleness >= 1 runs in one process for now (its "
-                          "rollout thread's transfers are not ordered across processes); run "
-                          "on one host, or set --config.async_rollout.max_staleness=0")
     # A rollout pool of its own (asynchronous rollout) is an extra entry, "rollout".
     pools = resolve_pools(placement_of(cfg), active_roles(algo, cfg), jax.devices(),
                           cfg.async_rollout.max_staleness)
+    if "rollout" in pools and jax.process_count() > 1:
+        # Across processes, batches and weights move between the pools by a collective
+        # permute, device i to device i (hfjax.parallel.cross_pool).
+        sizes = (len(pools["rollout"].devices), len(pools["actor"].devices))
+        if sizes[0] != sizes[1]:
+            raise ConfigError(f"across processes the rollout pool and the actor's pool need as "
+                              f"many devices, here {sizes[0]} and {sizes[1]}; give them the "
+                              "same size in --config.placement")
     dp = dp_size(MeshSpec.parse(cfg.actor.mesh).build(pools["actor"].devices, "actor"))
     check_mini_batching(n_seq, cfg.actor.ppo_mini_batch_size * cfg.rollout.n,
                         cfg.actor.ppo_micro_batch_size, dp, "actor")

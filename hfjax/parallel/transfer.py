@@ -18,6 +18,8 @@ from jax.experimental import multihost_utils
 from jax.sharding import AxisType, Mesh, NamedSharding, Sharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
+from hfjax.parallel import cross_pool
+
 Array = jax.Array | np.ndarray
 
 _REPLICA_AXIS = "__hfjax_replica"
@@ -37,6 +39,8 @@ def transfer(x: Array, sharding: Sharding) -> Array:
     src = x.sharding
     if src == sharding:
         return x
+    if cross_pool.needs_collective(x, sharding):  # disjoint pools on different processes
+        return cross_pool.send([x], [sharding])[0]
     src_devices = ordered_devices(src)
     dst_devices = ordered_devices(sharding)
     # Multi-process arrays, or shardings we can't order, are left to jax's own transfer rules.
@@ -110,6 +114,11 @@ def _reshard_fn(sharding: Sharding) -> Callable[[jax.Array], jax.Array]:
     return jax.jit(_identity, out_shardings=sharding)
 
 
+def reshard_in_place(x: jax.Array, sharding: Sharding) -> jax.Array:
+    """`x` on `sharding`, over the same devices (one XLA program)."""
+    return _reshard_in_place(x, sharding)
+
+
 def _reshard_in_place(x: jax.Array, sharding: Sharding) -> jax.Array:
     # An identity program with a fixed output sharding: XLA inserts the collectives, on device.
     return _reshard_fn(sharding)(x)
@@ -133,6 +142,22 @@ def to_host(x: Array) -> np.ndarray:
     if not isinstance(x, jax.Array):
         return np.asarray(x)
     with jax.transfer_guard("allow"):
+        if cross_pool.needs_gather(x):  # e.g. the trainer's pool, seen from the rollout's
+            return cross_pool.gather([x])[0]
         if x.is_fully_addressable:
             return np.asarray(x)
+        if x.is_fully_replicated:  # every process holds all of it
+            return np.asarray(x.addressable_data(0))
         return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def host_values(values: dict[str, Any]) -> dict[str, Any]:
+    """`jax.device_get(values)`, also where some arrays sit on devices of other processes
+    only (a pool of its own on each process: one all-gather for all of them)."""
+    with jax.transfer_guard("allow"):
+        far = [k for k, v in values.items()
+               if isinstance(v, jax.Array) and cross_pool.needs_gather(v)]
+        out = jax.device_get({k: v for k, v in values.items() if k not in far})
+    if far:
+        out |= dict(zip(far, cross_pool.gather([values[k] for k in far]), strict=True))
+    return out

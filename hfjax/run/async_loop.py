@@ -12,10 +12,19 @@ The schedule is fixed by the step numbers, never by timing, so a run is reproduc
   order) and no further: a batch that could not meet the bound is never started, so none is
   ever thrown away, and the trainer consumes them oldest first.
 
-With K >= 1 a rollout thread runs the issued jobs in order; it waits for a job's version to
-arrive (a push builds it beside the weights decoding reads, and the thread swaps at the next
-job: double buffering). With K = 0 the job runs inline, in the trainer's thread: the
-synchronous loop on two pools. Every token carries its version (`token_versions`, [B, R]).
+With K >= 1 in one process a rollout thread runs the issued jobs in order; it waits for a
+job's version to arrive (a push builds it beside the weights decoding reads, and the thread
+swaps at the next job: double buffering). Across processes (`jax.distributed`) there is no
+thread: every process runs the same single-threaded schedule, dispatching the generation of
+the steps it issues when it issues them, then the trainer's step. Each process only computes
+the programs of its own devices (the others' are no-ops there), so the rollout pool's process
+generates while the trainer's process updates, and every cross-process collective (the batch
+coming home, the push, host fetches) is issued in the same order on every process. With K = 0
+the job runs inline when the trainer's step asks for it: the synchronous loop on two pools.
+
+A batch stays on the rollout pool until its step takes it; then its response columns that are
+padding in every row are cut (as the synchronous loop's generate does) and it moves to the
+trainer's mesh. Every token carries its version (`token_versions`, [B, R]).
 """
 
 from __future__ import annotations
@@ -31,6 +40,9 @@ import jax
 import jax.numpy as jnp
 
 from hfjax.controller.batch import Batch
+from hfjax.controller.protocol import DP_COMPUTE
+from hfjax.engine.sampler import MIN_NEW_TOKENS_BUCKET, bucket_size
+from hfjax.parallel.transfer import to_host
 from hfjax.workers import rollout as rollout_lib
 from hfjax.workers.actor import ActorRollout
 
@@ -56,9 +68,11 @@ class AsyncRollout:
 
     def __init__(self, actor: ActorRollout, rollout: ActorRollout, *, max_staleness: int,
                  push_every: int, start_version: int,
-                 prompts: Callable[[int], tuple[Batch, dict]]):
+                 prompts: Callable[[int], tuple[Batch, dict]], threaded: bool | None = None):
         self.actor, self.rollout = actor, rollout
         self.k, self.every, self.start = int(max_staleness), int(push_every), int(start_version)
+        # A rollout thread in one process; across processes one schedule on one thread.
+        self.threaded = (jax.process_count() == 1) if threaded is None else threaded
         self._prompts = prompts  # step -> (host prompts, data cursor before drawing them)
         self._cv = threading.Condition()
         self._weights: dict[int, Any] = {}
@@ -102,16 +116,24 @@ class AsyncRollout:
             prompts, cursor = self._prompts(s)
             job = _Job(s, prompts, version_of(s, self.k, self.every, self.start), cursor)
             self._pending.append(job)
-            if self.k >= 1:
+            if self.k >= 1 and self.threaded:
                 with self._cv:
                     self._jobs.append(job)
                     self._cv.notify_all()
+            elif self.k >= 1:  # dispatched now, in this thread: its version was pushed
+                self._made[s] = self._generate(job)
         self._issued = max(self._issued, step + self.k + 1)
         assert self._pending and self._pending[0].step == step, "steps consumed out of order"
         if self.k == 0:
             job = self._pending.popleft()
             self._metrics["timing_s/idle/train"] = 0.0
-            return job.prompts, lambda: self._generate(job)
+            return job.prompts, lambda: self._home(self._generate(job), job.version)
+        if not self.threaded:
+            job = self._pending.popleft()
+            self._metrics["timing_s/idle/train"] = 0.0
+            self._metrics["timing_s/idle/rollout"] = 0.0
+            batch = self._home(self._made.pop(step), job.version)
+            return job.prompts, lambda: batch
         self._start()
         t0 = time.perf_counter()
         with self._cv:
@@ -123,7 +145,9 @@ class AsyncRollout:
             self._metrics["timing_s/idle/rollout"] = self._idle_rollout
             self._idle_rollout = 0.0
         self._metrics["timing_s/idle/train"] = time.perf_counter() - t0
-        return self._pending.popleft().prompts, lambda: batch
+        job = self._pending.popleft()
+        batch = self._home(batch, job.version)
+        return job.prompts, lambda: batch
 
     def metrics(self, step: int, batch: Batch) -> dict:
         """This step's async metrics: push bytes and seconds, idle times (host floats) and
@@ -182,10 +206,38 @@ class AsyncRollout:
             self.rollout.params = self._weights[job.version]
             for v in [v for v in self._weights if v < job.version]:
                 del self._weights[v]
-        batch = self.rollout.generate(job.prompts)
+        return self.rollout.generate(job.prompts)
+
+    def _home(self, batch: Batch, version: int) -> Batch:
+        """A generated batch on the trainer's mesh, cut to the responses' longest length (a
+        power-of-two bucket, as `trim_responses`), its tokens tagged with `version`."""
+        width = batch["responses"].shape[1]
+        if width > MIN_NEW_TOKENS_BUCKET:
+            longest = int(to_host(_longest(batch["response_mask"])))
+            keep = bucket_size(longest, MIN_NEW_TOKENS_BUCKET, cap=width)
+            if keep < width:
+                prompt = batch["prompts"].shape[1]
+                cut = {k: _cut(batch[k], keep) for k in _RESPONSE_KEYS if k in batch.arrays}
+                cut |= {k: _cut(batch[k], prompt + keep) for k in _JOINED_KEYS}
+                batch = batch.union(Batch(cut))
+        batch = DP_COMPUTE.collect(batch, 0, self.actor.mesh)
         with jax.transfer_guard("allow"):  # the version number: one scalar upload
-            versions = _versions(batch["response_mask"], job.version)
+            versions = _versions(batch["response_mask"], version)
         return batch.union(Batch({"token_versions": versions}))
+
+
+_RESPONSE_KEYS = ("responses", "response_mask", "rollout_log_probs")
+_JOINED_KEYS = ("input_ids", "attention_mask")
+
+
+@jax.jit
+def _longest(mask):
+    return jnp.max(jnp.sum(mask, axis=1))
+
+
+def _cut(x, cols: int):
+    # A static slice with strides: run eagerly, plain indexing uploads its start indices.
+    return jax.lax.slice(x, (0,) * x.ndim, (x.shape[0], cols, *x.shape[2:]), (1,) * x.ndim)
 
 
 @jax.jit

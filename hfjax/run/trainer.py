@@ -25,6 +25,7 @@ from hfjax.controller.async_pools import ROLE as ROLLOUT
 from hfjax.data.batching import prompt_batch
 from hfjax.data.dataset import task_dataset
 from hfjax.parallel import distributed, targets
+from hfjax.parallel.transfer import host_values
 from hfjax.run import checkpoint as ckpt_lib
 from hfjax.run import health, mfu, sft
 from hfjax.run.async_loop import AsyncRollout
@@ -206,8 +207,7 @@ class Trainer:
         metrics |= dataflow.step_metrics(dict(batch.arrays), self.spec.rollout.response_length)
         if queue is not None:
             metrics |= queue.metrics(self.step, batch)
-        with jax.transfer_guard("allow"):
-            host = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        host = {k: float(v) for k, v in host_values(metrics).items()}
         if queue is not None:  # the update has finished: its weights go to the rollout pool
             queue.after_update(self.step + 1)
         wall = time.perf_counter() - t0

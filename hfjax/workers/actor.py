@@ -35,7 +35,7 @@ from hfjax.numerics import core, losses
 from hfjax.numerics.losses import PolicyLossInputs
 from hfjax.parallel import reshard
 from hfjax.parallel.mesh import batch_sharding
-from hfjax.parallel.transfer import transfer
+from hfjax.parallel.transfer import to_host, transfer
 from hfjax.workers.base import SEQUENCES, Program, StepShape, WorkerGroup
 from hfjax.workers.spec import ActorSpec
 
@@ -296,6 +296,10 @@ class ActorRollout(Reference):
     the engine's decode mesh.
     """
 
+    # Cut response columns that are padding in every row (`trim_responses`, a host read); an
+    # asynchronous run's rollout group leaves that to the trainer's side (hfjax.run.async_loop).
+    trim = True
+
     def __init__(self, *args, sampler: Sampler, spec: ActorSpec, rollout: RolloutSpec,
                  eos_ids: tuple[int, ...] = (), hybrid: HybridEngine | None = None,
                  agent: AgentLoop | None = None, **kw):
@@ -383,7 +387,7 @@ class ActorRollout(Reference):
             self.release_rollout_params(state)
             if offload:
                 self.opt_state = reshard.reload(self.opt_state, self.opt_shardings)
-        out = trim_responses(out)
+        out = trim_responses(out) if self.trim else out
         if self.hybrid is not None:
             # The decode mesh orders the same devices differently; programs below mix these
             # rows with the actor mesh's prompts, so the rows move over (device to device).
@@ -607,7 +611,7 @@ def trim_responses(out: GenerateOutput) -> GenerateOutput:
     if width <= MIN_NEW_TOKENS_BUCKET:  # nothing to cut: skip the fetch
         return out
     with jax.transfer_guard("allow"):
-        longest = int(jnp.max(jnp.sum(out.mask, axis=1)))
+        longest = int(to_host(jnp.max(jnp.sum(out.mask, axis=1))))
     keep = bucket_size(longest, MIN_NEW_TOKENS_BUCKET, cap=width)
     return out if keep == width else out.head(rows, keep)
 

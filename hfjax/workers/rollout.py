@@ -2,7 +2,8 @@
 decode layout, on a pool of its own (docs/async.md).
 
 It is an `ActorRollout` that never trains: its params are its decode layout (no hybrid engine),
-its generate results come back to the trainer's mesh (`home`), and its weights arrive by
+its generate results stay on its own mesh until the trainer's step takes them
+(`hfjax.run.async_loop`), and its weights arrive by
 `push`, explicit device-to-device transfers from the trainer's mesh onto this group's
 shardings (`hfjax.parallel.transfer.transfer`, the hybrid engine's machinery between two
 meshes). A push builds a new buffer beside the one decoding reads; the caller swaps them
@@ -28,7 +29,8 @@ def build_rollout(cfg, actor: ActorRollout, pool: ResourcePool, pad_id: int,
                   eos_ids: tuple[int, ...]) -> ActorRollout:
     """The rollout group on `pool`: the actor's current weights, placed in the decode layout
     (`rollout.mesh` when the actor has a hybrid engine, else the actor's mesh spec and
-    training rules) on the pool's devices; results come back to the actor's mesh."""
+    training rules) on the pool's devices; results stay there (the trainer's step takes them
+    home, so that across processes the generating process never waits on the trainer's)."""
     spec = actor.rollout
     model = actor.model()
     if actor.hybrid is not None:
@@ -40,8 +42,10 @@ def build_rollout(cfg, actor: ActorRollout, pool: ResourcePool, pad_id: int,
     mesh = pool.mesh(mesh_spec)
     sampler = rollout_sampler(model, spec, mesh=mesh, max_prompt_len=cfg.data.max_prompt_length,
                               pad_id=pad_id, rules=None, param_rules=rules)
-    return ActorRollout("rollout", pool, mesh_spec, model, rules=rules, sampler=sampler,
-                        spec=actor.spec, rollout=spec, eos_ids=eos_ids, home=actor.mesh)
+    group = ActorRollout("rollout", pool, mesh_spec, model, rules=rules, sampler=sampler,
+                         spec=actor.spec, rollout=spec, eos_ids=eos_ids)
+    group.trim = False  # a host read of the responses' length: done when the step takes them
+    return group
 
 
 def param_bytes(params) -> int:

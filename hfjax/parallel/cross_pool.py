@@ -1,0 +1,144 @@
+"""Moving arrays between pools that sit on different processes (docs/async.md, "Across
+processes").
+
+Under `jax.distributed` every process runs the same program, and a program on devices that a
+process does not hold is a no-op there. Two things then need a program that spans both pools:
+
+- `send`: an array on one set of devices onto a sharding over a disjoint set on other
+  processes. XLA:CPU (and jax without its DCN transfer flags) has no cross-host
+  `jax.device_put`; a collective has no such limit. The array is first resharded on its own
+  devices so that the i-th source device holds exactly the shard the i-th destination device
+  needs (the destination's mesh shape and spec over the source devices), then one collective
+  permute over the union of the two device sets moves shard i to destination device i: each
+  byte crosses once.
+- `gather`: a host copy of an array on every process, also on processes that hold none of its
+  devices (`multihost_utils.process_allgather` needs a shard on every process): each device's
+  shard is gathered over all devices, and every process assembles the array from its copy.
+
+Both are collectives: every process must call them in the same order, which the asynchronous
+loop's single-threaded schedule across processes guarantees (`hfjax.run.async_loop`).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, Sharding
+from jax.sharding import PartitionSpec as P
+
+_AXIS = "__hfjax_pools"
+
+
+def needs_collective(x: jax.Array, dst: Sharding) -> bool:
+    """Whether moving `x` to `dst` crosses processes between disjoint device sets (the case
+    `jax.device_put` cannot do). Decided alike on every process, as the collective needs: it
+    reads device sets, not which shards are local. An uncommitted array, or one without a mesh,
+    is a value each process holds for itself (e.g. a model initialised on the default device),
+    which `jax.device_put` places like host data."""
+    src = x.sharding
+    if not x.committed or not isinstance(src, NamedSharding):
+        return False
+    a, b = set(src.device_set), set(dst.device_set)
+    return not a & b and len({d.process_index for d in a | b}) > 1
+
+
+def needs_gather(x: jax.Array) -> bool:
+    """Whether a host copy of `x` needs `gather`: a pool's array (committed, on a mesh) that
+    some process holds no shard of. Decided alike on every process (it reads the device set,
+    not which shards are local), as the collective needs."""
+    if jax.process_count() == 1 or not x.committed or not isinstance(x.sharding, NamedSharding):
+        return False
+    return {d.process_index for d in x.sharding.device_set} != set(range(jax.process_count()))
+
+
+def _rows(x: jax.Array, devices: Sequence, shape, dtype) -> list[jax.Array]:
+    """This process's shards of a [len(devices), *shape] array over `devices`: row i is `x`'s
+    shard on devices[i] where `x` has one, zeros elsewhere."""
+    have = {s.device: s.data for s in x.addressable_shards}
+    me = jax.process_index()
+    out = []
+    for d in devices:
+        if d.process_index != me:
+            continue
+        data = have.get(d)
+        out.append(data[None] if data is not None else
+                   jax.device_put(np.zeros((1, *shape), dtype), d))
+    return out
+
+
+@functools.cache
+def _permute(n: int, mesh: Mesh):
+    body = functools.partial(jax.lax.ppermute, axis_name=_AXIS,
+                             perm=[(i, n + i) for i in range(n)])
+    return jax.jit(jax.shard_map(lambda xs: [body(x) for x in xs], mesh=mesh,
+                                 in_specs=P(_AXIS), out_specs=P(_AXIS)))
+
+
+def send(xs: Sequence[jax.Array], dsts: Sequence[NamedSharding]) -> list[jax.Array]:
+    """`xs[i]` placed on `dsts[i]` (over devices on other processes than the source's), by one
+    collective permute for all of them. Source and destination must have as many devices."""
+    from hfjax.parallel.transfer import ordered_devices, reshard_in_place
+
+    if not xs:
+        return []
+    staged, meshes = [], []
+    for x, dst in zip(xs, dsts, strict=True):
+        src = ordered_devices(x.sharding)
+        if src is None or not isinstance(dst, NamedSharding) or len(src) != dst.mesh.size:
+            raise ValueError(
+                f"moving an array between pools on different processes needs as many devices "
+                f"on each side, here {len(src or ())} and {len(dst.device_set)}; give the "
+                "rollout pool and the trainer's pools the same size in --config.placement")
+        # The destination's mesh over the source devices: device i holds destination i's shard.
+        stage = NamedSharding(Mesh(np.asarray(src, dtype=object).reshape(dst.mesh.devices.shape),
+                                   dst.mesh.axis_names), dst.spec)
+        staged.append(reshard_in_place(x, stage))
+        meshes.append((tuple(src), tuple(dst.mesh.devices.flat)))
+    if len(set(meshes)) != 1:  # one permute per pair of device lists
+        return [send([x], [d])[0] for x, d in zip(xs, dsts, strict=True)]
+    src, dst_devices = meshes[0]
+    union = Mesh(np.asarray(src + dst_devices, dtype=object), (_AXIS,))
+    rows = []
+    for x, dst in zip(staged, dsts, strict=True):
+        shape = dst.shard_shape(x.shape)
+        rows.append(jax.make_array_from_single_device_arrays(
+            (len(union.devices), *shape), NamedSharding(union, P(_AXIS)),
+            _rows(x, union.devices.flat, shape, x.dtype), dtype=x.dtype))
+    moved = _permute(len(src), union)(rows)
+    out = []
+    for x, dst, y in zip(xs, dsts, moved, strict=True):
+        mine = {s.device: s.data[0] for s in y.addressable_shards}
+        local = [mine[d] for d in dst.mesh.devices.flat if d.process_index == jax.process_index()]
+        out.append(jax.make_array_from_single_device_arrays(x.shape, dst, local, dtype=x.dtype))
+    return out
+
+
+@functools.cache
+def _gather(mesh: Mesh, count: int):
+    return jax.jit(lambda xs: xs, out_shardings=[NamedSharding(mesh, P())] * count)
+
+
+def gather(xs: Sequence[jax.Array]) -> list[np.ndarray]:
+    """Host copies of the whole of each of `xs` on every process, also those that hold none
+    of it, by one all-gather over every device."""
+    devices = jax.devices()
+    mesh = Mesh(np.asarray(devices, dtype=object), (_AXIS,))
+    stacked = []
+    for x in xs:
+        shape = x.sharding.shard_shape(x.shape)
+        stacked.append(jax.make_array_from_single_device_arrays(
+            (len(devices), *shape), NamedSharding(mesh, P(_AXIS)),
+            _rows(x, devices, shape, x.dtype), dtype=x.dtype))
+    with jax.transfer_guard("allow"):
+        every = [np.asarray(y.addressable_data(0)) for y in _gather(mesh, len(xs))(stacked)]
+    index = {d: i for i, d in enumerate(devices)}
+    out = []
+    for x, rows in zip(xs, every, strict=True):
+        host = np.empty(x.shape, x.dtype)
+        for d, where in x.sharding.devices_indices_map(x.shape).items():
+            host[where] = rows[index[d]]
+        out.append(host)
+    return out
