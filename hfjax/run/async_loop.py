@@ -38,6 +38,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from hfjax.controller.batch import Batch
 from hfjax.controller.protocol import DP_COMPUTE
@@ -103,6 +106,37 @@ class AsyncRollout:
         if version % self.every == 0:
             self.push(version)
 
+    def saved_versions(self, step: int) -> list[int | None]:
+        """The older weights a checkpoint at `step` holds, one per slot (K slots): slot i holds
+        version step - 1 - i when a batch waiting for the trainer was made with it (None:
+        the slot holds the current weights, unused). With them a resumed run remakes those
+        batches exactly as they were made (their prompts from the data cursor, their seeds from
+        the step)."""
+        need = {j.version for j in self._pending}
+        return [step - 1 - i if step - 1 - i in need else None for i in range(self.k)]
+
+    def saved_weights(self, step: int, current) -> dict[str, Any]:
+        """{slot item name: params on the rollout pool} for `saved_versions(step)`."""
+        versions = self.saved_versions(step)
+        with self._cv:
+            return {slot_name(i): current if v is None else self._weights[v]
+                    for i, v in enumerate(versions)}
+
+    def state(self, step: int) -> dict:
+        """The JSON state a checkpoint at `step` holds with `saved_weights`."""
+        return {"start": self.start, "versions": self.saved_versions(step)}
+
+    def restore(self, step: int, state: dict, items: dict[str, Any]) -> None:
+        """Installs a checkpoint's async state at `step` (before the first `take`): the
+        schedule's origin, the saved older weights, and the current actor's as version
+        `step`."""
+        assert self._thread is None and not self._pending, "restore before the first take"
+        self.start, self._issued = int(state["start"]), step
+        with self._cv:
+            self._weights = {v: items[slot_name(i)]
+                             for i, v in enumerate(state["versions"]) if v is not None}
+        self.push(step)
+
     def data_state(self) -> dict | None:
         """The data cursor before the oldest issued batch not yet consumed (what a checkpoint
         saves, so that a resumed run issues those prompts again), or None when none is."""
@@ -124,6 +158,7 @@ class AsyncRollout:
                 self._made[s] = self._generate(job)
         self._issued = max(self._issued, step + self.k + 1)
         assert self._pending and self._pending[0].step == step, "steps consumed out of order"
+        self._drop_unneeded()
         if self.k == 0:
             job = self._pending.popleft()
             self._metrics["timing_s/idle/train"] = 0.0
@@ -155,7 +190,8 @@ class AsyncRollout:
         out = dict(self._metrics)
         self._metrics = {k: v for k, v in self._metrics.items() if k.startswith("async/push")}
         with jax.transfer_guard("allow"):  # the step number: one scalar upload
-            mean, worst = _staleness(batch["token_versions"], batch["response_mask"], step)
+            mean, worst = _staleness(batch["token_versions"], batch["response_mask"],
+                                     _scalar(step, batch["response_mask"]))
         return out | {"async/staleness/mean": mean, "async/staleness/max": worst}
 
     def close(self) -> None:
@@ -202,11 +238,16 @@ class AsyncRollout:
 
     def _generate(self, job: _Job) -> Batch:
         with self._cv:
-            # The swap: decoding reads this version from now on; older ones are dropped.
+            # The swap: decoding reads this version from now on (older ones are dropped once
+            # no batch waiting for the trainer was made with them: a checkpoint saves those).
             self.rollout.params = self._weights[job.version]
-            for v in [v for v in self._weights if v < job.version]:
-                del self._weights[v]
         return self.rollout.generate(job.prompts)
+
+    def _drop_unneeded(self) -> None:
+        with self._cv:
+            keep = min(j.version for j in self._pending)
+            for v in [v for v in self._weights if v < keep]:
+                del self._weights[v]
 
     def _home(self, batch: Batch, version: int) -> Batch:
         """A generated batch on the trainer's mesh, cut to the responses' longest length (a
@@ -222,12 +263,23 @@ class AsyncRollout:
                 batch = batch.union(Batch(cut))
         batch = DP_COMPUTE.collect(batch, 0, self.actor.mesh)
         with jax.transfer_guard("allow"):  # the version number: one scalar upload
-            versions = _versions(batch["response_mask"], version)
+            versions = _versions(batch["response_mask"], _scalar(version, batch["response_mask"]))
         return batch.union(Batch({"token_versions": versions}))
+
+
+def slot_name(i: int) -> str:
+    """The checkpoint item of the i-th saved older version (`AsyncRollout.saved_weights`)."""
+    return f"async_weights_{i}"
 
 
 _RESPONSE_KEYS = ("responses", "response_mask", "rollout_log_probs")
 _JOINED_KEYS = ("input_ids", "attention_mask")
+
+
+def _scalar(value: int, like: jax.Array) -> jax.Array:
+    """`value` placed replicated on `like`'s mesh: across processes a scalar left on a
+    process's default device cannot join a program on another process's devices."""
+    return jax.device_put(np.int32(value), NamedSharding(like.sharding.mesh, P()))
 
 
 @jax.jit

@@ -39,7 +39,7 @@ TENSORBOARD_DIR = "tensorboard"
 # comparisons of runs (the exact-resume test) leave them out. So do the compile records
 # (`hfjax.controller.compile_log`): a resumed process compiles its programs again.
 TIMING_PREFIXES = ("timing_s/", "perf/throughput", "perf/time_per_step", "perf/mfu/",
-                   "compile/", "compile_s/")
+                   "compile/", "compile_s/", "async/push_s")
 REWARD_KEY = "critic/score/mean"
 # `val-core/<data_source>/acc/mean@<n>`: the mean score over n samples per held-out prompt.
 _VAL_ACC = re.compile(r"^val-core/.+/acc/mean@\d+$")

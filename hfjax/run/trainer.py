@@ -241,21 +241,37 @@ class Trainer:
     # -- checkpoints ---------------------------------------------------------------------------
 
     def checkpoint_items(self) -> dict[str, Any]:
-        """The arrays a checkpoint holds (`resume.checkpoint_items`)."""
-        return checkpoint_items(self.workers, self.cfg)
+        """The arrays a checkpoint holds (`resume.checkpoint_items`), and with K >= 1 the
+        older weights that batches issued ahead were made with (`AsyncRollout.saved_weights`)."""
+        items = checkpoint_items(self.workers, self.cfg)
+        queue = self._queued_ahead()
+        if queue is not None:
+            items |= queue.saved_weights(self.step, queue.rollout.params)
+        return items
+
+    def _queued_ahead(self) -> AsyncRollout | None:
+        """The asynchronous rollout when it issues batches ahead of the trainer (K >= 1)."""
+        return self.async_rollout if self.cfg.async_rollout.max_staleness >= 1 else None
 
     def state_dict(self) -> dict:
         """The host state that, with `checkpoint_items()`, fixes every later step (JSON-able).
         Sampling seeds are a function of (seed, step), so the step carries them."""
-        # Batches issued ahead of the trainer and not yet consumed are not saved: the data
-        # cursor goes back to the first of them, so a resumed run issues those prompts again.
+        # Batches issued ahead of the trainer and not yet consumed are remade on a resume: the
+        # data cursor goes back to the first of them, and the weights they were made with are
+        # saved (`checkpoint_items`), so a resumed run makes them again exactly.
         queued = None if self._async is None else self._async.data_state()
-        return host_state(self.workers, self.cfg, step=self.step,
-                          data=queued or self.train_iter.state(), model_cfg=self.model_cfg)
+        state = host_state(self.workers, self.cfg, step=self.step,
+                           data=queued or self.train_iter.state(), model_cfg=self.model_cfg)
+        queue = self._queued_ahead()
+        return state if queue is None else state | {"async": queue.state(self.step)}
 
     def load_state(self, restored: ckpt_lib.Restored) -> None:
         """Installs a restored checkpoint: arrays into the worker groups, host state here."""
         self.step = load_state(self.workers, restored, self.train_iter)
+        queue = self._queued_ahead()
+        if queue is not None:  # a checkpoint without async state: the schedule starts here
+            saved = restored.state.get("async", {"start": self.step, "versions": []})
+            queue.restore(self.step, saved, restored.items)
 
     def resume(self, ckpt: ckpt_lib.RunCheckpointer | None,
                mode: str = "auto") -> ckpt_lib.Restored | None:
