@@ -252,19 +252,28 @@ class AsyncRollout:
     def _home(self, batch: Batch, version: int) -> Batch:
         """A generated batch on the trainer's mesh, cut to the responses' longest length (a
         power-of-two bucket, as `trim_responses`), its tokens tagged with `version`."""
-        width = batch["responses"].shape[1]
-        if width > MIN_NEW_TOKENS_BUCKET:
-            longest = int(to_host(_longest(batch["response_mask"])))
-            keep = bucket_size(longest, MIN_NEW_TOKENS_BUCKET, cap=width)
-            if keep < width:
-                prompt = batch["prompts"].shape[1]
-                cut = {k: _cut(batch[k], keep) for k in _RESPONSE_KEYS if k in batch.arrays}
-                cut |= {k: _cut(batch[k], prompt + keep) for k in _JOINED_KEYS}
-                batch = batch.union(Batch(cut))
-        batch = DP_COMPUTE.collect(batch, 0, self.actor.mesh)
+        batch = DP_COMPUTE.collect(cut_responses(batch), 0, self.actor.mesh)
         with jax.transfer_guard("allow"):  # the version number: one scalar upload
             versions = _versions(batch["response_mask"], _scalar(version, batch["response_mask"]))
         return batch.union(Batch({"token_versions": versions}))
+
+
+def cut_responses(batch: Batch) -> Batch:
+    """`batch` without the response columns that are padding in every row, kept to a
+    power-of-two width (at least MIN_NEW_TOKENS_BUCKET): what `trim_responses` does to a
+    synchronous generate's output, here on a whole generated batch (a host read of one
+    scalar)."""
+    width = batch["responses"].shape[1]
+    if width <= MIN_NEW_TOKENS_BUCKET:
+        return batch
+    longest = int(to_host(_longest(batch["response_mask"])))
+    keep = bucket_size(longest, MIN_NEW_TOKENS_BUCKET, cap=width)
+    if keep == width:
+        return batch
+    prompt = batch["prompts"].shape[1]
+    cut = {k: _cut(batch[k], keep) for k in _RESPONSE_KEYS if k in batch.arrays}
+    cut |= {k: _cut(batch[k], prompt + keep) for k in _JOINED_KEYS}
+    return batch.select([k for k in batch.keys() if k not in cut]).union(Batch(cut))
 
 
 def slot_name(i: int) -> str:

@@ -139,3 +139,32 @@ def test_a_resumed_run_trains_every_prompt_once_in_data_order(tmp_path, monkeypa
         want = np.asarray(fresh._prompts(next(fresh.train_iter), step=step)["prompts"])
         assert len(consumed[step]) == 1, f"step {step} trained {len(consumed[step])} times"
         np.testing.assert_array_equal(consumed[step][0], want)
+
+
+def test_cut_responses_drops_the_columns_every_row_pads():
+    """A generated batch of 40 response columns whose longest response is 17 tokens keeps 32
+    (the power-of-two bucket), prompt columns whole; one whose longest is 40 keeps all."""
+    from hfjax.controller.batch import Batch
+    from hfjax.run.async_loop import cut_responses
+
+    rng = np.random.default_rng(0)
+    rows, p, r = 4, 6, 40
+    lengths = np.array([3, 17, 0, 9])
+    rmask = (np.arange(r)[None] < lengths[:, None]).astype(np.int32)
+    arrays = {"prompts": rng.integers(1, 9, (rows, p)), "prompt_mask": np.ones((rows, p)),
+              "responses": rng.integers(1, 9, (rows, r)) * rmask, "response_mask": rmask,
+              "rollout_log_probs": rng.normal(size=(rows, r)).astype(np.float32),
+              "truncated": np.zeros(rows, np.int32)}
+    arrays["input_ids"] = np.concatenate([arrays["prompts"], arrays["responses"]], 1)
+    arrays["attention_mask"] = np.concatenate([arrays["prompt_mask"], rmask], 1)
+    batch = Batch({k: jax.numpy.asarray(v) for k, v in arrays.items()})
+    out = cut_responses(batch)
+    for k, v in arrays.items():
+        cols = {"responses": 32, "response_mask": 32, "rollout_log_probs": 32,
+                "input_ids": p + 32, "attention_mask": p + 32}.get(k)
+        want = v if cols is None else v[:, :cols]
+        np.testing.assert_array_equal(np.asarray(out[k]), want, err_msg=k)
+    arrays["response_mask"][0] = 1  # a response as long as the columns: nothing to cut
+    full = cut_responses(batch.select([k for k in arrays if k != "response_mask"]).union(
+        Batch({"response_mask": jax.numpy.asarray(arrays["response_mask"])})))
+    assert full["responses"].shape == (rows, r)
