@@ -1,5 +1,5 @@
-"""What a tool call costs: the `python` tool's sandboxed process against a bare one, and the
-runner's overlap of calls against running them one after another.
+"""What a tool call costs: the `python` tool's jailed process against an unjailed one and a bare
+one, and the runner's overlap of calls against running them one after another.
 
     python -m bench.tool_latency              # 15 repeats
     python -m bench.tool_latency --repeats=5
@@ -7,10 +7,13 @@ runner's overlap of calls against running them one after another.
 Figures are medians over `--repeats` calls, in milliseconds:
 - `calculator_us`: one `calculator` call, in process (microseconds);
 - `bare_process_ms`: `python -I -c` of the same snippet with no limits (the naive baseline);
-- `python_tool_ms`: the `python` tool (limits, audit hook, temporary directory), without the
-  network namespace; `python_tool_netns_ms` with it (null where `unshare` is not allowed);
-- `sequential_8_ms` / `runner_8_ms`: eight `python` tool calls one after another, and the same
-  eight submitted at once to a `ToolRunner` with 8 workers; `runner_speedup` is their ratio.
+- `python_tool_jail_ms`: the `python` tool as configured by default (the bwrap jail, seccomp,
+  limits, audit hook); `jail_over_bare` is its ratio to `bare_process_ms`;
+- `python_tool_ms`: the tool with `isolation="none"` (limits, audit hook, temporary directory),
+  without the network namespace; `python_tool_netns_ms` with it (null where `unshare` is not
+  allowed);
+- `sequential_8_ms` / `runner_8_ms`: eight jailed `python` tool calls one after another, and the
+  same eight submitted at once to a `ToolRunner` with 8 workers; `runner_speedup` is their ratio.
 
 The last line printed is JSON.
 """
@@ -54,18 +57,21 @@ def main(argv):
     res["bare_process_ms"] = round(_median_ms(
         lambda: subprocess.run([sys.executable, "-I", "-c", SNIPPET], check=True,
                                capture_output=True), n), 1)
-    plain = Python(network_namespace=False)
+    jailed = Python()
+    res["python_tool_jail_ms"] = round(_median_ms(lambda: jailed.call({"code": SNIPPET}), n), 1)
+    res["jail_over_bare"] = round(res["python_tool_jail_ms"] / res["bare_process_ms"], 2)
+    plain = Python(isolation="none", network_namespace=False)
     res["python_tool_ms"] = round(_median_ms(lambda: plain.call({"code": SNIPPET}), n), 1)
     res["python_tool_netns_ms"] = None
     if network_namespace_available():
-        netns = Python(network_namespace=True)
+        netns = Python(isolation="none", network_namespace=True)
         res["python_tool_netns_ms"] = round(
             _median_ms(lambda: netns.call({"code": SNIPPET}), n), 1)
     res["sandbox_over_bare"] = round(res["python_tool_ms"] / res["bare_process_ms"], 2)
     calls = [ToolCall("python", {"code": SNIPPET})] * 8
-    with ToolRunner({"python": plain}, max_workers=8) as runner:
+    with ToolRunner({"python": jailed}, max_workers=8) as runner:
         res["sequential_8_ms"] = round(_median_ms(
-            lambda: [plain.call({"code": SNIPPET}) for _ in calls], max(1, n // 5)), 1)
+            lambda: [jailed.call({"code": SNIPPET}) for _ in calls], max(1, n // 5)), 1)
         res["runner_8_ms"] = round(_median_ms(lambda: runner.run(calls), max(1, n // 5)), 1)
     res["runner_speedup"] = round(res["sequential_8_ms"] / res["runner_8_ms"], 2)
     res["cpus"] = os.cpu_count()

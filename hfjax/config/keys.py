@@ -204,6 +204,9 @@ TRAIN_KEYS: dict[str, Callable[[Any], str | None]] = {
     "rollout.multi_turn.max_tool_response_len": Int(1, note="tokens per observation"),
     "rollout.multi_turn.tool_workers": Int(1, note="threads running tool calls"),
     "rollout.multi_turn.max_parallel_calls": Int(1, note="tool calls per policy turn"),
+    "rollout.multi_turn.python_isolation": Choice(
+        ("jail", "none"), note="the python tool's OS jail (hfjax/tools/jail.py); none runs the "
+        "policy's code without it, accepting the risk"),
     "rollout.val_kwargs.n": Int(1),
     "rollout.val_kwargs.temperature": Float(0.0, note="0: greedy"),
     # reference and critic

@@ -303,6 +303,22 @@ def _async_rollout(c) -> str | None:
     return None
 
 
+def _tools_build(c) -> str | None:
+    """The multi-turn tools are built here, once, with their settings: a tool that refuses (the
+    python tool where its jail cannot start) stops the run before anything compiles."""
+    m = c.rollout.multi_turn
+    if not m.enable or not m.tools:
+        return None
+    from hfjax.engine.spec import MultiTurnSpec
+    from hfjax.tools import resolve_tools
+
+    try:
+        resolve_tools(m.tools, MultiTurnSpec.of(m).tool_options())
+    except ValueError as err:
+        return f"rollout.multi_turn.tools={m.tools!r}: {err}"
+    return None
+
+
 TRAIN_RULES: tuple[Callable[[Any], str | None], ...] = (
     _selected_models,
     _estimator_inputs,
@@ -323,6 +339,7 @@ TRAIN_RULES: tuple[Callable[[Any], str | None], ...] = (
     _one_length_layout,
     _rollout_correction,
     _async_rollout,
+    _tools_build,
 )
 
 

@@ -293,13 +293,14 @@ def lora_targets(v) -> str | None:
 
 def tool_spec(v) -> str | None:
     """Tool names or pkg.mod:Class specs, comma-separated (empty: no tools); resolved here, so
-    an unknown tool fails before anything compiles."""
+    an unknown tool fails before anything compiles. Built where they run (the python tool's
+    jail is probed then, with its isolation setting: config.rules `_tools_build`)."""
     if not isinstance(v, str):
         return "needs a string of tool names, e.g. 'calculator' or 'calculator,python'"
-    from hfjax.tools import resolve_tools
+    from hfjax.tools.registry import tool_classes
 
     try:
-        resolve_tools(v)
+        tool_classes(v)
     except (ValueError, ImportError) as err:
         return str(err)
     return None

@@ -95,6 +95,11 @@ class MultiTurnSpec(Spec):
     max_tool_response_len: int  # tokens per observation
     tool_workers: int  # threads running tool calls
     max_parallel_calls: int  # tool calls run per policy turn, in order
+    python_isolation: str = "jail"  # the python tool: jail | none (`hfjax.tools.python`)
+
+    def tool_options(self) -> dict[str, dict]:
+        """`resolve_tools`' options for the tools of this spec."""
+        return {"python": {"isolation": self.python_isolation}}
 
 
 @dataclasses.dataclass(frozen=True)

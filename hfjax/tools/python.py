@@ -1,30 +1,32 @@
-"""`python`: runs a snippet in a separate Python process, within limits.
+"""`python`: runs a snippet in a separate Python process, in a jail, within limits.
 
-What holds (Linux; docs/agents.md says the same):
-- **Wall clock.** The process runs in its own session; past `wall_s` the whole process group is
-  killed (SIGKILL), and the policy is told it timed out.
-- **Memory.** RLIMIT_AS caps the address space at `memory_mb`; an allocation past it raises
-  MemoryError in the snippet (or kills it), reported as an error.
-- **CPU and files.** RLIMIT_CPU caps CPU seconds; RLIMIT_FSIZE caps any file the process writes,
-  its captured stdout and stderr included, at `max_output_bytes`.
-- **Output.** stdout and stderr go to files of bounded size (above), and the text returned is cut
-  to `max_output_chars`.
-- **Network.** When `unshare --user --net` works on this machine (checked once), the process runs
-  in a new network namespace with no interfaces but loopback: nothing outside is reachable,
-  whatever the code does. Where it does not work, only the audit hook below stands in the way.
-- **Files, processes, sockets: an audit hook** (PEP 578), installed before the snippet runs,
-  refuses: opening a file for writing outside the temporary directory, deleting, renaming or
-  creating anything outside it, creating a socket or resolving a name, starting a process
-  (fork, exec, subprocess, os.system), sending signals, and using ctypes to reach native code
-  (loading a library by name, looking up a symbol, a foreign call, reading memory at an
-  address; importing ctypes is allowed, as sympy does it). The snippet runs with `python -I`
-  (no user site, no PYTHON* variables), in a fresh temporary directory that is deleted
-  afterwards, with a minimal environment.
+With `isolation="jail"` (the default, `rollout.multi_turn.python_isolation`) every call runs in
+the OS-level jail of `hfjax.tools.jail` (bubblewrap namespaces, an unprivileged user, a seccomp
+filter). What holds, on Linux, checked by tests/tools/test_python_jail.py:
+- **Processes.** Its own PID namespace: the snippet sees and can signal only its own processes;
+  every process it starts (a `setsid` or daemonized one too) is killed when the call ends, at
+  its wall clock or when the controller kills it. RLIMIT_NPROC caps its processes and threads
+  at `max_processes` (under the unprivileged uid, which all calls share).
+- **Files.** The controller's files are not in its view: it sees a read-only system (/usr, the
+  libraries, the Python installation, world-readable /etc files) and writes only to /scratch, a
+  private tmpfs of `disk_mb`, gone with the call. RLIMIT_FSIZE caps any one file, stdout and
+  stderr included, at `max_output_bytes`.
+- **Network.** Its own network namespace: loopback only, nothing outside is reachable.
+- **Kernel.** A seccomp filter refuses ptrace, pidfds, mounts, namespaces, keyrings, BPF, perf,
+  modules, io_uring, open_by_handle_at, userfaultfd and more (`hfjax.tools.jail.DENIED`).
+- **Time and memory.** Past `wall_s` the call is killed (SIGKILL to bwrap, whose namespace dies
+  with it); RLIMIT_CPU caps CPU seconds, RLIMIT_AS each process's address space at
+  `memory_mb` (so the call's memory is at most `max_processes` x `memory_mb`).
+- **Output.** The text returned is cut to `max_output_chars`.
 
-What does not hold: the audit hook is a tripwire for honest mistakes and naive attempts, not a
-security boundary. Reading files is not restricted beyond the OS's permissions, and code that
-escapes the interpreter's checks (ctypes' ready-made memmove and memset, a C extension already
-installed) is not contained. Run untrusted policies' code in a container or VM as well.
+Where the jail cannot be built the tool refuses to start (ValueError naming what is missing and
+the setting that accepts the risk); it never falls back silently. `isolation="none"` runs the
+snippet as a plain child process (in a network namespace when `unshare --user --net` works),
+in a host temporary directory: only the limits above and the audit hook stand in the way.
+
+An audit hook (PEP 578) is installed before the snippet runs, in both modes. It is a tripwire
+for honest mistakes (writing outside the working directory, starting processes, sockets,
+ctypes' native calls), not a boundary: one line switches it off. In the jail nothing rests on it.
 
 The limits are applied by the child itself, before the snippet runs, rather than in a
 `preexec_fn`: the parent is a multi-threaded JAX process, where `preexec_fn` can deadlock.
@@ -42,19 +44,25 @@ import tempfile
 
 from absl import logging
 
+from hfjax.tools import jail
 from hfjax.tools.base import Tool, ToolError
 from hfjax.tools.registry import register_tool
 
-# The child's bootstrap: argv = [work_dir, snippet_path, memory_bytes, file_bytes, cpu_s].
+# The child's bootstrap: argv = [work_dir, memory_bytes, file_bytes, cpu_s, max_processes], the
+# snippet on stdin (then stdin is /dev/null).
 # It sets the limits, installs the audit hook, then runs the snippet; the last expression
 # statement's value is printed as in a REPL. The child runs unbuffered (-u), so a snippet
 # killed at the wall clock still shows what it printed.
 _BOOTSTRAP = r'''
 import ast, os, resource, sys
-work, snippet_path, mem, fsize, cpu = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:6])
-src = open(snippet_path, encoding="utf-8").read()
+work, mem, fsize, cpu, nproc = sys.argv[1], *map(int, sys.argv[2:6])
+src = sys.stdin.buffer.read().decode("utf-8", errors="replace")
+_null = os.open(os.devnull, os.O_RDONLY)
+os.dup2(_null, 0)
+os.close(_null)
 for lim, soft, hard in ((resource.RLIMIT_AS, mem, mem), (resource.RLIMIT_FSIZE, fsize, fsize),
-                        (resource.RLIMIT_CPU, cpu, cpu + 1), (resource.RLIMIT_CORE, 0, 0)):
+                        (resource.RLIMIT_CPU, cpu, cpu + 1), (resource.RLIMIT_CORE, 0, 0),
+                        (resource.RLIMIT_NPROC, nproc, nproc)):
     # CPU: SIGXCPU at the soft limit (a clear message), SIGKILL a second later regardless.
     resource.setrlimit(lim, (soft, hard))
 os.chdir(work)
@@ -108,7 +116,7 @@ if tree.body and isinstance(tree.body[-1], ast.Expr):
 else:
     code, tail = compile(tree, "<snippet>", "exec"), None
 env = {"__name__": "__main__", "__builtins__": __builtins__}
-del ast, resource, src, tree, snippet_path
+del ast, resource, src, tree
 exec(code, env)
 if tail is not None:
     _value = eval(tail, env)
@@ -134,17 +142,29 @@ def network_namespace_available() -> bool:
     return done.returncode == 0
 
 
-def _head(path: str, limit: int) -> str:
-    with open(path, "rb") as f:
-        data = f.read(limit + 1)
+ISOLATIONS = ("jail", "none")
+ISOLATION_KEY = "rollout.multi_turn.python_isolation"
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(p) for p in f.read().split()]
+    except OSError:
+        return []
+
+
+def _head(f, limit: int) -> str:
+    f.seek(0)
+    data = f.read(limit + 1)
     text = data[:limit].decode("utf-8", errors="replace")
     return text + ("\n[output truncated]" if len(data) > limit else "")
 
 
-def _error_tail(path: str, limit: int) -> str:
+def _error_tail(f, limit: int) -> str:
     """The end of stderr (where a traceback's error is), without the bootstrap's frames."""
-    with open(path, "rb") as f:
-        text = f.read().decode("utf-8", errors="replace")
+    f.seek(0)
+    text = f.read().decode("utf-8", errors="replace")
     lines = [ln for ln in text.splitlines() if not ln.lstrip().startswith('File "<string>"')]
     text = "\n".join(lines)
     return text if len(text) <= limit else "[...]\n" + text[-limit:]
@@ -152,7 +172,8 @@ def _error_tail(path: str, limit: int) -> str:
 
 @register_tool
 class Python(Tool):
-    """Runs a Python snippet in a separate, limited process (see the module docstring)."""
+    """Runs a Python snippet in a separate, jailed and limited process (see the module
+    docstring)."""
 
     name = "python"
     description = ("Run a Python 3 snippet in a fresh process and return what it prints "
@@ -168,20 +189,39 @@ class Python(Tool):
 
     def __init__(self, wall_s: float = 5.0, memory_mb: int = 512, cpu_s: int = 10,
                  max_output_bytes: int = 64 * 1024, max_output_chars: int = 4000,
-                 max_code_chars: int = 20_000, network_namespace: bool | None = None):
+                 max_code_chars: int = 20_000, isolation: str = "jail",
+                 max_processes: int = 16, disk_mb: int = 64,
+                 network_namespace: bool | None = None):
         if wall_s <= 0 or memory_mb < 64 or cpu_s < 1 or max_output_bytes < 1:
             raise ValueError(
                 f"python tool: wall_s={wall_s} must be > 0, memory_mb={memory_mb} >= 64 (the "
                 f"interpreter needs about that), cpu_s={cpu_s} >= 1 and max_output_bytes="
                 f"{max_output_bytes} >= 1")
+        if isolation not in ISOLATIONS:
+            raise ValueError(f"python tool: isolation={isolation!r}; use one of "
+                             f"{', '.join(ISOLATIONS)} (--config.{ISOLATION_KEY})")
+        if max_processes < 2 or disk_mb < 1:
+            raise ValueError(f"python tool: max_processes={max_processes} must be >= 2 (the "
+                             f"jail's init and the interpreter) and disk_mb={disk_mb} >= 1")
+        if isolation == "jail":
+            try:
+                jail.probe()
+            except jail.JailUnavailable as err:
+                raise ValueError(
+                    f"python tool: the jail cannot start on this machine: {err}; to run the "
+                    f"policy's code without it, accepting the risk, set "
+                    f"--config.{ISOLATION_KEY}=none") from None
+        self.isolation = isolation
         self.wall_s = wall_s
         self.memory_mb = memory_mb
         self.cpu_s = cpu_s
         self.max_output_bytes = max_output_bytes
         self.max_output_chars = max_output_chars
         self.max_code_chars = max_code_chars
-        self.network_namespace = (network_namespace_available() if network_namespace is None
-                                  else network_namespace)
+        self.max_processes = max_processes
+        self.disk_mb = disk_mb
+        self.network_namespace = isolation == "jail" or (
+            network_namespace_available() if network_namespace is None else network_namespace)
         # The runner's bound: the snippet's wall clock plus time to start and clean up.
         self.timeout_s = wall_s + 10.0
 
@@ -191,46 +231,83 @@ class Python(Tool):
             raise ToolError("code must be a string")
         if len(code) > self.max_code_chars:
             raise ToolError(f"the code is longer than {self.max_code_chars} characters")
-        root = tempfile.mkdtemp(prefix="hfjax_python_tool_")
-        try:
-            return self._run(code, root)
-        finally:
-            shutil.rmtree(root, ignore_errors=True)
+        with tempfile.TemporaryFile() as src, tempfile.TemporaryFile() as out, \
+                tempfile.TemporaryFile() as err:
+            src.write(code.encode("utf-8", errors="replace"))
+            src.seek(0)
+            if self.isolation == "jail":
+                with jail.seccomp_file() as filt:
+                    argv = jail.command(self._argv(jail.MOUNT), seccomp_fd=filt.fileno(),
+                                        disk_bytes=self.disk_mb << 20)
+                    rc, timed_out = self._wait(argv, src, out, err, "/", (filt.fileno(),))
+                # bwrap reports a child killed by signal N as exit status 128 + N.
+                if rc > 128 and rc - 128 in _SIGNALS:
+                    rc = 128 - rc
+            else:
+                root = tempfile.mkdtemp(prefix="hfjax_python_tool_")
+                try:
+                    work = os.path.join(root, "work")
+                    os.mkdir(work)
+                    argv = self._argv(work)
+                    if self.network_namespace:
+                        argv = [shutil.which("unshare") or "unshare", "--user", "--net",
+                                "--"] + argv
+                    rc, timed_out = self._wait(argv, src, out, err, work, ())
+                finally:
+                    shutil.rmtree(root, ignore_errors=True)
+            return self._report(rc, timed_out, _head(out, self.max_output_chars),
+                                _error_tail(err, self.max_output_chars))
 
-    def _run(self, code: str, root: str) -> str:
-        work = os.path.join(root, "work")
-        os.mkdir(work)
-        snippet = os.path.join(root, "snippet.py")
-        with open(snippet, "w", encoding="utf-8") as f:
-            f.write(code)
-        argv = [sys.executable, "-I", "-u", "-c", _BOOTSTRAP, work, snippet,
-                str(self.memory_mb * 1024 * 1024), str(self.max_output_bytes), str(self.cpu_s)]
-        if self.network_namespace:
-            argv = [shutil.which("unshare") or "unshare", "--user", "--net", "--"] + argv
+    def _argv(self, work: str) -> list[str]:
+        return [sys.executable, "-I", "-u", "-c", _BOOTSTRAP, work,
+                str(self.memory_mb * 1024 * 1024), str(self.max_output_bytes), str(self.cpu_s),
+                str(self.max_processes)]
+
+    def _wait(self, argv, src, out, err, cwd, fds) -> tuple[int, bool]:
+        work = cwd if self.isolation == "none" else jail.MOUNT
         # One thread per numeric library (their pools reserve address space per thread, which
         # RLIMIT_AS counts), and no accelerator for a snippet that imports an ML framework.
         env = {"PATH": "/usr/bin:/bin", "HOME": work, "TMPDIR": work, "LANG": "C.UTF-8",
                "PYTHONIOENCODING": "utf-8", "OMP_NUM_THREADS": "1",
                "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "",
                "JAX_PLATFORMS": "cpu"}
-        out_path, err_path = os.path.join(root, "stdout"), os.path.join(root, "stderr")
-        with open(out_path, "wb") as out, open(err_path, "wb") as err:
-            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
-                                    cwd=work, env=env, start_new_session=True)
-            try:
-                rc = proc.wait(timeout=self.wall_s)
-                timed_out = False
-            except subprocess.TimeoutExpired:
-                timed_out = True
-            finally:
-                # The whole group: the snippet cannot start processes, but kill them anyway.
+        # In the jail bwrap stays in the caller's process group, so a runner that kills its
+        # worker's group takes bwrap, and with it the namespace, along; outside the jail the
+        # snippet gets a session of its own, killed whole below.
+        jailed = self.isolation == "jail"
+        proc = subprocess.Popen(argv, stdin=src, stdout=out, stderr=err, cwd=cwd, env=env,
+                                start_new_session=not jailed, pass_fds=fds)
+        try:
+            proc.wait(timeout=self.wall_s)
+            timed_out = False
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            if jailed:
+                # SIGKILL to the namespace's init (bwrap's child) first: the kernel kills
+                # every process of the namespace, and bwrap exits only once they are gone, so
+                # nothing of the call outlives it. Killing bwrap alone would leave that to
+                # its child's parent-death signal, after this call returned.
+                for pid in _children(proc.pid):
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
                 try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
+                    proc.wait(timeout=5)
+                except subprocess.TimeoutExpired:
                     pass
-                rc = proc.wait()
-        stdout = _head(out_path, self.max_output_chars)
-        stderr = _error_tail(err_path, self.max_output_chars)
+        finally:
+            try:
+                if jailed:
+                    proc.kill()
+                else:
+                    os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            rc = proc.wait()
+        return rc, timed_out
+
+    def _report(self, rc: int, timed_out: bool, stdout: str, stderr: str) -> str:
         if timed_out:
             logging.info("python tool: snippet killed after %s s", self.wall_s)
             raise ToolError(f"the code ran longer than {self.wall_s:g} s and was stopped"

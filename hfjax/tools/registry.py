@@ -11,7 +11,8 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from hfjax.rewards.custom import import_file
 from hfjax.tools.base import Tool
@@ -91,23 +92,39 @@ def _split(spec: str | Sequence[str]) -> list[str]:
     return names
 
 
-def resolve_tools(spec: str | Sequence[str]) -> dict[str, Tool]:
-    """The tools named by `spec` ("calculator,python", "pkg.mod:MyTool", or a list of such),
-    built and keyed by their `name`; {} for "" or an empty list. ValueError naming the known
-    tools and the `pkg.mod:Class` form for an unknown name, and for two tools with one name."""
-    tools: dict[str, Tool] = {}
+def tool_classes(spec: str | Sequence[str]) -> list[tuple[str, type[Tool]]]:
+    """The tool classes `spec` names, each with its item, without building any: ValueError
+    naming the known tools and the `pkg.mod:Class` form for an unknown name."""
+    classes = []
     for item in _split(spec):
         if item in _TOOLS:
-            cls = _TOOLS[item]
+            classes.append((item, _TOOLS[item]))
         elif ":" in item:
-            cls = _import_class(item)
+            classes.append((item, _import_class(item)))
         else:
             raise ValueError(
                 f"unknown tool {item!r}; known: {', '.join(known_tools()) or '(none)'}, or a "
                 "tool class of your own as package.module:ClassName (or "
                 "path/to/file.py:ClassName)")
+    return classes
+
+
+def resolve_tools(spec: str | Sequence[str],
+                  options: Mapping[str, Mapping[str, Any]] | None = None) -> dict[str, Tool]:
+    """The tools named by `spec` ("calculator,python", "pkg.mod:MyTool", or a list of such),
+    built and keyed by their `name`; {} for "" or an empty list. `options[name]` are keyword
+    arguments for the registered tool `name` (e.g. {"python": {"isolation": "none"}}); a tool
+    not in `spec` ignores its options. ValueError naming the known tools and the
+    `pkg.mod:Class` form for an unknown name, for two tools with one name, and for a tool whose
+    constructor refuses (the python tool where its jail cannot start)."""
+    options = options or {}
+    tools: dict[str, Tool] = {}
+    for item, cls in tool_classes(spec):
+        kwargs = dict(options.get(item, {})) if item in _TOOLS else {}
         try:
-            tool = cls()
+            tool = cls(**kwargs)
+        except ValueError as err:  # a tool's own refusal, worded for the user
+            raise ValueError(f"tool {item!r}: {err}") from None
         except Exception as err:
             raise ValueError(
                 f"tool {item!r}: {cls.__qualname__}() failed: {err!r}; a tool class must be "

