@@ -154,6 +154,10 @@ def command(argv: list[str], *, seccomp_fd: int, disk_bytes: int) -> list[str]:
     args += ["--proc", "/proc", "--dev", "/dev",
              "--perms", "1777" if root else "0700", "--size", str(disk_bytes),
              "--tmpfs", MOUNT, "--chdir", MOUNT, "--seccomp", str(seccomp_fd)]
+    if not root:
+        # In a user namespace the jail's user owns bwrap's /dev tmpfs (no size limit): read-only
+        # (its device nodes still work).
+        args += ["--remount-ro", "/dev"]
     if root:
         setpriv = shutil.which("setpriv", path="/usr/bin:/bin")
         if setpriv is None:
