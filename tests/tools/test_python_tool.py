@@ -7,8 +7,7 @@ import uuid
 
 import pytest
 
-from hfjax.tools import Observation, ToolCall, ToolError, ToolRunner
-from hfjax.tools import jail
+from hfjax.tools import Observation, ToolCall, ToolError, ToolRunner, jail
 from hfjax.tools.python import Python, network_namespace_available
 
 try:  # these cases test the tool and its audit hook, in the jail where the machine has one
