@@ -40,8 +40,8 @@ _CLIP = Float(0.0)
 _BUDGET = ("tokens per data-parallel device and micro-batch with use_remove_padding; "
            "0: ppo_micro_batch_size padded rows")
 _SP = Choice(("ulysses", "ring"), note="attention across a row split over the mesh's sequence "
-             "axis: ulysses (all-to-all, needs kv heads divisible by the sequence size) or ring "
-             "(K/V blocks passed round)")
+             "axis: ulysses (all-to-all, needs query heads divisible by the sequence size; kv "
+             "heads are repeated where they are not) or ring (K/V blocks passed round)")
 _LORA_DROPOUT = ("dropout on the adapters' input in training steps (PEFT's lora_dropout); "
                  "0: none")
 _FORWARD_BUDGET = ("tokens per data-parallel device and micro-batch of the scoring pass with "

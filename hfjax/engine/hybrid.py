@@ -708,7 +708,7 @@ def engine_for(train_layout: shd.Layout, decode_mesh: str, state: Any) -> Hybrid
 
 def splits_rows(mesh) -> bool:
     """Whether a training mesh splits rows over `sequence` (sequence parallelism). Its
-    parameters are replicated over `sequence`, so its shards rarely nest in a decode layout's;
-    the engine then reshards them with plain on-device transfers (logged with the extra bytes)
-    rather than refusing the decode layout."""
+    parameters are sharded over fsdp x sequence (FSDP spans the `sequence` axis), a split that
+    rarely nests in a decode layout's; the engine then reshards them with plain on-device
+    transfers (logged with the extra bytes) rather than refusing the decode layout."""
     return mesh.shape.get("sequence", 1) > 1

@@ -104,10 +104,16 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return (weight.astype(x.dtype).astype(f32) * y.astype(x.dtype).astype(f32)).astype(x.dtype)
 
 
+_CP = jax.checkpoint_policies
+# The policies that keep matmul outputs also keep Ulysses' exchanged q, k, v and attention
+# output (`sequence_parallel.EXCHANGED`): the same bytes as the projections they come from,
+# and recomputing them would repeat the layer's four all-to-alls in the backward pass.
+_KEEP_EXCHANGE = _CP.save_only_these_names(sp.EXCHANGED)
 _REMAT = {
-    "full": jax.checkpoint_policies.nothing_saveable,
-    "dots": jax.checkpoint_policies.checkpoint_dots,
-    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "full": _CP.nothing_saveable,
+    "dots": _CP.save_from_both_policies(_CP.checkpoint_dots, _KEEP_EXCHANGE),
+    "dots_no_batch": _CP.save_from_both_policies(_CP.dots_with_no_batch_dims_saveable,
+                                                 _KEEP_EXCHANGE),
 }
 
 
@@ -165,7 +171,8 @@ class Layers(nnx.Module):
 def matmul(x: jax.Array, w: jax.Array, dtype, out_dtype=None, *,
            transpose_w: bool = False) -> jax.Array:
     """x [M, K] @ w [K, N] (with `transpose_w`, x @ w.T for w [N, K], e.g. a tied embedding)
-    with both operands in the compute `dtype`, result in `out_dtype` (default: `dtype`).
+    with both operands in the compute `dtype`, result in `out_dtype` (default: `dtype`). x may
+    also be [B, T, K] (a contraction over its last dimension only; `_proj` says when).
 
     Below float32 the products are accumulated in float32, forward and backward, and the weight
     gradient comes back in w's dtype (the float32 master). Plain autodiff of a
@@ -197,10 +204,14 @@ def dot_form(a: jax.Array, b: jax.Array, form: str) -> jax.Array:
     row-sharded M's sharding on its leading part). Other backends get the plain dot.
     """
     f32 = jnp.float32
+    last = a.ndim - 1  # a may be [B, T, K]: its leading dimensions are all "M"
     if form == "ab":
-        return jnp.dot(a, b, preferred_element_type=f32)
+        return jax.lax.dot_general(a, b, (((last,), (0,)), ((), ())), preferred_element_type=f32)
     if form == "abT":
-        return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=f32)
+        return jax.lax.dot_general(a, b, (((last,), (1,)), ((), ())), preferred_element_type=f32)
+    if a.ndim > 2:  # [B, T, K] x [B, T, N]: contracting both leading dims is the form below
+        lead = tuple(range(last))
+        return jax.lax.dot_general(a, b, ((lead, lead), ((), ())), preferred_element_type=f32)
     m = a.shape[0]
     if m % 2 or backend.device_platform() != "cpu":
         return jnp.dot(a.T, b, preferred_element_type=f32)
@@ -241,16 +252,20 @@ _DROPOUT_STREAMS = {n: i for i, n in enumerate(
 
 def _proj(cfg: ModelConfig, p, x: jax.Array, name: str, out_shape: tuple[int, ...],
           out_dtype=None) -> jax.Array:
-    """x [B, T, in] times parameter `name` as one 2-D [B*T, in] x [in, out] `matmul`.
+    """x [B, T, in] times parameter `name` as one 2-D [B*T, in] x [in, out] `matmul`, or, for
+    rows split over `sequence` (`keeps_rows`), as [B, T, in] x [in, out].
 
     As [B, T, D] einsums, XLA:CPU forms the weight gradients through strided transposes of
     [B, T, out] activations fused with their producers; with other jobs on the cores those made
     the backward pass ~2x slower (on an idle machine the two forms time the same;
-    docs/benchmarks.md, "Peers").
+    docs/benchmarks.md, "Peers"). But merging a split T with B into one dimension is a layout
+    XLA cannot shard when a device holds more than one row: it gathers whole rows over
+    `sequence` before the matmul, and every device computes every token of its rows
+    (tests/models/test_sequence_parallel_hlo.py). Split rows therefore keep [B, T].
     """
     B, T = x.shape[:2]
     w = p[name].reshape(-1, math.prod(out_shape))
-    x2 = x.reshape(B * T, -1)
+    x2 = x.reshape(B, T, -1) if keeps_rows() else x.reshape(B * T, -1)
     flat = matmul(x2, w, cfg.jnp_dtype, out_dtype)
     a = p.get(f"{name}_lora_a")
     if a is not None:  # LoRA (`hfjax.models.lora`): + (x @ A) @ (scale * B), A and B float32
@@ -264,6 +279,12 @@ def _proj(cfg: ModelConfig, p, x: jax.Array, name: str, out_shape: tuple[int, ..
         b = p[f"{name}_lora_b"].reshape(r, -1)
         flat = flat + matmul(xa, b, cfg.jnp_dtype, flat.dtype)
     return flat.reshape(B, T, *out_shape)
+
+
+def keeps_rows() -> bool:
+    """Whether activations keep their [B, T, ...] form through the matmuls: under a layout
+    that splits rows over `sequence` (`hfjax.models.sequence_parallel`)."""
+    return sp.sequence_size(shd.active_layout()) > 1
 
 
 def attention_inputs(cfg: ModelConfig, rope, p, h):
@@ -358,8 +379,14 @@ class Backbone(nnx.Module):
         segment_span: int | None = None,
         shared_prompt: SharedPrompt | None = None,
         response_blocks: ResponseBlocks | None = None,
+        keep_width: bool = False,
     ) -> tuple[jax.Array, KVCache | None]:
         """Final hidden states [B, T, D] and the updated cache (None without a cache).
+
+        With `keep_width`, rows split over `sequence` come back at their padded width W >= T
+        (`sequence_parallel.padded_width`; columns past T are padding): cutting them to T
+        would move the last shard's tokens between devices, so a head that reduces each
+        position to a few numbers runs on the split [B, W, D] and cuts its own output.
 
         Without a cache, `attention_mask` [B, T] marks real tokens of a left-padded batch and
         positions default to `positions_from_mask`. With a cache, the T new tokens are written at
@@ -458,7 +485,7 @@ class Backbone(nnx.Module):
                     carry, _ = step(carry, (i, {k: v[i] for k, v in params.items()}))
             h, ck, cv = carry
             new_cache = KVCache(ck, cv)
-        if width != T:
+        if width != T and not keep_width:
             h = h[:, :T]
         return rms_norm(h, self.norm[...], cfg.rms_norm_eps), new_cache
 
@@ -479,8 +506,9 @@ class CausalLM(nnx.Module):
         bfloat16 compute, a bfloat16 result would round every logit to 8 significant bits
         (~0.03 at logit 8) before the log-probs that enter the PPO ratio are taken.
         """
-        # A 2-D matmul, for the reason given in `_proj`.
-        flat = hidden.reshape(-1, hidden.shape[-1])
+        # A 2-D matmul, for the reason given in `_proj` (which also says why split rows keep
+        # their leading dimensions).
+        flat = hidden if keeps_rows() else hidden.reshape(-1, hidden.shape[-1])
         tied = self.config.tie_word_embeddings
         w = self.model.embed_tokens[...] if tied else self.lm_head[...]
         out = matmul(flat, w, self.config.jnp_dtype, jnp.float32, transpose_w=tied)
@@ -502,11 +530,13 @@ class ValueModel(nnx.Module):
         self.score = _param(rngs, cfg, (cfg.hidden_size, 1), ("embed", None), "zeros")
 
     def __call__(self, input_ids, attention_mask=None, **kw):
-        hidden, _ = self.model(input_ids, attention_mask, **kw)
+        T = input_ids.shape[1]
+        hidden, _ = self.model(input_ids, attention_mask, keep_width=kw.get("cache") is None,
+                               **kw)
         w = self.score[...].astype(hidden.dtype)
         # Accumulated and returned in float32, like the logits: values feed GAE directly.
         return jnp.einsum("btd,do->bto", hidden, w,
-                          preferred_element_type=jnp.float32)[..., 0]
+                          preferred_element_type=jnp.float32)[:, :T, 0]
 
 
 def pooled_index(input_ids: jax.Array, attention_mask: jax.Array,
@@ -541,16 +571,24 @@ class ScoreModel(nnx.Module):
     def __call__(self, input_ids, attention_mask=None, **kw):
         if attention_mask is None:
             attention_mask = jnp.ones(input_ids.shape, jnp.int32)
-        hidden, _ = self.model(input_ids, attention_mask, **kw)
         last = pooled_index(input_ids, attention_mask, self.config.pad_token_id)
+        if keeps_rows():
+            # Rows split over `sequence`: the read position's hidden state is on one device;
+            # the head at every position, then one number per row moves, not [B, T, D].
+            T = input_ids.shape[1]
+            hidden, _ = self.model(input_ids, attention_mask, keep_width=True, **kw)
+            scores = self._head(hidden)[:, :T]
+            return jnp.take_along_axis(scores, last[:, None], axis=1)[:, 0]
+        hidden, _ = self.model(input_ids, attention_mask, **kw)
         h_last = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]
         return self._head(h_last)
 
     def token_scores(self, input_ids, attention_mask=None, **kw):
         """The score head at every position [B, T] (float32): a packed row's sequences are
         each read at their own `pooled_index` (`hfjax.engine.packing.last_tokens`)."""
-        hidden, _ = self.model(input_ids, attention_mask, **kw)
-        return self._head(hidden)
+        T = input_ids.shape[1]
+        hidden, _ = self.model(input_ids, attention_mask, keep_width=True, **kw)
+        return self._head(hidden)[:, :T]
 
     def _head(self, hidden):
         w = self.score[...].astype(hidden.dtype)

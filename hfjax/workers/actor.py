@@ -31,9 +31,11 @@ from hfjax.engine.sampler import (
 from hfjax.engine.spec import RolloutSpec
 from hfjax.engine.update import in_micro_batches, scoring_micro_batches, share_of_normaliser
 from hfjax.models import lora
+from hfjax.models import sequence_parallel as sp
 from hfjax.numerics import core, losses
 from hfjax.numerics.losses import PolicyLossInputs
 from hfjax.parallel import reshard
+from hfjax.parallel import sharding as shd
 from hfjax.parallel.mesh import batch_sharding
 from hfjax.parallel.transfer import to_host, transfer
 from hfjax.workers.base import SEQUENCES, Program, StepShape, WorkerGroup
@@ -49,6 +51,10 @@ def response_logprobs(model, input_ids, attention_mask, response_len: int, tempe
     head runs on about `chunk` positions per one of `dp` data-parallel devices at a time
     (`hfjax.engine.head_chunks.over_tokens`; 0: the whole rows at once)."""
     # Only the positions that predict response tokens go through the LM head.
+    s = sp.sequence_size(shd.active_layout())
+    if samples == 1 and s > 1:
+        return _split_response_logprobs(model, input_ids, attention_mask, response_len,
+                                        temperature, chunk, dp, s)
     if samples > 1:
         hidden = shared_prompt.response_hidden(model.model, input_ids, attention_mask,
                                                response_len, samples)
@@ -56,6 +62,23 @@ def response_logprobs(model, input_ids, attention_mask, response_len: int, tempe
         hidden = model.model(input_ids, attention_mask)[0][:, -response_len - 1 : -1]
     labels = input_ids[:, -response_len:]
     return head_chunks.over_tokens(_head(model, temperature), chunk, dp, hidden, labels)
+
+
+def _split_response_logprobs(model, input_ids, attention_mask, response_len, temperature,
+                             chunk, dp, s):
+    """`response_logprobs` of rows split `s` ways over `sequence`: the head runs on every
+    position of each device's T / s (a row's prompt positions too, P / (P + R) more head
+    work), predicting the next column's token, and only the [B, R] results are cut out.
+    Cutting the hidden states to the response first would move them between devices."""
+    B, T = input_ids.shape
+    W = -(-T // s) * s
+    pad = [(0, 0), (0, W - T)]
+    hidden, _ = model.model(jnp.pad(input_ids, pad), jnp.pad(attention_mask, pad))
+    labels = jnp.pad(input_ids[:, 1:], [(0, 0), (0, W - T + 1)])  # column t predicts t + 1
+    lp, ent = head_chunks.over_tokens(_head(model, temperature), chunk, dp, hidden, labels,
+                                      split=s)
+    cut = slice(T - response_len - 1, T - 1)
+    return lp[:, cut], ent[:, cut]
 
 
 def _head(model, temperature: float):

@@ -97,11 +97,11 @@ def compact():
 ROWS = {"padded": padded, "packed": packed, "shared": shared, "compact": compact}
 
 
-def outputs_and_grads(head: str, rows: str, lay, impl: str = "dense"):
+def outputs_and_grads(head: str, rows: str, lay, impl: str = "dense", cfg=CFG):
     """The head's outputs on real tokens and the gradient of a weighted sum of them, with the
     model's forward traced under `lay`."""
     kw, mask = ROWS[rows]()
-    cfg = dataclasses.replace(CFG, attention_impl=impl)
+    cfg = dataclasses.replace(cfg, attention_impl=impl)
     graphdef, state = nnx.split(transformer.build(cfg, head, seed=1))
     static = {k: v for k, v in kw.items() if not isinstance(v, jax.Array)}
     arrays = {k: v for k, v in kw.items() if isinstance(v, jax.Array)}
@@ -166,15 +166,36 @@ def test_activations_are_split_over_sequence():
     assert "f32[2,6,32]" in text
 
 
-def test_ulysses_needs_kv_heads_divisible_by_the_sequence_size():
+@pytest.mark.parametrize("rows", ["padded", "shared"])
+def test_ring_attention_by_key_blocks_equals_whole_rows(rows, monkeypatch):
+    """Ring attention folding each shard's 6 keys in blocks of 4 (the second padded with 2
+    masked keys), the causally empty shards skipped: whole rows' numbers within 1e-5."""
+    monkeypatch.setattr(sp, "RING_K_BLOCK", 4)
+    want = outputs_and_grads("causal_lm", rows, None)
+    assert_same(outputs_and_grads("causal_lm", rows, layout("fsdp=2,sequence=4", "ring")), want)
+
+
+def test_ulysses_repeats_kv_heads_fewer_than_the_sequence_size():
+    """2 kv heads on sequence=4 (each repeated twice before the all-to-all), and 1 per tensor
+    shard on tensor=2,sequence=4 (repeated 4 times): whole rows' numbers within 1e-5."""
+    cfg = dataclasses.replace(CFG, num_kv_heads=2)  # 4 query heads per kv head
+    want = outputs_and_grads("causal_lm", "padded", None, cfg=cfg)
+    for mesh in ("fsdp=2,sequence=4", "sequence=4,tensor=2"):
+        assert_same(outputs_and_grads("causal_lm", "padded", layout(mesh), cfg=cfg), want)
+    assert [sp.kv_repeats(k, 4) for k in (1, 2, 3, 4, 8)] == [4, 2, 4, 1, 1]
+
+
+def test_ulysses_needs_query_heads_divisible_by_the_sequence_size():
     pool = ResourcePool("all", tuple(jax.devices()))
-    cfg = dataclasses.replace(CFG, num_kv_heads=2)
-    with pytest.raises(ValueError, match=r"actor.sequence_parallel=ulysses .* 2 kv heads.*"
+    cfg = dataclasses.replace(CFG, num_heads=6, num_kv_heads=2)
+    with pytest.raises(ValueError, match=r"actor.sequence_parallel=ulysses .* 6 query heads.*"
                                          r"use actor.sequence_parallel=ring"):
         WorkerGroup("actor", pool, "fsdp=2,sequence=4", transformer.build(cfg))
     group = WorkerGroup("actor", pool, "fsdp=2,sequence=4", transformer.build(cfg),
                         sequence_parallel="ring")
     assert group.layout.sequence_parallel == "ring"
+    assert WorkerGroup("actor", pool, "fsdp=2,sequence=4",  # kv heads need not divide
+                       transformer.build(dataclasses.replace(CFG, num_kv_heads=2)))
     with pytest.raises(ValueError, match="choose one of"):
         WorkerGroup("actor", pool, "fsdp=8", transformer.build(cfg), sequence_parallel="rings")
 

@@ -1,0 +1,210 @@
+"""Sequence parallelism's traffic and memory, read from the compiled programs: what each program
+of a run whose rows are split over `sequence` moves between devices, against the scheme's ideal.
+
+The run's programs are compiled as the dry run compiles them (abstract shapes, no weights; every
+per-backend choice made for a GPU target: bf16 attention inputs) on `--num_devices` simulated
+CPU devices, once per scheme of `--schemes`. For every program of a group whose mesh splits
+rows, from its optimized HLO:
+
+- `a2a/layer`: bytes of the all-to-alls (Ulysses' exchanges) per layer and device, counted
+  statically (a layer's scan body appears once per pass: forward, backward, and a forward
+  recomputed for the backward where the remat policy recomputes it); `ideal`: four
+  all-to-alls (q, k, v and the output) per layer and pass, forward only for scoring, forward
+  and backward for an update: b x T / s x (2 N + 2 K') x head_dim x 2 bytes per pass, K' the
+  kv heads after repetition (`sequence_parallel.kv_repeats`);
+- `permute/layer`: bytes of the collective-permutes of K/V blocks (ring), per layer and step;
+  its ideal (in `ideal` and `ratio` for ring): the k and v blocks, b x T / s x K x head_dim x
+  2 bytes each, per pass;
+- `row gathers`: all-gathers, all-reduces and reduce-scatters of float arrays whose shape
+  holds a row's full length (should be none: tests/models/test_sequence_parallel_hlo.py);
+- `temp`: the program's temporary bytes per device (`memory_analysis().temp_size_in_bytes`);
+- for ring, the shard block pairs computed per layer over the s devices (the causally empty
+  ones are skipped) and the busiest device's share against a balanced placement's; and, as
+  `ring-dense`, ring's scoring programs with each shard's keys in one block (the [T / s, T / s]
+  float32 scores ring attention held before it folded keys RING_K_BLOCK at a time).
+
+    python -m bench.sequence_parallel [--config=configs/grpo_long.py] [--num_devices=8] \\
+        [--schemes=ulysses,ring]
+
+HFJAX_SMOKE=1 (launch/smoke.py) runs the tiny preset on short rows. The last line is JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import sys
+import time
+
+from absl import app, flags
+from ml_collections import config_flags
+
+from launch import smoke
+
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", os.path.join(os.path.dirname(__file__), "..", "configs", "grpo_long.py"),
+    "the run config whose split programs are read (its actor.mesh / ref.mesh name sequence)")
+flags.DEFINE_integer("num_devices", 8, "simulated devices the programs are compiled for")
+flags.DEFINE_list("schemes", ["ulysses", "ring"], "sequence_parallel settings compared")
+flags.DEFINE_list("programs", [], "only these programs (e.g. actor.log_prob); default: all")
+flags.DEFINE_bool("dense_ring", True, "also compile ring's scoring programs with a shard's "
+                  "keys in one block (ring-dense), for its temporary memory")
+FLAGS = flags.FLAGS
+
+_COLLECTIVE = re.compile(r"= (\(.*?\)|\S+) (all-gather|all-reduce|reduce-scatter|all-to-all|"
+                         r"collective-permute)(?:-start)?\((.*)$")
+_SHAPE = re.compile(r"\b(pred|s32|u32|s8|u8|bf16|f16|f32|f64)\[([\d,]*)\]")
+_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "f32": 4,
+          "f64": 8}
+
+
+def _group(rest: str) -> int:
+    m = re.search(r"replica_groups=\{(\{[\d,]*\})", rest)
+    if m:
+        return len(m.group(1).strip("{}").split(","))
+    m = re.search(r"replica_groups=\[(\d+),(\d+)\]", rest)
+    if m:
+        return int(m.group(2))
+    m = re.search(r"replica_groups=mesh\[([^\]]*)\] \{([^}]*)\}", rest)
+    if m:
+        sizes = dict(re.findall(r"'(\w+)'=(\d+)", m.group(1)))
+        return math.prod(int(sizes[a]) for a in re.findall(r"'(\w+)'", m.group(2)))
+    return 2
+
+
+def traffic(text: str, row_lengths: set[int]) -> dict[str, float]:
+    """Static bytes per device of the HLO's collectives, by kind."""
+    out = {"a2a": 0, "permute": 0, "row_gathers": 0, "other": 0}
+    for line in text.splitlines():
+        m = _COLLECTIVE.search(line)
+        if not m or _group(m.group(3)) == 1:
+            continue
+        shapes = [(dt, [int(d) for d in dims.split(",") if d])
+                  for dt, dims in _SHAPE.findall(m.group(1))]
+        nbytes = sum(_BYTES[dt] * math.prod(d) for dt, d in shapes)
+        op = m.group(2)
+        if op == "all-to-all":
+            out["a2a"] += nbytes
+        elif op == "collective-permute":
+            rank4 = any(len(d) == 4 and dt[0] in "fb" for dt, d in shapes)
+            out["permute" if rank4 else "other"] += nbytes
+        elif any(dt[0] in "fb" and set(d) & row_lengths for dt, d in shapes):
+            out["row_gathers"] += nbytes
+        else:
+            out["other"] += nbytes
+    return out
+
+
+def _config(scheme: str):
+    c = _CONFIG.value.copy_and_resolve_references()
+    if smoke.enabled():  # the tiny preset on rows of 16 + 40 tokens, 4 sequences a step
+        c.model.path = "preset:tiny"
+        c.data.max_prompt_length, c.rollout.response_length = 16, 40
+        c.data.train_batch_size, c.rollout.n, c.data.n_test = 2, 2, 2
+        c.actor.ppo_mini_batch_size, c.actor.ppo_micro_batch_size = 2, 2
+        c.rollout.mesh = "data=8"
+    for role in ("actor", "ref", "critic"):
+        if role in c:
+            c[role].sequence_parallel = scheme
+    return c
+
+
+def main(argv):
+    del argv
+    from hfjax.parallel import distributed
+
+    distributed.initialize(distributed.Settings("single process",
+                                                cpu_devices=FLAGS.num_devices))
+    from hfjax.models import backend
+    from hfjax.models import sequence_parallel as sp
+    from hfjax.run import dry_run
+
+    rows, results = [], {}
+    default_block = sp.RING_K_BLOCK
+    print(f"{'scheme':10} {'program':18} {'a2a/layer':>11} {'ideal':>11} {'ratio':>6} "
+          f"{'permute/layer':>14} {'row gathers':>11} {'temp GiB':>9} {'compile s':>9}")
+    schemes = list(FLAGS.schemes)
+    if "ring" in schemes and FLAGS.dense_ring:
+        schemes.append("ring-dense")
+    for scheme in schemes:
+        # ring-dense: ring attention with a shard's keys in one block, [T / s, T / s] scores
+        # (what ring attention held before its key blocks), its scoring programs only.
+        sp.RING_K_BLOCK = 1 << 30 if scheme == "ring-dense" else default_block
+        cfg = _config(scheme.split("-")[0])
+        with backend.compiling_for("gpu"):
+            w = dry_run.abstract_groups(cfg, platform="gpu")
+            shape = dry_run.step_shape(w, cfg)
+            for _, group in dry_run.device_groups(w):
+                s = sp.sequence_size(group.layout)
+                if s <= 1:
+                    continue
+                mcfg = group.config
+                t = sp._tensor_split(mcfg.num_heads, mcfg.num_kv_heads, group.mesh.shape)
+                n, k = mcfg.num_heads // t, mcfg.num_kv_heads // t
+                k_rep = k * sp.kv_repeats(k, s)
+                L, H = mcfg.num_layers, mcfg.head_dim
+                width = sp.padded_width(shape.width, group.layout)
+                lengths = {shape.width, width, shape.response_len}
+                for p in group.programs(shape):
+                    if FLAGS.programs and p.name not in FLAGS.programs:
+                        continue
+                    if scheme == "ring-dense" and p.trains:
+                        continue
+                    t0 = time.perf_counter()
+                    compiled = p.fn.lower(*p.args).compile()
+                    seconds = time.perf_counter() - t0
+                    text = compiled.as_text()
+                    temp = compiled.memory_analysis().temp_size_in_bytes
+                    got = traffic(text, lengths)
+                    b = _micro_rows(p, group)
+                    passes = 2 if p.trains else 1
+                    per_pass = b * (width // s) * (2 * n + 2 * k_rep) * H * 2
+                    a2a = got["a2a"]
+                    permute = got["permute"]
+                    if scheme == "ulysses":
+                        ideal = per_pass * passes
+                        ratio = a2a / ideal
+                    else:  # a step's k and v blocks, [b, T / s, K, head_dim], and their grads
+                        ideal = b * (width // s) * 2 * k * H * 2 * passes
+                        ratio = permute / ideal
+                    print(f"{scheme:10} {p.name:18} {_mib(a2a):>11} {_mib(ideal):>11} "
+                          f"{ratio:6.2f} {_mib(permute):>14} {_mib(got['row_gathers']):>11} "
+                          f"{temp / 2**30:9.2f} {seconds:9.1f}", flush=True)
+                    rows.append(dict(scheme=scheme, program=p.name, layers=L, rows=b,
+                                     a2a_bytes=a2a, ideal_bytes=ideal, ratio=ratio,
+                                     permute_bytes=permute, row_gather_bytes=got["row_gathers"],
+                                     temp_bytes=int(temp), compile_s=round(seconds, 1)))
+                if scheme.startswith("ring"):
+                    results["ring_block_pairs"] = pairs = dict(
+                        devices=s, all_pairs=s * s, computed=s * (s + 1) // 2,
+                        busiest_device=s, balanced_per_device=(s + 1) / 2)
+                    print(f"ring: {pairs['computed']} of {s * s} shard block pairs computed per "
+                          f"layer over {s} devices (the causally empty ones skipped); the "
+                          f"busiest device computes {s}, a balanced placement "
+                          f"{(s + 1) / 2:g} (not implemented)", flush=True)
+    results["programs"] = rows
+    print(json.dumps(results))
+
+
+def _micro_rows(p, group) -> int:
+    """Rows per data-parallel device of a program's batch (its first [B, T] argument)."""
+    for a in p.args:
+        leaves = a.values() if isinstance(a, dict) else [a]
+        for x in leaves:
+            shp = getattr(x, "shape", None)
+            if shp is not None and len(shp) == 2 and str(getattr(x, "dtype", "")) == "int32":
+                return max(1, shp[0] // group.dp_size)
+    return 1
+
+
+def _mib(n: float) -> str:
+    for unit, size in (("G", 2**30), ("M", 2**20), ("K", 2**10)):
+        if n >= size:
+            return f"{n / size:.1f}{unit}"
+    return f"{int(n)}"
+
+
+if __name__ == "__main__":
+    sys.exit(app.run(main))

@@ -1,0 +1,218 @@
+"""Sequence parallelism keeps its split in the compiled programs (hfjax.models.sequence_parallel).
+
+Equal numbers cannot show where work runs: a program that gathers whole rows before every
+matmul gives the same log-probs. These tests read the optimized HLO of the programs that run
+on split rows (the actor's log-probs and their gradient, a critic's values and a score
+model's scores, forward and backward) and fail on any all-gather, all-reduce or reduce-scatter
+that moves an activation at a row's full length, and on any matmul with more tokens than a
+device's T / s; and they check that each scheme compiles its own exchange (Ulysses:
+all-to-all; ring: collective-permute of key / value blocks) for the groups a config builds.
+"""
+
+import dataclasses
+import math
+import re
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from hfjax.models import sequence_parallel as sp
+from hfjax.models import transformer
+from hfjax.models.config import ModelConfig
+from hfjax.parallel.mesh import ResourcePool, batch_sharding
+from hfjax.workers.actor import response_logprobs
+from hfjax.workers.base import WorkerGroup
+
+# Sizes chosen so that no feature size (D, F, V, N * H, K * H) equals a row length or a
+# multiple of one: a collective's shape then says which it carries.
+CFG = ModelConfig(vocab_size=40, hidden_size=48, intermediate_size=72, num_layers=1,
+                  num_heads=4, num_kv_heads=4, head_dim=8)
+PROMPT, RESPONSE = 13, 30
+T = PROMPT + RESPONSE  # 43 columns: padded to W = 44 on sequence=4
+S = 4  # the sequence size of every mesh here
+W = -(-T // S) * S
+FEATURES = {48, 72, 40, 32}
+
+_COLLECTIVE = re.compile(r"= (\(.*?\)|\S+) (all-gather|all-reduce|reduce-scatter|all-to-all|"
+                         r"collective-permute)(?:-start)?\((.*)$")
+_SHAPE = re.compile(r"\b(pred|s32|u32|s8|u8|bf16|f16|f32|f64)\[([\d,]*)\]")
+_DOT = re.compile(r"= (\w+)\[([\d,]*)\]\S* dot\(")
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    op: str
+    shapes: tuple[tuple[str, tuple[int, ...]], ...]
+    group: int  # devices per replica group (1: a no-op)
+    line: str
+
+
+def _group_size(rest: str) -> int:
+    m = re.search(r"replica_groups=\{(\{[\d,]*\})", rest)
+    if m:
+        return len(m.group(1).strip("{}").split(","))
+    m = re.search(r"replica_groups=\[(\d+),(\d+)\]", rest)
+    if m:
+        return int(m.group(2))
+    m = re.search(r"replica_groups=mesh\[([^\]]*)\] \{([^}]*)\}", rest)
+    if m:
+        sizes = dict(re.findall(r"'(\w+)'=(\d+)", m.group(1)))
+        return math.prod(int(sizes[a]) for a in re.findall(r"'(\w+)'", m.group(2)))
+    m = re.search(r"source_target_pairs=\{([^}]*\})*\}", rest)
+    return 2 if m else 0  # collective-permute: pairs; 0: groups not stated (all devices)
+
+
+def collectives(text: str) -> list[Collective]:
+    """Every collective of an optimized HLO module: its op, result shapes and group size."""
+    out = []
+    for line in text.splitlines():
+        m = _COLLECTIVE.search(line)
+        if m:
+            shapes = tuple((dt, tuple(int(d) for d in dims.split(",") if d))
+                           for dt, dims in _SHAPE.findall(m.group(1)))
+            out.append(Collective(m.group(2), shapes, _group_size(m.group(3)), line.strip()))
+    return out
+
+
+def row_gathers(text: str, rows: int) -> list[str]:
+    """The all-gathers / all-reduces / reduce-scatters that move float activations at a row's
+    full length (T or its padded width, or the response, times any row count up to `rows`)."""
+    full = {b * n for b in range(1, rows + 1) for n in (T, W, RESPONSE)}
+    bad = []
+    for c in collectives(text):
+        if c.op in ("all-to-all", "collective-permute") or c.group == 1:
+            continue
+        if any(dt[0] in "fb" and set(dims) & full for dt, dims in c.shapes):
+            bad.append(c.line[:300])
+    return bad
+
+
+def dot_tokens(text: str) -> list[tuple[tuple[int, ...], int]]:
+    """(shape, tokens) of every dot whose result has a feature dimension: tokens is the product
+    of its other dimensions (rows x positions on the device)."""
+    out = []
+    for _, dims in _DOT.findall(text):
+        shape = tuple(int(d) for d in dims.split(",") if d)
+        if set(shape) & FEATURES:
+            out.append((shape, math.prod(d for d in shape if d not in FEATURES)))
+    return out
+
+
+def programs_hlo(mesh: str, mode: str, rows: int) -> str:
+    """One program holding the actor's log-probs (LM head chunked), a critic's values and a
+    score model's scores on `rows` rows per data-parallel shard, and the gradients of all
+    three, compiled for `mesh` with `mode`."""
+    n = math.prod(int(a.split("=")[1]) for a in mesh.split(","))
+    pool = ResourcePool("all", tuple(jax.devices())[:n])
+    groups = [WorkerGroup(name, pool, mesh, transformer.build(CFG, head, seed=1),
+                          sequence_parallel=mode)
+              for name, head in (("actor", "causal_lm"), ("critic", "value"),
+                                 ("reward_model", "score"))]
+    actor, critic, score = groups
+    dp = actor.dp_size
+    B = rows * dp
+    ids = jax.ShapeDtypeStruct((B, T), jnp.int32, sharding=batch_sharding(actor.mesh))
+
+    def loss(params, ids):
+        mask = (ids >= 0).astype(jnp.int32)
+        # A budget of 5 positions per row: the head scans over chunks of each device's 11.
+        lp, ent = response_logprobs(actor.model(params[0]), ids, mask, RESPONSE, 1.0,
+                                    chunk=5 * rows, dp=dp)
+        values = critic.model(params[1])(ids, mask)
+        # A score model's forward only: reward and cost models score, they do not train here.
+        scores = score.model(jax.lax.stop_gradient(params[2]))(ids, mask)
+        return jnp.mean(lp) + jnp.mean(ent) + jnp.mean(values) + jnp.mean(scores)
+
+    params = tuple(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                                               sharding=x.sharding), g.params)
+                   for g in groups)
+    fn = actor.jit(jax.value_and_grad(loss))
+    return fn.lower(params, ids).compile().as_text()
+
+
+# (mesh, rows per data-parallel shard): one row per shard was always split; more than one
+# made XLA gather whole rows before every matmul (the [B * T, D] reshape).
+CASES = [("fsdp=2,sequence=4", 1), ("fsdp=2,sequence=4", 2), ("fsdp=2,sequence=4", 4),
+         ("sequence=4", 2)]
+
+
+@pytest.mark.parametrize("mode", sp.MODES)
+@pytest.mark.parametrize(("mesh", "rows"), CASES)
+def test_split_programs_move_no_whole_rows(mesh, mode, rows):
+    text = programs_hlo(mesh, mode, rows)
+    local = rows * W // S
+    assert row_gathers(text, 2 * rows) == []
+    dots = dot_tokens(text)
+    assert dots, "no token matmul found"
+    too_many = [(shape, n) for shape, n in dots if n > local]
+    assert too_many == [], f"matmuls on more than {local} tokens per device: {too_many}"
+    # The projections run on exactly the device's rows x T / s tokens (the head on chunks).
+    assert any(n == local for _, n in dots)
+    kinds = {c.op for c in collectives(text) if c.group != 1}
+    if mode == "ulysses":
+        assert "all-to-all" in kinds
+    else:
+        assert "all-to-all" not in kinds and "collective-permute" in kinds
+
+
+def attention_exchange(text: str) -> set[str]:
+    """The schemes whose attention exchange a program holds: "ulysses" for an all-to-all,
+    "ring" for a collective-permute of [b, C, heads, head_dim] key / value blocks."""
+    found = set()
+    for c in collectives(text):
+        if c.op == "all-to-all" and c.group > 1:
+            found.add("ulysses")
+        if c.op == "collective-permute" and any(dt[0] in "fb" and len(d) == 4
+                                                for dt, d in c.shapes):
+            found.add("ring")
+    return found
+
+
+def test_each_role_compiles_the_scheme_its_config_names():
+    """The actor, reference and critic as a run builds them from a config (the dry run's
+    abstract groups), each with its own `<role>.sequence_parallel`: the compiled programs
+    hold that scheme's exchange and not the other's."""
+    sys.path.insert(0, "tests")
+    from support import tiny_rl_config
+
+    from hfjax.run import dry_run
+
+    c = tiny_rl_config(mesh="fsdp=2,sequence=4")
+    c.model.num_heads = c.model.num_kv_heads = 4
+    want = {"actor": "ring", "ref": "ulysses", "critic": "ring"}
+    for role, mode in want.items():
+        c[role].sequence_parallel = mode
+    w = dry_run.abstract_groups(c)
+    shape = dry_run.step_shape(w, c)
+    seen = {}
+    for role, group in dry_run.device_groups(w):
+        for p in group.programs(shape):
+            if p.name in ("actor.log_prob", "ref.log_prob", "critic.values"):
+                seen[role] = attention_exchange(p.fn.lower(*p.args).compile().as_text())
+    assert seen == {role: {mode} for role, mode in want.items()}
+
+
+def test_row_gathers_are_seen_on_a_program_that_gathers_rows():
+    """The check itself: a layer computed on whole rows (a [B, T, D] constraint) is caught."""
+    pool = ResourcePool("all", tuple(jax.devices()))
+    group = WorkerGroup("actor", pool, "fsdp=2,sequence=4", transformer.build(CFG))
+    ids = jax.ShapeDtypeStruct((4, W), jnp.int32, sharding=batch_sharding(group.mesh))
+
+    def whole(params, ids):
+        model = group.model(params)
+        h = model.model.embed(ids, split=True)
+        h = jax.lax.with_sharding_constraint(h, NamedSharding(group.mesh, P("fsdp")))
+        return jnp.sum(model.logits(h))
+
+    text = group.jit(whole).lower(group.params, ids).compile().as_text()
+    assert row_gathers(text, 4)
+    assert any(n > 2 * W // S for _, n in dot_tokens(text))  # 2 rows per shard
+
+
+if __name__ == "__main__":  # python tests/models/test_sequence_parallel_hlo.py MESH MODE ROWS
+    print("\n".join(row_gathers(programs_hlo(*sys.argv[1:3], int(sys.argv[3])),
+                                2 * int(sys.argv[3]))))
