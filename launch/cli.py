@@ -71,6 +71,7 @@ def run(main: Callable[[list[str]], None], entry: str, *, compilation_cache: boo
             if len(argv) > 1:
                 raise UserError(f"unexpected argument {argv[1]!r}: every setting is a flag, "
                                 "--name=value (see --helpshort)")
+            check_entry_flags(entry)
             # HFJAX_SMOKE=1: the least work that runs the same code path (launch.smoke).
             smoke.apply(entry, FLAGS)
             if compilation_cache:
@@ -91,6 +92,14 @@ def run(main: Callable[[list[str]], None], entry: str, *, compilation_cache: boo
             _exit(*report(entry, err))
 
     app.run(wrapped, flags_parser=parse)
+
+
+def check_entry_flags(entry: str, flag_values: flags.FlagValues = FLAGS) -> None:
+    """Checks every flag of entry point `entry` against its row (`hfjax.config.flag_checks`)
+    and the rules between them, as given on the command line, before anything runs."""
+    from hfjax.config import check_flags, flag_checks
+
+    check_flags(entry, {k: flag_values[k].value for k in flag_checks(entry) if k in flag_values})
 
 
 def report(entry: str, err: BaseException) -> tuple[str, int]:
@@ -262,17 +271,16 @@ def rounded(x: float | None, digits: int = 4) -> float | None:
 
 
 def start_run(entry: str, cfg, *, before_jax: Callable[[], None] | None = None):
-    """The start every training entry point shares, in this order: its flags and its config
-    checked (`hfjax.config`: one line for any bad setting, before JAX starts or anything is
-    written); `before_jax()` if given (launch.train's dry run exits there); the compilation
+    """The start every training entry point shares, in this order: its config checked
+    (`hfjax.config`: one line for any bad setting, before JAX starts or anything is written;
+    its flags were checked by `run`); `before_jax()` if given (launch.train's dry run exits there); the compilation
     cache (`trainer.compilation_cache_dir`); this process's devices and, on several hosts, the
     jax.distributed join; the config's meshes against the devices of all processes. Returns
     the topology (`hfjax.parallel.distributed.Topology`)."""
-    from hfjax.config import FLAG_KEYS, check_config, check_flags
+    from hfjax.config import check_config
     from hfjax.parallel import distributed
     from launch import compile_cache
 
-    check_flags(entry, {k: FLAGS[k].value for k in FLAG_KEYS[entry]})
     check_config(cfg)
     if before_jax is not None:
         before_jax()

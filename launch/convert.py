@@ -18,10 +18,6 @@ _DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "weights
 
 def main(argv):
     del argv
-    from hfjax.config import FLAG_KEYS, check_flags
-
-    check_flags("convert", {k: flags.FLAGS[k].value
-                                       for k in FLAG_KEYS["convert"]})
     import hfjax.models as M
 
     model = M.load(_SRC.value, dtype=_DTYPE.value)

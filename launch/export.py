@@ -38,10 +38,6 @@ distributed.define_flags()
 
 def main(argv):
     del argv
-    from hfjax.config import FLAG_KEYS, check_flags
-
-    check_flags("export", {k: flags.FLAGS[k].value
-                                      for k in FLAG_KEYS["export"]})
     topo = distributed.initialize_from_flags()
     from hfjax.run.checkpoint import export_hf
 

@@ -65,10 +65,7 @@ def _eos_ids(tokenizer, config) -> tuple[int, ...]:
 
 def main(argv: list[str]) -> None:
     del argv
-    from hfjax.config import FLAG_KEYS, check_flags
-
     f = flags.FLAGS
-    check_flags("generate", {k: f[k].value for k in FLAG_KEYS["generate"]})
     topo = distributed.initialize_from_flags()
     spec = f.mesh or ("data=-1" if topo.num_processes > 1 else None)
     if spec:

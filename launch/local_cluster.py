@@ -168,9 +168,14 @@ class LocalCluster:
 
 def main(argv: list[str]) -> int:
     args = argv[1:]
+    from hfjax.config import ConfigError
+    from launch import cli
+
+    try:  # its flags' rows (hfjax.config.flags), as every entry point's
+        cli.check_entry_flags("local_cluster")
+    except ConfigError as err:
+        raise app.UsageError(str(err)) from None
     if _SCRIPT.value:
-        if not os.path.isfile(_SCRIPT.value):
-            raise app.UsageError(f"--script={_SCRIPT.value}: no such file")
         command = [sys.executable, "-u", _SCRIPT.value, *args]
     else:
         command = [sys.executable, "-u", "-m", _MODULE.value, *args]

@@ -44,10 +44,6 @@ _SFT_DEMOS = flags.DEFINE_bool(
 
 def main(argv):
     del argv
-    from hfjax.config import FLAG_KEYS, check_flags
-
-    check_flags("prepare_data", {k: flags.FLAGS[k].value
-                                            for k in FLAG_KEYS["prepare_data"]})
     config = json.loads(_CONFIG.value)
     paths = prepare.prepare(_TASK.value, _N_TRAIN.value, _N_TEST.value, _OUT.value,
                             seed=_SEED.value, config=config, tools=_TOOLS.value,

@@ -23,14 +23,14 @@ loads JAX.
 """
 
 from hfjax.config.check import check_config, check_flags, config_items, validate_config
-from hfjax.config.flags import FLAG_KEYS, FLAG_RULES
+from hfjax.config.flags import COMMON_FLAG_KEYS, FLAG_KEYS, FLAG_RULES, flag_checks
 from hfjax.config.keys import TRAIN_KEYS, register_keys
 from hfjax.config.rules import MODEL_ROLES, TRAIN_RULES, active_roles, placement_of, run_roles
 from hfjax.config.values import Bool, Check, Choice, ConfigError, Float, Int, Text
 
 __all__ = [
-    "FLAG_KEYS", "FLAG_RULES", "MODEL_ROLES", "TRAIN_KEYS", "TRAIN_RULES", "Bool", "Check",
-    "Choice", "ConfigError", "Float", "Int", "Text", "active_roles", "check_config",
-    "check_flags", "config_items", "placement_of", "register_keys", "run_roles",
+    "COMMON_FLAG_KEYS", "FLAG_KEYS", "FLAG_RULES", "MODEL_ROLES", "TRAIN_KEYS", "TRAIN_RULES",
+    "Bool", "Check", "Choice", "ConfigError", "Float", "Int", "Text", "active_roles",
+    "check_config", "check_flags", "config_items", "flag_checks", "placement_of", "register_keys", "run_roles",
     "validate_config",
 ]

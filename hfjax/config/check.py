@@ -7,7 +7,7 @@ import difflib
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from hfjax.config.flags import FLAG_KEYS, FLAG_RULES
+from hfjax.config.flags import FLAG_RULES, flag_checks
 from hfjax.config.keys import LEAF_MAPPINGS, OPTIONAL_KEYS, TRAIN_KEYS
 from hfjax.config.rules import MODEL_ROLES, TRAIN_RULES, active_roles, placement_of, run_roles
 from hfjax.config.values import ConfigError
@@ -56,9 +56,9 @@ def check_config(cfg) -> None:
 
 
 def check_flags(entry: str, values: Mapping[str, Any]) -> None:
-    """Checks an entry point's flags (`FLAG_KEYS[entry]`, then `FLAG_RULES[entry]`); raises
+    """Checks an entry point's flags (`flag_checks(entry)`, then `FLAG_RULES[entry]`); raises
     ConfigError naming the first problem."""
-    for name, check in FLAG_KEYS.get(entry, {}).items():
+    for name, check in flag_checks(entry).items():
         if name not in values:
             continue
         problem = check(values[name])

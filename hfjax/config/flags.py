@@ -1,5 +1,8 @@
-"""The flags of the entry points other than train: a row per flag (`FLAG_KEYS[entry]`) and
-the rules between them (`FLAG_RULES[entry]`)."""
+"""The flags of the entry points: a row per flag (`FLAG_KEYS[entry]`, plus `COMMON_FLAG_KEYS`
+for the flags that launch/cli.py and the process flags give several entry points) and the rules
+between them (`FLAG_RULES[entry]`). Every flag that a launch/ module defines has a row
+(tests/config/test_flag_rows.py walks them): a type, a range or a choice. `launch.cli.run`
+checks them all before an entry point's main runs (`flag_checks`)."""
 
 from __future__ import annotations
 
@@ -20,9 +23,53 @@ from hfjax.config.validators import (
     target_name,
     tool_spec,
 )
-from hfjax.config.values import Bool, Check, Float, Int
+from hfjax.config.values import Bool, Check, Choice, Float, Int, Text
 
 _CACHE = Check(cache_dir)
+
+
+def _prepare_tasks() -> tuple[str, ...]:
+    from hfjax.data import prepare
+
+    return tuple(prepare.TASKS)
+
+
+def _optional(check: Callable[[Any], str | None]) -> Check:
+    """`check`, or None (the flag's unset default)."""
+    return Check(lambda v: None if v is None else check(v))
+
+
+def _host_port(v) -> str | None:
+    host, _, port = v.rpartition(":") if isinstance(v, str) else ("", "", "")
+    if host and port.isdigit() and 0 < int(port) < 65536:
+        return None
+    return "needs host:port, e.g. 10.0.0.1:1234"
+
+
+def _config_file(v) -> str | None:
+    # The file's keys and --config.<key> overrides are checked by the key table
+    # (hfjax.config.keys, `check_config`) where the entry point starts.
+    return None if hasattr(v, "items") else "needs a config file (configs/*.py)"
+
+
+_DTYPE = Choice(("float32", "bfloat16"))
+_OUT_FILE = _optional(Text(nonempty=True, note="a file path"))
+
+# The flags that launch/cli.py defines (`--verbose`, `--config`, `--compilation_cache_dir`) and
+# the process flags (`hfjax.parallel.distributed.define_flags`) of every entry point that can
+# run on several hosts. An entry's own row for the same name takes precedence.
+COMMON_FLAG_KEYS: dict[str, Callable[[Any], str | None]] = {
+    "verbose": Bool(),
+    "config": Check(_config_file),
+    "compilation_cache_dir": _CACHE,
+    "coordinator_address": _optional(_host_port),
+    "num_processes": _optional(Int(1)),
+    "process_id": _optional(Int(0)),
+    "cpu_devices": Int(0, note="0: leave XLA_FLAGS alone"),
+    "coordinator_timeout_s": Int(1),
+    "heartbeat_timeout_s": Int(1),
+    "shutdown_timeout_s": Int(0),
+}
 
 FLAG_KEYS: dict[str, dict[str, Callable[[Any], str | None]]] = {
     "train": {
@@ -31,6 +78,8 @@ FLAG_KEYS: dict[str, dict[str, Callable[[Any], str | None]]] = {
         "num_devices": Int(1),
         "device_memory_gib": Check(lambda v: None if v is None or v > 0 else "needs a "
                                    "positive number of GiB"),
+        "dry_run": Bool(),
+        "memory_check": Bool(),
     },
     "sft": {"cpu_devices": Int(0, note="0: leave XLA_FLAGS alone")},
     "evaluate": {
@@ -42,6 +91,7 @@ FLAG_KEYS: dict[str, dict[str, Callable[[Any], str | None]]] = {
         "temperature": Float(0.0, lo_open=True),
         "limit": Int(0, note="0: every prompt"),
         "tools": Check(lambda v: None if v is None else tool_spec(v)),
+        "responses": _OUT_FILE,
     },
     "train_rm": {"cpu_devices": Int(0, note="0: leave XLA_FLAGS alone")},
     "generate": {
@@ -58,11 +108,15 @@ FLAG_KEYS: dict[str, dict[str, Callable[[Any], str | None]]] = {
         "tools": Check(lambda v: None if v is None else tool_spec(v)),
         "max_turns": Int(1),
         "compilation_cache_dir": _CACHE,
+        "chat": Bool(),
+        "dtype": _DTYPE,
+        "responses": _OUT_FILE,
     },
     "convert": {
         "src": Check(model_path(optional=False)),
         "dst": Check(output_dir),
         "compilation_cache_dir": _CACHE,
+        "dtype": _DTYPE,
     },
     "export": {
         "ckpt": Check(existing("directory")),
@@ -70,6 +124,8 @@ FLAG_KEYS: dict[str, dict[str, Callable[[Any], str | None]]] = {
         "step": Check(lambda v: None if v is None else Int(0)(v)),
         "tokenizer": Check(existing("tokenizer directory or .gguf file", optional=True)),
         "compilation_cache_dir": _CACHE,
+        "format": Choice(("merged", "hf", "peft"), note="hf is merged's other name; peft: a "
+                         "LoRA run's adapters"),
     },
     "prepare_data": {
         "n_train": Int(0),
@@ -79,8 +135,38 @@ FLAG_KEYS: dict[str, dict[str, Callable[[Any], str | None]]] = {
         "task_config": Check(json_object),
         "tools": Check(tool_spec),
         "sft_demos": Bool(),
+        "task": Choice(_prepare_tasks),
+    },
+    "plan": {
+        "target": Check(target_name),
+        "num_devices": Int(1),
+        "emit_config": Text(note="a flagfile path; empty: none"),
+        "reward_model": Text(note="preset:NAME, an HF directory or a .gguf; empty: the config's"),
+        "efficiency": Text(note="e.g. train=0.4,hbm=0.6"),
+        "calibration": Check(existing("file", optional=True)),
+        "node_size": _optional(Int(1)),
+        "scale_out_gbps": _optional(Float(0.0, lo_open=True)),
+        "memory_fraction": Float(0.0, 1.0, lo_open=True),
+        "alternatives": Int(0),
+        "score_micro": _optional(Int(0, note="0: the whole batch")),
+        "prices": Choice(("closed_form", "compiled")),
+        "compile_budget_s": Float(0.0),
+        "gen_rows": _optional(Int(-1, note="0: all; -1: the planner picks")),
+    },
+    "local_cluster": {
+        "num_processes": Int(1),
+        "devices_per_process": Int(0, note="0: leave XLA's default"),
+        "module": Text(nonempty=True),
+        "script": Check(existing("file", optional=True)),
+        "port": Int(0, 65535, note="0: a free one"),
+        "stop_grace_s": Float(0.0),
     },
 }
+
+
+def flag_checks(entry: str) -> dict[str, Callable[[Any], str | None]]:
+    """Every row that applies to entry point `entry`'s flags: the common ones, then its own."""
+    return {**COMMON_FLAG_KEYS, **FLAG_KEYS.get(entry, {})}
 
 
 def _inside(path: str, root: str) -> bool:
@@ -114,11 +200,13 @@ def _export_target(v) -> str | None:
 
 
 def _replaceable(out: str, flag: str) -> str | None:
-    # save_hf replaces its output directory whole; only an earlier export may be replaced.
-    if os.path.isdir(out) and os.listdir(out) and not os.path.isfile(
-            os.path.join(out, "config.json")):
-        return (f"{flag}={out} is a non-empty directory that holds no HF model; it would be "
-                "replaced: choose a new or empty directory")
+    # save_hf and save_peft replace their output directory whole; only an earlier export (an
+    # HF model or a PEFT adapter, either format) may be replaced.
+    if os.path.isdir(out) and os.listdir(out) and not any(
+            os.path.isfile(os.path.join(out, name))
+            for name in ("config.json", "adapter_config.json")):
+        return (f"{flag}={out} is a non-empty directory that holds no HF model or PEFT "
+                "adapter; it would be replaced: choose a new or empty directory")
     return None
 
 

@@ -76,15 +76,20 @@ def merged(adapted: nnx.Module) -> nnx.Module:
 
 
 def save_peft(adapted: nnx.Module, record: dict, out: str, tokenizer) -> str:
-    """Writes the adapters of `adapted` in PEFT's format to `out`; a base that no path names
-    is written as an HF directory in `out/base`, which adapter_config.json then names."""
+    """Writes the adapters of `adapted` in PEFT's format to `out`, with a base that
+    `AutoPeftModelForCausalLM.from_pretrained(out)` loads by the name in adapter_config.json:
+    an HF directory base is named by its absolute path; any other (a .gguf file, a preset, a
+    base the checkpoint saved) is written once as an HF directory in `out/base`, which
+    transformers loads without a `gguf_file=` argument, and named instead."""
     spec = spec_of(record)
     layers = adapted.model.layers
     arrays = {k: v.get_value() for k, v in vars(layers).items()
               if isinstance(v, nnx.LoRAParam)}
-    base_dir = record["base"]["path"] or os.path.join(os.path.abspath(out), "base")
+    path = record["base"]["path"]
+    hf_base = bool(path) and os.path.isfile(os.path.join(path, "config.json"))
+    base_dir = os.path.abspath(path if hf_base else os.path.join(out, "base"))
     peft_io.save_peft(arrays, adapted.config, spec, out, base_dir)
-    if not record["base"]["path"]:
+    if not hf_base:
         base = nnx.merge(lora.base_graphdef(adapted), lora.base_state(nnx.state(adapted)))
         save_hf(base, base_dir, tokenizer=tokenizer)
     return out

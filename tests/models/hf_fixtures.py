@@ -113,3 +113,49 @@ def hf_scores(model, ids, mask):
             position_ids=torch.tensor(pos, dtype=torch.long),
         )
     return out.logits.float().numpy()[:, 0]
+
+
+_GGUF_LAYER = {
+    "attn_norm": (), "ffn_norm": (), "attn_q": ("heads", "hidden"),
+    "attn_k": ("kv", "hidden"), "attn_v": ("kv", "hidden"), "attn_output": ("hidden", "heads"),
+    "ffn_gate": ("ffn", "hidden"), "ffn_up": ("ffn", "hidden"), "ffn_down": ("hidden", "ffn"),
+}
+
+
+def make_tiny_gguf(path: str, seed: int = 0) -> str:
+    """Writes a tiny random Llama as a float32 GGUF file (TINY's shapes, untied head, no
+    tokenizer metadata: a run takes its tokenizer from model.tokenizer); returns the path."""
+    from gguf import GGMLQuantizationType, GGUFWriter
+
+    t = TINY
+    dims = {"hidden": t["hidden_size"], "ffn": t["intermediate_size"],
+            "heads": t["num_attention_heads"] * t["head_dim"],
+            "kv": t["num_key_value_heads"] * t["head_dim"]}
+    rng = np.random.default_rng(seed)
+    shapes = {"token_embd.weight": (t["vocab_size"], dims["hidden"]),
+              "output_norm.weight": (dims["hidden"],),
+              "output.weight": (t["vocab_size"], dims["hidden"])}
+    for i in range(t["num_hidden_layers"]):
+        for name, shape in _GGUF_LAYER.items():
+            shapes[f"blk.{i}.{name}.weight"] = tuple(dims[d] for d in shape) or (dims["hidden"],)
+    writer = GGUFWriter(str(path), "llama")
+    writer.add_block_count(t["num_hidden_layers"])
+    writer.add_context_length(t["max_position_embeddings"])
+    writer.add_embedding_length(dims["hidden"])
+    writer.add_feed_forward_length(dims["ffn"])
+    writer.add_head_count(t["num_attention_heads"])
+    writer.add_head_count_kv(t["num_key_value_heads"])
+    writer.add_rope_dimension_count(t["head_dim"])
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(t["rms_norm_eps"])
+    for name, shape in shapes.items():
+        scale = 0.1 if len(shape) == 2 else 0.05
+        w = rng.normal(scale=scale, size=shape).astype(np.float32)
+        if len(shape) == 1:
+            w += 1.0  # norm weights near 1
+        writer.add_tensor(name, w, raw_dtype=GGMLQuantizationType.F32)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return str(path)

@@ -1,7 +1,8 @@
 """A LoRA run's export, through `python -m launch.export` as a user runs it: `--format=peft`
-loads with `peft.PeftModel.from_pretrained` onto the transformers base and gives hfjax's
-logits within 1e-4; `--format=merged` (here called in-process, `export_hf`) is a full HF
-directory with the same logits.
+loads with PEFT's one-liner (`AutoPeftModelForCausalLM.from_pretrained(adapter_dir)`) for an HF
+directory, GGUF or preset base, without key warnings, and gives hfjax's logits within 1e-4;
+`--format=merged` (here called in-process, `export_hf`) is a full HF directory with the same
+logits; either format replaces an earlier export in the same --out.
 
 The run starts from a tiny Llama that transformers builds and saves here (so the base is named
 by its path, not saved), and its adapters are set to random values before the checkpoint, so
@@ -35,15 +36,12 @@ def _export(run, out, fmt, env):
     return p
 
 
-def test_peft_and_merged_exports_give_hfjax_logits(tmp_path):
-    import peft
-    import transformers as tf
-
-    base_dir = str(tmp_path / "base")
-    make_hf_model("llama", base_dir)
-    arith.tokenizer().save(base_dir)  # the embedded task's tokens (18, within the 128)
+def _lora_run(tmp_path, model_path, tokenizer=""):
+    """A LoRA GRPO run from `model_path` with random adapters, checkpointed at step 0 in
+    tmp_path/run; returns (token ids, hfjax's float32 logits of the adapted model on them)."""
     c = tiny_rl_config(algorithm="grpo", out_dir=tmp_path / "run")
-    c.model.path = base_dir
+    c.model.path = model_path
+    c.model.tokenizer = tokenizer
     c.model.dtype = "float32"
     c.actor.use_kl_loss = True
     c.algo.adv_estimator = "grpo"
@@ -73,6 +71,16 @@ def test_peft_and_merged_exports_give_hfjax_logits(tmp_path):
         want = np.asarray(w.actor.model()(jnp.asarray(ids)))
         base_logits = np.asarray(w.ref.model(w.ref.params)(jnp.asarray(ids)))
     assert np.abs(want - base_logits).max() > 1e-2  # the adapters matter
+    return ids, want
+
+
+def test_peft_and_merged_exports_give_hfjax_logits(tmp_path):
+    import transformers as tf
+
+    base_dir = str(tmp_path / "base")
+    make_hf_model("llama", base_dir)
+    arith.tokenizer().save(base_dir)  # the embedded task's tokens (18, within the 128)
+    ids, want = _lora_run(tmp_path, base_dir)
 
     env = subprocess_env()
     _export(tmp_path / "run", tmp_path / "adapter", "peft", env)
@@ -81,10 +89,8 @@ def test_peft_and_merged_exports_give_hfjax_logits(tmp_path):
         base_dir and sorted(cfg["target_modules"]) == ["down_proj", "o_proj", "q_proj", "v_proj"]
     assert cfg["lora_dropout"] == 0.1
     assert not os.path.exists(tmp_path / "adapter" / "base")  # named by its path, not copied
-    model = peft.PeftModel.from_pretrained(
-        tf.AutoModelForCausalLM.from_pretrained(base_dir, torch_dtype=torch.float32),
-        str(tmp_path / "adapter"))
-    model.eval()
+    model, said = _peft_load_quietly(tmp_path / "adapter")  # PEFT's one-liner
+    assert not _key_warnings(said), said
     with torch.no_grad():
         got = model(torch.tensor(ids, dtype=torch.long)).logits.numpy()
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
@@ -96,3 +102,103 @@ def test_peft_and_merged_exports_give_hfjax_logits(tmp_path):
     with torch.no_grad():
         got = merged(torch.tensor(ids, dtype=torch.long)).logits.numpy()
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+
+
+def _peft_load_quietly(adapter_dir):
+    """AutoPeftModelForCausalLM.from_pretrained(adapter_dir), PEFT's one-liner, in eval mode;
+    with the warnings and the transformers/PEFT log lines it gave."""
+    import logging
+    import warnings
+
+    import peft
+    import transformers as tf
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    loggers = [logging.getLogger(n) for n in ("transformers", "peft")]
+    for lg in loggers:
+        lg.addHandler(handler)
+    tf.utils.logging.set_verbosity_warning()
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model = peft.AutoPeftModelForCausalLM.from_pretrained(
+                str(adapter_dir), torch_dtype=torch.float32)
+    finally:
+        for lg in loggers:
+            lg.removeHandler(handler)
+    model.eval()
+    said = [str(w.message) for w in caught] + [r.getMessage() for r in records]
+    return model, said
+
+
+def _key_warnings(said):
+    words = ("missing", "unexpected", "not initialized", "newly initialized", "key")
+    return [s for s in said if any(w in s.lower() for w in words)]
+
+
+@pytest.mark.parametrize("kind", ["gguf", "preset"])
+def test_peft_export_of_a_base_that_is_no_hf_directory_loads_by_name(tmp_path, kind):
+    """A GGUF-based or preset-based LoRA run: the adapter loads with PEFT's one-liner (its base
+    written once as an HF directory beside it), gives hfjax's logits within 1e-4 without key
+    warnings, and re-exporting to the same --out replaces the earlier export in either
+    format."""
+    from hf_fixtures import make_tiny_gguf
+
+    from hfjax.config import check_flags
+
+    if kind == "gguf":
+        tok_dir = str(tmp_path / "tok")
+        arith.tokenizer().save(tok_dir)
+        ids, want = _lora_run(tmp_path, make_tiny_gguf(tmp_path / "tiny.gguf"), tok_dir)
+    else:
+        ids, want = _lora_run(tmp_path, "preset:tiny")
+    out = tmp_path / "adapter"
+    env = subprocess_env()
+    _export(tmp_path / "run", out, "peft", env)
+    cfg = json.load(open(out / "adapter_config.json"))
+    assert cfg["base_model_name_or_path"] == str(out / "base")
+    assert os.path.isfile(out / "base" / "config.json")
+
+    model, said = _peft_load_quietly(out)
+    assert not _key_warnings(said), said
+    with torch.no_grad():
+        got = model(torch.tensor(ids, dtype=torch.long)).logits.numpy()
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+
+    # The same --out again, as a user reruns the command: the earlier export is replaced.
+    (out / "stale.txt").write_text("from the first export")
+    _export(tmp_path / "run", out, "peft", env)
+    assert not os.path.exists(out / "stale.txt") and os.path.isfile(out / "adapter_config.json")
+    # Then as a merged model, and back: either format replaces the other.
+    for fmt, marker, gone in (("merged", "config.json", "adapter_config.json"),
+                              ("peft", "adapter_config.json", "model.safetensors")):
+        values = {"ckpt": str(tmp_path / "run"), "out": str(out), "format": fmt}
+        check_flags("export", values)  # the rule launch.export applies first
+        export_hf(str(tmp_path / "run"), str(out), fmt=fmt)
+        assert os.path.isfile(out / marker) and not os.path.exists(out / gone)
+    # A directory that holds neither is still refused.
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match="holds no HF model or PEFT adapter"):
+        check_flags("export", {"ckpt": str(tmp_path / "run"), "out": str(tmp_path / "other"),
+                               "format": "peft"})
+
+
+def test_the_key_warning_check_sees_a_missing_adapter_key(tmp_path):
+    """The warning capture above is not blind: an adapter file with a tensor dropped loads with
+    PEFT's missing-key warning, which `_key_warnings` reports."""
+    from safetensors.numpy import load_file, save_file
+
+    base_dir = tmp_path / "base"
+    make_hf_model("llama", str(base_dir))
+    ids, _ = _lora_run(tmp_path, str(base_dir))
+    out = tmp_path / "adapter"
+    export_hf(str(tmp_path / "run"), str(out), fmt="peft")
+    tensors = load_file(out / "adapter_model.safetensors")
+    dropped = sorted(tensors)[0]
+    del tensors[dropped]
+    save_file(tensors, out / "adapter_model.safetensors", {"format": "pt"})
+    _, said = _peft_load_quietly(out)
+    assert _key_warnings(said), said

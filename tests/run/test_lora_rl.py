@@ -91,6 +91,10 @@ def test_grpo_with_lora_trains_adapters_and_scores_the_reference_on_the_base():
     mask = np.asarray(batch["response_mask"]) > 0
     np.testing.assert_allclose(shared[mask], copied[mask], atol=1e-5)
     assert np.abs(shared[mask] - policy[mask]).max() > 1e-4
+    # Generation decodes the adapted model (the adapters merged into the base), not the base:
+    # the sampler's log-probs are the trainer's, and the base's differ by more than 1e-4.
+    rollout = np.asarray(batch["rollout_log_probs"])
+    np.testing.assert_allclose(rollout[mask], policy[mask], atol=1e-5)
 
 
 def test_lora_reference_refuses_a_pool_of_its_own():

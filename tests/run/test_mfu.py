@@ -55,7 +55,10 @@ def test_trainer_reports_mfu_where_the_device_has_a_peak(tmp_path):
 
     from hfjax.run.trainer import Trainer
 
-    c = tiny_rl_config(algorithm="grpo", out_dir=tmp_path)
+    # The actor and the reference on pools of different sizes (4 and 2 devices), so that
+    # each stage's figure must use its own role's device count.
+    c = tiny_rl_config(algorithm="grpo", out_dir=tmp_path,
+                       placement="act=4:actor+reward;score=2:ref")
     c.rollout.n = 2
     c.actor.use_kl_loss = True  # the step runs the reference's scoring pass
     c.algo.adv_estimator = "grpo"
@@ -68,7 +71,12 @@ def test_trainer_reports_mfu_where_the_device_has_a_peak(tmp_path):
                        ("perf/mfu/ref", "timing_s/ref")):
         assert 0 < m[key] < 1 and stage in m
     # The actor's figure is its update's FLOPs over that stage's time on the actor's devices.
-    devices = trainer.workers.actor.mesh.devices.size
-    assert m["perf/mfu/actor"] * m["timing_s/update_actor"] * devices * 1e12 == pytest.approx(
-        3 * mfu.forward_flops(trainer.model_cfg, 16 * 2, m["perf/total_num_tokens"],
-                              m["response_length/mean"] * 16 * 2))
+    actor_devices = trainer.workers.actor.mesh.devices.size
+    ref_devices = trainer.workers.ref.mesh.devices.size
+    assert (actor_devices, ref_devices) == (4, 2)
+    fwd = mfu.forward_flops(trainer.model_cfg, 16 * 2, m["perf/total_num_tokens"],
+                            m["response_length/mean"] * 16 * 2)
+    assert m["perf/mfu/actor"] * m["timing_s/update_actor"] * actor_devices * 1e12 == (
+        pytest.approx(3 * fwd))
+    # The reference's figure: one forward pass over its stage's time on the reference's devices.
+    assert m["perf/mfu/ref"] * m["timing_s/ref"] * ref_devices * 1e12 == pytest.approx(fwd)
