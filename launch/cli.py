@@ -273,9 +273,9 @@ def rounded(x: float | None, digits: int = 4) -> float | None:
 def start_run(entry: str, cfg, *, before_jax: Callable[[], None] | None = None):
     """The start every training entry point shares, in this order: its config checked
     (`hfjax.config`: one line for any bad setting, before JAX starts or anything is written;
-    its flags were checked by `run`); `before_jax()` if given (launch.train's dry run exits there); the compilation
-    cache (`trainer.compilation_cache_dir`); this process's devices and, on several hosts, the
-    jax.distributed join; the config's meshes against the devices of all processes. Returns
+    its flags were checked by `run`); `before_jax()` if given (launch.train's dry run exits
+    there); the compilation cache (`trainer.compilation_cache_dir`); this process's devices
+    and, on several hosts, the jax.distributed join; the config's meshes against the devices of all processes. Returns
     the topology (`hfjax.parallel.distributed.Topology`)."""
     from hfjax.config import check_config
     from hfjax.parallel import distributed

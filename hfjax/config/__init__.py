@@ -31,6 +31,6 @@ from hfjax.config.values import Bool, Check, Choice, ConfigError, Float, Int, Te
 __all__ = [
     "COMMON_FLAG_KEYS", "FLAG_KEYS", "FLAG_RULES", "MODEL_ROLES", "TRAIN_KEYS", "TRAIN_RULES",
     "Bool", "Check", "Choice", "ConfigError", "Float", "Int", "Text", "active_roles",
-    "check_config", "check_flags", "config_items", "flag_checks", "placement_of", "register_keys", "run_roles",
-    "validate_config",
+    "check_config", "check_flags", "config_items", "flag_checks", "placement_of",
+    "register_keys", "run_roles", "validate_config",
 ]
