@@ -275,8 +275,8 @@ def start_run(entry: str, cfg, *, before_jax: Callable[[], None] | None = None):
     (`hfjax.config`: one line for any bad setting, before JAX starts or anything is written;
     its flags were checked by `run`); `before_jax()` if given (launch.train's dry run exits
     there); the compilation cache (`trainer.compilation_cache_dir`); this process's devices
-    and, on several hosts, the jax.distributed join; the config's meshes against the devices of all processes. Returns
-    the topology (`hfjax.parallel.distributed.Topology`)."""
+    and, on several hosts, the jax.distributed join; the config's meshes against the devices
+    of all processes. Returns the topology (`hfjax.parallel.distributed.Topology`)."""
     from hfjax.config import check_config
     from hfjax.parallel import distributed
     from launch import compile_cache
