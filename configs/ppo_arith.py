@@ -329,9 +329,10 @@ def get_config() -> config_dict.ConfigDict:
             val_before_train=True,
             sync_stage_timing=True,
             log_every=10,  # console summary line every N steps (0: validation lines only)
-            # Metric sinks, comma-separated: console, jsonl, tensorboard, wandb (optional).
+            # Metric sinks, comma-separated: console, jsonl, tensorboard, and the optional
+            # trackers wandb and mlflow (hfjax/run/trackers.py; pip install -e ".[wandb]").
             logger="console,jsonl,tensorboard",
-            project_name="hfjax",  # W&B project
+            project_name="hfjax",  # W&B project, MLflow experiment
             experiment_name="",  # W&B run name; empty: the out_dir's name
             plot=True,  # <out_dir>/metrics.png: reward and validation accuracy vs step
             jax_smi=False,  # device-memory tracking with jax-smi (GPU/TPU; no-op on CPU)

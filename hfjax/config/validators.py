@@ -227,7 +227,7 @@ def rm_targets() -> tuple[str, ...]:
     return tuple(TARGETS)
 
 
-SINK_NAMES = ("console", "jsonl", "tensorboard", "wandb")
+SINK_NAMES = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
 
 
 def parse_sink_names(names: str | Iterable[str]) -> list[str]:
@@ -243,10 +243,34 @@ def parse_sink_names(names: str | Iterable[str]) -> list[str]:
 
 def sinks(v) -> str | None:
     try:
-        parse_sink_names(v)
+        names = parse_sink_names(v)
     except ValueError as err:
         return str(err)
+    # A tracker whose optional extra is not installed is refused here, before the run starts.
+    for name in names:
+        if name in TRACKER_EXTRAS and (problem := missing_extra(name)):
+            return problem
     return None
+
+
+# The optional extra (pyproject.toml) that provides each tracker sink, and the module it
+# installs (hfjax.run.trackers imports it when the sink starts).
+TRACKER_EXTRAS = {"wandb": ("wandb", "wandb"), "mlflow": ("mlflow", "mlflow")}
+
+
+def missing_extra(name: str) -> str | None:
+    """The one-line refusal when tracker `name`'s package is not importable, else None."""
+    import importlib.util
+
+    extra, module = TRACKER_EXTRAS[name]
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # ValueError: sys.modules holds None (import blocked)
+        found = False
+    if found:
+        return None
+    return (f"trainer.logger includes {name!r} but the {module} package is not installed: "
+            f'pip install -e ".[{extra}]" (or drop {name} from trainer.logger)')
 
 
 def resume(v) -> str | None:

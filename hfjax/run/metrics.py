@@ -1,5 +1,5 @@
-"""Metric sinks for a run: JSONL, TensorBoard, optional W&B, and a console summary, plus the PNG
-plot of reward and validation accuracy.
+"""Metric sinks for a run: JSONL, TensorBoard, a console summary and the optional trackers
+(W&B, MLflow: `hfjax.run.trackers`), plus the PNG plot of reward and validation accuracy.
 
 Every sink gets the same records: `(step, {name: float})`, one per RL step, with verl's metric
 names (`critic/score/mean`, `actor/pg_loss`, `timing_s/gen`, `val-core/<source>/acc/mean@1`, …).
@@ -189,30 +189,6 @@ class TensorBoardSink:
             self._w = None
 
 
-class WandbSink:
-    """Weights & Biases, imported only when this sink is asked for."""
-
-    def __init__(self, project: str, name: str, config: Mapping[str, Any] | None, out_dir: str):
-        self._kw = dict(project=project, name=name, config=dict(config or {}), dir=out_dir)
-        self._run = None
-
-    def start(self, resumed_from: int | None) -> None:
-        try:
-            import wandb
-        except ImportError as e:
-            raise ImportError("trainer.logger includes 'wandb' but the wandb package is not "
-                              "installed: pip install wandb, or drop it from the list") from e
-        self._run = wandb.init(**self._kw, resume="allow" if resumed_from is not None else None)
-
-    def write(self, step: int, metrics: Mapping[str, float]) -> None:
-        self._run.log(_scalars(metrics), step=step)
-
-    def close(self) -> None:
-        if self._run is not None:
-            self._run.finish()
-            self._run = None
-
-
 class ConsoleSink:
     """A one-line summary of chosen keys every `every` steps (0: only at validation steps),
     written through `write` (the launcher's print)."""
@@ -280,16 +256,21 @@ def make_logger(
     extra: Sequence[Sink] = (),
 ) -> MetricsLogger:
     """A logger with the named sinks under out_dir, plus `extra` sinks (e.g. a progress bar).
-    The console sink needs `console`, the callable that prints."""
+    The console sink needs `console`, the callable that prints. The trackers take
+    `wandb_project` (W&B's project, MLflow's experiment), `wandb_name` (the run's name;
+    default: out_dir's name) and `config` (logged as the run's parameters)."""
     sinks: list[Sink] = []
     for n in parse_sink_names(names):
         if n == "jsonl":
             sinks.append(JsonlSink(os.path.join(out_dir, JSONL_NAME)))
         elif n == "tensorboard":
             sinks.append(TensorBoardSink(os.path.join(out_dir, TENSORBOARD_DIR)))
-        elif n == "wandb":
-            sinks.append(WandbSink(wandb_project, wandb_name or os.path.basename(out_dir),
-                                   config, out_dir))
+        elif n in ("wandb", "mlflow"):
+            from hfjax.run import trackers
+
+            cls = trackers.WandbSink if n == "wandb" else trackers.MlflowSink
+            sinks.append(cls(wandb_project, wandb_name or os.path.basename(os.path.abspath(
+                out_dir)), config, out_dir))
         elif n == "console" and console is not None:
             sinks.append(ConsoleSink(console, console_every))
     return MetricsLogger([*sinks, *extra])
