@@ -20,6 +20,7 @@ from hfjax.config.validators import (
     output_dir,
     parquet_files,
     prompts,
+    plan_target_name,
     target_name,
     tool_spec,
 )
@@ -138,7 +139,7 @@ FLAG_KEYS: dict[str, dict[str, Callable[[Any], str | None]]] = {
         "task": Choice(_prepare_tasks),
     },
     "plan": {
-        "target": Check(target_name),
+        "target": Check(plan_target_name),
         "num_devices": Int(1),
         "emit_config": Text(note="a flagfile path; empty: none"),
         "reward_model": Text(note="preset:NAME, an HF directory or a .gguf; empty: the config's"),

@@ -156,6 +156,14 @@ def target_name(v) -> str | None:
     return None
 
 
+def plan_target_name(v) -> str | None:
+    """A target the planner prices: a device model, or "cpu" (this machine's simulated devices
+    as measured, hfjax/planner/simulator.measured_cpu)."""
+    if isinstance(v, str) and v.strip().lower() == "cpu":
+        return None
+    return target_name(v)
+
+
 def existing(kind: str, optional: bool = False) -> Callable[[Any], str | None]:
     def check(v) -> str | None:
         if optional and (v is None or v == ""):
