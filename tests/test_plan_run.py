@@ -58,7 +58,8 @@ def test_plan_then_run_two_ppo_steps(tmp_path, env):
 
 @pytest.mark.parametrize("args,message", [
     (["--num_devices=0"], "hfjax plan: --num_devices=0: needs an int >= 1"),
-    (["--num_devices=8", "--target=h300"], "hfjax plan: --target=h300: unknown target 'h300'; known targets"),
+    (["--num_devices=8", "--target=h300"],
+     "hfjax plan: --target=h300: unknown target 'h300'; known targets"),
     (["--num_devices=8", "--efficiency=train=2"], "hfjax plan: efficiency train=2"),
     (["--num_devices=8", "--prices=xla"], "hfjax plan: flag --prices=xla: value should be one "
      "of <closed_form|compiled>"),

@@ -19,8 +19,8 @@ from hfjax.config.validators import (
     model_path,
     output_dir,
     parquet_files,
-    prompts,
     plan_target_name,
+    prompts,
     target_name,
     tool_spec,
 )
