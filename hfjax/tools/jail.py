@@ -27,11 +27,14 @@ from __future__ import annotations
 
 import errno
 import functools
+import json
 import os
+import select
 import shutil
 import subprocess
 import sys
 import tempfile
+import time
 
 # Refused with EPERM. Signals need no rule: the PID namespace leaves nothing outside to reach.
 DENIED = (
@@ -140,12 +143,16 @@ def _system_binds() -> list[str]:
     return args
 
 
-def command(argv: list[str], *, seccomp_fd: int, disk_bytes: int) -> list[str]:
+def command(argv: list[str], *, seccomp_fd: int, disk_bytes: int,
+            info_fd: int | None = None) -> list[str]:
     """`argv` (run inside, with MOUNT as its working directory) wrapped in the jail; the
-    caller passes `seccomp_fd` (a readable file of `seccomp_program()`) to the child."""
+    caller passes `seccomp_fd` (a readable file of `seccomp_program()`) to the child, and
+    `info_fd`, if given, where bwrap writes the namespace init's pid (`wait_namespace_gone`)."""
     args = [bwrap_binary(), "--unshare-pid", "--unshare-net", "--unshare-ipc",
             "--unshare-uts", "--unshare-cgroup-try", "--die-with-parent", "--new-session",
             "--hostname", "jail"]
+    if info_fd is not None:
+        args += ["--info-fd", str(info_fd)]
     root = os.geteuid() == 0
     if not root:
         args += ["--unshare-user", "--uid", str(NOBODY), "--gid", str(NOBODY),
@@ -166,6 +173,41 @@ def command(argv: list[str], *, seccomp_fd: int, disk_bytes: int) -> list[str]:
         argv = [setpriv, f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups",
                 "--no-new-privs", "--bounding-set=-all", "--inh-caps=-all", "--"] + argv
     return args + ["--"] + argv
+
+
+def wait_namespace_gone(info_fd: int, timeout_s: float = 5.0) -> bool:
+    """After bwrap has exited, waits until its PID namespace is empty; False if it is not within
+    `timeout_s`. bwrap exits as soon as the command's first process ends, while the namespace's
+    init is still killing the processes left inside; the init's own exit completes only after
+    they are gone. `info_fd` reads what bwrap wrote to --info-fd ({"child-pid": the init's
+    host pid})."""
+    deadline = time.monotonic() + timeout_s
+    data = b""
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([info_fd], [], [], left)[0]:
+            return False
+        chunk = os.read(info_fd, 4096)
+        if not chunk:
+            return True  # bwrap wrote nothing: it never started the namespace
+        data += chunk
+        try:
+            pid = int(json.loads(data)["child-pid"])
+            break
+        except ValueError:
+            continue  # not all of it yet
+        except (KeyError, TypeError):
+            return True
+    # A pidfd, not the pid, so that a reused pid is never signalled; we only wait on it (at
+    # worst on an unrelated process that took a reaped init's pid, up to the timeout).
+    try:
+        pidfd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return True
+    try:
+        return bool(select.select([pidfd], [], [], max(0.0, deadline - time.monotonic()))[0])
+    finally:
+        os.close(pidfd)
 
 
 def seccomp_file():

@@ -236,10 +236,19 @@ class Python(Tool):
             src.write(code.encode("utf-8", errors="replace"))
             src.seek(0)
             if self.isolation == "jail":
-                with jail.seccomp_file() as filt:
-                    argv = jail.command(self._argv(jail.MOUNT), seccomp_fd=filt.fileno(),
-                                        disk_bytes=self.disk_mb << 20)
-                    rc, timed_out = self._wait(argv, src, out, err, "/", (filt.fileno(),))
+                info_r, info_w = os.pipe()
+                try:
+                    with jail.seccomp_file() as filt:
+                        argv = jail.command(self._argv(jail.MOUNT), seccomp_fd=filt.fileno(),
+                                            disk_bytes=self.disk_mb << 20, info_fd=info_w)
+                        rc, timed_out = self._wait(argv, src, out, err, "/",
+                                                   (filt.fileno(), info_w), info_w)
+                    # Nothing the call started outlives it.
+                    if not jail.wait_namespace_gone(info_r):
+                        logging.warning("python tool: the jail's namespace was still "
+                                        "ending 5 s after the call")
+                finally:
+                    os.close(info_r)
                 # bwrap reports a child killed by signal N as exit status 128 + N.
                 if rc > 128 and rc - 128 in _SIGNALS:
                     rc = 128 - rc
@@ -263,7 +272,7 @@ class Python(Tool):
                 str(self.memory_mb * 1024 * 1024), str(self.max_output_bytes), str(self.cpu_s),
                 str(self.max_processes)]
 
-    def _wait(self, argv, src, out, err, cwd, fds) -> tuple[int, bool]:
+    def _wait(self, argv, src, out, err, cwd, fds, info_w=None) -> tuple[int, bool]:
         work = cwd if self.isolation == "none" else jail.MOUNT
         # One thread per numeric library (their pools reserve address space per thread, which
         # RLIMIT_AS counts), and no accelerator for a snippet that imports an ML framework.
@@ -275,8 +284,12 @@ class Python(Tool):
         # worker's group takes bwrap, and with it the namespace, along; outside the jail the
         # snippet gets a session of its own, killed whole below.
         jailed = self.isolation == "jail"
-        proc = subprocess.Popen(argv, stdin=src, stdout=out, stderr=err, cwd=cwd, env=env,
-                                start_new_session=not jailed, pass_fds=fds)
+        try:
+            proc = subprocess.Popen(argv, stdin=src, stdout=out, stderr=err, cwd=cwd, env=env,
+                                    start_new_session=not jailed, pass_fds=fds)
+        finally:
+            if info_w is not None:
+                os.close(info_w)  # bwrap holds the write end: EOF once it has exited
         try:
             proc.wait(timeout=self.wall_s)
             timed_out = False

@@ -16,6 +16,7 @@ from typing import Any
 
 from hfjax.rewards.custom import import_file
 from hfjax.tools.base import Tool
+from hfjax.tools.worker import FILE_SPEC
 
 _TOOLS: dict[str, type[Tool]] = {}
 
@@ -79,6 +80,8 @@ def _import_class(spec: str) -> type[Tool]:
     if not (isinstance(cls, type) and issubclass(cls, Tool)):
         raise ValueError(f"tool {spec!r}: {attr} is not a subclass of hfjax.tools.Tool")
     _check_class(cls, f"tool {spec!r}")
+    if where.endswith(".py"):  # how a worker process loads it again (hfjax.tools.worker)
+        setattr(cls, FILE_SPEC, f"{os.path.abspath(where)}:{attr}")
     return cls
 
 

@@ -1,5 +1,6 @@
 """docs/agents.md's Python examples run as written and do what the page says."""
 
+import importlib
 import os
 import re
 
@@ -10,12 +11,17 @@ from hfjax.tools import Observation, ToolCall, ToolRunner, resolve_tools
 DOC = os.path.join(os.path.dirname(os.path.realpath(__file__)), "..", "..", "docs", "agents.md")
 
 
-def test_agents_md_examples(capsys):
+def test_agents_md_examples(capsys, tmp_path, monkeypatch):
     with open(DOC, encoding="utf-8") as f:
         blocks = re.findall(r"```python\n(.*?)```", f.read(), re.S)
     assert len(blocks) == 4
+    # The tool is written to a module of its own, as a user would: the runner's worker
+    # processes import it by name.
+    (tmp_path / "agents_md_word_count.py").write_text(blocks[0])
+    monkeypatch.syspath_prepend(str(tmp_path))
+    importlib.import_module("agents_md_word_count")
     scope = {"__name__": "agents_md"}
-    for block in blocks:
+    for block in blocks[1:]:
         exec(compile(block, DOC, "exec"), scope)
     # The second block prints what its comment says.
     assert capsys.readouterr().out.strip() == "[Observation(text='7006652', error=False)]"

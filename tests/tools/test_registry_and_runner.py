@@ -160,7 +160,8 @@ def test_runner_turns_failures_into_error_observations():
 
 def test_submit_does_not_wait_and_calls_run_concurrently():
     gate = Gate()
-    with ToolRunner({"gate": gate, "echo": Echo()}, max_workers=2) as runner:
+    # The gate shares its events with this test: the calls run in this process.
+    with ToolRunner({"gate": gate, "echo": Echo()}, max_workers=2, processes=False) as runner:
         slow = runner.submit([ToolCall("gate", {}), ToolCall("gate", {})])
         # Both gate calls are running at once on the two workers ...
         assert gate.started.acquire(timeout=30) and gate.started.acquire(timeout=30)
@@ -172,13 +173,14 @@ def test_submit_does_not_wait_and_calls_run_concurrently():
 
 
 def test_timeout_abandons_the_call_and_a_fresh_worker_takes_over():
+    """In-process calls (processes=False): a thread cannot be killed, so it is abandoned."""
     gate = Gate()
     gate.timeout_s = 0.2
-    with ToolRunner({"gate": gate, "echo": Echo()}, max_workers=1) as runner:
+    with ToolRunner({"gate": gate, "echo": Echo()}, max_workers=2, processes=False) as runner:
         (obs,) = runner.run([ToolCall("gate", {})])
         assert obs.error and obs.text == "Error: gate timed out after 0.2 s"
         assert runner.abandoned == 1
-        # The only worker is stuck in the gate, yet the next call is served.
+        # A worker is stuck in the gate, yet the next call is served.
         assert runner.run([ToolCall("echo", {"text": "next"})]) == [Observation("next", False)]
         gate.release.set()
 
