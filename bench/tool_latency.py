@@ -13,7 +13,13 @@ Figures are medians over `--repeats` calls, in milliseconds:
   without the network namespace; `python_tool_netns_ms` with it (null where `unshare` is not
   allowed);
 - `sequential_8_ms` / `runner_8_ms`: eight jailed `python` tool calls one after another, and the
-  same eight submitted at once to a `ToolRunner` with 8 workers; `runner_speedup` is their ratio.
+  same eight submitted at once to a `ToolRunner` with 8 workers; `runner_speedup` is their ratio;
+- `runner_thread_ms` / `runner_worker_ms`: one `calculator` call through a `ToolRunner`, on its
+  thread in this process (`processes=False`) and in its (already started) worker process, the
+  default; `worker_over_thread` is their ratio, `worker_extra_ms` their difference: what running
+  a call outside the controller's interpreter adds;
+- `worker_start_ms`: starting a fresh worker process until its tools are loaded (what the first
+  call after a timeout pays, once; not part of any call's timeout).
 
 The last line printed is JSON.
 """
@@ -29,9 +35,10 @@ import time
 
 from absl import app, flags
 
-from hfjax.tools import ToolCall, ToolRunner
+from hfjax.tools import ToolCall, ToolRunner, resolve_tools
 from hfjax.tools.calculator import calculate
 from hfjax.tools.python import Python, network_namespace_available
+from hfjax.tools.worker import WorkerProcess
 
 _REPEATS = flags.DEFINE_integer("repeats", 15, "calls per figure (the median is reported)")
 
@@ -74,6 +81,22 @@ def main(argv):
             lambda: [jailed.call({"code": SNIPPET}) for _ in calls], max(1, n // 5)), 1)
         res["runner_8_ms"] = round(_median_ms(lambda: runner.run(calls), max(1, n // 5)), 1)
     res["runner_speedup"] = round(res["sequential_8_ms"] / res["runner_8_ms"], 2)
+    calc = [ToolCall("calculator", {"expression": "1234 * 5678"})]
+    for key, processes in (("runner_thread_ms", False), ("runner_worker_ms", True)):
+        with ToolRunner(resolve_tools("calculator"), max_workers=1,
+                        processes=processes) as runner:
+            runner.run(calc)  # starts the thread (and its worker)
+            res[key] = round(_median_ms(lambda: runner.run(calc), n * 10), 3)
+    res["worker_over_thread"] = round(res["runner_worker_ms"] / res["runner_thread_ms"], 2)
+    res["worker_extra_ms"] = round(res["runner_worker_ms"] - res["runner_thread_ms"], 3)
+    with ToolRunner(resolve_tools("calculator,python")) as runner:
+        payload, env = runner._payload, runner._env  # what the runner sends a fresh worker
+
+    def start_worker():
+        worker = WorkerProcess(payload, env)
+        assert "ready" in worker.read(time.monotonic() + 60)
+        worker.kill()
+    res["worker_start_ms"] = round(_median_ms(start_worker, n), 1)
     res["cpus"] = os.cpu_count()
     res["load_average_end"] = [round(x, 1) for x in os.getloadavg()]
     print(json.dumps(res))

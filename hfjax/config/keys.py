@@ -202,7 +202,7 @@ TRAIN_KEYS: dict[str, Callable[[Any], str | None]] = {
     "rollout.multi_turn.max_turns": Int(1, note="policy turns per trajectory"),
     "rollout.multi_turn.tools": Check(tool_spec),
     "rollout.multi_turn.max_tool_response_len": Int(1, note="tokens per observation"),
-    "rollout.multi_turn.tool_workers": Int(1, note="threads running tool calls"),
+    "rollout.multi_turn.tool_workers": Int(1, note="worker processes running tool calls"),
     "rollout.multi_turn.max_parallel_calls": Int(1, note="tool calls per policy turn"),
     "rollout.multi_turn.python_isolation": Choice(
         ("jail", "none"), note="the python tool's OS jail (hfjax/tools/jail.py); none runs the "

@@ -305,15 +305,18 @@ def _async_rollout(c) -> str | None:
 
 def _tools_build(c) -> str | None:
     """The multi-turn tools are built here, once, with their settings: a tool that refuses (the
-    python tool where its jail cannot start) stops the run before anything compiles."""
+    python tool where its jail cannot start), or that the ToolRunner's worker processes cannot
+    receive, stops the run before anything compiles."""
     m = c.rollout.multi_turn
     if not m.enable or not m.tools:
         return None
     from hfjax.engine.spec import MultiTurnSpec
     from hfjax.tools import resolve_tools
+    from hfjax.tools.worker import tool_reference
 
     try:
-        resolve_tools(m.tools, MultiTurnSpec.of(m).tool_options())
+        for key, tool in resolve_tools(m.tools, MultiTurnSpec.of(m).tool_options()).items():
+            tool_reference(key, tool)  # the runner's worker processes can receive it
     except ValueError as err:
         return f"rollout.multi_turn.tools={m.tools!r}: {err}"
     return None

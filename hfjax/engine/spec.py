@@ -93,7 +93,7 @@ class MultiTurnSpec(Spec):
     max_turns: int  # policy turns per trajectory
     tools: str  # names or package.module:Class, comma-separated (`hfjax.tools.registry`)
     max_tool_response_len: int  # tokens per observation
-    tool_workers: int  # threads running tool calls
+    tool_workers: int  # worker processes running tool calls
     max_parallel_calls: int  # tool calls run per policy turn, in order
     python_isolation: str = "jail"  # the python tool: jail | none (`hfjax.tools.python`)
 

@@ -112,7 +112,21 @@ def _answer(tool: Tool, args: Any, max_chars: int) -> dict:
     return {"kind": kind, "text": text[:max_chars], "chars": len(text)}
 
 
+def _die_with_parent() -> None:
+    """SIGKILL this worker when the runner thread that started it ends (the controller killed,
+    say), even mid-call; exit at once if that already happened."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: a hung call then runs on alone
+        pass
+    if len(sys.argv) > 1 and os.getppid() != int(sys.argv[1]):
+        os._exit(0)
+
+
 def main() -> None:
+    _die_with_parent()
     proto = os.fdopen(os.dup(1), "w", encoding="utf-8", errors="surrogatepass")
     os.dup2(2, 1)  # what tools print goes to stderr, not into the protocol
     lines = sys.stdin.buffer
@@ -152,7 +166,7 @@ class WorkerProcess:
     def __init__(self, payload: str, env: dict[str, str]):
         # Its own session, so killing it at a deadline also ends what its tool started in the
         # same group (the python tool's bwrap, whose namespace dies with it).
-        self.proc = subprocess.Popen([sys.executable, "-c", _ENTRY],
+        self.proc = subprocess.Popen([sys.executable, "-c", _ENTRY, str(os.getpid())],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
                                      bufsize=0, start_new_session=True)
         self._buf = b""

@@ -5,8 +5,12 @@ processes. Wall-time bounds carry slack for a loaded machine; they are containme
 performance ones."""
 
 import os
+import subprocess
+import sys
+import textwrap
 import threading
 import time
+import uuid
 
 import pytest
 
@@ -14,14 +18,17 @@ from hfjax.tools import Observation, Tool, ToolCall, ToolRunner
 
 
 class Power(Tool):
-    """Holds its interpreter's lock in C for a long time (minutes): 10 ** (10 ** 8)."""
+    """Holds its interpreter's lock in C for a long time (minutes): 10 ** (10 ** 8), after
+    creating the file `mark` if given."""
 
     name = "power"
     description = "a huge power"
-    parameters = {"type": "object", "properties": {}}
+    parameters = {"type": "object", "properties": {"mark": {"type": "string"}}}
     timeout_s = 1.0
 
     def call(self, arguments):
+        if "mark" in arguments:
+            open(arguments["mark"], "w").close()
         return str(10 ** (10 ** 8) % 7)
 
 
@@ -64,13 +71,14 @@ class Noisy(Tool):
         return self.word
 
 
-def children() -> list[int]:
-    """This process's child processes, from /proc."""
+def children(parent: int | None = None) -> list[int]:
+    """The child processes of `parent` (this process by default), from /proc."""
+    parent = os.getpid() if parent is None else parent
     found = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{pid}/stat") as f:
-                if int(f.read().rsplit(")", 1)[1].split()[1]) == os.getpid():
+                if int(f.read().rsplit(")", 1)[1].split()[1]) == parent:
                     found.append(int(pid))
         except (OSError, IndexError, ValueError):
             pass
@@ -204,3 +212,126 @@ def test_a_tool_from_a_module_no_import_finds_is_refused_up_front():
          "    def call(self, arguments):\n        return 'made'\n", scope)
     with pytest.raises(ValueError, match=r"no import finds \(made_by_exec\)"):
         ToolRunner({"made": scope["Made"]()})
+
+
+class LockHolder(Tool):
+    """Holds a lock, which no worker process can receive (named by this file's path below)."""
+
+    name = "lock_holder"
+    description = "holds a lock"
+    parameters = {"type": "object", "properties": {}}
+
+    def __init__(self):
+        self.lock = threading.Lock()
+
+    def call(self, arguments):
+        return "held"
+
+
+def test_a_run_whose_tool_a_worker_cannot_receive_is_refused_at_the_config():
+    from configs import ppo_arith
+    from hfjax.config import ConfigError, check_config
+
+    cfg = ppo_arith.get_config()
+    cfg.rollout.multi_turn.enable = True
+    cfg.rollout.multi_turn.tools = f"calculator,{os.path.abspath(__file__)}:LockHolder"
+    with pytest.raises(ConfigError) as err:
+        check_config(cfg)
+    text = str(err.value)
+    assert "\n" not in text and "rollout.multi_turn.tools=" in text, text
+    assert "'lock_holder' (LockHolder) has attributes a worker process cannot receive" in text
+    cfg.rollout.multi_turn.tools = "calculator"
+    check_config(cfg)
+
+
+def test_a_worker_dies_with_its_controller_even_mid_call(tmp_path):
+    """The controller is SIGKILLed while its tool spins in C: its worker process goes too."""
+    mark = str(tmp_path / "started")
+    controller = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(f"""
+            import time
+            from hfjax.tools import ToolCall, ToolRunner, resolve_tools
+            runner = ToolRunner(resolve_tools({os.path.abspath(__file__) + ":Power"!r}))
+            runner.submit([ToolCall("power", {{"mark": {mark!r}}})])
+            time.sleep(300)
+        """)], env={**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)})
+    try:
+        deadline = time.monotonic() + 60
+        while not os.path.exists(mark):  # the call has started
+            assert controller.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        (worker,) = children(controller.pid)
+        assert alive(worker)
+        controller.kill()
+        controller.wait()
+        deadline = time.monotonic() + 10
+        while alive(worker) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not alive(worker)
+    finally:
+        controller.kill()
+        controller.wait()
+
+
+def test_a_jailed_python_call_dies_with_its_controller(tmp_path):
+    """The controller is SIGKILLed while its python tool's snippet and a process the snippet
+    started sleep: the worker, bwrap and the jail's processes all go with it."""
+    from hfjax.tools import jail
+
+    try:
+        jail.probe()
+    except jail.JailUnavailable as err:
+        pytest.skip(f"no jail on this machine: {err}")
+    marker = f"hfjax-worker-{uuid.uuid4().hex}"
+    # The hook off (one line), so the snippet can start a process; the marker only in argv.
+    code = ("import sys\nsys.modules['__main__']._BLOCKED = ()\nimport subprocess, time\n"
+            f"subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)', "
+            f"{marker!r}])\ntime.sleep(120)\n")
+    controller = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(f"""
+            import sys, time
+            from hfjax.tools import ToolCall, ToolRunner
+            from hfjax.tools.python import Python
+            runner = ToolRunner({{"python": Python(wall_s=120)}})
+            runner.submit([ToolCall("python", {{"code": sys.stdin.read()}})])
+            time.sleep(300)
+        """)], stdin=subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)})
+    try:
+        controller.stdin.write(code.encode())
+        controller.stdin.close()
+        deadline = time.monotonic() + 60
+        while not with_marker(marker):
+            assert controller.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        controller.kill()
+        controller.wait()
+        deadline = time.monotonic() + 10
+        while with_marker(marker) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not with_marker(marker)
+    finally:
+        controller.kill()
+        controller.wait()
+
+
+def with_marker(marker: str) -> list[int]:
+    """Running processes whose command line holds `marker`."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if marker.encode() in f.read() and alive(int(pid)):
+                    found.append(int(pid))
+        except OSError:
+            pass
+    return found
+
+
+def alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie, dead but not yet reaped, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
