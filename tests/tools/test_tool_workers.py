@@ -288,12 +288,12 @@ def test_a_jailed_python_call_dies_with_its_controller(tmp_path):
             f"subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)', "
             f"{marker!r}])\ntime.sleep(120)\n")
     controller = subprocess.Popen(
-        [sys.executable, "-c", textwrap.dedent(f"""
+        [sys.executable, "-c", textwrap.dedent("""
             import sys, time
             from hfjax.tools import ToolCall, ToolRunner
             from hfjax.tools.python import Python
-            runner = ToolRunner({{"python": Python(wall_s=120)}})
-            runner.submit([ToolCall("python", {{"code": sys.stdin.read()}})])
+            runner = ToolRunner({"python": Python(wall_s=120)})
+            runner.submit([ToolCall("python", {"code": sys.stdin.read()})])
             time.sleep(300)
         """)], stdin=subprocess.PIPE,
         env={**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)})
