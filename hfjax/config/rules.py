@@ -316,7 +316,7 @@ def _tools_build(c) -> str | None:
 
     try:
         for key, tool in resolve_tools(m.tools, MultiTurnSpec.of(m).tool_options()).items():
-            tool_reference(key, tool)  # the runner's worker processes can receive it
+            tool_reference(key, tool, "run")  # the runner's worker processes can receive it
     except ValueError as err:
         return f"rollout.multi_turn.tools={m.tools!r}: {err}"
     return None

@@ -40,30 +40,33 @@ from hfjax.tools.base import Tool, ToolError
 FILE_SPEC = "_hfjax_tool_spec"
 
 
-def tool_reference(key: str, tool: Tool) -> list[str]:
+def tool_reference(key: str, tool: Tool, where: str = "ToolRunner") -> list[str]:
     """How a worker process rebuilds `tool`: [class reference, base64 pickle of its attributes].
-    ValueError, in one line naming the fix, where it cannot be sent."""
+    ValueError, in one line naming the fix, where it cannot be sent; `where` is "ToolRunner"
+    (whose caller may pass processes=False instead) or "run" (which always uses workers)."""
     cls = type(tool)
+    alt = (", or pass processes=False (the call then runs in this process, and a hung call "
+           "cannot be stopped)") if where == "ToolRunner" else ""
+    head = "ToolRunner: " if where == "ToolRunner" else ""
     spec = cls.__dict__.get(FILE_SPEC)
     if spec:
         ref = "file:" + spec
     elif (cls.__module__ == "__main__" or "<locals>" in cls.__qualname__
           or not _importable(cls.__module__)):
         raise ValueError(
-            f"ToolRunner: tool {key!r} ({cls.__qualname__}) is defined in __main__, inside a "
+            f"{head}tool {key!r} ({cls.__qualname__}) is defined in __main__, inside a "
             f"function or in a module no import finds ({cls.__module__}), so a worker process "
             "cannot import it; define it at module level of an importable module (or load it "
-            "as path/to/file.py:Class), or pass processes=False (the call then runs in this "
-            "process, and a hung call cannot be stopped)")
+            f"as path/to/file.py:Class){alt}")
     else:
         ref = f"module:{cls.__module__}:{cls.__qualname__}"
     try:
         state = pickle.dumps(tool.__dict__)
     except Exception as err:
         raise ValueError(
-            f"ToolRunner: tool {key!r} ({cls.__qualname__}) has attributes a worker process "
+            f"{head}tool {key!r} ({cls.__qualname__}) has attributes a worker process "
             f"cannot receive ({type(err).__name__}: {err}); keep plain settings on the instance "
-            "and build the rest in `call`, or pass processes=False") from None
+            f"and build the rest in `call`{alt}") from None
     return [ref, base64.b64encode(state).decode("ascii")]
 
 

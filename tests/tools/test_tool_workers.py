@@ -240,6 +240,7 @@ def test_a_run_whose_tool_a_worker_cannot_receive_is_refused_at_the_config():
     text = str(err.value)
     assert "\n" not in text and "rollout.multi_turn.tools=" in text, text
     assert "'lock_holder' (LockHolder) has attributes a worker process cannot receive" in text
+    assert text.endswith("build the rest in `call`"), text  # a run has no processes=False
     cfg.rollout.multi_turn.tools = "calculator"
     check_config(cfg)
 
