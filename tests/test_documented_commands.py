@@ -1,14 +1,14 @@
 """The smoke tier: every shell command that README.md and docs/*.md show runs, as written, in
 smoke mode (HFJAX_SMOKE=1, launch/smoke.py), and so does every algorithm's config.
 
-The commands are read from the docs' fenced ```bash blocks (backslash continuations joined, `for`
-loops kept whole, comments dropped) and run with `bash -c` in a scratch copy of the repository,
-one copy per document, in the document's order, so that a command finds what the ones before it
-wrote (prepared data, a run to export). A command that trains and names no `runs/` path starts
-from an empty `runs/`: the docs' training commands are alternatives, each starting a run of its
-own, not resuming the finished run of the command before it. Each must exit with status 0 (or
-the status EXIT_STATUS gives, where the docs say so), and a final stdout line that looks like JSON
-must parse.
+The commands are read from the docs' fenced blocks that hold a command, tagged ```bash or not
+(backslash continuations joined, `for` loops kept whole, comments dropped) and run with
+`bash -c` in a scratch copy of the repository, one copy per document, in the document's order,
+so that a command finds what the ones before it wrote (prepared data, a run to export). A
+command that trains and names no `runs/` path starts from an empty `runs/`: the docs' training
+commands are alternatives, each starting a run of its own, not resuming the finished run of the
+command before it. Each must exit with status 0 (or the status EXIT_STATUS gives, where the
+docs say so), and a final stdout line that looks like JSON must parse.
 
 A command that cannot run here as written is in EXCLUDED, with the reason; a placeholder in a
 command (a path the reader fills in) is replaced through SUBSTITUTIONS. Both tables must match
@@ -58,6 +58,8 @@ EXCLUDED: dict[str, str] = {
     "python -m launch.train --config.algorithm=path/to/my_algo.py:step": "as above",
     'pip install -e ".[cuda]"': "installs jax's CUDA plugin (for NVIDIA GPUs); CI has no GPU",
     'pip install -e ".[tpu]"': "installs libtpu (for Cloud TPU VMs); CI has no TPU",
+    'pip install -e ".[wandb,mlflow]"': "the trackers' extras; CI installs them with the test "
+        "extra (pyproject.toml), and the tracked run below runs",
     "python -m bench.attention --impls=dense,xla,cudnn,blockwise --rows=4 --width=4096":
         "a GPU comparison at GPU sizes; the same entry point at a CPU size runs below",
     "python -m bench.decode_step --model=preset:qwen2.5-1.5b --rows=512 --prompt=256 --new=256 "
@@ -89,7 +91,10 @@ EXIT_STATUS: dict[str, int] = {
 
 # What a document's commands need that the document itself does not run first.
 PREREQUISITES: dict[str, list[str]] = {
-    "docs/checkpoints.md": ["python -m launch.train"],  # a run to export
+    # A run to export (the trackers' command, which the document shows further down, trains
+    # it: run first, and once).
+    "docs/checkpoints.md": ["python -m launch.train --config.trainer.logger=console,jsonl,wandb,"
+                            "mlflow"],
 }
 
 # Configs that launch.train does not take: SFT and reward-model runs (the RLHF scripts run them)
@@ -114,11 +119,36 @@ def _strip_comment(line: str) -> str:
     return line.rstrip()
 
 
+# A line that starts a shell command (after comments are dropped): what makes a fenced block,
+# tagged `bash` or not, one whose commands the tier runs.
+_COMMAND = re.compile(r"(python3? -[mc] |bash |pip |srun |gcloud |export [A-Z_]+=|"
+                      r"(for|while|if) |[A-Z_]+=\S* (python3?|bash) )")
+# Fence tags of code that is not shell (a ```python block's lines are never commands).
+_NOT_SHELL = {"python", "json", "yaml", "toml", "text"}
+
+
+def fenced_blocks(text: str) -> list[tuple[str, str]]:
+    """(tag, body) of every fenced block of `text`, in order ('' for an untagged block)."""
+    return re.findall(r"^```(\w*)\n(.*?)^```", text, flags=re.S | re.M)
+
+
+def holds_command(body: str) -> bool:
+    return any(_COMMAND.match(_strip_comment(line).strip()) for line in body.splitlines())
+
+
+def command_blocks(text: str) -> list[tuple[str, str]]:
+    """The fenced blocks whose commands run: every ```bash block, and any other block, tagged or
+    not, that holds a command (unless its tag names another language)."""
+    return [(tag, body) for tag, body in fenced_blocks(text)
+            if tag == "bash" or (tag not in _NOT_SHELL and holds_command(body))]
+
+
 def bash_commands(text: str) -> list[str]:
-    """The commands of `text`'s ```bash blocks, in order: continuation lines joined, a `for` /
-    `while` / `if` kept whole up to its `done` / `fi`, comments and blank lines dropped."""
+    """The commands of `text`'s command blocks (`command_blocks`), in order: continuation lines
+    joined, a `for` / `while` / `if` kept whole up to its `done` / `fi`, comments and blank
+    lines dropped."""
     commands = []
-    for block in re.findall(r"^```bash\n(.*?)^```", text, flags=re.S | re.M):
+    for _, block in command_blocks(text):
         pending, compound = "", []
         for raw in block.splitlines():
             line = _strip_comment(raw)
@@ -149,7 +179,8 @@ def documented(doc: str) -> list[str]:
 def to_run(doc: str) -> list[str]:
     """The commands the smoke tier runs for `doc`: its prerequisites, then its documented
     commands that are not EXCLUDED."""
-    return PREREQUISITES.get(doc, []) + [c for c in documented(doc) if c not in EXCLUDED]
+    return list(dict.fromkeys(PREREQUISITES.get(doc, []) + [c for c in documented(doc)
+                                                            if c not in EXCLUDED]))
 
 
 def substituted(command: str, scratch: str, gguf: str) -> str:
@@ -191,6 +222,21 @@ def test_the_tables_name_documented_commands():
     assert not stale, f"EXCLUDED or EXIT_STATUS name commands the docs no longer show: {stale}"
     unused = sorted(k for k in SUBSTITUTIONS if not any(k in c for c in every))
     assert not unused, f"SUBSTITUTIONS that match no documented command: {unused}"
+
+
+def test_every_fenced_block_with_a_command_is_read_and_tagged_bash():
+    """A command in an untagged block is read as well (and so runs in the tier), and the docs
+    tag every such block `bash`, so that readers and renderers see shell."""
+    text = ("```\npython -m launch.prepare_data --task=arith --out=d\n```\n"
+            "```\ndata_source: string\n```\n```python\nimport os\n```\n")
+    assert bash_commands(text) == ["python -m launch.prepare_data --task=arith --out=d"]
+    untagged = [f"{doc}: {body.splitlines()[0]}" for doc in DOCS
+                for tag, body in command_blocks(open(os.path.join(ROOT, doc)).read())
+                if tag != "bash"]
+    assert not untagged, f"tag these blocks ```bash: {untagged}"
+    data = documented("docs/data.md")
+    for entry in ("launch.prepare_data", "launch.train", "launch.evaluate"):
+        assert any(entry in c for c in data), entry
 
 
 def test_extraction_joins_continuations_and_keeps_loops():
