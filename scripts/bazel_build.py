@@ -75,6 +75,10 @@ TEST_OPTIONS: dict[str, dict] = {
     "tests/run/test_dry_run.py": {"size": "large"},
     # A real training run writing its log to a file.
     "tests/run/test_train_log.py": {"size": "large"},
+    # A training run and its resume through launch.train, read back by W&B's and MLflow's readers.
+    "tests/run/test_trackers.py": {"size": "large"},
+    # Three LoRA runs exported (four launch.export processes) and loaded by PEFT.
+    "tests/models/test_lora_export.py": {"size": "large"},
     # The smoke tier runs every command of README.md and docs/ (files outside the runfiles) in
     # a scratch copy of the checkout: pytest runs it (-m smoke, .ci/run), Bazel only on request.
     "tests/test_documented_commands.py": {"size": "enormous",
