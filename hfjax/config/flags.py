@@ -69,7 +69,7 @@ COMMON_FLAG_KEYS: dict[str, Callable[[Any], str | None]] = {
     "cpu_devices": Int(0, note="0: leave XLA_FLAGS alone"),
     "coordinator_timeout_s": Int(1),
     "heartbeat_timeout_s": Int(1),
-    "shutdown_timeout_s": Int(0),
+    "shutdown_timeout_s": Int(1),  # hfjax.parallel.distributed refuses 0 too
 }
 
 FLAG_KEYS: dict[str, dict[str, Callable[[Any], str | None]]] = {

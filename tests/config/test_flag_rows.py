@@ -107,6 +107,7 @@ def test_every_flag_with_a_fixed_set_of_values_has_a_choice_row(entry_flags):
     ("generate", "dtype", "fp8"), ("plan", "prices", "guessed"),
     ("prepare_data", "task", "nope"), ("local_cluster", "port", 70000),
     ("train", "coordinator_address", "nohost"), ("plan", "memory_fraction", 1.5),
+    ("train", "shutdown_timeout_s", 0),  # as hfjax.parallel.distributed refuses it
 ])
 def test_a_bad_value_is_refused_in_one_line_naming_the_choices(entry, name, bad):
     with pytest.raises(ConfigError) as err:
