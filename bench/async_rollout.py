@@ -2,18 +2,26 @@
 two pools in turn) and with max_staleness K = 1 and K = 4 (docs/async.md).
 
 Usage: python bench/async_rollout.py [--steps=6] [--warmup=3] [--runs=colocate,sync,k1,k4]
+                                     [--layout=processes|threads]
 
-Each run is a fresh process on 2 simulated CPU devices: `colocate` puts every role on both;
-the others give the rollout one device and the trainer the other
-("gen=1:rollout;train=1:actor+ref+reward"). XLA runs each program on one thread
-(--xla_cpu_multi_thread_eigen=false), so the rollout thread and the trainer's thread can each
-keep one core busy: that is what overlap means on a 2-core machine, where one process's
-multi-threaded programs already fill both cores. Per run: steps/s over the steps after
-`--warmup` (which compile), the rollout pool's and the trainer's idle seconds per step (for the
-synchronous two-pool run: the trainer idles while generation runs, the rollout pool while the
-rest of the step runs), the ratio to the synchronous two-pool run, and the planner's price of
-each two-pool run's step (`hfjax.planner.simulator.async_step_seconds`, from the synchronous
-run's measured generation and other stage times). The last line is JSON.
+Every run uses 2 simulated CPU devices: `colocate` puts every role on both; the others give
+the rollout one device and the trainer the other ("gen=1:rollout;train=1:actor+ref+reward").
+XLA runs each program on one thread (--xla_cpu_multi_thread_eigen=false).
+
+- `--layout=processes` (the default): each run is `launch.local_cluster --num_processes=2
+  --devices_per_process=1`, each process pinned to a core of its own (`sched_setaffinity`, as
+  `taskset` does): the rollout pool on process 0, the trainer's on process 1, one schedule on
+  one thread in each (docs/async.md, "Across processes"). Two pinned processes run at once,
+  each at its one-core speed.
+- `--layout=threads`: each run is one process with 2 devices, the rollout on a thread of its
+  own. One process's programs on its simulated devices share the interpreter and the cores.
+
+Per run: steps/s over the steps after `--warmup` (which compile, timed on process 0), the
+seconds of generation per step (`timing_s/gen`: for the synchronous two-pool run, what the
+trainer's pool idles; the rest of the step is what the rollout's idles), the mean staleness,
+the ratio to the synchronous two-pool run, and the planner's price of each two-pool run's step
+(`hfjax.planner.simulator.async_step_seconds`, from the synchronous run's measured generation
+and other stage times). The last line is JSON.
 """
 
 from __future__ import annotations
@@ -62,7 +70,16 @@ def workload(placement: str, k: int, steps: int, smoke: bool):
 
 
 def one(name: str, steps: int, warmup: int, smoke: bool) -> dict:
-    """Runs one configuration in this process; returns its figures."""
+    """Runs one configuration in this process (one of a local cluster's processes when
+    HFJAX_PROCESS_ID is set: pinned to its own core, joined to the others); returns its
+    figures."""
+    if "HFJAX_PROCESS_ID" in os.environ:
+        rank = int(os.environ["HFJAX_PROCESS_ID"])
+        cores = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {cores[rank % len(cores)]})
+        from hfjax.parallel import distributed
+
+        distributed.initialize(distributed.resolve_settings(environ=os.environ))
     import jax
 
     jax.config.update("jax_cpu_enable_async_dispatch", False)  # as launch.train does on CPU
@@ -79,9 +96,12 @@ def one(name: str, steps: int, warmup: int, smoke: bool) -> dict:
         trainer.async_rollout.close()
     gen = statistics.mean(m["timing_s/gen"] for m in ms)
     step = wall / steps
-    if k >= 1:
+    nan = float("nan")
+    if k >= 1 and jax.process_count() == 1:
         idle_rollout = statistics.mean(m["timing_s/idle/rollout"] for m in ms)
         idle_train = statistics.mean(m["timing_s/idle/train"] for m in ms)
+    elif k >= 1:  # one schedule per process: the waits are inside collectives, unmeasured
+        idle_rollout = idle_train = nan
     elif name == "sync":  # in turn: each pool idles while the other works
         idle_rollout, idle_train = step - gen, gen
     else:  # colocated: both stages on every device, nothing idles by placement
@@ -99,19 +119,34 @@ def main(argv: list[str]) -> None:
     if smoke:
         steps, warmup = 2, 1
     if "one" in args:
-        print(json.dumps(one(args["one"], steps, warmup, smoke)))
+        figures = one(args["one"], steps, warmup, smoke)
+        if os.environ.get("HFJAX_PROCESS_ID", "0") == "0":
+            print(json.dumps(figures))
         return
+    layout = args.get("layout", "processes")
+    single = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get(
-        "PYTHONPATH")])), XLA_FLAGS="--xla_force_host_platform_device_count=2 "
-        "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1")
+        "PYTHONPATH")])))
+    if layout == "threads":
+        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count=2 {single}"
+        launcher = [sys.executable, os.path.abspath(__file__)]
+    elif layout == "processes":
+        env["XLA_FLAGS"] = single
+        launcher = [sys.executable, "-m", "launch.local_cluster", "--num_processes=2",
+                    "--devices_per_process=1", "--stop_grace_s=10",
+                    f"--script={os.path.abspath(__file__)}", "--"]
+    else:
+        raise SystemExit(f"--layout={layout}: choose processes or threads")
     results = {}
     for name in args.get("runs", ",".join(RUNS)).split(","):
-        p = subprocess.run([sys.executable, os.path.abspath(__file__), f"--one={name}",
-                            f"--steps={steps}", f"--warmup={warmup}"],
-                           env=env, capture_output=True, text=True, check=False)
+        p = subprocess.run([*launcher, f"--one={name}", f"--steps={steps}",
+                            f"--warmup={warmup}"], cwd=ROOT, env=env, capture_output=True,
+                           text=True, check=False)
         if p.returncode != 0:
-            raise SystemExit(f"run {name} failed:\n{p.stderr[-3000:]}")
-        results[name] = json.loads(p.stdout.strip().splitlines()[-1])
+            raise SystemExit(f"run {name} failed:\n{p.stdout[-2000:]}{p.stderr[-3000:]}")
+        lines = [line.removeprefix("[0] ") for line in p.stdout.strip().splitlines()
+                 if line.startswith(("{", "[0] {"))]
+        results[name] = json.loads(lines[-1])
     from hfjax.planner.simulator import async_step_seconds
 
     base = results.get("sync")
