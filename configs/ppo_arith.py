@@ -61,6 +61,9 @@ def get_config() -> config_dict.ConfigDict:
             n_test=256,
             train_batch_size=128,  # prompts per step
             max_b=9,  # second operand 1..max_b
+            # arith_chain: a+b= answered with a + chain_steps * b, worked one 13-token line
+            # per step (hfjax.data.arith.chain; configs/grpo_long_arith.py)
+            chain_steps=79,
             max_prompt_length=8,
         )
     )

@@ -119,14 +119,16 @@ TRAIN_KEYS: dict[str, Callable[[Any], str | None]] = {
                                    "GPU, splash on TPU; blockwise where cudnn or splash cannot "
                                    "run (hfjax.models.backend.attention_impl)"),
     # data
-    "data.task": Choice(("arith", "arith_tool", "parquet"),
-                        note="arith_tool: 3-4 digit products, for the calculator"),
+    "data.task": Choice(("arith", "arith_chain", "arith_tool", "parquet"),
+                        note="arith_chain: a + chain_steps * b worked line by line; "
+                        "arith_tool: 3-4 digit products, for the calculator"),
     "data.train_files": Check(parquet_files),
     "data.val_files": Check(parquet_files),
     "data.n_train": Int(1),
     "data.n_test": Int(1),
     "data.train_batch_size": Int(1),
     "data.max_b": Int(1),
+    "data.chain_steps": Int(1, 100, note="arith_chain: lines of the worked chain"),
     "data.max_prompt_length": Int(1),
     # warm start
     "sft.steps": Int(0, note="0: no warm start"),

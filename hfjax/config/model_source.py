@@ -36,7 +36,7 @@ def task_tokenizer(cfg):
         return load_tokenizer(m.path)
     if cfg.data.task == "arith_tool":
         return tool_arith.tokenizer()
-    if cfg.data.task != "arith":
+    if cfg.data.task not in ("arith", "arith_chain"):
         raise ValueError(f"model.path={m.path!r} has no tokenizer for data.task="
                          f"{cfg.data.task!r}; give one with --config.model.tokenizer=PATH "
                          "(an HF directory or .gguf file)")

@@ -121,11 +121,29 @@ def _data_files(c) -> str | None:
 
 
 def _warm_start_needs_arith(c) -> str | None:
-    if c.sft.steps > 0 and c.data.task not in ("arith", "arith_tool") \
+    if c.sft.steps > 0 and c.data.task not in ("arith", "arith_chain", "arith_tool") \
             and not split(c.sft.get("train_files", "")):
         return (f"sft.steps={c.sft.steps}: the warm start uses the arith task's "
                 f"demonstrations, and data.task={c.data.task!r}; set --config.sft.steps=0, or "
                 "--config.sft.train_files to SFT parquet")
+    return None
+
+
+def _chain_task(c) -> str | None:
+    d, s = c.data, c.sft
+    if d.task != "arith_chain":
+        return None
+    from hfjax.data.arith import CHAIN_MAX
+
+    if 99 + d.chain_steps * d.max_b > CHAIN_MAX:
+        return (f"data.chain_steps={d.chain_steps} with data.max_b={d.max_b} runs the chain's "
+                f"sums past {CHAIN_MAX} (three digits); lower either")
+    if s.steps > 0 and s.corruption == "carry":
+        return ("sft.corruption='carry' has no chain form; use 'format' or 'none' with "
+                "data.task='arith_chain'")
+    if s.steps > 0 and s.get("scratchpad_lines", 0):
+        return ("sft.scratchpad_lines: the arith_chain demonstrations are their own chain; "
+                "set --config.sft.scratchpad_lines=0")
     return None
 
 
@@ -139,7 +157,7 @@ def _sft_micro_batches(c) -> str | None:
 
 def _arith_sizes(c) -> str | None:
     d = c.data
-    if d.task in ("arith", "arith_tool") and d.n_train < d.train_batch_size:
+    if d.task in ("arith", "arith_chain", "arith_tool") and d.n_train < d.train_batch_size:
         return (f"data.n_train={d.n_train} is smaller than one batch "
                 f"(data.train_batch_size={d.train_batch_size}); raise n_train or lower the batch")
     return None
@@ -331,6 +349,7 @@ TRAIN_RULES: tuple[Callable[[Any], str | None], ...] = (
     _score_models,
     _data_files,
     _warm_start_needs_arith,
+    _chain_task,
     _sft_micro_batches,
     _arith_sizes,
     _mini_batches_fit,

@@ -47,14 +47,14 @@ def _no_carry(a: int, b: int, op: str) -> int:
     return tens * 10 + ones
 
 
-def problems(n: int, seed: int, max_b: int = 99) -> list[dict]:
+def problems(n: int, seed: int, max_b: int = 99, plus_only: bool = False) -> list[dict]:
     """n problems as verl-schema rows: "a+b=" or "a-b=" with a two-digit a and 1 <= b <= max_b,
-    a >= b for subtraction."""
+    a >= b for subtraction (only "a+b=" with `plus_only`)."""
     rng = np.random.default_rng(seed)
     rows = []
     for i in range(n):
         a, b = int(rng.integers(10, 100)), int(rng.integers(1, max_b + 1))
-        op = "+" if rng.random() < 0.5 else "-"
+        op = "+" if plus_only or rng.random() < 0.5 else "-"
         if op == "-" and a < b:
             a, b = b, a
         answer = a + b if op == "+" else a - b
@@ -85,13 +85,64 @@ def scratchpad(a: int, b: int, op: str, answer: int, lines: int) -> str:
 
 SCRATCHPAD_LINE = 14  # characters (tokens) of one scratchpad line: "157 47+08=055 "
 
+# -- the chain task (data.task=arith_chain): long responses that must be right throughout ------
+
+CHAIN_SOURCE = "hfjax/arith_chain"
+CHAIN_LINE = 13  # characters (tokens) of one chain line: "78 047+8=055 "
+CHAIN_MAX = 999  # the chain's running sums are written with three digits
+CHAIN_STEPS_MAX = 100  # its line counter has two
+
+
+def chain(a: int, b: int, steps: int) -> str:
+    """The worked chain for "a+b=" (data.task=arith_chain): `steps` fixed-width lines, each
+    adding b to the sum the line before it ended with, "78 047+8=055 77 055+8=063 ... 00
+    ...", so the last line ends with a + steps * b. Each line opens with a counter down to 00,
+    which tells the model where the chain ends. Every line is the line before with its counter
+    lowered, its sum moved to the front and b added, a three-digit addition with carries; one
+    wrong digit anywhere changes every sum after it."""
+    if not 1 <= steps <= CHAIN_STEPS_MAX:
+        raise ValueError(f"a chain of {steps} steps: its counter has two digits; use 1 to "
+                         f"{CHAIN_STEPS_MAX} (data.chain_steps)")
+    if a + steps * b > CHAIN_MAX:
+        raise ValueError(f"the chain of {a}+{b} over {steps} steps passes {CHAIN_MAX}, more "
+                         "than its three digits hold; lower data.chain_steps or data.max_b")
+    return "".join(f"{steps - 1 - k:02d} {a + k * b:03d}+{b}={a + (k + 1) * b:03d} "
+                   for k in range(steps))
+
+
+def chain_problems(n: int, seed: int, steps: int, max_b: int = 9) -> list[dict]:
+    """n chain problems: `problems`' "a+b=" rows (addition only) whose answer is
+    a + steps * b, the end of `chain(a, b, steps)`; data_source `CHAIN_SOURCE`, whose reward
+    (`chain_score`) needs the whole chain."""
+    rows = problems(n, seed, max_b=max_b, plus_only=True)
+    for row in rows:
+        x = row["extra_info"]
+        x["steps"] = steps
+        row["data_source"] = CHAIN_SOURCE
+        row["reward_model"]["ground_truth"] = str(x["a"] + steps * x["b"])
+    return rows
+
+
+def chain_response(a: int, b: int, steps: int) -> str:
+    """The one response `chain_score` rewards: the chain, then `#### <a + steps * b>`."""
+    return chain(a, b, steps) + f"#### {a + steps * b}"
+
+
+def chain_score(text: str, extra_info: dict) -> float:
+    """1.0 when the response is the whole worked chain followed by `#### <answer>` (trailing
+    whitespace aside), 0.0 otherwise: a slip in any line, a missing marker or a wrong answer
+    each score 0."""
+    x = extra_info
+    return float(text.rstrip() == chain_response(int(x["a"]), int(x["b"]), int(x["steps"])))
+
 
 def sft_texts(
     rows: list[dict], corrupt_frac: float, seed: int, corruption: str = "format",
     scratchpad_lines: int = 0,
 ) -> list[tuple[str, str]]:
     """(prompt, response) pairs for the warm start, a fraction of them corrupted (see above);
-    with `scratchpad_lines` each response starts with that long a `scratchpad`."""
+    with `scratchpad_lines` each response starts with that long a `scratchpad`. A chain row
+    (`chain_problems`) starts with its `chain` instead, and only "format" corrupts it."""
     if corruption not in CORRUPTIONS:
         raise ValueError(f"unknown sft corruption {corruption!r}; choose one of {CORRUPTIONS}")
     if not 0 <= scratchpad_lines <= 1000:
@@ -103,6 +154,11 @@ def sft_texts(
         x = row["extra_info"]
         answer = int(row["reward_model"]["ground_truth"])
         text = f"#### {answer}"
+        if "steps" in x:  # a chain row: its worked chain, then the answer
+            if corruption == "format" and rng.random() < corrupt_frac:
+                text = str(answer)
+            out.append((row["prompt"][-1]["content"], chain(x["a"], x["b"], x["steps"]) + text))
+            continue
         if corruption == "carry":
             wrong = _no_carry(x["a"], x["b"], x["op"])
             if wrong != answer and rng.random() < corrupt_frac:

@@ -464,6 +464,10 @@ def task_dataset(cfg, tokenizer, split: str) -> Dataset:
     if d.task == "arith":
         n, seed = (d.n_train, c.seed) if train else (d.n_test, c.seed + 10_000)
         return Dataset.arith(n, seed, d.max_prompt_length, tokenizer=tokenizer, max_b=d.max_b)
+    if d.task == "arith_chain":
+        n, seed = (d.n_train, c.seed) if train else (d.n_test, c.seed + 10_000)
+        return Dataset(arith.chain_problems(n, seed, d.chain_steps, max_b=d.max_b), tokenizer,
+                       d.max_prompt_length, name="arith_chain")
     if d.task == "arith_tool":
         n, seed = (d.n_train, c.seed) if train else (d.n_test, c.seed + 10_000)
         return Dataset(tool_arith.problems(n, seed), tokenizer, d.max_prompt_length,
@@ -472,6 +476,7 @@ def task_dataset(cfg, tokenizer, split: str) -> Dataset:
         files = d.train_files if train else d.val_files
         return Dataset.from_parquet(files.split(","), tokenizer, d.max_prompt_length,
                                     custom_reward_fn=c.reward.custom_fn or None)
-    raise ValueError(f"unknown data.task {d.task!r}; use 'arith' or 'arith_tool' (built in) "
+    raise ValueError(f"unknown data.task {d.task!r}; use 'arith', 'arith_chain' or "
+                     "'arith_tool' (built in) "
                      "or 'parquet' "
                      "(with data.train_files and data.val_files)")

@@ -17,6 +17,9 @@ from __future__ import annotations
 import re
 import threading
 
+import numpy as np
+
+from hfjax.data import arith
 from hfjax.rewards.registry import register_reward
 
 _STRICT = re.compile(r"#### (\-?[0-9\.\,]+)")
@@ -76,6 +79,24 @@ def check_hashes_ground_truth(ground_truth: str, extra_info: dict | None = None)
 def answer_after_hashes(data_source, solution_str, ground_truth, extra_info=None) -> float:
     """1.0 for `#### <ground truth>` in the response's tail (strict mode), 0.0 otherwise."""
     return gsm8k_score(solution_str, ground_truth)
+
+
+def check_chain_row(ground_truth: str, extra_info: dict | None = None) -> str | None:
+    """Why a chain row cannot be scored (its extra_info must give a, b and steps), or None."""
+    x = extra_info or {}
+    if not all(isinstance(x.get(k), (int, np.integer)) for k in ("a", "b", "steps")):
+        return ("an hfjax/arith_chain row needs integer extra_info a, b and steps "
+                "(hfjax.data.arith.chain_problems writes them)")
+    if str(x["a"] + x["steps"] * x["b"]) != ground_truth:
+        return f"ground truth {ground_truth!r} is not a + steps * b of its extra_info"
+    return None
+
+
+@register_reward(arith.CHAIN_SOURCE, check=check_chain_row)
+def whole_chain(data_source, solution_str, ground_truth, extra_info=None) -> float:
+    """1.0 for the whole worked chain followed by `#### <ground truth>`, 0.0 for any slip
+    (hfjax.data.arith.chain_score)."""
+    return arith.chain_score(solution_str, extra_info)
 
 
 # -- math-verify ---------------------------------------------------------------------------------

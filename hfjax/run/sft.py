@@ -133,7 +133,7 @@ class SFTTrainer:
             self.val = parquet_examples(c, self.tok, s.val_files) if s.get("val_files") else None
             if c.data.task == "parquet" and c.data.val_files and s.heldout_generation:
                 self.prompt_rows = task_dataset(c, self.tok, "test").rows
-        elif c.data.task in ("arith", "arith_tool"):
+        elif c.data.task in ("arith", "arith_chain", "arith_tool"):
             train, test = (task_dataset(c, self.tok, s) for s in ("train", "test"))
             self.train = arith_demonstrations(c, self.tok, train.rows)
             self.val = arith_demonstrations(c, self.tok, test.rows)

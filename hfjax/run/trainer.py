@@ -115,7 +115,7 @@ class Trainer:
             return {}
         if s.get("train_files"):
             data = sft.parquet_examples(c, self.tok, s.train_files)
-        elif c.data.task not in ("arith", "arith_tool"):
+        elif c.data.task not in ("arith", "arith_chain", "arith_tool"):
             raise ValueError("sft.steps > 0 needs data.task='arith' (the warm start uses its "
                              "demonstrations) or sft.train_files; set --config.sft.steps=0 for "
                              "other data, and fine-tune on your own data first with python -m "

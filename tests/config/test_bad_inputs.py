@@ -323,11 +323,16 @@ CONFIG_CASES = [
      r"unknown config key trainer.totl_steps; did you mean trainer.total_steps"),
     ("missing-key", _do(lambda c: c.trainer.__delattr__("nonfinite")),
      r"the config has no key trainer.nonfinite"),
+    ("chain-digits", _set(data__task="arith_chain", data__max_b=99),
+     r"data.chain_steps=79 with data.max_b=99 runs the chain's sums past 999"),
+    ("chain-carry", _set(data__task="arith_chain", sft__corruption="carry"),
+     r"sft.corruption='carry' has no chain form; use 'format' or 'none'"),
 ]
 
 
 @pytest.mark.parametrize("name", [
-    "ppo_arith", "grpo_arith", "grpo_smollm2", "grpo_smollm2_arith", "ppo_llama8b"])
+    "ppo_arith", "grpo_arith", "grpo_long_arith", "grpo_smollm2", "grpo_smollm2_arith",
+    "ppo_llama8b"])
 def test_shipped_configs_pass(files, name):
     import importlib
 

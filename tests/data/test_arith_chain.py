@@ -1,0 +1,80 @@
+"""The chain task (data.task=arith_chain): "a+b=" answered with a + steps * b, worked in one
+fixed-width line per step; its reward needs every line of the response."""
+
+import pytest
+
+from hfjax.data import arith
+from hfjax.rewards import registry
+
+STEPS = 79  # configs/grpo_long_arith.py's chain
+
+
+def _reference_chain(a: int, b: int, steps: int) -> str:
+    """The chain written out by a running sum, digit by digit with carries, independently of
+    hfjax.data.arith.chain."""
+    out, digits = [], [int(ch) for ch in f"{a:03d}"]
+    for k in range(steps):
+        before = "".join(map(str, digits))
+        carry = b
+        for i in range(2, -1, -1):  # right to left
+            total = digits[i] + carry
+            digits[i], carry = total % 10, total // 10
+        assert carry == 0
+        counter = steps - 1 - k
+        out.append(f"{counter // 10}{counter % 10} {before}+{b}={''.join(map(str, digits))} ")
+    return "".join(out)
+
+
+def _score(row, text):
+    fn = registry.get_reward_fn(row["data_source"], row["reward_model"]["style"])
+    return fn(row["data_source"], text, row["reward_model"]["ground_truth"], row["extra_info"])
+
+
+def test_chain_rows_and_demonstrations_are_long_and_exact():
+    rows = arith.chain_problems(24, seed=5, steps=STEPS)
+    pairs = arith.sft_texts(rows, 0.0, seed=0, corruption="none")
+    tok = arith.tokenizer()
+    for row, (prompt, response) in zip(rows, pairs):
+        x = row["extra_info"]
+        assert prompt == f"{x['a']}+{x['b']}=" and 10 <= x["a"] <= 99 and 1 <= x["b"] <= 9
+        assert row["reward_model"]["ground_truth"] == str(x["a"] + STEPS * x["b"])
+        assert response == _reference_chain(x["a"], x["b"], STEPS) + \
+            f"#### {x['a'] + STEPS * x['b']}"
+        assert len(tok.encode(response, add_special_tokens=False)) >= 1024
+        assert registry.check_ground_truth(row["data_source"],
+                                           row["reward_model"]["ground_truth"], x) is None
+    # "format" corruption drops the marker from a share of the demonstrations, never the chain.
+    bare = arith.sft_texts(rows, 0.5, seed=1, corruption="format")
+    kinds = {"####" in r for _, r in bare}
+    assert kinds == {True, False}
+    for row, (_, r) in zip(rows, bare):
+        x = row["extra_info"]
+        assert r.startswith(_reference_chain(x["a"], x["b"], STEPS))
+
+
+def test_reward_needs_the_whole_chain():
+    """The demonstration scores 1; a one-digit slip in any line, the bare answer, a wrong
+    answer or a cut chain score 0."""
+    row = arith.chain_problems(1, seed=9, steps=STEPS)[0]
+    x = row["extra_info"]
+    good = arith.sft_texts([row], 0.0, seed=0, corruption="none")[0][1]
+    assert _score(row, good) == 1.0 and _score(row, good + " ") == 1.0
+    chain_len = STEPS * arith.CHAIN_LINE
+    for pos in range(0, chain_len, 7):  # a slip in every part of every few lines
+        if not good[pos].isdigit():
+            continue
+        slipped = good[:pos] + str((int(good[pos]) + 1) % 10) + good[pos + 1:]
+        assert _score(row, slipped) == 0.0, pos
+    answer = row["reward_model"]["ground_truth"]
+    assert _score(row, good[:chain_len] + answer) == 0.0
+    assert _score(row, good[:chain_len] + f"#### {int(answer) + 1}") == 0.0
+    assert _score(row, good[chain_len - arith.CHAIN_LINE:]) == 0.0  # the last line only
+    assert _score(row, f"#### {answer}") == 0.0
+    assert registry.check_ground_truth(row["data_source"], str(int(answer) + 1), x) is not None
+
+
+def test_chain_past_four_digits_is_refused():
+    with pytest.raises(ValueError, match="passes 999"):
+        arith.chain(99, 12, 80)
+    with pytest.raises(ValueError, match="counter has two digits"):
+        arith.chain(10, 1, 101)
