@@ -1,4 +1,5 @@
-"""The embedded arithmetic task: 2-digit addition and subtraction, answer after `####`.
+"""The embedded arithmetic task: 2-digit addition and subtraction, answer after `####`; and
+its long form, the chain (data.task=arith_chain: `chain`), a + steps * b worked line by line.
 
 It needs no download: prompts, ground truths and a character-level tokenizer are generated
 here. Rows follow the verl prompt schema (data_source, prompt messages, ability,
