@@ -73,6 +73,7 @@ def get_config() -> config_dict.ConfigDict:
             batch_size=128,
             micro_batch_size=128,
             lr=3e-3,
+            lr_schedule="constant",  # constant | cosine (to 0 over sft.steps)
             corruption="format",  # format | carry | none: how the demonstrations are imperfect
             corrupt_frac=0.7,
             # python -m launch.sft on your own data: SFT parquet (prompt/response columns, or

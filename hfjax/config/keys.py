@@ -135,6 +135,8 @@ TRAIN_KEYS: dict[str, Callable[[Any], str | None]] = {
     "sft.batch_size": Int(1),
     "sft.micro_batch_size": Int(1),
     "sft.lr": _LR,
+    "sft.lr_schedule": Choice(("constant", "cosine"), note="cosine: from sft.lr to 0 over "
+                              "sft.steps (the warm start inside RL)"),
     "sft.corruption": Choice(corruptions),
     "sft.corrupt_frac": _FRACTION,
     # python -m launch.sft on SFT parquet (hfjax.data.sft); empty: the task's demonstrations

@@ -16,6 +16,8 @@ which an RL reward for exact answers can find and reinforce.
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers
@@ -125,16 +127,23 @@ def chain_problems(n: int, seed: int, steps: int, max_b: int = 9) -> list[dict]:
 
 
 def chain_response(a: int, b: int, steps: int) -> str:
-    """The one response `chain_score` rewards: the chain, then `#### <a + steps * b>`."""
+    """The demonstration's response: the chain, then `#### <a + steps * b>`."""
     return chain(a, b, steps) + f"#### {a + steps * b}"
 
 
+_CHAIN_ANSWER = re.compile(r"#### (\d+)\s*$")
+
+
 def chain_score(text: str, extra_info: dict) -> float:
-    """1.0 when the response is the whole worked chain followed by `#### <answer>` (trailing
-    whitespace aside), 0.0 otherwise: a slip in any line, a missing marker or a wrong answer
-    each score 0."""
+    """1.0 when the response ends with `#### <a + steps * b>` (trailing whitespace aside), 0.0
+    otherwise. Only the answer is read, but only the chain reaches it: each line's sum is the
+    next line's start, so a slip in any line moves every sum after it and the answer too. (An
+    exact-match reward on the whole chain never fired on sampled responses: one slip among
+    a thousand tokens scored 0 however near the rest was.)"""
     x = extra_info
-    return float(text.rstrip() == chain_response(int(x["a"]), int(x["b"]), int(x["steps"])))
+    found = _CHAIN_ANSWER.search(text)
+    return float(found is not None
+                 and int(found.group(1)) == int(x["a"]) + int(x["steps"]) * int(x["b"]))
 
 
 def sft_texts(

@@ -318,9 +318,16 @@ def make_optimizer(
     grad_clip: float = 1.0,
     warmup_steps: int = 0,
     betas: tuple[float, float] = (0.9, 0.999),
+    decay_steps: int = 0,
 ) -> optax.GradientTransformation:
-    """AdamW with optional global-norm clipping and linear warm-up to a constant rate."""
+    """AdamW with optional global-norm clipping and linear warm-up to a constant rate; with
+    `decay_steps` (and no warm-up) the rate follows a cosine from `lr` to 0 over that many
+    steps instead, which lets a fixed-length warm start settle to a lower loss."""
+    if decay_steps and warmup_steps:
+        raise ValueError("make_optimizer: decay_steps and warmup_steps together; use one")
     schedule = optax.linear_schedule(0.0, lr, warmup_steps) if warmup_steps else lr
+    if decay_steps:
+        schedule = optax.cosine_decay_schedule(lr, decay_steps)
     if warmup_steps:
         schedule = optax.join_schedules([schedule, optax.constant_schedule(lr)], [warmup_steps])
     parts = []

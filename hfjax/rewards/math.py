@@ -94,8 +94,8 @@ def check_chain_row(ground_truth: str, extra_info: dict | None = None) -> str | 
 
 @register_reward(arith.CHAIN_SOURCE, check=check_chain_row)
 def whole_chain(data_source, solution_str, ground_truth, extra_info=None) -> float:
-    """1.0 for the whole worked chain followed by `#### <ground truth>`, 0.0 for any slip
-    (hfjax.data.arith.chain_score)."""
+    """1.0 for a response ending in `#### <ground truth>`, which only a chain without a slip
+    reaches; 0.0 otherwise (hfjax.data.arith.chain_score)."""
     return arith.chain_score(solution_str, extra_info)
 
 

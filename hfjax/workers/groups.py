@@ -138,7 +138,9 @@ def build_actor(cfg, model: nnx.Module, pools: Mapping[str, ResourcePool], pad_i
     return ActorRollout(
         "actor", pool, c.actor.mesh, model, rules=rules,
         sampler=sampler, spec=ActorSpec.of(c.actor), rollout=rollout,
-        optimizer=make_optimizer(c.sft.lr, grad_clip=c.actor.grad_clip),
+        optimizer=make_optimizer(c.sft.lr, grad_clip=c.actor.grad_clip,
+                                 decay_steps=c.sft.steps if c.sft.get("lr_schedule") == "cosine"
+                                 else 0),
         eos_ids=(eos_id,), hybrid=engine, home=mesh,
         sequence_parallel=c.actor.sequence_parallel,
         agent=(build_agent(rollout.multi_turn, sampler, tokenizer, c.data.max_prompt_length,

@@ -327,6 +327,8 @@ CONFIG_CASES = [
      r"data.chain_steps=79 with data.max_b=99 runs the chain's sums past 999"),
     ("chain-carry", _set(data__task="arith_chain", sft__corruption="carry"),
      r"sft.corruption='carry' has no chain form; use 'format' or 'none'"),
+    ("sft-schedule", _set(sft__lr_schedule="linear"),
+     r"sft.lr_schedule.*needs one of constant, cosine"),
 ]
 
 

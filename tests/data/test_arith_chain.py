@@ -1,5 +1,5 @@
 """The chain task (data.task=arith_chain): "a+b=" answered with a + steps * b, worked in one
-fixed-width line per step; its reward needs every line of the response."""
+fixed-width line per step; its reward reads the answer, which only a chain without a slip reaches."""
 
 import pytest
 
@@ -9,9 +9,10 @@ from hfjax.rewards import registry
 STEPS = 79  # configs/grpo_long_arith.py's chain
 
 
-def _reference_chain(a: int, b: int, steps: int) -> str:
+def _reference_chain(a: int, b: int, steps: int, slip_at: int = -1) -> str:
     """The chain written out by a running sum, digit by digit with carries, independently of
-    hfjax.data.arith.chain."""
+    hfjax.data.arith.chain; with `slip_at` the ones digit of that line's sum comes out one too
+    high (no carry), and every later line carries on from the wrong sum."""
     out, digits = [], [int(ch) for ch in f"{a:03d}"]
     for k in range(steps):
         before = "".join(map(str, digits))
@@ -20,9 +21,15 @@ def _reference_chain(a: int, b: int, steps: int) -> str:
             total = digits[i] + carry
             digits[i], carry = total % 10, total // 10
         assert carry == 0
+        if k == slip_at:
+            digits[2] = (digits[2] + 1) % 10
         counter = steps - 1 - k
         out.append(f"{counter // 10}{counter % 10} {before}+{b}={''.join(map(str, digits))} ")
     return "".join(out)
+
+
+def _last_sum(chain: str) -> str:
+    return str(int(chain.rstrip()[-3:]))
 
 
 def _score(row, text):
@@ -52,24 +59,26 @@ def test_chain_rows_and_demonstrations_are_long_and_exact():
         assert r.startswith(_reference_chain(x["a"], x["b"], STEPS))
 
 
-def test_reward_needs_the_whole_chain():
-    """The demonstration scores 1; a one-digit slip in any line, the bare answer, a wrong
-    answer or a cut chain score 0."""
+def test_reward_reads_the_answer_that_only_the_whole_chain_reaches():
+    """The demonstration scores 1 with or without trailing whitespace; the bare answer, a
+    wrong answer, text after the answer, or a chain with a slip in any line, which carries the
+    slip to its last sum and writes that after the marker, score 0."""
     row = arith.chain_problems(1, seed=9, steps=STEPS)[0]
     x = row["extra_info"]
     good = arith.sft_texts([row], 0.0, seed=0, corruption="none")[0][1]
-    assert _score(row, good) == 1.0 and _score(row, good + " ") == 1.0
-    chain_len = STEPS * arith.CHAIN_LINE
-    for pos in range(0, chain_len, 7):  # a slip in every part of every few lines
-        if not good[pos].isdigit():
-            continue
-        slipped = good[:pos] + str((int(good[pos]) + 1) % 10) + good[pos + 1:]
-        assert _score(row, slipped) == 0.0, pos
+    assert _score(row, good) == 1.0 and _score(row, good + " \n") == 1.0
     answer = row["reward_model"]["ground_truth"]
-    assert _score(row, good[:chain_len] + answer) == 0.0
+    chain_len = STEPS * arith.CHAIN_LINE
+    assert good[:chain_len] == _reference_chain(x["a"], x["b"], STEPS)
+    for k in range(0, STEPS, 6):  # a slip early, midway and late
+        slipped = _reference_chain(x["a"], x["b"], STEPS, slip_at=k)
+        written = _last_sum(slipped)
+        assert written != answer, k
+        assert _score(row, slipped + f"#### {written}") == 0.0, k
+    assert _score(row, good[:chain_len] + answer) == 0.0  # no marker
     assert _score(row, good[:chain_len] + f"#### {int(answer) + 1}") == 0.0
-    assert _score(row, good[chain_len - arith.CHAIN_LINE:]) == 0.0  # the last line only
-    assert _score(row, f"#### {answer}") == 0.0
+    assert _score(row, good + " 00") == 0.0  # the answer must end the response
+    assert _score(row, good[:chain_len] + f"#### {answer}x") == 0.0
     assert registry.check_ground_truth(row["data_source"], str(int(answer) + 1), x) is not None
 
 
