@@ -1,5 +1,5 @@
 """The chain task (data.task=arith_chain): "a+b=" answered with a + steps * b, worked in one
-fixed-width line per step; its reward reads the answer, which only a chain without a slip reaches."""
+fixed-width line per step; its reward reads the answer, which only a slip-free chain reaches."""
 
 import pytest
 
