@@ -1,15 +1,16 @@
-"""GRPO at length: responses of more than 1,024 tokens that must be right from the first token
-to the last, rows split over the `sequence` mesh axis.
+"""GRPO at length: responses of more than 1,024 tokens whose answer only a slip-free chain of
+arithmetic reaches, rows split over the `sequence` mesh axis.
 
-The task is `data.task=arith_chain` (hfjax.data.arith.chain): "47+8=" asks for 47 + 86 * 8,
-worked as 86 fixed-width lines, each adding 8 to the sum the line before ended with
-("0047+8=0055 0055+8=0063 ... 0727+8=0735 #### 735"), 1,032 tokens of chain and the answer:
-every token is a function of the tokens a line or less before it, so a warm start can learn it
-to a low loss, and one wrong digit anywhere changes every sum after it. The reward
-(`hfjax/arith_chain`) is 1 only for the whole chain written out exactly and `#### <answer>`.
-70% of the warm-start demonstrations end in the bare answer without the marker
-(`sft.corruption=format`), so greedy decoding after the warm start writes the chain and misses
-the marker, and RL has the marker to find at the end of 1,040 tokens.
+The task is `data.task=arith_chain` (hfjax.data.arith.chain): "47+8=" asks for 47 + 79 * 8,
+worked as 79 fixed-width lines counting down, each adding 8 to the sum the line before ended
+with ("78 047+8=055 77 055+8=063 ... 00 671+8=679 #### 679"), 1,027 tokens of chain and the
+answer: every token is a function of the tokens a line or less before it, so a warm start can
+learn it to a low loss, and one wrong digit anywhere moves every later sum and the answer. The
+reward (`hfjax/arith_chain`) is 1 for a response that ends in `#### <answer>`. 60% of the
+warm-start demonstrations end in the bare answer without the marker (`sft.corruption=format`),
+so greedy decoding after the warm start writes the chain and misses the marker; rollouts at
+temperature 0.4 keep most chains whole while still writing the marker in some, and GRPO has
+the marker to find at the end of 1,030 tokens.
 
 The actor and the reference train and score on `fsdp=2,sequence=4`: each row's tokens split four
 ways, attention across the shards by Ulysses (the model has 4 query and 4 KV heads, which
