@@ -16,8 +16,6 @@ which an RL reward for exact answers can find and reinforce.
 
 from __future__ import annotations
 
-import re
-
 import numpy as np
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers
@@ -116,7 +114,7 @@ def chain(a: int, b: int, steps: int) -> str:
 def chain_problems(n: int, seed: int, steps: int, max_b: int = 9) -> list[dict]:
     """n chain problems: `problems`' "a+b=" rows (addition only) whose answer is
     a + steps * b, the end of `chain(a, b, steps)`; data_source `CHAIN_SOURCE`, whose reward
-    (`chain_score`) needs the whole chain."""
+    (hfjax.rewards.math.chain_answer) reads the answer that only the whole chain reaches."""
     rows = problems(n, seed, max_b=max_b, plus_only=True)
     for row in rows:
         x = row["extra_info"]
@@ -127,23 +125,9 @@ def chain_problems(n: int, seed: int, steps: int, max_b: int = 9) -> list[dict]:
 
 
 def chain_response(a: int, b: int, steps: int) -> str:
-    """The demonstration's response: the chain, then `#### <a + steps * b>`."""
+    """The demonstration's response: the chain, then `#### <a + steps * b>`, the one ending
+    the chain reward (hfjax.rewards.math.chain_answer) scores 1."""
     return chain(a, b, steps) + f"#### {a + steps * b}"
-
-
-_CHAIN_ANSWER = re.compile(r"#### (\d+)\s*$")
-
-
-def chain_score(text: str, extra_info: dict) -> float:
-    """1.0 when the response ends with `#### <a + steps * b>` (trailing whitespace aside), 0.0
-    otherwise. Only the answer is read, but only the chain reaches it: each line's sum is the
-    next line's start, so a slip in any line moves every sum after it and the answer too. (An
-    exact-match reward on the whole chain never fired on sampled responses: one slip among
-    a thousand tokens scored 0 however near the rest was.)"""
-    x = extra_info
-    found = _CHAIN_ANSWER.search(text)
-    return float(found is not None
-                 and int(found.group(1)) == int(x["a"]) + int(x["steps"]) * int(x["b"]))
 
 
 def sft_texts(

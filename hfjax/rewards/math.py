@@ -19,7 +19,6 @@ import threading
 
 import numpy as np
 
-from hfjax.data import arith
 from hfjax.rewards.registry import register_reward
 
 _STRICT = re.compile(r"#### (\-?[0-9\.\,]+)")
@@ -81,6 +80,10 @@ def answer_after_hashes(data_source, solution_str, ground_truth, extra_info=None
     return gsm8k_score(solution_str, ground_truth)
 
 
+CHAIN_SOURCE = "hfjax/arith_chain"  # the data_source of hfjax.data.arith.chain_problems' rows
+_CHAIN_ANSWER = re.compile(r"#### (\d+)\s*$")
+
+
 def check_chain_row(ground_truth: str, extra_info: dict | None = None) -> str | None:
     """Why a chain row cannot be scored (its extra_info must give a, b and steps), or None."""
     x = extra_info or {}
@@ -92,11 +95,15 @@ def check_chain_row(ground_truth: str, extra_info: dict | None = None) -> str | 
     return None
 
 
-@register_reward(arith.CHAIN_SOURCE, check=check_chain_row)
-def whole_chain(data_source, solution_str, ground_truth, extra_info=None) -> float:
-    """1.0 for a response ending in `#### <ground truth>`, which only a chain without a slip
-    reaches; 0.0 otherwise (hfjax.data.arith.chain_score)."""
-    return arith.chain_score(solution_str, extra_info)
+@register_reward(CHAIN_SOURCE, check=check_chain_row)
+def chain_answer(data_source, solution_str, ground_truth, extra_info=None) -> float:
+    """1.0 when the response ends with `#### <ground truth>` (trailing whitespace aside), 0.0
+    otherwise. Only the answer is read, but only the chain reaches it (hfjax.data.arith.chain):
+    each line's sum starts the next line, so a slip in any line moves every later sum and the
+    answer with them. (An exact-match reward on the whole chain never fired on sampled
+    responses: one slip among a thousand tokens scored 0 however close the rest was.)"""
+    found = _CHAIN_ANSWER.search(solution_str)
+    return float(found is not None and found.group(1) == ground_truth)
 
 
 # -- math-verify ---------------------------------------------------------------------------------

@@ -4,7 +4,7 @@ fixed-width line per step; its reward reads the answer, which only a slip-free c
 import pytest
 
 from hfjax.data import arith
-from hfjax.rewards import registry
+from hfjax.rewards import math, registry
 
 STEPS = 79  # configs/grpo_long_arith.py's chain
 
@@ -80,6 +80,7 @@ def test_reward_reads_the_answer_that_only_the_whole_chain_reaches():
     assert _score(row, good + " 00") == 0.0  # the answer must end the response
     assert _score(row, good[:chain_len] + f"#### {answer}x") == 0.0
     assert registry.check_ground_truth(row["data_source"], str(int(answer) + 1), x) is not None
+    assert row["data_source"] == math.CHAIN_SOURCE  # the reward is registered for these rows
 
 
 def test_chain_past_four_digits_is_refused():
