@@ -33,7 +33,7 @@ def get_config():
     c.data.chain_steps = CHAIN_STEPS
     c.data.train_batch_size = 8
     c.data.n_test = 32
-    c.sft.steps = 500
+    c.sft.steps = 320
     c.sft.lr_schedule = "cosine"  # settles the chain to a low loss by the end of the warm start
     c.sft.batch_size = 8
     c.sft.micro_batch_size = 8
@@ -53,7 +53,7 @@ def get_config():
     c.actor.ppo_micro_batch_size = 8  # two groups of 4 samples per micro-batch
     c.actor.logprob_chunk = 2048
     c.trainer.total_steps = 20
-    c.trainer.test_freq = 5
+    c.trainer.test_freq = 10
     c.trainer.save_freq = 20
     c.trainer.log_every = 1
     c.trainer.out_dir = "runs/grpo_long_arith"
