@@ -12,15 +12,17 @@ rows, from its optimized HLO:
   all-to-alls (q, k, v and the output) per layer and pass, forward only for scoring, forward
   and backward for an update: b x T / s x (2 N + 2 K') x head_dim x 2 bytes per pass, K' the
   kv heads after repetition (`sequence_parallel.kv_repeats`);
-- `permute/layer`: bytes of the collective-permutes of K/V blocks (ring), per layer and step;
-  its ideal (in `ideal` and `ratio` for ring): the k and v blocks, b x T / s x K x head_dim x
-  2 bytes each, per pass;
+- `permute/layer`: bytes of ring's collective-permutes, per layer: a step's K/V blocks (the scan
+  body appears once) and, with the zig-zag placement, q, k, v moved to their places and the
+  output moved back; its ideal (in `ideal` and `ratio` for ring): b x T / s x head_dim x 2
+  bytes x (2 K for the k and v blocks, + 2 N + 2 K for the placement), per pass;
 - `row gathers`: all-gathers, all-reduces and reduce-scatters of float arrays whose shape
   holds a row's full length (should be none: tests/models/test_sequence_parallel_hlo.py);
 - `temp`: the program's temporary bytes per device (`memory_analysis().temp_size_in_bytes`);
-- for ring, the shard block pairs computed per layer over the s devices (the causally empty
-  ones are skipped) and the busiest device's share against a balanced placement's; and, as
-  `ring-dense`, ring's scoring programs with each shard's keys in one block (the [T / s, T / s]
+- for ring, the half-shard pairs each device computes per layer (the causally empty ones are
+  skipped), zig-zag placement (`ring`) against the plain one (`ring-plain`: device d holds
+  half-shards 2d, 2d + 1), and both placements' scoring programs' temporary memory; and, as
+  `ring-dense`, ring's scoring programs with each half-shard's keys in one block (the dense
   float32 scores ring attention held before it folded keys RING_K_BLOCK at a time).
 
     python -m bench.sequence_parallel [--config=configs/grpo_long.py] [--num_devices=8] \\
@@ -126,12 +128,15 @@ def main(argv):
     print(f"{'scheme':10} {'program':18} {'a2a/layer':>11} {'ideal':>11} {'ratio':>6} "
           f"{'permute/layer':>14} {'row gathers':>11} {'temp GiB':>9} {'compile s':>9}")
     schemes = list(FLAGS.schemes)
+    if "ring" in schemes:
+        schemes.append("ring-plain")
     if "ring" in schemes and FLAGS.dense_ring:
         schemes.append("ring-dense")
     for scheme in schemes:
         # ring-dense: ring attention with a shard's keys in one block, [T / s, T / s] scores
         # (what ring attention held before its key blocks), its scoring programs only.
         sp.RING_K_BLOCK = 1 << 30 if scheme == "ring-dense" else default_block
+        sp.RING_BALANCED = scheme != "ring-plain"
         cfg = _config(scheme.split("-")[0])
         with backend.compiling_for("gpu"):
             w = dry_run.abstract_groups(cfg, platform="gpu")
@@ -150,7 +155,7 @@ def main(argv):
                 for p in group.programs(shape):
                     if FLAGS.programs and p.name not in FLAGS.programs:
                         continue
-                    if scheme == "ring-dense" and p.trains:
+                    if scheme in ("ring-dense", "ring-plain") and p.trains:
                         continue
                     t0 = time.perf_counter()
                     compiled = p.fn.lower(*p.args).compile()
@@ -167,7 +172,8 @@ def main(argv):
                         ideal = per_pass * passes
                         ratio = a2a / ideal
                     else:  # a step's k and v blocks, [b, T / s, K, head_dim], and their grads
-                        ideal = b * (width // s) * 2 * k * H * 2 * passes
+                        heads = 2 * k + (2 * n + 2 * k) * sp.RING_BALANCED  # + placement
+                        ideal = b * (width // s) * heads * H * 2 * passes
                         ratio = permute / ideal
                     print(f"{scheme:10} {p.name:18} {_mib(a2a):>11} {_mib(ideal):>11} "
                           f"{ratio:6.2f} {_mib(permute):>14} {_mib(got['row_gathers']):>11} "
@@ -176,14 +182,15 @@ def main(argv):
                                      a2a_bytes=a2a, ideal_bytes=ideal, ratio=ratio,
                                      permute_bytes=permute, row_gather_bytes=got["row_gathers"],
                                      temp_bytes=int(temp), compile_s=round(seconds, 1)))
-                if scheme.startswith("ring"):
-                    results["ring_block_pairs"] = pairs = dict(
-                        devices=s, all_pairs=s * s, computed=s * (s + 1) // 2,
-                        busiest_device=s, balanced_per_device=(s + 1) / 2)
-                    print(f"ring: {pairs['computed']} of {s * s} shard block pairs computed per "
-                          f"layer over {s} devices (the causally empty ones skipped); the "
-                          f"busiest device computes {s}, a balanced placement "
-                          f"{(s + 1) / 2:g} (not implemented)", flush=True)
+                if scheme == "ring":
+                    bal, plain = sp.ring_pairs(s, True), sp.ring_pairs(s, False)
+                    results["ring_block_pairs"] = dict(devices=s, all_pairs=4 * s * s,
+                                                       zigzag=bal, plain=plain)
+                    print(f"ring: half-shard pairs computed per layer by each of {s} devices "
+                          f"(of {4 * s * s} in all, the causally empty ones skipped): zig-zag "
+                          f"{bal}, plain {plain}; the busiest device {max(bal)} against "
+                          f"{max(plain)} ({max(plain) / max(bal):.2f}x)", flush=True)
+    sp.RING_K_BLOCK, sp.RING_BALANCED = default_block, True
     results["programs"] = rows
     print(json.dumps(results))
 

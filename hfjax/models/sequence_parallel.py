@@ -17,10 +17,12 @@ the config's `<role>.sequence_parallel`):
   grouping is kept, since K times that factor divides N.
 - "ring": each device keeps its T / s queries and the key / value blocks go round the axis
   with `ppermute`, s steps, each folded into a float32 online softmax RING_K_BLOCK keys at a
-  time (flash attention's memory: one [T / s, RING_K_BLOCK] score block, never T / s squared);
-  a block whose columns all follow the device's queries is skipped (the causal mask empties
-  it), so device d computes d + 1 of the s blocks: no placement balances them yet, and the
-  last device's s steps set the pace. No condition on heads;
+  time (flash attention's memory: one [T / 2s, RING_K_BLOCK] score block, never T / s
+  squared). The row's 2s half-shards are placed zig-zag (device d holds half-shards d and
+  2s - 1 - d, moved there and back by two `ppermute`s each way), and a pair of half-shards
+  whose keys all follow the queries is skipped (the causal mask empties it), so every device
+  computes 2s + 1 of the 4 s^2 pairs: equal work, none of it masked out whole. No condition
+  on heads;
   the attention pattern is expressed as a mask from each column's group id: a key is seen
   when it is real, not after the query, and in the query's group (packed rows' segments) or,
   for shared-prompt rows, in group 0 (the prompt).
@@ -174,78 +176,156 @@ def _ulysses_body(cfg, local, names, width, s):
     return body
 
 
-# Keys per block of ring attention's inner loop: a step holds [b, K, G, T / s, RING_K_BLOCK]
+# Keys per block of ring attention's inner loop: a step holds [b, K, G, T / 2s, RING_K_BLOCK]
 # float32 scores, not [.., T / s, T / s] (7.5 GiB per array at configs/grpo_long.py's shapes).
 RING_K_BLOCK = 512
+# Zig-zag placement: a row's 2s half-shards ("chunks") are placed so that device d holds chunks
+# d and 2s - 1 - d, an early and a late one; every device then computes 2s + 1 of the 4 s^2
+# chunk pairs (the causally empty ones skipped), where the plain placement (device d: chunks
+# 2d, 2d + 1) has device d compute 4d + 3 and the last device 4s - 1 (bench/sequence_parallel.py
+# sets False to compare).
+RING_BALANCED = True
 
 
-def _ring_body(s: int, shared: bool):
+def ring_chunks(d, s: int, balanced: bool):
+    """The two chunks (of the row's 2s, in column order) device d holds in ring attention."""
+    if balanced:
+        return d, 2 * s - 1 - d
+    return 2 * d, 2 * d + 1
+
+
+def ring_pairs(s: int, balanced: bool) -> list[int]:
+    """Chunk pairs (query chunk x key chunk) each of s devices computes per ring attention: the
+    pairs whose key chunk does not follow the query chunk (the others the causal mask empties,
+    and the ring body skips them by the same test)."""
+    return [sum(kc <= qc for qc in ring_chunks(d, s, balanced)
+                for j in range(s) for kc in ring_chunks(j, s, balanced)) for d in range(s)]
+
+
+def _ring_body(s: int, shared: bool, balanced: bool | None = None):
+    balanced = RING_BALANCED if balanced is None else balanced
+
     def body(q, k, v, valid, groups):
         b, C, N, H = q.shape
         K = k.shape[2]
         G = N // K
+        h = -(-C // 2)  # a chunk: half a device's columns (the second half padded when C is odd)
         i = jax.lax.axis_index(AXIS)
-        q_cols = i * C + jnp.arange(C)
-        q_groups = jax.lax.dynamic_slice_in_dim(groups, i * C, C, axis=1)  # [b, C]
-        qh = q.reshape(b, C, K, G, H).astype(jnp.float32) / math.sqrt(H)
+
+        def halves(x):  # [b, C, ...] -> ([b, h, ...], [b, h, ...]), the device's own chunks
+            x = jnp.pad(x, [(0, 0), (0, 2 * h - C)] + [(0, 0)] * (x.ndim - 2))
+            return x[:, :h], x[:, h:]
+
+        # Zig-zag: chunk c (device c // 2's half c % 2) goes to device c if c < s, else to
+        # 2s - 1 - c. Device d receives one even chunk and one odd one (d + 2s - 1 - d is odd),
+        # so two permutations place them; the inverse ones bring the outputs home.
+        dest = [c if c < s else 2 * s - 1 - c for c in range(2 * s)]
+        to_even = [(j, dest[2 * j]) for j in range(s)]
+        to_odd = [(j, dest[2 * j + 1]) for j in range(s)]
+        d_even = i % 2 == 0  # then the device's lower chunk (d) is the even one
+
+        def place(x):  # own chunks -> (lower, upper) chunk of the placement
+            lo, hi = halves(x)
+            if not balanced:
+                return lo, hi
+            ev = jax.lax.ppermute(lo, AXIS, to_even)
+            od = jax.lax.ppermute(hi, AXIS, to_odd)
+            return jnp.where(d_even, ev, od), jnp.where(d_even, od, ev)
+
+        def unplace(lo, hi):  # inverse of place: [b, C, ...]
+            if balanced:
+                ev, od = jnp.where(d_even, lo, hi), jnp.where(d_even, hi, lo)
+                lo = jax.lax.ppermute(ev, AXIS, [(t, f) for f, t in to_even])
+                hi = jax.lax.ppermute(od, AXIS, [(t, f) for f, t in to_odd])
+            return jnp.concatenate([lo, hi], axis=1)[:, :C]
+
+        def chunk_cols(c):  # chunk c's columns, and which of its h slots are real columns
+            slot = (c % 2) * h + jnp.arange(h)
+            return (c // 2) * C + slot, slot < C
+
+        def chunk_masks(c):  # [b, h] key validity and group ids of chunk c's columns
+            cols, real = chunk_cols(c)
+            at = jnp.minimum(cols, valid.shape[1] - 1)
+            k_valid = jnp.take(valid, at, axis=1) & real[None]
+            k_groups = jnp.where(real[None], jnp.take(groups, at, axis=1), -1)
+            return cols, k_valid, k_groups
+
+        q_chunks = ring_chunks(i, s, balanced)
+        q_lo, q_hi = place(q)
+        queries = []
+        for c, x in zip(q_chunks, (q_lo, q_hi), strict=True):
+            cols, _, grp = chunk_masks(c)
+            queries.append((c, cols, grp, x.reshape(b, h, K, G, H).astype(jnp.float32)
+                            / math.sqrt(H)))
         perm = [(j, (j + 1) % s) for j in range(s)]
-        kb = min(RING_K_BLOCK, C)
-        nk = -(-C // kb)
+        kb = min(RING_K_BLOCK, h)
+        nk = -(-h // kb)
         # Finite: a query that has seen no key yet keeps m at `lowest`, and exp(m - m_new) is
         # then a number, never NaN; masked scores are zeroed by `seen`, not by their value.
         lowest = jnp.finfo(jnp.float32).min
 
-        def sub_block(carry, xs):  # one [C queries x kb keys] pair, folded in online
-            m, total, acc = carry
-            ks, vs, k_valid, k_groups, k_cols = xs  # [b, kb, K, H] x2, [b, kb] x2, [kb]
-            same = q_groups[:, :, None] == k_groups[:, None, :]
-            if shared:
-                same = same | (k_groups[:, None, :] == 0)
-            seen = (same & k_valid[:, None, :] & (k_groups[:, None, :] >= 0)
-                    & (k_cols[None, None, :] <= q_cols[None, :, None]))  # [b, C, kb]
-            seen = seen[:, None, None]  # [b, 1, 1, C, kb]
-            scores = jnp.einsum("bqkgh,bskh->bkgqs", qh, ks.astype(jnp.float32))
-            scores = jnp.where(seen, scores, lowest)
-            m_new = jnp.maximum(m, jnp.max(scores, axis=-1))
-            p = jnp.where(seen, jnp.exp(scores - m_new[..., None]), 0.0)
-            corr = jnp.exp(m - m_new)
-            total = total * corr + jnp.sum(p, axis=-1)
-            acc = acc * corr[..., None] + jnp.einsum("bkgqs,bskh->bkgqh", p,
-                                                     vs.astype(jnp.float32))
-            return (m_new, total, acc), None
+        def fold(carry, query, kv, c):  # key chunk c into one query chunk, kb keys at a time
+            _, q_cols, q_groups, qh = query
 
-        def block(carry, kv, j):  # the key / value block of shard j, kb keys at a time
-            pad = nk * kb - C
+            def sub_block(carry, xs):  # one [h queries x kb keys] pair, folded in online
+                m, total, acc = carry
+                ks, vs, k_valid, k_groups, k_cols = xs  # [b, kb, K, H] x2, [b, kb] x2, [kb]
+                same = q_groups[:, :, None] == k_groups[:, None, :]
+                if shared:
+                    same = same | (k_groups[:, None, :] == 0)
+                seen = (same & k_valid[:, None, :] & (k_groups[:, None, :] >= 0)
+                        & (k_cols[None, None, :] <= q_cols[None, :, None]))  # [b, h, kb]
+                seen = seen[:, None, None]  # [b, 1, 1, h, kb]
+                scores = jnp.einsum("bqkgh,bskh->bkgqs", qh, ks.astype(jnp.float32))
+                scores = jnp.where(seen, scores, lowest)
+                m_new = jnp.maximum(m, jnp.max(scores, axis=-1))
+                p = jnp.where(seen, jnp.exp(scores - m_new[..., None]), 0.0)
+                corr = jnp.exp(m - m_new)
+                total = total * corr + jnp.sum(p, axis=-1)
+                acc = acc * corr[..., None] + jnp.einsum("bkgqs,bskh->bkgqh", p,
+                                                         vs.astype(jnp.float32))
+                return (m_new, total, acc), None
 
-            def split(x, fill=0):  # [b, C, ...] -> [nk, b, kb, ...]
+            pad = nk * kb - h
+
+            def split(x, fill=0):  # [b, h, ...] -> [nk, b, kb, ...]
                 x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2),
                             constant_values=fill)
                 return jnp.moveaxis(x.reshape((b, nk, kb) + x.shape[2:]), 1, 0)
 
-            k_valid = jax.lax.dynamic_slice_in_dim(valid, j * C, C, axis=1)
-            k_groups = jax.lax.dynamic_slice_in_dim(groups, j * C, C, axis=1)
-            k_cols = (j * C + jnp.arange(nk * kb)).reshape(nk, kb)
+            cols, k_valid, k_groups = chunk_masks(c)
+            k_cols = jnp.pad(cols, (0, pad), constant_values=-1).reshape(nk, kb)
             xs = (split(kv[0]), split(kv[1]), split(k_valid, False), split(k_groups, -1),
                   k_cols)
             carry, _ = jax.lax.scan(jax.checkpoint(sub_block), carry, xs)
             return carry
 
         def step(carry, r):
-            kb_, vb_, m, total, acc = carry
-            j = (i - r) % s  # the block this device holds at step r
-            # A block of later columns than every query here is empty under the causal mask
-            # (every pattern is causal): it is skipped, not computed and masked out.
-            m, total, acc = jax.lax.cond(j <= i, lambda c: block(c, (kb_, vb_), j),
-                                         lambda c: c, (m, total, acc))
-            kb_ = jax.lax.ppermute(kb_, AXIS, perm)
-            vb_ = jax.lax.ppermute(vb_, AXIS, perm)
-            return (kb_, vb_, m, total, acc), None
+            kv, states = carry
+            j = (i - r) % s  # the device whose chunks this device holds at step r
+            states = list(states)
+            for a, query in enumerate(queries):
+                for kc, kvc in zip(ring_chunks(j, s, balanced), kv, strict=True):
+                    # A key chunk of later columns than every query of the query chunk is
+                    # empty under the causal mask (every pattern is causal): skipped, not
+                    # computed and masked out.
+                    states[a] = jax.lax.cond(
+                        kc <= query[0], lambda st, q=query, x=kvc, c=kc: fold(st, q, x, c),
+                        lambda st: st, states[a])
+            kv = jax.tree.map(lambda x: jax.lax.ppermute(x, AXIS, perm), kv)
+            return (kv, tuple(states)), None
 
-        init = (k, v, jnp.full((b, K, G, C), lowest), jnp.zeros((b, K, G, C)),
-                jnp.zeros((b, K, G, C, H)))
-        (_, _, _, total, acc), _ = jax.lax.scan(jax.checkpoint(step), init, jnp.arange(s))
-        seen_any = total[..., None] > 0  # a padding query may see no key: output 0
-        out = jnp.where(seen_any, acc / jnp.where(seen_any, total[..., None], 1.0), 0.0)
-        return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, C, N, H).astype(q.dtype)
+        kv0 = tuple(zip(place(k), place(v), strict=True))  # ((k_lo, v_lo), (k_hi, v_hi))
+        state0 = (jnp.full((b, K, G, h), lowest), jnp.zeros((b, K, G, h)),
+                  jnp.zeros((b, K, G, h, H)))
+        (_, states), _ = jax.lax.scan(jax.checkpoint(step), (kv0, (state0, state0)),
+                                      jnp.arange(s))
+        outs = []
+        for _, total, acc in states:
+            seen_any = total[..., None] > 0  # a padding query may see no key: output 0
+            out = jnp.where(seen_any, acc / jnp.where(seen_any, total[..., None], 1.0), 0.0)
+            outs.append(jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, h, N, H)
+                        .astype(q.dtype))
+        return unplace(*outs)
 
     return body
