@@ -223,3 +223,34 @@ def test_parameters_are_sharded_over_fsdp_and_sequence():
 
     assert layout("fsdp=2,sequence=4").spec(("embed", "mlp"), (32, 48)) == P(("fsdp", "sequence"))
     assert layout("fsdp=8").spec(("embed", "mlp"), (32, 48)) == P("fsdp")
+
+
+def test_presets_fewer_kv_heads_than_the_sequence_size_are_accepted():
+    """Qwen2.5-1.5B (12 query, 2 kv heads) on fsdp=2,sequence=4 by Ulysses, built as a run
+    builds it (the dry run's abstract groups) and its log-prob program traced with its kv heads
+    repeated twice; Llama-3.1-70B (64 query, 8 kv heads) on tensor=2,sequence=8 (4 kv heads
+    per tensor shard, repeated twice): no refusal. The 70B needs 16 devices, more than the
+    suite simulates: its dry run is the documented one in docs/scaling.md."""
+    import sys
+
+    sys.path.insert(0, "tests")
+    from support import tiny_rl_config
+
+    from hfjax.models import presets
+    from hfjax.run import dry_run
+
+    c = tiny_rl_config(algorithm="grpo", mesh="fsdp=2,sequence=4")
+    c.model.path = "preset:qwen2.5-1.5b"
+    c.data.train_batch_size, c.data.max_prompt_length, c.rollout.n = 8, 16, 2
+    c.algo.adv_estimator = "grpo"
+    for role in ("actor", "ref"):
+        c[role].sequence_parallel = "ulysses"
+    w = dry_run.abstract_groups(c, platform="gpu")
+    shape = dry_run.step_shape(w, c)
+    (program,) = [p for p in w.actor.programs(shape) if p.name == "actor.log_prob"]
+    text = program.fn.lower(*program.args).as_text()
+    assert "all_to_all" in text or "all-to-all" in text
+    q15, q70 = presets.get_preset("qwen2.5-1.5b"), presets.get_preset("llama3.1-70b")
+    assert (q15.num_heads, q15.num_kv_heads, q70.num_heads, q70.num_kv_heads) == (12, 2, 64, 8)
+    assert sp.heads_problem(64, 8, {"tensor": 2, "sequence": 8}, "ulysses") is None
+    assert sp.kv_repeats(8 // 2, 8) == 2
