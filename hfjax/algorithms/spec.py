@@ -15,6 +15,9 @@ from typing import Any
 
 from hfjax.engine.spec import RolloutSpec, Spec
 from hfjax.numerics.rollout_correction import RolloutCorrection, resolve
+from hfjax.settings import Bool, Check, Choice, Float, Int, checks, key
+
+_FRACTION = Float(0.0, 1.0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,9 +26,9 @@ class FilterGroupsSpec(Spec):
 
     ROLE = "algo.filter_groups"
 
-    enable: bool
-    max_num_gen_batches: int  # 0: no cap
-    on_exhausted: str  # error | fill
+    enable: bool = key(Bool())
+    max_num_gen_batches: int = key(Int(0, note="0: no cap"))
+    on_exhausted: str = key(Choice(("error", "fill")))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,9 +37,9 @@ class OverlongSpec(Spec):
 
     ROLE = "algo.overlong_buffer"
 
-    enable: bool
-    len: int
-    penalty_factor: float
+    enable: bool = key(Bool())
+    len: int = key(Int(1))
+    penalty_factor: float = key(Float(0.0))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,13 +49,16 @@ class RolloutCorrectionSpec(Spec):
 
     ROLE = "algo.rollout_correction"
 
-    rollout_is: str  # "" (off) | token | sequence
-    rollout_is_threshold: float  # upper truncation of the importance weights
-    rollout_rs: str  # "" (off) | token | sequence | geometric
-    rollout_rs_threshold: float  # 0: rollout_is_threshold
-    rollout_rs_threshold_lower: float  # 0: 1 / the upper threshold
-    rollout_token_veto_threshold: float  # 0: no veto
-    bypass_mode: bool  # the rollout's log-probs are the old policy's; no old-log-prob pass
+    rollout_is: str = key(Check(checks.level_or_off(("token", "sequence"))))
+    # upper truncation of the importance weights
+    rollout_is_threshold: float = key(Float(0.0, lo_open=True))
+    rollout_rs: str = key(Check(checks.level_or_off(("token", "sequence", "geometric"))))
+    rollout_rs_threshold: float = key(Float(0.0, note="0: rollout_is_threshold"))
+    rollout_rs_threshold_lower: float = key(
+        Float(0.0, note="0: the reciprocal of the upper threshold"))
+    rollout_token_veto_threshold: float = key(Float(0.0, 1.0, note="0: no veto"))
+    # the rollout's log-probs are the old policy's; no old-log-prob pass
+    bypass_mode: bool = key(Bool())
 
     @property
     def resolved(self) -> RolloutCorrection:
@@ -68,12 +74,12 @@ class AlgoSpec(Spec):
 
     ROLE = "algo"
 
-    adv_estimator: str
-    gamma: float
-    lam: float
-    norm_adv_by_std_in_grpo: bool
-    use_kl_in_reward: bool
-    kl_penalty: str
+    adv_estimator: str = key(Choice(checks.registry("ADV_ESTIMATORS")))
+    gamma: float = key(_FRACTION)
+    lam: float = key(_FRACTION)
+    norm_adv_by_std_in_grpo: bool = key(Bool())
+    use_kl_in_reward: bool = key(Bool())
+    kl_penalty: str = key(Choice(checks.kl_names))
     filter_groups: FilterGroupsSpec
     overlong_buffer: OverlongSpec
     rollout_correction: RolloutCorrectionSpec

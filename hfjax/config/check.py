@@ -10,7 +10,7 @@ from typing import Any
 from hfjax.config.flags import FLAG_RULES, flag_checks
 from hfjax.config.keys import LEAF_MAPPINGS, OPTIONAL_KEYS, TRAIN_KEYS
 from hfjax.config.rules import MODEL_ROLES, TRAIN_RULES, active_roles, placement_of, run_roles
-from hfjax.config.values import ConfigError
+from hfjax.settings.values import ConfigError
 
 
 def config_items(cfg, prefix: str = "") -> Iterator[tuple[str, Any]]:

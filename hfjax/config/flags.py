@@ -24,7 +24,7 @@ from hfjax.config.validators import (
     target_name,
     tool_spec,
 )
-from hfjax.config.values import Bool, Check, Choice, Float, Int, Text
+from hfjax.settings.values import Bool, Check, Choice, Float, Int, Text
 
 _CACHE = Check(cache_dir)
 

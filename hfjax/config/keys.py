@@ -1,11 +1,18 @@
 """The train config's key table: one row per key (`TRAIN_KEYS`), what a valid value is, and
-`register_keys` for the keys of a user algorithm's own roles."""
+`register_keys` for the keys of a user algorithm's own roles.
+
+Each key is declared once. A key that a spec reads is declared by the spec's field, with its
+check (`hfjax.settings.key`); `SPEC_SECTIONS` names each spec with the config section it is
+read from, and their rows are gathered here (`hfjax.settings.spec_rows`). `HAND_KEYS` holds
+the rows of the keys no spec reads (the run's, the data's, the meshes', the optimizers', the
+adapters', ...); a key in both is refused at import (`merge_rows`)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from hfjax.algorithms.spec import AlgoSpec
 from hfjax.config.validators import (
     algorithm,
     attention_impls,
@@ -14,25 +21,23 @@ from hfjax.config.validators import (
     custom_reward,
     existing,
     kl_controllers,
-    kl_names,
     layout_rules,
-    level_or_off,
     lora_targets,
     mesh,
     model_path,
     output_dir,
     parquet_files,
     placement,
-    registry,
     remat_policies,
     resume,
     rm_targets,
     sinks,
     source_weights,
     spec,
-    tool_spec,
 )
-from hfjax.config.values import Bool, Check, Choice, Float, Int, Text
+from hfjax.engine.spec import RolloutSpec
+from hfjax.settings import Bool, Check, Choice, Float, Int, Text, spec_rows
+from hfjax.workers.spec import ActorSpec, CriticSpec, ScoreSpec
 
 _FRACTION = Float(0.0, 1.0)
 _LR = Float(0.0, note="0 freezes the model")
@@ -66,31 +71,19 @@ def _critic_rows(role: str) -> dict[str, Callable[[Any], str | None]]:
         f"{role}.weight_decay": Float(0.0),
         f"{role}.grad_clip": Float(0.0, note="0: no clipping"),
         **_lora_rows(role),
-        f"{role}.ppo_mini_batch_size": Int(1),
-        f"{role}.ppo_micro_batch_size": Int(1),
-        f"{role}.use_remove_padding": Bool(),
-        f"{role}.group_by_length": Bool(),
-        f"{role}.ppo_max_token_len_per_gpu": Int(0, note=_BUDGET),
-        f"{role}.ppo_epochs": Int(1),
-        f"{role}.shuffle": Bool(),
-        f"{role}.cliprange_value": Float(0.0, lo_open=True),
-        f"{role}.loss_agg_mode": Choice(registry("LOSS_AGG_MODES")),
     }
 
 
 def _score_model_rows(role: str) -> dict[str, Callable[[Any], str | None]]:
     """The rows of a learned score model's section (reward_model, cost_model)."""
     return {
-        f"{role}.path": Check(model_path(optional=True)),
         f"{role}.mesh": Check(mesh(optional=False)),
         f"{role}.sequence_parallel": _SP,
-        f"{role}.dtype": Choice(("float32", "bfloat16")),
-        f"{role}.use_remove_padding": Bool(),
-        f"{role}.forward_max_token_len_per_gpu": Int(0, note=_FORWARD_BUDGET),
     }
 
 
-TRAIN_KEYS: dict[str, Callable[[Any], str | None]] = {
+# The rows of the keys no spec reads.
+HAND_KEYS: dict[str, Callable[[Any], str | None]] = {
     # First: a user algorithm's module, imported by this check, may register estimators,
     # losses and the rows of its own config keys that later checks look up.
     "algorithm": Check(algorithm),
@@ -156,61 +149,8 @@ TRAIN_KEYS: dict[str, Callable[[Any], str | None]] = {
     "actor.lr": _LR,
     "actor.weight_decay": Float(0.0),
     "actor.grad_clip": Float(0.0, note="0: no clipping"),
-    "actor.ppo_mini_batch_size": Int(1),
-    "actor.ppo_micro_batch_size": Int(1),
-    "actor.use_remove_padding": Bool(),
-    "actor.group_by_length": Bool(),
-    "actor.share_prompt": Bool(),
-    "actor.ppo_max_token_len_per_gpu": Int(0, note=_BUDGET),
-    "actor.logprob_chunk": Int(0, note="positions per data-parallel device the LM head takes "
-                                       "at a time in log-probs and entropy (0: whole rows)"),
-    "actor.ppo_epochs": Int(1),
-    "actor.shuffle": Bool(),
-    "actor.policy_loss": Choice(registry("POLICY_LOSSES")),
-    "actor.clip_ratio": _CLIP,
-    "actor.clip_ratio_low": _CLIP,
-    "actor.clip_ratio_high": _CLIP,
-    "actor.clip_ratio_c": Float(1.0, lo_open=True, note="the dual-clip bound"),
-    "actor.loss_agg_mode": Choice(registry("LOSS_AGG_MODES")),
-    "actor.entropy_coeff": Float(),
-    "actor.use_kl_loss": Bool(),
-    "actor.kl_loss_coef": Float(0.0),
-    "actor.kl_loss_type": Choice(kl_names),
     **_lora_rows("actor"),
     # rollout
-    "rollout.mesh": Check(mesh(optional=True)),
-    "rollout.hybrid_engine": Bool(),
-    "rollout.offload_optimizer": Bool(),
-    "rollout.n": Int(1),
-    "rollout.temperature": Float(0.0, lo_open=True,
-                                 note="training log-probs are divided by it; greedy "
-                                      "validation is rollout.val_kwargs.temperature=0"),
-    "rollout.top_k": Int(0, note="0: off"),
-    "rollout.top_p": Float(0.0, 1.0, lo_open=True, note="1.0: off"),
-    "rollout.min_p": Float(0.0, 1.0, hi_open=True, note="0.0: off"),
-    "rollout.response_length": Int(1),
-    "rollout.mode": Choice(("static", "continuous"),
-                           note="continuous: decode slots refilled as rows stop"),
-    "rollout.slots": Int(0, note="0: one per sample"),
-    "rollout.decode_attention": Choice(("auto", "full", "chunked", "pallas"),
-                                       note="auto: full on CPU and TPU, pallas on GPU; "
-                                       "chunked where pallas cannot run "
-                                       "(hfjax.models.backend.decode_choice)"),
-    "rollout.kv_layout": Choice(("auto", "cpu", "gpu"), note="auto: cpu on CPU, gpu on GPU "
-                                "and TPU"),
-    "rollout.refill_every": Int(1),
-    "rollout.min_slots": Int(0, note="0: the start of the slots' row range"),
-    "rollout.max_cache_len": Int(0, note="0: no limit"),
-    # Multi-turn rollouts with tools (hfjax/agents/, docs/agents.md).
-    "rollout.multi_turn.enable": Bool(),
-    "rollout.multi_turn.max_turns": Int(1, note="policy turns per trajectory"),
-    "rollout.multi_turn.tools": Check(tool_spec),
-    "rollout.multi_turn.max_tool_response_len": Int(1, note="tokens per observation"),
-    "rollout.multi_turn.tool_workers": Int(1, note="worker processes running tool calls"),
-    "rollout.multi_turn.max_parallel_calls": Int(1, note="tool calls per policy turn"),
-    "rollout.multi_turn.python_isolation": Choice(
-        ("jail", "none"), note="the python tool's OS jail (hfjax/tools/jail.py); none runs the "
-        "policy's code without it, accepting the risk"),
     "rollout.val_kwargs.n": Int(1),
     "rollout.val_kwargs.temperature": Float(0.0, note="0: greedy"),
     # reference and critic
@@ -220,12 +160,6 @@ TRAIN_KEYS: dict[str, Callable[[Any], str | None]] = {
     # Safe-RLHF's cost critic
     **_critic_rows("cost_critic"),
     # advantages and KL
-    "algo.adv_estimator": Choice(registry("ADV_ESTIMATORS")),
-    "algo.gamma": _FRACTION,
-    "algo.lam": _FRACTION,
-    "algo.norm_adv_by_std_in_grpo": Bool(),
-    "algo.use_kl_in_reward": Bool(),
-    "algo.kl_penalty": Choice(kl_names),
     "algo.kl_ctrl.type": Choice(kl_controllers),
     "algo.kl_ctrl.kl_coef": Float(0.0),
     "algo.kl_ctrl.target_kl": Float(0.0, lo_open=True),
@@ -235,24 +169,6 @@ TRAIN_KEYS: dict[str, Callable[[Any], str | None]] = {
     "algo.safe_rlhf.lambda_init": Float(0.0, lo_open=True),
     "algo.safe_rlhf.lambda_lr": Float(0.0, lo_open=True),
     "algo.safe_rlhf.lambda_max": Float(0.0, lo_open=True),
-    # DAPO's dynamic sampling and overlong shaping (hfjax.algorithms.dapo)
-    "algo.filter_groups.enable": Bool(),
-    "algo.filter_groups.max_num_gen_batches": Int(0, note="0: no cap"),
-    "algo.filter_groups.on_exhausted": Choice(("error", "fill")),
-    "algo.overlong_buffer.enable": Bool(),
-    "algo.overlong_buffer.len": Int(1),
-    "algo.overlong_buffer.penalty_factor": Float(0.0),
-    # Rollout correction (hfjax.numerics.rollout_correction; verl's names)
-    "algo.rollout_correction.rollout_is": Check(level_or_off(("token", "sequence"))),
-    "algo.rollout_correction.rollout_is_threshold": Float(0.0, lo_open=True),
-    "algo.rollout_correction.rollout_rs": Check(level_or_off(("token", "sequence",
-                                                              "geometric"))),
-    "algo.rollout_correction.rollout_rs_threshold": Float(
-        0.0, note="0: rollout_is_threshold"),
-    "algo.rollout_correction.rollout_rs_threshold_lower": Float(
-        0.0, note="0: the reciprocal of the upper threshold"),
-    "algo.rollout_correction.rollout_token_veto_threshold": Float(0.0, 1.0, note="0: no veto"),
-    "algo.rollout_correction.bypass_mode": Bool(),
     # rewards
     "reward.custom_fn": Check(custom_reward),
     "reward.num_processes": Int(0, note="0: score in the controller, without timeouts"),
@@ -308,6 +224,46 @@ TRAIN_KEYS: dict[str, Callable[[Any], str | None]] = {
     "plan.gen_rows": Int(-1, note="rows per decode replica the planner models; 0: all, -1: "
                          "the planner picks"),
 }
+
+# Each spec and the config sections it is read from (`Spec.of(cfg.<section>)`, where the worker
+# groups and the run's step are built): its fields are those sections' keys.
+SPEC_SECTIONS: tuple[tuple[type, tuple[str, ...]], ...] = (
+    (ActorSpec, ("actor",)),
+    (RolloutSpec, ("rollout",)),
+    (CriticSpec, ("critic", "cost_critic")),
+    (AlgoSpec, ("algo",)),
+    (ScoreSpec, ("reward_model", "cost_model")),
+)
+
+
+def merge_rows(hand: Mapping[str, Callable[[Any], str | None]],
+               specs: tuple[tuple[type, tuple[str, ...]], ...],
+               ) -> dict[str, Callable[[Any], str | None]]:
+    """The key table: `hand`'s rows in order, each section's spec rows just before the first
+    hand row of the same top-level section (so problems are reported section by section), or
+    at the end. A key declared twice (a hand row and a spec field, or two specs) is refused:
+    one declaration per key."""
+    spec: dict[str, dict[str, Callable[[Any], str | None]]] = {}
+    owner: dict[str, str] = {}
+    for cls, sections in specs:
+        for section in sections:
+            for k, check in spec_rows(cls, section).items():
+                if k in owner or k in hand:
+                    where = owner.get(k, "a row of HAND_KEYS")
+                    raise ValueError(f"config key {k} is declared twice: by {cls.__name__}."
+                                     f"{k.rsplit('.', 1)[1]} and by {where}; keep one")
+                owner[k] = f"{cls.__name__}.{k.rsplit('.', 1)[1]}"
+                spec.setdefault(section.split(".")[0], {})[k] = check
+    table: dict[str, Callable[[Any], str | None]] = {}
+    for k, check in hand.items():
+        table.update(spec.pop(k.split(".")[0], {}))
+        table[k] = check
+    for rows in spec.values():
+        table.update(rows)
+    return table
+
+
+TRAIN_KEYS = merge_rows(HAND_KEYS, SPEC_SECTIONS)
 
 # Keys whose value is a mapping that is not itself a section of keys.
 LEAF_MAPPINGS = ("placement",)

@@ -8,6 +8,15 @@ import os
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from hfjax.settings.checks import (  # noqa: F401  (the config's checks, one import)
+    kl_names,
+    level_or_off,
+    mesh,
+    model_path,
+    registry,
+    tool_spec,
+)
+
 
 def algorithm(v) -> str | None:
     if not isinstance(v, str) or not v:
@@ -19,21 +28,6 @@ def algorithm(v) -> str | None:
     except ValueError as err:
         return str(err)
     return None
-
-
-def registry(name: str) -> Callable[[], tuple[str, ...]]:
-    def names() -> tuple[str, ...]:
-        from hfjax.numerics import core
-
-        return getattr(core, name).names()
-
-    return names
-
-
-def kl_names() -> tuple[str, ...]:
-    from hfjax.numerics import core
-
-    return core.KL_PENALTIES.names()
 
 
 def kl_controllers() -> tuple[str, ...]:
@@ -66,21 +60,6 @@ def attention_impls() -> tuple[str, ...]:
     return ATTENTION_IMPLS
 
 
-def mesh(optional: bool) -> Callable[[Any], str | None]:
-    def check(v) -> str | None:
-        if optional and v == "":
-            return None
-        from hfjax.parallel.mesh import MeshSpec
-
-        try:
-            MeshSpec.parse(v)
-        except (TypeError, ValueError) as err:
-            return str(err)
-        return None
-
-    return check
-
-
 def placement(v) -> str | None:
     from hfjax.controller.placement import MODES, parse_mapping
 
@@ -100,27 +79,6 @@ def placement(v) -> str | None:
     return f"needs a mode name or a mapping, not a {type(v).__name__}"
 
 
-def model_path(optional: bool, preset: bool = False) -> Callable[[Any], str | None]:
-    def check(v) -> str | None:
-        if v is None or v == "":
-            return None if optional else "needs an HF model directory or a .gguf file"
-        if not isinstance(v, str):
-            return "needs a path string"
-        if preset and v.startswith("preset:"):
-            return _preset_problem(v)
-        if v.endswith(".gguf"):
-            return None if os.path.isfile(v) else "no such .gguf file"
-        if os.path.isfile(v):
-            return "is a file but not a .gguf; pass a .gguf file or an HF model directory"
-        if not os.path.isdir(v):
-            return "no such file or directory"
-        if not os.path.isfile(os.path.join(v, "config.json")):
-            return "has no config.json; is it an HF model directory?"
-        return None
-
-    return check
-
-
 def model_or_run(v) -> str | None:
     """A model (`model_path`) or a training run's directory (launch.evaluate's --model)."""
     if isinstance(v, str) and os.path.isdir(v) and not os.path.isfile(
@@ -132,16 +90,6 @@ def model_or_run(v) -> str | None:
         return ("is neither an HF model directory (no config.json) nor a training run (no "
                 "checkpoints); pass a model directory, a .gguf file or a run's out_dir")
     return model_path(optional=True, preset=True)(v)
-
-
-def _preset_problem(path: str) -> str | None:
-    from hfjax.models import presets
-
-    try:
-        presets.get_preset(presets.preset_name(path))
-    except ValueError as err:
-        return str(err)
-    return None
 
 
 def target_name(v) -> str | None:
@@ -323,30 +271,7 @@ def lora_targets(v) -> str | None:
     return None
 
 
-def tool_spec(v) -> str | None:
-    """Tool names or pkg.mod:Class specs, comma-separated (empty: no tools); resolved here, so
-    an unknown tool fails before anything compiles. Built where they run (the python tool's
-    jail is probed then, with its isolation setting: config.rules `_tools_build`)."""
-    if not isinstance(v, str):
-        return "needs a string of tool names, e.g. 'calculator' or 'calculator,python'"
-    from hfjax.tools.registry import tool_classes
-
-    try:
-        tool_classes(v)
-    except (ValueError, ImportError) as err:
-        return str(err)
-    return None
-
-
 def split(files: str) -> list[str]:
     return [f.strip() for f in files.split(",") if f.strip()]
 
 
-def level_or_off(levels: tuple[str, ...]) -> Callable[[Any], str | None]:
-    """A check for a setting that is one of `levels` or "" for off (rollout correction's)."""
-    def check(v) -> str | None:
-        if isinstance(v, str) and v in ("", *levels):
-            return None
-        return f"needs one of {', '.join(levels)}, or '' (off)"
-
-    return check

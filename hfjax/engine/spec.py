@@ -8,7 +8,8 @@ A spec has no defaults of its own: the defaults are the config's (configs/ppo_ar
 which every config derives, and whose every key `hfjax.config.check_config` asks for), so a
 section without one of the spec's keys is refused here, by name. Values are checked for their
 type here too (a string where an int belongs fails now, not inside a jitted step); their
-ranges and names are the key table's checks (`hfjax.config.keys`), run before this.
+ranges and names are each field's check, declared with the field (`hfjax.settings.key`) and
+run before this as the key table's rows (`hfjax.config.keys` gathers them).
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from __future__ import annotations
 import dataclasses
 import typing
 from typing import Any, TypeVar
+
+from hfjax.settings import Bool, Check, Choice, Float, Int, checks, key
 
 S = TypeVar("S")
 
@@ -89,13 +92,17 @@ class MultiTurnSpec(Spec):
 
     ROLE = "rollout.multi_turn"
 
-    enable: bool
-    max_turns: int  # policy turns per trajectory
-    tools: str  # names or package.module:Class, comma-separated (`hfjax.tools.registry`)
-    max_tool_response_len: int  # tokens per observation
-    tool_workers: int  # worker processes running tool calls
-    max_parallel_calls: int  # tool calls run per policy turn, in order
-    python_isolation: str = "jail"  # the python tool: jail | none (`hfjax.tools.python`)
+    enable: bool = key(Bool())
+    max_turns: int = key(Int(1, note="policy turns per trajectory"))
+    # names or package.module:Class, comma-separated (`hfjax.tools.registry`)
+    tools: str = key(Check(checks.tool_spec))
+    max_tool_response_len: int = key(Int(1, note="tokens per observation"))
+    tool_workers: int = key(Int(1, note="worker processes running tool calls"))
+    # the calls of a turn run in order
+    max_parallel_calls: int = key(Int(1, note="tool calls per policy turn"))
+    python_isolation: str = key(Choice(
+        ("jail", "none"), note="the python tool's OS jail (hfjax/tools/jail.py); none runs the "
+        "policy's code without it, accepting the risk"), default="jail")
 
     def tool_options(self) -> dict[str, dict]:
         """`resolve_tools`' options for the tools of this spec."""
@@ -114,22 +121,30 @@ class RolloutSpec(Spec):
 
     ROLE = "rollout"
 
-    n: int  # samples per prompt
-    response_length: int
-    temperature: float
-    top_k: int
-    top_p: float
-    min_p: float
-    mesh: str  # the 3D-HybridEngine's decode mesh; "": decode in the training layout
-    hybrid_engine: bool
-    offload_optimizer: bool
-    mode: str  # static | continuous
-    decode_attention: str
-    kv_layout: str
-    slots: int  # continuous: 0 is one per sample
-    refill_every: int
-    min_slots: int
-    max_cache_len: int  # 0: no limit
+    n: int = key(Int(1))  # samples per prompt
+    response_length: int = key(Int(1))
+    temperature: float = key(Float(0.0, lo_open=True,
+                                   note="training log-probs are divided by it; greedy "
+                                        "validation is rollout.val_kwargs.temperature=0"))
+    top_k: int = key(Int(0, note="0: off"))
+    top_p: float = key(Float(0.0, 1.0, lo_open=True, note="1.0: off"))
+    min_p: float = key(Float(0.0, 1.0, hi_open=True, note="0.0: off"))
+    # the 3D-HybridEngine's decode mesh; "": decode in the training layout
+    mesh: str = key(Check(checks.mesh(optional=True)))
+    hybrid_engine: bool = key(Bool())
+    offload_optimizer: bool = key(Bool())
+    mode: str = key(Choice(("static", "continuous"),
+                           note="continuous: decode slots refilled as rows stop"))
+    decode_attention: str = key(Choice(("auto", "full", "chunked", "pallas"),
+                                       note="auto: full on CPU and TPU, pallas on GPU; "
+                                       "chunked where pallas cannot run "
+                                       "(hfjax.models.backend.decode_choice)"))
+    kv_layout: str = key(Choice(("auto", "cpu", "gpu"),
+                                note="auto: cpu on CPU, gpu on GPU and TPU"))
+    slots: int = key(Int(0, note="0: one per sample"))
+    refill_every: int = key(Int(1))
+    min_slots: int = key(Int(0, note="0: the start of the slots' row range"))
+    max_cache_len: int = key(Int(0, note="0: no limit"))
     multi_turn: MultiTurnSpec
 
     @property

@@ -13,6 +13,13 @@ import dataclasses
 
 from hfjax.engine import packing, shared_prompt
 from hfjax.engine.spec import Spec
+from hfjax.settings import Bool, Check, Choice, Float, Int, checks, key
+
+_BUDGET = ("tokens per data-parallel device and micro-batch with use_remove_padding; "
+           "0: ppo_micro_batch_size padded rows")
+_FORWARD_BUDGET = ("tokens per data-parallel device and micro-batch of the scoring pass with "
+                   "use_remove_padding; 0: the whole batch")
+_CLIP = Float(0.0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -20,14 +27,14 @@ class _UpdateSpec(Spec):
     """The fields a trained role's passes share: batch sizes and epochs, the micro-batch layout
     (padded or packed rows, length grouping) and how the loss is aggregated."""
 
-    ppo_mini_batch_size: int  # prompts; times rollout.n sequences
-    ppo_micro_batch_size: int  # sequences
-    ppo_epochs: int
-    shuffle: bool
-    use_remove_padding: bool
-    ppo_max_token_len_per_gpu: int
-    group_by_length: bool
-    loss_agg_mode: str
+    ppo_mini_batch_size: int = key(Int(1))  # prompts; times rollout.n sequences
+    ppo_micro_batch_size: int = key(Int(1))  # sequences
+    ppo_epochs: int = key(Int(1))
+    shuffle: bool = key(Bool())
+    use_remove_padding: bool = key(Bool())
+    ppo_max_token_len_per_gpu: int = key(Int(0, note=_BUDGET))
+    group_by_length: bool = key(Bool())
+    loss_agg_mode: str = key(Choice(checks.registry("LOSS_AGG_MODES")))
 
     @property
     def budget(self) -> packing.TokenBudget | None:
@@ -45,17 +52,19 @@ class ActorSpec(_UpdateSpec):
 
     ROLE = "actor"
 
-    share_prompt: bool
-    logprob_chunk: int
-    policy_loss: str
-    clip_ratio: float
-    clip_ratio_low: float
-    clip_ratio_high: float
-    clip_ratio_c: float
-    entropy_coeff: float
-    use_kl_loss: bool
-    kl_loss_coef: float
-    kl_loss_type: str
+    share_prompt: bool = key(Bool())
+    logprob_chunk: int = key(Int(0, note="positions per data-parallel device the LM head "
+                                         "takes at a time in log-probs and entropy (0: whole "
+                                         "rows)"))
+    policy_loss: str = key(Choice(checks.registry("POLICY_LOSSES")))
+    clip_ratio: float = key(_CLIP)
+    clip_ratio_low: float = key(_CLIP)
+    clip_ratio_high: float = key(_CLIP)
+    clip_ratio_c: float = key(Float(1.0, lo_open=True, note="the dual-clip bound"))
+    entropy_coeff: float = key(Float())
+    use_kl_loss: bool = key(Bool())
+    kl_loss_coef: float = key(Float(0.0))
+    kl_loss_type: str = key(Choice(checks.kl_names))
 
     def samples_per_row(self, n: int) -> int:
         """The samples a shared-prompt row holds with `n` samples per prompt (1: none)."""
@@ -71,7 +80,7 @@ class CriticSpec(_UpdateSpec):
 
     ROLE = "critic"
 
-    cliprange_value: float
+    cliprange_value: float = key(Float(0.0, lo_open=True))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,10 +90,10 @@ class ScoreSpec(Spec):
 
     ROLE = "reward_model"
 
-    path: str
-    dtype: str
-    use_remove_padding: bool
-    forward_max_token_len_per_gpu: int
+    path: str = key(Check(checks.model_path(optional=True)))
+    dtype: str = key(Choice(("float32", "bfloat16")))
+    use_remove_padding: bool = key(Bool())
+    forward_max_token_len_per_gpu: int = key(Int(0, note=_FORWARD_BUDGET))
 
     @property
     def budget(self) -> packing.TokenBudget | None:

@@ -10,7 +10,7 @@ import pytest
 from support import tiny_rl_config
 
 from hfjax.config import check_config
-from hfjax.config.values import ConfigError
+from hfjax.settings.values import ConfigError
 from hfjax.controller.async_pools import resolve_pools
 from hfjax.run.async_loop import AsyncRollout, version_of
 from hfjax.run.checkpoint import RunCheckpointer

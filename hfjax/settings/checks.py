@@ -1,0 +1,95 @@
+"""The value checks that a spec field's key declares and that need a registry or the file
+system (`hfjax.config.validators` holds those of the keys no spec reads). Each imports what it
+reads inside the check, so this package stays below every package whose specs use it."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+
+def registry(name: str) -> Callable[[], tuple[str, ...]]:
+    def names() -> tuple[str, ...]:
+        from hfjax.numerics import core
+
+        return getattr(core, name).names()
+
+    return names
+
+
+def kl_names() -> tuple[str, ...]:
+    from hfjax.numerics import core
+
+    return core.KL_PENALTIES.names()
+
+
+def mesh(optional: bool) -> Callable[[Any], str | None]:
+    def check(v) -> str | None:
+        if optional and v == "":
+            return None
+        from hfjax.parallel.mesh import MeshSpec
+
+        try:
+            MeshSpec.parse(v)
+        except (TypeError, ValueError) as err:
+            return str(err)
+        return None
+
+    return check
+
+
+def model_path(optional: bool, preset: bool = False) -> Callable[[Any], str | None]:
+    def check(v) -> str | None:
+        if v is None or v == "":
+            return None if optional else "needs an HF model directory or a .gguf file"
+        if not isinstance(v, str):
+            return "needs a path string"
+        if preset and v.startswith("preset:"):
+            return _preset_problem(v)
+        if v.endswith(".gguf"):
+            return None if os.path.isfile(v) else "no such .gguf file"
+        if os.path.isfile(v):
+            return "is a file but not a .gguf; pass a .gguf file or an HF model directory"
+        if not os.path.isdir(v):
+            return "no such file or directory"
+        if not os.path.isfile(os.path.join(v, "config.json")):
+            return "has no config.json; is it an HF model directory?"
+        return None
+
+    return check
+
+
+def _preset_problem(path: str) -> str | None:
+    from hfjax.models import presets
+
+    try:
+        presets.get_preset(presets.preset_name(path))
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def tool_spec(v) -> str | None:
+    """Tool names or pkg.mod:Class specs, comma-separated (empty: no tools); resolved here, so
+    an unknown tool fails before anything compiles. Built where they run (the python tool's
+    jail is probed then, with its isolation setting: config.rules `_tools_build`)."""
+    if not isinstance(v, str):
+        return "needs a string of tool names, e.g. 'calculator' or 'calculator,python'"
+    from hfjax.tools.registry import tool_classes
+
+    try:
+        tool_classes(v)
+    except (ValueError, ImportError) as err:
+        return str(err)
+    return None
+
+
+def level_or_off(levels: tuple[str, ...]) -> Callable[[Any], str | None]:
+    """A check for a setting that is one of `levels` or "" for off (rollout correction's)."""
+    def check(v) -> str | None:
+        if isinstance(v, str) and v in ("", *levels):
+            return None
+        return f"needs one of {', '.join(levels)}, or '' (off)"
+
+    return check
