@@ -10,11 +10,11 @@ import pytest
 from support import tiny_rl_config
 
 from hfjax.config import check_config
-from hfjax.settings.values import ConfigError
 from hfjax.controller.async_pools import resolve_pools
 from hfjax.run.async_loop import AsyncRollout, version_of
 from hfjax.run.checkpoint import RunCheckpointer
 from hfjax.run.trainer import Trainer
+from hfjax.settings.values import ConfigError
 from hfjax.workers.rollout import param_bytes
 
 POOLS = "gen=4:rollout;train=4:actor+ref+reward"
