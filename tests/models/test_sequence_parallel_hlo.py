@@ -78,10 +78,10 @@ def collectives(text: str) -> list[Collective]:
     return out
 
 
-def row_gathers(text: str, rows: int) -> list[str]:
+def row_gathers(text: str, rows: int, lengths=(T, W, RESPONSE)) -> list[str]:
     """The all-gathers / all-reduces / reduce-scatters that move float activations at a row's
     full length (T or its padded width, or the response, times any row count up to `rows`)."""
-    full = {b * n for b in range(1, rows + 1) for n in (T, W, RESPONSE)}
+    full = {b * n for b in range(1, rows + 1) for n in lengths}
     bad = []
     for c in collectives(text):
         if c.op in ("all-to-all", "collective-permute") or c.group == 1:
@@ -175,25 +175,35 @@ def attention_exchange(text: str) -> set[str]:
 def test_each_role_compiles_the_scheme_its_config_names():
     """The actor, reference and critic as a run builds them from a config (the dry run's
     abstract groups), each with its own `<role>.sequence_parallel`: the compiled programs
-    hold that scheme's exchange and not the other's."""
+    (the actor's update too) hold that scheme's exchange and not the other's, and gather no
+    whole rows."""
     sys.path.insert(0, "tests")
     from support import tiny_rl_config
 
     from hfjax.run import dry_run
 
-    c = tiny_rl_config(mesh="fsdp=2,sequence=4")
+    # hidden 48, responses of 11: no parameter's dimension is a multiple of a row's length
+    # (8 + 11 = 19 columns, padded to 20) or of the response's, up to 4 rows.
+    c = tiny_rl_config(mesh="fsdp=2,sequence=4", hidden=48)
     c.model.num_heads = c.model.num_kv_heads = 4
+    c.rollout.response_length = 11
     want = {"actor": "ring", "ref": "ulysses", "critic": "ring"}
     for role, mode in want.items():
         c[role].sequence_parallel = mode
     w = dry_run.abstract_groups(c)
     shape = dry_run.step_shape(w, c)
-    seen = {}
+    seen, gathers = {}, {}
+    lengths = (shape.width, sp.padded_width(shape.width, w.actor.layout), shape.response_len)
     for role, group in dry_run.device_groups(w):
         for p in group.programs(shape):
-            if p.name in ("actor.log_prob", "ref.log_prob", "critic.values"):
-                seen[role] = attention_exchange(p.fn.lower(*p.args).compile().as_text())
-    assert seen == {role: {mode} for role, mode in want.items()}
+            if p.name in ("actor.log_prob", "ref.log_prob", "critic.values", "actor.update"):
+                text = p.fn.lower(*p.args).compile().as_text()
+                seen[p.name] = attention_exchange(text)
+                gathers[p.name] = row_gathers(text, 4, lengths)
+    assert seen == {"actor.log_prob": {"ring"}, "actor.update": {"ring"},
+                    "ref.log_prob": {"ulysses"}, "critic.values": {"ring"}}
+    # The update (forward and backward through the policy loss) moves no whole rows either.
+    assert gathers == {name: [] for name in seen}, (lengths, gathers)
 
 
 def test_row_gathers_are_seen_on_a_program_that_gathers_rows():
