@@ -10,8 +10,12 @@ rows, from its optimized HLO:
   statically (a layer's scan body appears once per pass: forward, backward, and a forward
   recomputed for the backward where the remat policy recomputes it); `ideal`: four
   all-to-alls (q, k, v and the output) per layer and pass, forward only for scoring, forward
-  and backward for an update: b x T / s x (2 N + 2 K') x head_dim x 2 bytes per pass, K' the
-  kv heads after repetition (`sequence_parallel.kv_repeats`);
+  and backward for an update: b x T / s x (2 N + 2 K') x head_dim x the compute dtype's bytes
+  per pass, b a micro-batch's rows per data-parallel rank, K' the kv heads after repetition
+  (`sequence_parallel.kv_repeats`);
+- `ratio`: the exchange's bytes against the ideal, float32 exchanges counted at the compute
+  dtype's bytes (XLA:CPU widens a bfloat16 all-to-all or collective-permute to float32, with a
+  convert on each side; an accelerator moves bfloat16); `as cpu`: the same as compiled here;
 - `permute/layer`: bytes of ring's collective-permutes, per layer: a step's K/V blocks (the scan
   body appears once) and, with the zig-zag placement, q, k, v moved to their places and the
   output moved back; its ideal (in `ideal` and `ratio` for ring): b x T / s x head_dim x 2
@@ -80,7 +84,8 @@ def _group(rest: str) -> int:
 
 def traffic(text: str, row_lengths: set[int]) -> dict[str, float]:
     """Static bytes per device of the HLO's collectives, by kind."""
-    out = {"a2a": 0, "permute": 0, "row_gathers": 0, "other": 0}
+    out = {"a2a": 0, "permute": 0, "row_gathers": 0, "other": 0, "a2a_f32": 0,
+           "permute_f32": 0}
     for line in text.splitlines():
         m = _COLLECTIVE.search(line)
         if not m or _group(m.group(3)) == 1:
@@ -89,11 +94,14 @@ def traffic(text: str, row_lengths: set[int]) -> dict[str, float]:
                   for dt, dims in _SHAPE.findall(m.group(1))]
         nbytes = sum(_BYTES[dt] * math.prod(d) for dt, d in shapes)
         op = m.group(2)
+        f32 = sum(4 * math.prod(d) for dt, d in shapes if dt == "f32")
         if op == "all-to-all":
             out["a2a"] += nbytes
+            out["a2a_f32"] += f32
         elif op == "collective-permute":
             rank4 = any(len(d) == 4 and dt[0] in "fb" for dt, d in shapes)
             out["permute" if rank4 else "other"] += nbytes
+            out["permute_f32"] += f32 if rank4 else 0
         elif any(dt[0] in "fb" and set(d) & row_lengths for dt, d in shapes):
             out["row_gathers"] += nbytes
         else:
@@ -128,7 +136,7 @@ def main(argv):
     rows, results = [], {}
     default_block = sp.RING_K_BLOCK
     print(f"{'scheme':10} {'program':18} {'a2a/layer':>11} {'ideal':>11} {'ratio':>6} "
-          f"{'permute/layer':>14} {'row gathers':>11} {'temp':>9} {'compile s':>9}")
+          f"{'as cpu':>6} {'permute/layer':>14} {'row gathers':>11} {'temp':>9} {'compile s':>9}")
     schemes = list(FLAGS.schemes)
     if "ring" in schemes:
         schemes.append("ring-plain")
@@ -165,23 +173,31 @@ def main(argv):
                     text = compiled.as_text()
                     temp = compiled.memory_analysis().temp_size_in_bytes
                     got = traffic(text, lengths)
-                    b = _micro_rows(p, group)
+                    b = _micro_rows(cfg, p, group)
                     passes = 2 if p.trains else 1
-                    per_pass = b * (width // s) * (2 * n + 2 * k_rep) * H * 2
-                    a2a = got["a2a"]
-                    permute = got["permute"]
+                    nb = mcfg.jnp_dtype.itemsize  # the exchange in the compute dtype
+                    per_pass = b * (width // s) * (2 * n + 2 * k_rep) * H * nb
+                    # XLA:CPU widens 16-bit collectives to float32 (a convert on each side):
+                    # `at dtype` counts those float32 exchanges at the compute dtype's bytes,
+                    # as an accelerator moves them.
+                    shrink = 1 - nb / 4
+                    a2a = got["a2a"] - got["a2a_f32"] * shrink
+                    permute = got["permute"] - got["permute_f32"] * shrink
                     if scheme == "ulysses":
                         ideal = per_pass * passes
                         ratio = a2a / ideal
                     else:  # a step's k and v blocks, [b, T / s, K, head_dim], and their grads
                         heads = 2 * k + (2 * n + 2 * k) * sp.RING_BALANCED  # + placement
-                        ideal = b * (width // s) * heads * H * 2 * passes
+                        ideal = b * (width // s) * heads * H * nb * passes
                         ratio = permute / ideal
+                    cpu = (got["a2a"] if scheme == "ulysses" else got["permute"]) / ideal
                     print(f"{scheme:10} {p.name:18} {_mib(a2a):>11} {_mib(ideal):>11} "
-                          f"{ratio:6.2f} {_mib(permute):>14} {_mib(got['row_gathers']):>11} "
-                          f"{_mib(temp):>9} {seconds:9.1f}", flush=True)
+                          f"{ratio:6.2f} {cpu:6.2f} {_mib(permute):>14} "
+                          f"{_mib(got['row_gathers']):>11} {_mib(temp):>9} "
+                          f"{seconds:9.1f}", flush=True)
                     rows.append(dict(scheme=scheme, program=p.name, layers=L, rows=b,
                                      a2a_bytes=a2a, ideal_bytes=ideal, ratio=ratio,
+                                     ratio_as_compiled_on_cpu=cpu,
                                      permute_bytes=permute, row_gather_bytes=got["row_gathers"],
                                      temp_bytes=int(temp), compile_s=round(seconds, 1)))
                 if scheme == "ring" and "ring_block_pairs" not in results:
@@ -197,15 +213,14 @@ def main(argv):
     print(json.dumps(results))
 
 
-def _micro_rows(p, group) -> int:
-    """Rows per data-parallel device of a program's batch (its first [B, T] argument)."""
-    for a in p.args:
-        leaves = a.values() if isinstance(a, dict) else [a]
-        for x in leaves:
-            shp = getattr(x, "shape", None)
-            if shp is not None and len(shp) == 2 and str(getattr(x, "dtype", "")) == "int32":
-                return max(1, shp[0] // group.dp_size)
-    return 1
+def _micro_rows(cfg, p, group) -> int:
+    """Rows per data-parallel device of one micro-batch of a program: the role's
+    ppo_micro_batch_size sequences over its data-parallel ranks (the programs scan over
+    micro-batches; an exchange in the scan body moves one micro-batch's rows)."""
+    role = p.name.split(".")[0]
+    micro = cfg[role].ppo_micro_batch_size if role in cfg and "ppo_micro_batch_size" in \
+        cfg[role] else cfg.actor.ppo_micro_batch_size
+    return max(1, micro // group.dp_size)
 
 
 def _mib(n: float) -> str:
