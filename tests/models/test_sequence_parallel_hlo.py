@@ -194,7 +194,7 @@ def test_each_role_compiles_the_scheme_its_config_names():
     shape = dry_run.step_shape(w, c)
     seen, gathers = {}, {}
     lengths = (shape.width, sp.padded_width(shape.width, w.actor.layout), shape.response_len)
-    for role, group in dry_run.device_groups(w):
+    for _role, group in dry_run.device_groups(w):
         for p in group.programs(shape):
             if p.name in ("actor.log_prob", "ref.log_prob", "critic.values", "actor.update"):
                 text = p.fn.lower(*p.args).compile().as_text()
