@@ -22,7 +22,6 @@ from hfjax.config.validators import (
     existing,
     kl_controllers,
     layout_rules,
-    lora_targets,
     mesh,
     model_path,
     output_dir,
@@ -36,6 +35,7 @@ from hfjax.config.validators import (
     spec,
 )
 from hfjax.engine.spec import RolloutSpec
+from hfjax.models.lora import LoraSpec
 from hfjax.settings import Bool, Check, Choice, Float, Int, Text, spec_rows
 from hfjax.workers.spec import ActorSpec, CriticSpec, ScoreSpec
 
@@ -47,20 +47,8 @@ _BUDGET = ("tokens per data-parallel device and micro-batch with use_remove_padd
 _SP = Choice(("ulysses", "ring"), note="attention across a row split over the mesh's sequence "
              "axis: ulysses (all-to-all, needs query heads divisible by the sequence size; kv "
              "heads are repeated where they are not) or ring (K/V blocks passed round)")
-_LORA_DROPOUT = ("dropout on the adapters' input in training steps (PEFT's lora_dropout); "
-                 "0: none")
 _FORWARD_BUDGET = ("tokens per data-parallel device and micro-batch of the scoring pass with "
                    "use_remove_padding; 0: the whole batch")
-
-def _lora_rows(role: str) -> dict[str, Callable[[Any], str | None]]:
-    """The rows of `<role>.lora` (actor, critic and cost critic)."""
-    return {
-        f"{role}.lora.rank": Int(0, note="0: train full weights"),
-        f"{role}.lora.alpha": Float(0.0, lo_open=True),
-        f"{role}.lora.targets": Check(lora_targets),
-        f"{role}.lora.dropout": Float(0.0, 1.0, hi_open=True, note=_LORA_DROPOUT),
-    }
-
 
 def _critic_rows(role: str) -> dict[str, Callable[[Any], str | None]]:
     """The rows of a value critic's section (PPO's critic, Safe-RLHF's cost critic)."""
@@ -70,7 +58,6 @@ def _critic_rows(role: str) -> dict[str, Callable[[Any], str | None]]:
         f"{role}.lr": _LR,
         f"{role}.weight_decay": Float(0.0),
         f"{role}.grad_clip": Float(0.0, note="0: no clipping"),
-        **_lora_rows(role),
     }
 
 
@@ -149,7 +136,6 @@ HAND_KEYS: dict[str, Callable[[Any], str | None]] = {
     "actor.lr": _LR,
     "actor.weight_decay": Float(0.0),
     "actor.grad_clip": Float(0.0, note="0: no clipping"),
-    **_lora_rows("actor"),
     # rollout
     "rollout.val_kwargs.n": Int(1),
     "rollout.val_kwargs.temperature": Float(0.0, note="0: greedy"),
@@ -233,6 +219,7 @@ SPEC_SECTIONS: tuple[tuple[type, tuple[str, ...]], ...] = (
     (CriticSpec, ("critic", "cost_critic")),
     (AlgoSpec, ("algo",)),
     (ScoreSpec, ("reward_model", "cost_model")),
+    (LoraSpec, ("actor.lora", "critic.lora", "cost_critic.lora")),
 )
 
 

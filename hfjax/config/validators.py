@@ -8,11 +8,11 @@ import os
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from hfjax.settings import checks
 from hfjax.settings.checks import (  # noqa: F401  (the config's checks, one import)
     kl_names,
     level_or_off,
     mesh,
-    model_path,
     registry,
     tool_spec,
 )
@@ -77,6 +77,21 @@ def placement(v) -> str | None:
     if hasattr(v, "items"):
         return None  # the pools and roles are checked against the devices (validate_config)
     return f"needs a mode name or a mapping, not a {type(v).__name__}"
+
+
+def model_path(optional: bool, preset: bool = False) -> Callable[[Any], str | None]:
+    """`hfjax.settings.checks.model_path`, accepting "preset:<name>" paths where `preset`."""
+    return checks.model_path(optional, _preset_problem if preset else None)
+
+
+def _preset_problem(path: str) -> str | None:
+    from hfjax.models import presets
+
+    try:
+        presets.get_preset(presets.preset_name(path))
+    except ValueError as err:
+        return str(err)
+    return None
 
 
 def model_or_run(v) -> str | None:
@@ -256,18 +271,6 @@ def json_object(v) -> str | None:
 def prompts(v) -> str | None:
     if not v or not all(isinstance(p, str) and p.strip() for p in v):
         return "needs at least one non-empty prompt"
-    return None
-
-
-def lora_targets(v) -> str | None:
-    from hfjax.models.lora import parse_targets
-
-    if not isinstance(v, str):
-        return "needs a string: all-linear or a comma list of projections"
-    try:
-        parse_targets(v)
-    except ValueError as e:
-        return str(e).removeprefix("lora.targets: ")
     return None
 
 

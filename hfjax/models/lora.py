@@ -33,6 +33,7 @@ from flax import nnx
 
 from hfjax.models import lora_dropout, transformer
 from hfjax.models.config import ModelConfig
+from hfjax.settings import Check, Float, Int, key
 
 # The linear projections of a decoder layer that can carry adapters, in PEFT's names.
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -60,14 +61,31 @@ def parse_targets(targets: str | Sequence[str]) -> tuple[str, ...]:
     return tuple(n for n in TARGETS if n in names)
 
 
+_DROPOUT = ("dropout on the adapters' input in training steps (PEFT's lora_dropout); "
+            "0: none")
+
+
+def lora_targets(v) -> str | None:
+    if not isinstance(v, str):
+        return "needs a string: all-linear or a comma list of projections"
+    try:
+        parse_targets(v)
+    except ValueError as e:
+        return str(e).removeprefix("lora.targets: ")
+    return None
+
+
 @dataclasses.dataclass(frozen=True)
 class LoraSpec:
     """Adapters of `rank` on `targets`, scaled by alpha / rank; `dropout` on their input."""
 
-    rank: int
-    alpha: float
-    targets: tuple[str, ...] = TARGETS
-    dropout: float = 0.0
+    # Each field is the config key `<role>.lora.<name>` (`hfjax.config.keys.SPEC_SECTIONS`),
+    # whose check is the key's: a config's rank 0 turns the adapters off (`spec_from_config`),
+    # its targets are a string (`parse_targets`).
+    rank: int = key(Int(0, note="0: train full weights"))
+    alpha: float = key(Float(0.0, lo_open=True))
+    targets: tuple[str, ...] = key(Check(lora_targets), default=TARGETS)
+    dropout: float = key(Float(0.0, 1.0, hi_open=True, note=_DROPOUT), default=0.0)
 
     def __post_init__(self):
         if self.rank < 1:
@@ -86,8 +104,8 @@ class LoraSpec:
 
 def spec_from_config(section) -> LoraSpec | None:
     """The LoraSpec of a config section's `lora` entry (`actor.lora`, `critic.lora`), None when
-    the section has none (a role without adapters) or its rank is 0. The keys and their
-    defaults are the key table's (`hfjax.config.keys`): a `lora` entry has all four."""
+    the section has none (a role without adapters) or its rank is 0. The keys are LoraSpec's
+    fields, their defaults the config's (configs/ppo_arith.py): a `lora` entry has all four."""
     lo = section.get("lora") if section is not None else None
     if not lo or not lo.rank:
         return None

@@ -39,14 +39,18 @@ def mesh(optional: bool) -> Callable[[Any], str | None]:
     return check
 
 
-def model_path(optional: bool, preset: bool = False) -> Callable[[Any], str | None]:
+def model_path(optional: bool, preset: Callable[[str], str | None] | None = None,
+               ) -> Callable[[Any], str | None]:
+    """An HF model directory or a .gguf file (empty where `optional`); with `preset`, also a
+    "preset:<name>" path, which `preset` checks (`hfjax.config.validators.model_path`: the
+    presets are the models package's, above this one)."""
     def check(v) -> str | None:
         if v is None or v == "":
             return None if optional else "needs an HF model directory or a .gguf file"
         if not isinstance(v, str):
             return "needs a path string"
-        if preset and v.startswith("preset:"):
-            return _preset_problem(v)
+        if preset is not None and v.startswith("preset:"):
+            return preset(v)
         if v.endswith(".gguf"):
             return None if os.path.isfile(v) else "no such .gguf file"
         if os.path.isfile(v):
@@ -58,16 +62,6 @@ def model_path(optional: bool, preset: bool = False) -> Callable[[Any], str | No
         return None
 
     return check
-
-
-def _preset_problem(path: str) -> str | None:
-    from hfjax.models import presets
-
-    try:
-        presets.get_preset(presets.preset_name(path))
-    except ValueError as err:
-        return str(err)
-    return None
 
 
 def tool_spec(v) -> str | None:
