@@ -159,7 +159,10 @@ ESTIMATORS = ["gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus
 
 
 def test_every_estimator_is_covered_here():
-    assert set(core.ADV_ESTIMATORS.names()) <= set(ESTIMATORS)
+    # hfjax's own estimators (other test modules register user ones in the same process).
+    own = {n for n in core.ADV_ESTIMATORS.names()
+           if core.ADV_ESTIMATORS.get(n).__module__.startswith("hfjax.")}
+    assert own <= set(ESTIMATORS)
 
 
 @pytest.mark.parametrize("gamma,lam", [(1.0, 1.0), (0.9, 0.8)])

@@ -230,7 +230,7 @@ def test_presets_fewer_kv_heads_than_the_sequence_size_are_accepted():
     builds it (the dry run's abstract groups) and its log-prob program traced with its kv heads
     repeated twice; Llama-3.1-70B (64 query, 8 kv heads) on tensor=2,sequence=8 (4 kv heads
     per tensor shard, repeated twice): no refusal. The 70B needs 16 devices, more than the
-    suite simulates: its dry run is the documented one in docs/scaling.md."""
+    suite simulates: docs/scaling.md shows its 16-device dry run (smoke tier)."""
     import sys
 
     sys.path.insert(0, "tests")
