@@ -49,17 +49,21 @@ def tool_reference(key: str, tool: Tool, where: str = "ToolRunner") -> list[str]
            "cannot be stopped)") if where == "ToolRunner" else ""
     head = "ToolRunner: " if where == "ToolRunner" else ""
     spec = cls.__dict__.get(FILE_SPEC)
+    module = cls.__module__
+    if module == "__main__":  # `python -m pkg.mod`: the worker imports it as pkg.mod
+        main_spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+        module = getattr(main_spec, "name", None) or module
     if spec:
         ref = "file:" + spec
-    elif (cls.__module__ == "__main__" or "<locals>" in cls.__qualname__
-          or not _importable(cls.__module__)):
+    elif (module == "__main__" or "<locals>" in cls.__qualname__
+          or not _importable(module)):
         raise ValueError(
             f"{head}tool {key!r} ({cls.__qualname__}) is defined in __main__, inside a "
-            f"function or in a module no import finds ({cls.__module__}), so a worker process "
+            f"function or in a module no import finds ({module}), so a worker process "
             "cannot import it; define it at module level of an importable module (or load it "
             f"as path/to/file.py:Class){alt}")
     else:
-        ref = f"module:{cls.__module__}:{cls.__qualname__}"
+        ref = f"module:{module}:{cls.__qualname__}"
     try:
         state = pickle.dumps(tool.__dict__)
     except Exception as err:

@@ -336,3 +336,31 @@ def alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def test_a_tool_of_a_module_run_with_dash_m_reaches_its_workers(tmp_path):
+    """A tool class defined in a module run as `python -m pkg.mod` (a bench, a script) sits in
+    __main__; its workers import it by the module's own name."""
+    pkg = tmp_path / "toolpkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "mod.py").write_text(textwrap.dedent("""
+        from hfjax.tools import Tool, ToolCall, ToolRunner
+
+        class Twice(Tool):
+            name = "twice"
+            description = "doubles"
+            parameters = {"type": "object", "properties": {"x": {"type": "number"}}}
+
+            def call(self, arguments):
+                return str(2 * arguments["x"])
+
+        if __name__ == "__main__":
+            with ToolRunner({"twice": Twice()}, max_workers=1) as runner:
+                print(runner.submit([ToolCall("twice", {"x": 21})]).result()[0].text)
+        """))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
+    p = subprocess.run([sys.executable, "-m", "toolpkg.mod"], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout.strip().splitlines()[-1] == "42"
