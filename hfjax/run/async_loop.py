@@ -273,7 +273,8 @@ def cut_responses(batch: Batch) -> Batch:
     prompt = batch["prompts"].shape[1]
     cut = {k: _cut(batch[k], keep) for k in _RESPONSE_KEYS if k in batch.arrays}
     cut |= {k: _cut(batch[k], prompt + keep) for k in _JOINED_KEYS}
-    return batch.select([k for k in batch.keys() if k not in cut]).union(Batch(cut))
+    # Arrays only: the rows' meta (data_source, ground_truth, ...) comes along as it is.
+    return batch.select([k for k in batch.arrays if k not in cut]).union(Batch(cut))
 
 
 def slot_name(i: int) -> str:

@@ -143,7 +143,8 @@ def test_a_resumed_run_trains_every_prompt_once_in_data_order(tmp_path, monkeypa
 
 def test_cut_responses_drops_the_columns_every_row_pads():
     """A generated batch of 40 response columns whose longest response is 17 tokens keeps 32
-    (the power-of-two bucket), prompt columns whole; one whose longest is 40 keeps all."""
+    (the power-of-two bucket), prompt columns whole, its rows' meta as it is; one whose
+    longest is 40 keeps all."""
     from hfjax.controller.batch import Batch
     from hfjax.run.async_loop import cut_responses
 
@@ -157,8 +158,10 @@ def test_cut_responses_drops_the_columns_every_row_pads():
               "truncated": np.zeros(rows, np.int32)}
     arrays["input_ids"] = np.concatenate([arrays["prompts"], arrays["responses"]], 1)
     arrays["attention_mask"] = np.concatenate([arrays["prompt_mask"], rmask], 1)
-    batch = Batch({k: jax.numpy.asarray(v) for k, v in arrays.items()})
+    meta = {"data_source": ["arith"] * rows, "ground_truth": ["1", "2", "3", "4"]}
+    batch = Batch({k: jax.numpy.asarray(v) for k, v in arrays.items()}, meta)
     out = cut_responses(batch)
+    assert {k: list(v) for k, v in out.meta.items()} == meta
     for k, v in arrays.items():
         cols = {"responses": 32, "response_mask": 32, "rollout_log_probs": 32,
                 "input_ids": p + 32, "attention_mask": p + 32}.get(k)
