@@ -189,3 +189,16 @@ def tool_call_successors(tok, after_result: str) -> dict[int, int]:
         succ[one(t)] = one("<tool_call>")
     succ[one("</tool_response>")] = tok.eos_id if after_result == "<eos>" else one(after_result)
     return succ
+
+
+def python_isolation() -> str:
+    """The python tool's isolation for tests that use it as a tool rather than attack its jail
+    (tests/tools/test_python_jail.py does): the jail where this machine can start one, else
+    "none" (e.g. inside Bazel's sandbox, where bubblewrap cannot nest)."""
+    from hfjax.tools import jail
+
+    try:
+        jail.probe()
+    except jail.JailUnavailable:
+        return "none"
+    return "jail"

@@ -59,8 +59,12 @@ print(json.dumps(out))
 """
 
 # local_cluster first: its --num_processes is its own, not the process flag of the others.
-ENTRIES = ("local_cluster", "train", "sft", "train_rm", "evaluate", "generate", "convert",
-           "export", "prepare_data", "plan")
+# Each module is named whole, so that the Bazel build ships it with this test
+# (scripts/bazel_build.py makes a launch/ module named in a string a test's data).
+ENTRY_MODULES = ("launch.local_cluster", "launch.train", "launch.sft", "launch.train_rm",
+                 "launch.evaluate", "launch.generate", "launch.convert", "launch.export",
+                 "launch.prepare_data", "launch.plan")
+ENTRIES = tuple(m.removeprefix("launch.") for m in ENTRY_MODULES)
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
-from support import scripted_policy, tool_call_successors
+from support import python_isolation, scripted_policy, tool_call_successors
 
 from configs import ppo_arith
 from hfjax.agents import AgentLoop
@@ -71,7 +71,9 @@ def noisy():
 
 @pytest.fixture(scope="module")
 def runner():
-    with ToolRunner(resolve_tools("support:AnswerTool,python"), max_workers=4) as r:
+    tools = resolve_tools("support:AnswerTool,python",
+                          {"python": {"isolation": python_isolation()}})
+    with ToolRunner(tools, max_workers=4) as r:
         yield r
 
 

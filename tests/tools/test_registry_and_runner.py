@@ -4,6 +4,7 @@ import threading
 import time
 
 import pytest
+from support import python_isolation
 
 from hfjax.tools import (
     Observation,
@@ -66,9 +67,10 @@ def test_resolve_builtin_names_and_empty():
     assert {"calculator", "python"} <= set(known_tools())
     assert resolve_tools("") == {}
     assert resolve_tools([]) == {}
-    tools = resolve_tools(" calculator , python ")
+    py = {"python": {"isolation": python_isolation()}}
+    tools = resolve_tools(" calculator , python ", py)
     assert list(tools) == ["calculator", "python"]
-    assert list(resolve_tools(["python", "calculator"])) == ["python", "calculator"]
+    assert list(resolve_tools(["python", "calculator"], py)) == ["python", "calculator"]
 
 
 def test_resolve_unknown_names_the_known_tools_and_the_class_form():
