@@ -46,6 +46,11 @@ from hfjax.data import arith, preferences, tool_arith, tool_demos
 from hfjax.tools import prompt as tool_prompt
 from hfjax.tools import resolve_tools
 
+# Writing data only reads the tools' names, descriptions and schemas, and never calls them: the
+# python tool is built without probing its jail, so data for it can be prepared on a machine
+# that could not run it (the run that calls it still refuses there).
+DESCRIBE_ONLY = {"python": {"isolation": "none"}}
+
 GSM_SUFFIX = 'Let\'s think step by step and output the final answer after "####".'
 RG_PREFIX = "reasoning_gym/"
 RG_TASKS = {
@@ -161,7 +166,7 @@ def make_splits(
         if task in PREFERENCE_TASKS:
             raise ValueError(f"task {task!r} writes preference pairs, which take no tools; "
                              "drop --tools")
-        resolved = resolve_tools(tools)
+        resolved = resolve_tools(tools, DESCRIBE_ONLY)
         system = tool_prompt.system_message(resolved)
         train, test = make_splits(task, n_train, n_test, seed, config)
         return tuple(
@@ -225,7 +230,8 @@ def prepare(
     if sft_demos and task in PREFERENCE_TASKS:
         raise ValueError(f"task {task!r} writes preference pairs; --sft_demos needs a task "
                          "with arithmetic expressions")
-    if sft_demos and "calculator" not in (resolve_tools(tools) if tools.strip() else {}):
+    named = resolve_tools(tools, DESCRIBE_ONLY) if tools.strip() else {}
+    if sft_demos and "calculator" not in named:
         raise ValueError("--sft_demos writes calls to the calculator; add --tools=calculator")
     train, test = make_splits(task, n_train, n_test, seed, config, tools)
     os.makedirs(out_dir, exist_ok=True)

@@ -9,7 +9,7 @@ import pytest
 
 from hfjax.data.batching import prompt_batch
 from hfjax.data.dataset import Dataset, reward_meta
-from hfjax.data.prepare import make_splits, prepare, write_rows
+from hfjax.data.prepare import DESCRIBE_ONLY, make_splits, prepare, write_rows
 from hfjax.rewards.registry import get_reward_fn
 from hfjax.tools.calculator import calculate
 
@@ -133,7 +133,7 @@ def test_tools_flag_writes_a_system_message_from_the_tool_schemas(tmp_path, chat
     from hfjax.tools import ToolRunner, parse_tool_calls, resolve_tools
     from hfjax.tools.prompt import system_message
 
-    tools = resolve_tools("calculator,python")
+    tools = resolve_tools("calculator,python", DESCRIBE_ONLY)
     paths = prepare("chain_sum", n_train=6, n_test=3, out_dir=tmp_path, seed=1,
                     tools="calculator,python")
     plain, _ = make_splits("chain_sum", 6, 3, seed=1)
