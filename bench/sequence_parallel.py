@@ -42,7 +42,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 import sys
 import time
 
@@ -61,39 +60,16 @@ flags.DEFINE_bool("dense_ring", True, "also compile ring's scoring programs with
                   "keys in one block (ring-dense), for its temporary memory")
 FLAGS = flags.FLAGS
 
-_COLLECTIVE = re.compile(r"= (\(.*?\)|\S+) (all-gather|all-reduce|reduce-scatter|all-to-all|"
-                         r"collective-permute)(?:-start)?\((.*)$")
-_SHAPE = re.compile(r"\b(pred|s32|u32|s8|u8|bf16|f16|f32|f64)\[([\d,]*)\]")
-_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "f32": 4,
-          "f64": 8}
-
-
-def _group(rest: str) -> int:
-    m = re.search(r"replica_groups=\{(\{[\d,]*\})", rest)
-    if m:
-        return len(m.group(1).strip("{}").split(","))
-    m = re.search(r"replica_groups=\[(\d+),(\d+)\]", rest)
-    if m:
-        return int(m.group(2))
-    m = re.search(r"replica_groups=mesh\[([^\]]*)\] \{([^}]*)\}", rest)
-    if m:
-        sizes = dict(re.findall(r"'(\w+)'=(\d+)", m.group(1)))
-        return math.prod(int(sizes[a]) for a in re.findall(r"'(\w+)'", m.group(2)))
-    return 2
-
-
 def traffic(text: str, row_lengths: set[int]) -> dict[str, float]:
     """Static bytes per device of the HLO's collectives, by kind."""
     out = {"a2a": 0, "permute": 0, "row_gathers": 0, "other": 0, "a2a_f32": 0,
            "permute_f32": 0}
-    for line in text.splitlines():
-        m = _COLLECTIVE.search(line)
-        if not m or _group(m.group(3)) == 1:
+    from hfjax.parallel.hlo import collectives
+
+    for c in collectives(text):
+        if c.group == 1:
             continue
-        shapes = [(dt, [int(d) for d in dims.split(",") if d])
-                  for dt, dims in _SHAPE.findall(m.group(1))]
-        nbytes = sum(_BYTES[dt] * math.prod(d) for dt, d in shapes)
-        op = m.group(2)
+        shapes, op, nbytes = c.shapes, c.op, c.nbytes
         f32 = sum(4 * math.prod(d) for dt, d in shapes if dt == "f32")
         if op == "all-to-all":
             out["a2a"] += nbytes

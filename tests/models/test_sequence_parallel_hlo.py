@@ -9,7 +9,6 @@ device's T / s; and they check that each scheme compiles its own exchange (Ulyss
 all-to-all; ring: collective-permute of key / value blocks) for the groups a config builds.
 """
 
-import dataclasses
 import math
 import re
 import sys
@@ -23,6 +22,7 @@ from jax.sharding import PartitionSpec as P
 from hfjax.models import sequence_parallel as sp
 from hfjax.models import transformer
 from hfjax.models.config import ModelConfig
+from hfjax.parallel.hlo import collectives
 from hfjax.parallel.mesh import ResourcePool, batch_sharding
 from hfjax.workers.actor import response_logprobs
 from hfjax.workers.base import WorkerGroup
@@ -37,45 +37,7 @@ S = 4  # the sequence size of every mesh here
 W = -(-T // S) * S
 FEATURES = {48, 72, 40, 32}
 
-_COLLECTIVE = re.compile(r"= (\(.*?\)|\S+) (all-gather|all-reduce|reduce-scatter|all-to-all|"
-                         r"collective-permute)(?:-start)?\((.*)$")
-_SHAPE = re.compile(r"\b(pred|s32|u32|s8|u8|bf16|f16|f32|f64)\[([\d,]*)\]")
 _DOT = re.compile(r"= (\w+)\[([\d,]*)\]\S* dot\(")
-
-
-@dataclasses.dataclass(frozen=True)
-class Collective:
-    op: str
-    shapes: tuple[tuple[str, tuple[int, ...]], ...]
-    group: int  # devices per replica group (1: a no-op)
-    line: str
-
-
-def _group_size(rest: str) -> int:
-    m = re.search(r"replica_groups=\{(\{[\d,]*\})", rest)
-    if m:
-        return len(m.group(1).strip("{}").split(","))
-    m = re.search(r"replica_groups=\[(\d+),(\d+)\]", rest)
-    if m:
-        return int(m.group(2))
-    m = re.search(r"replica_groups=mesh\[([^\]]*)\] \{([^}]*)\}", rest)
-    if m:
-        sizes = dict(re.findall(r"'(\w+)'=(\d+)", m.group(1)))
-        return math.prod(int(sizes[a]) for a in re.findall(r"'(\w+)'", m.group(2)))
-    m = re.search(r"source_target_pairs=\{([^}]*\})*\}", rest)
-    return 2 if m else 0  # collective-permute: pairs; 0: groups not stated (all devices)
-
-
-def collectives(text: str) -> list[Collective]:
-    """Every collective of an optimized HLO module: its op, result shapes and group size."""
-    out = []
-    for line in text.splitlines():
-        m = _COLLECTIVE.search(line)
-        if m:
-            shapes = tuple((dt, tuple(int(d) for d in dims.split(",") if d))
-                           for dt, dims in _SHAPE.findall(m.group(1)))
-            out.append(Collective(m.group(2), shapes, _group_size(m.group(3)), line.strip()))
-    return out
 
 
 def row_gathers(text: str, rows: int, lengths=(T, W, RESPONSE)) -> list[str]:
