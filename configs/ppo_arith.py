@@ -324,6 +324,9 @@ def get_config() -> config_dict.ConfigDict:
         dict(
             max_staleness=0,
             push_every=1,  # push the trainer's weights to the rollout pool every N updates
+            # A batch whose newer version is pushed while it decodes switches to it halfway
+            # through its responses (rows still decoding keep their prefix).
+            partial_rollout=False,
         )
     )
     c.trainer = config_dict.ConfigDict(

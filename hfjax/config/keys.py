@@ -185,6 +185,8 @@ HAND_KEYS: dict[str, Callable[[Any], str | None]] = {
     "async_rollout.max_staleness": Int(0, note="0: the synchronous loop; K >= 1: generation "
                                        "runs up to K updates ahead, on a rollout pool of its own"),
     "async_rollout.push_every": Int(1, note="updates between weight pushes to the rollout pool"),
+    # rows still decoding at a push continue under the pushed weights (docs/async.md)
+    "async_rollout.partial_rollout": Bool(),
     # the run
     "trainer.total_steps": Int(0),
     "trainer.test_freq": Int(0, note="0: never"),

@@ -309,8 +309,24 @@ def _async_rollout(c) -> str | None:
                 f"max_staleness={k} updates old; set --config.async_rollout.push_every <= "
                 f"{k + 1}")
     problem = rollout_pool_problem(placement_of(c), k)
-    if problem or rollout_pool_name(placement_of(c), k) is None:
+    if problem:
         return problem
+    if a.partial_rollout:
+        if k < 1 or rollout_pool_name(placement_of(c), k) is None:
+            return ("async_rollout.partial_rollout=True continues rows under weights pushed "
+                    "while they decode, and the synchronous loop pushes none; set "
+                    "--config.async_rollout.max_staleness=1 or more (on a placement with a "
+                    "rollout pool), or partial_rollout=False")
+        if a.push_every > k:
+            return (f"async_rollout.partial_rollout=True with push_every={a.push_every} = "
+                    f"max_staleness + 1 never has a newer version within the bound to continue "
+                    f"under; set --config.async_rollout.push_every <= {k}")
+        if c.rollout.response_length < 2:
+            return ("async_rollout.partial_rollout=True cuts responses halfway, and "
+                    f"rollout.response_length={c.rollout.response_length} has no middle; set "
+                    "--config.rollout.response_length=2 or more")
+    if rollout_pool_name(placement_of(c), k) is None:
+        return None
     for bad, fix in ((c.actor.lora.rank, "actor.lora.rank=0"),
                      (c.rollout.multi_turn.enable, "rollout.multi_turn.enable=False"),
                      (c.algo.filter_groups.enable, "algo.filter_groups.enable=False")):

@@ -11,6 +11,10 @@ The schedule is fixed by the step numbers, never by timing, so a run is reproduc
 - at step t the trainer issues the prompts of every step up to t + K (drawn from the data in
   order) and no further: a batch that could not meet the bound is never started, so none is
   ever thrown away, and the trainer consumes them oldest first.
+- with partial rollouts, the batch of step s switches to `switch_of(s)`, the next pushed
+  version after `version_of(s)` when it is at most s (it lands while the batch decodes), at
+  response column `partial_column(response_length)` (halfway): rows still decoding there keep
+  their prefix and continue under it (`hfjax.workers.rollout.generate_partial`).
 
 With K >= 1 in one process a rollout thread runs the issued jobs in order; it waits for a
 job's version to arrive (a push builds it beside the weights decoding reads, and the thread
@@ -57,12 +61,22 @@ def version_of(step: int, max_staleness: int, push_every: int, start: int = 0) -
     return start if lo <= start else -(-lo // push_every) * push_every
 
 
+def switch_of(step: int, max_staleness: int, push_every: int, start: int = 0) -> int | None:
+    """With partial rollouts, the version the batch of `step` continues under: the first one
+    pushed after `version_of(step)` (the push that lands while the batch decodes), or None
+    when that one comes after the trainer needs the batch (later than `step`)."""
+    first = version_of(step, max_staleness, push_every, start)
+    after = (first // push_every + 1) * push_every
+    return after if after <= step else None
+
+
 @dataclasses.dataclass
 class _Job:
     step: int
     prompts: Batch
     version: int
     data_state: dict  # the data cursor before this job's rows were drawn
+    switch: int | None = None  # partial rollouts: the version its unfinished rows continue under
 
 
 class AsyncRollout:
@@ -71,11 +85,17 @@ class AsyncRollout:
 
     def __init__(self, actor: ActorRollout, rollout: ActorRollout, *, max_staleness: int,
                  push_every: int, start_version: int,
-                 prompts: Callable[[int], tuple[Batch, dict]], threaded: bool | None = None):
+                 prompts: Callable[[int], tuple[Batch, dict]], threaded: bool | None = None,
+                 partial_rollout: bool = False):
         self.actor, self.rollout = actor, rollout
         self.k, self.every, self.start = int(max_staleness), int(push_every), int(start_version)
         # A rollout thread in one process; across processes one schedule on one thread.
         self.threaded = (jax.process_count() == 1) if threaded is None else threaded
+        self.partial = bool(partial_rollout)
+        if self.partial and (self.k < 1 or not self.threaded):
+            raise ValueError("partial rollouts run on the rollout thread of one process with "
+                             "max_staleness >= 1; set async_rollout.partial_rollout=False")
+        self._continued: dict[int, float] = {}  # step -> fraction of its rows continued
         self._prompts = prompts  # step -> (host prompts, data cursor before drawing them)
         self._cv = threading.Condition()
         self._weights: dict[int, Any] = {}
@@ -112,7 +132,7 @@ class AsyncRollout:
         the slot holds the current weights, unused). With them a resumed run remakes those
         batches exactly as they were made (their prompts from the data cursor, their seeds from
         the step)."""
-        need = {j.version for j in self._pending}
+        need = set().union(*(self._job_versions(j.step) for j in self._pending))
         return [step - 1 - i if step - 1 - i in need else None for i in range(self.k)]
 
     def saved_weights(self, step: int, current) -> dict[str, Any]:
@@ -124,7 +144,8 @@ class AsyncRollout:
 
     def state(self, step: int) -> dict:
         """The JSON state a checkpoint at `step` holds with `saved_weights`."""
-        return {"start": self.start, "versions": self.saved_versions(step)}
+        return {"start": self.start, "versions": self.saved_versions(step),
+                "partial_rollout": self.partial}
 
     def restore(self, step: int, state: dict, items: dict[str, Any]) -> None:
         """Installs a checkpoint's async state at `step` (before the first `take`): the
@@ -135,6 +156,15 @@ class AsyncRollout:
         with self._cv:
             self._weights = {v: items[slot_name(i)]
                              for i, v in enumerate(state["versions"]) if v is not None}
+        # The older versions the batches to remake need must be in the checkpoint (a run saved
+        # without partial rollouts holds no version that only a switch needs).
+        missing = sorted(v for s in range(step, step + self.k) for v in self._job_versions(s)
+                         if v < step and v not in self._weights)
+        if missing:
+            was = bool(state.get("partial_rollout", False))
+            raise ValueError(f"the checkpoint of step {step} lacks the weights of versions "
+                             f"{missing} that its queued batches need; resume with "
+                             f"--config.async_rollout.partial_rollout={was}")
         self.push(step)
 
     def data_state(self) -> dict | None:
@@ -148,7 +178,8 @@ class AsyncRollout:
         function generates it (the driver's "gen" stage)."""
         for s in range(self._issued, step + self.k + 1):
             prompts, cursor = self._prompts(s)
-            job = _Job(s, prompts, version_of(s, self.k, self.every, self.start), cursor)
+            switch = switch_of(s, self.k, self.every, self.start) if self.partial else None
+            job = _Job(s, prompts, version_of(s, self.k, self.every, self.start), cursor, switch)
             self._pending.append(job)
             if self.k >= 1 and self.threaded:
                 with self._cv:
@@ -189,6 +220,9 @@ class AsyncRollout:
         the staleness of every response token the trainer sees at `step` (device scalars)."""
         out = dict(self._metrics)
         self._metrics = {k: v for k, v in self._metrics.items() if k.startswith("async/push")}
+        if self.partial:
+            with self._cv:
+                out["async/partial/rows"] = self._continued.pop(step, 0.0)
         with jax.transfer_guard("allow"):  # the step number: one scalar upload
             mean, worst = _staleness(batch["token_versions"], batch["response_mask"],
                                      _scalar(step, batch["response_mask"]))
@@ -221,27 +255,59 @@ class AsyncRollout:
                     if self._closed:
                         return
                     job = self._jobs.popleft()
-                    while not self._closed and job.version not in self._weights:
-                        self._cv.wait()
-                    if self._closed:
-                        return
                     self._idle_rollout += time.perf_counter() - t0
+                if not self._wait_for(job.version):
+                    return
                 batch = self._generate(job)
                 jax.block_until_ready(batch.arrays)
                 with self._cv:
                     self._made[job.step] = batch
                     self._cv.notify_all()
+        except _Closed:
+            return
         except BaseException as err:  # handed to the trainer, which raises it
             with self._cv:
                 self._error = err
                 self._cv.notify_all()
 
-    def _generate(self, job: _Job) -> Batch:
+    def _wait_for(self, version: int) -> bool:
+        """Waits (counted as the rollout's idle time) until `version` has been pushed; False
+        when the rollout is closed first."""
+        t0 = time.perf_counter()
+        with self._cv:
+            while not self._closed and version not in self._weights:
+                self._cv.wait()
+            self._idle_rollout += time.perf_counter() - t0
+            return not self._closed
+
+    def _swap(self, version: int):
         with self._cv:
             # The swap: decoding reads this version from now on (older ones are dropped once
             # no batch waiting for the trainer was made with them: a checkpoint saves those).
-            self.rollout.params = self._weights[job.version]
-        return self.rollout.generate(job.prompts)
+            self.rollout.params = self._weights[version]
+            return self.rollout.params
+
+    def _generate(self, job: _Job) -> Batch:
+        first = self._swap(job.version)
+        if job.switch is None:
+            return self.rollout.generate(job.prompts)
+
+        def second():  # after the first columns: the pushed version the rows continue under
+            if not self._wait_for(job.switch):
+                raise _Closed
+            return self._swap(job.switch)
+
+        batch, continued = rollout_lib.generate_partial(self.rollout, job.prompts, first,
+                                                        job.version, second, job.switch)
+        with self._cv:
+            self._continued[job.step] = continued
+        return batch
+
+    def _job_versions(self, step: int) -> set[int]:
+        """The versions the batch of `step` is generated with."""
+        first = version_of(step, self.k, self.every, self.start)
+        switch = switch_of(step, self.k, self.every, self.start) if self.partial else None
+        return {first} if switch is None else {first, switch}
 
     def _drop_unneeded(self) -> None:
         with self._cv:
@@ -253,6 +319,8 @@ class AsyncRollout:
         """A generated batch on the trainer's mesh, cut to the responses' longest length (a
         power-of-two bucket, as `trim_responses`), its tokens tagged with `version`."""
         batch = DP_COMPUTE.collect(cut_responses(batch), 0, self.actor.mesh)
+        if "token_versions" in batch.arrays:  # partial rollouts: tagged token by token
+            return batch
         with jax.transfer_guard("allow"):  # the version number: one scalar upload
             versions = _versions(batch["response_mask"], _scalar(version, batch["response_mask"]))
         return batch.union(Batch({"token_versions": versions}))
@@ -282,7 +350,11 @@ def slot_name(i: int) -> str:
     return f"async_weights_{i}"
 
 
-_RESPONSE_KEYS = ("responses", "response_mask", "rollout_log_probs")
+_RESPONSE_KEYS = ("responses", "response_mask", "rollout_log_probs", "token_versions")
+
+
+class _Closed(Exception):
+    """The rollout was closed while a job waited for its second version."""
 _JOINED_KEYS = ("input_ids", "attention_mask")
 
 

@@ -174,10 +174,10 @@ class Trainer:
         if self._async is None and ROLLOUT in self.pools:
             a = self.cfg.async_rollout
             group = build_rollout(self.cfg, self.actor, self.pools[ROLLOUT], self.tok.pad_id,
-                                  self.actor.eos_ids)
+                                  self.actor.eos_ids, partial_rollout=a.partial_rollout)
             self._async = AsyncRollout(self.actor, group, max_staleness=a.max_staleness,
                                        push_every=a.push_every, start_version=self.step,
-                                       prompts=self._issue)
+                                       prompts=self._issue, partial_rollout=a.partial_rollout)
         return self._async
 
     def train_step(self) -> dict[str, float]:

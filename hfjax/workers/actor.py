@@ -384,17 +384,8 @@ class ActorRollout(Reference):
         sampler needs the prompts on the host (it buckets their lengths), hence ON_HOST; the
         responses never leave the devices.
         """
-        r = self.rollout
-        n = r.n if n is None else n
-        params = SamplingParams(
-            max_new_tokens=r.response_length,
-            temperature=0.0 if greedy else r.temperature if temperature is None else temperature,
-            top_k=r.top_k,
-            top_p=r.top_p,
-            min_p=r.min_p,
-            n=n,
-            eos_ids=self.eos_ids,
-        )
+        params = self.sampling_params(greedy=greedy, n=n, temperature=temperature)
+        n = params.n
         # Optionally park the optimizer state in host memory while the KV cache needs room.
         offload = self.rollout.offload_optimizer and self.opt_state is not None
         if offload:
@@ -410,7 +401,26 @@ class ActorRollout(Reference):
             self.release_rollout_params(state)
             if offload:
                 self.opt_state = reshard.reload(self.opt_state, self.opt_shardings)
-        out = trim_responses(out) if self.trim else out
+        return self.respond(batch, trim_responses(out) if self.trim else out, n)
+
+    def sampling_params(self, *, greedy: bool = False, n: int | None = None,
+                        temperature: float | None = None) -> SamplingParams:
+        """The `rollout` section's sampling settings, as `generate` decodes with them."""
+        r = self.rollout
+        return SamplingParams(
+            max_new_tokens=r.response_length,
+            temperature=0.0 if greedy else r.temperature if temperature is None else temperature,
+            top_k=r.top_k,
+            top_p=r.top_p,
+            min_p=r.min_p,
+            n=r.n if n is None else n,
+            eos_ids=self.eos_ids,
+        )
+
+    def respond(self, batch: Batch, out: GenerateOutput, n: int) -> Batch:
+        """`generate`'s result from the sampler's output `out` for the host prompts `batch`
+        (n samples each): the prompts repeated, joined with the responses."""
+        r = self.rollout
         if self.hybrid is not None:
             # The decode mesh orders the same devices differently; programs below mix these
             # rows with the actor mesh's prompts, so the rows move over (device to device).
