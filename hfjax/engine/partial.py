@@ -14,8 +14,8 @@ Seeds: the continuation keys row r with `seeds[r]` as the static engine keys a o
 prompt, token k of the continuation folding in k. A row that was not interrupted is not
 recomputed.
 
-Not yet wired into the asynchronous loop (`hfjax.run.async_loop`): there a batch still
-finishes under the version it started with (docs/async.md, "Limits").
+The asynchronous loop uses it with `async_rollout.partial_rollout=True`
+(`hfjax.workers.rollout.generate_partial`, scheduled by `hfjax.run.async_loop.switch_of`).
 """
 
 from __future__ import annotations
