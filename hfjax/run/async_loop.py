@@ -351,11 +351,11 @@ def slot_name(i: int) -> str:
 
 
 _RESPONSE_KEYS = ("responses", "response_mask", "rollout_log_probs", "token_versions")
+_JOINED_KEYS = ("input_ids", "attention_mask")
 
 
 class _Closed(Exception):
     """The rollout was closed while a job waited for its second version."""
-_JOINED_KEYS = ("input_ids", "attention_mask")
 
 
 def _scalar(value: int, like: jax.Array) -> jax.Array:
