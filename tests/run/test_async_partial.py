@@ -6,6 +6,9 @@ weights of its version over prompt + response so far (a NumPy log-softmax), the 
 identical, and a run resumed from a checkpoint whose queued batches are partial equal to the
 uninterrupted run."""
 
+import dataclasses
+import types
+
 import jax
 import numpy as np
 import partial_credit_reward
@@ -18,7 +21,7 @@ from hfjax.run.async_loop import AsyncRollout, switch_of, version_of
 from hfjax.run.checkpoint import RunCheckpointer
 from hfjax.run.trainer import Trainer
 from hfjax.settings.values import ConfigError
-from hfjax.workers.rollout import partial_column
+from hfjax.workers.rollout import generate_partial, partial_column
 
 K, STEPS, SAVED = 2, 4, 2
 
@@ -86,15 +89,17 @@ def _numeric(m):
 
 @pytest.fixture(scope="module")
 def recorded(tmp_path_factory):
-    """A run of STEPS steps at K = 2 with a checkpoint after every step: its metrics, the
-    batch each step trained on (host arrays) and the actor's weights of every pushed
-    version (host), and the checkpoint directory."""
-    batches, weights = {}, {}
+    """A run of STEPS steps at K = 2 with a checkpoint at step SAVED: its metrics, the batch
+    each step trained on (host arrays) and its host prompts, the actor's weights of every
+    pushed version (host, and as pushed to the rollout pool), the trainer and the checkpoint
+    directory."""
+    batches, prompts_of, weights, pushed = {}, {}, {}, {}
     take, push = AsyncRollout.take, AsyncRollout.push
 
     def recording_take(self, step):
         prompts, made = take(self, step)
         batch = made()
+        prompts_of[step] = prompts
         with jax.transfer_guard("allow"):
             batches[step] = {k: np.asarray(jax.device_get(batch[k])) for k in (
                 "input_ids", "attention_mask", "responses", "response_mask",
@@ -105,6 +110,7 @@ def recorded(tmp_path_factory):
         with jax.transfer_guard("allow"):
             weights[version] = jax.device_get(self.actor.params)
         push(self, version)
+        pushed[version] = self._weights[version]
 
     mp = pytest.MonkeyPatch()
     mp.setattr(AsyncRollout, "take", recording_take)
@@ -119,14 +125,23 @@ def recorded(tmp_path_factory):
     finally:
         trainer._async.close()
         mp.undo()
-    return metrics, batches, weights, trainer.actor.graphdef, ckpt
+    return types.SimpleNamespace(metrics=metrics, batches=batches, prompts=prompts_of,
+                                 weights=weights, pushed=pushed, trainer=trainer, ckpt=ckpt)
+
+
+def _log_softmax(trainer, params, ids, mask):
+    """[rows, T, V] float64 log-probs of a full forward pass (no cache) of `params`."""
+    graphdef = trainer.actor.graphdef
+    x = np.asarray(jax.jit(lambda st, i, m: nnx.merge(graphdef, st)(i, m))(params, ids, mask),
+                   np.float64)
+    x = x - x.max(axis=-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
 
 
 @pytest.mark.slow
 def test_every_token_carries_its_scheduled_version_and_its_log_prob(recorded):
-    metrics, batches, weights, graphdef, _ = recorded
+    metrics, batches, weights = recorded.metrics, recorded.batches, recorded.weights
     at = partial_column(partial_config().rollout.response_length)
-    logits = jax.jit(lambda st, ids, m: nnx.merge(graphdef, st)(ids, m))
     continued = 0
     for step in range(STEPS):
         b = batches[step]
@@ -155,11 +170,8 @@ def test_every_token_carries_its_scheduled_version_and_its_log_prob(recorded):
             assert m["async/partial/rows"] == 0.0
         # Log-probs: a full forward pass of each version's recorded weights over the rows'
         # prompt + response, position plen + j - 1 predicting response token j.
-        ref = {}
-        for v in {first, switch} - {None}:
-            x = np.asarray(logits(weights[v], b["input_ids"], b["attention_mask"]), np.float64)
-            x = x - x.max(axis=-1, keepdims=True)
-            ref[v] = x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
+        ref = {v: _log_softmax(recorded.trainer, weights[v], b["input_ids"],
+                               b["attention_mask"]) for v in {first, switch} - {None}}
         other = []
         for r, n in enumerate(lengths):
             for j in range(n):
@@ -176,7 +188,7 @@ def test_every_token_carries_its_scheduled_version_and_its_log_prob(recorded):
 
 @pytest.mark.slow
 def test_same_seed_twice_and_a_resumed_run_equal_the_first(recorded):
-    first, _, _, _, ckpt = recorded
+    first, ckpt = recorded.metrics, recorded.ckpt
     again = Trainer(partial_config())
     try:
         second = [again.train_step() for _ in range(STEPS)]
@@ -195,3 +207,34 @@ def test_same_seed_twice_and_a_resumed_run_equal_the_first(recorded):
         resumed._async.close()
     for step, m in zip(range(SAVED, STEPS), later, strict=True):
         assert _numeric(m) == _numeric(first[step]), step
+
+
+@pytest.mark.slow
+def test_greedy_continuation_equals_greedy_decoding_of_the_new_weights(recorded):
+    """The rollout group's partial generation, greedy, on step 3's prompts with weights the loop
+    pushed (versions 0, then 3: far enough apart that their greedy tokens differ): every token
+    is the argmax of a full forward pass of its version over prompt + tokens so far, i.e.
+    greedy decoding of the old weights up to the push column and of the new ones over prompt +
+    prefix after it."""
+    group, step, first, switch = recorded.trainer._async.rollout, STEPS - 1, 0, STEPS - 1
+    group.rollout = dataclasses.replace(group.rollout, temperature=0.0)
+    batch, frac = generate_partial(group, recorded.prompts[step], recorded.pushed[first], first,
+                                   lambda: recorded.pushed[switch], switch)
+    with jax.transfer_guard("allow"):
+        b = {k: np.asarray(jax.device_get(batch[k])) for k in (
+            "input_ids", "attention_mask", "responses", "response_mask", "token_versions")}
+    plen, at = (recorded.prompts[step]["prompts"].shape[1],
+               partial_column(partial_config().rollout.response_length))
+    lengths = b["response_mask"].sum(axis=1)
+    assert frac == np.mean(lengths > at) > 0
+    ref = {v: _log_softmax(recorded.trainer, recorded.weights[v], b["input_ids"],
+                           b["attention_mask"]) for v in (first, switch)}
+    changed = 0
+    for r, n in enumerate(lengths):
+        for j in range(n):
+            v = first if j < at else switch
+            assert b["token_versions"][r, j] == v
+            tok, at_j = b["responses"][r, j], plen + j - 1
+            assert tok == np.argmax(ref[v][r, at_j]), (r, j)
+            changed += v == switch and tok != np.argmax(ref[first][r, at_j])
+    assert changed > 0  # the continuation is the new weights' greedy decoding, not the old's
