@@ -357,13 +357,18 @@ class Backbone(nnx.Module):
         """Token embeddings [B, T, D] of input_ids [B, T]; with `split`, T is split over the
         `sequence` mesh axis (sequence parallelism: every later activation follows).
 
-        Under a worker group's layout the table is whole along `embed` (as FSDP gathers any weight
-        before use) and split along `vocab` only, and the rows come out split like the token
-        ids: the lookup and its gradient then partition without moving token ids between
-        devices. (Left to itself, XLA reorders them with a collective-permute that nothing
-        orders against the parameter all-gathers; XLA:CPU can then deadlock.)
+        Under a worker group's layout the table is gathered as FSDP gathers any weight before
+        use (`sharding.gathered`): whole along `embed`, and along `vocab` split over `tensor`
+        only, never over fsdp or sequence (the nested training rules store it so). The rows
+        come out split like the token ids: each device looks up its own tokens, and the lookup
+        and its gradient partition without moving token ids or whole rows between devices.
+        (With the table split over fsdp x sequence, XLA looked every token of the micro-batch up
+        on each device and all-reduced the whole rows' embeddings once the vocab outgrew the
+        micro-batch's tokens. Left to move token ids itself, it reorders them with a
+        collective-permute that nothing orders against the parameter all-gathers; XLA:CPU can
+        then deadlock.)
         """
-        table = shd.constrain(self.embed_tokens[...], ("vocab", None))
+        table = shd.gathered(self.embed_tokens[...], ("vocab", "embed"))
         h = jnp.take(table, input_ids, axis=0).astype(self.config.jnp_dtype)
         return shd.constrain(h, ("batch", "length" if split else None, None))
 

@@ -217,6 +217,36 @@ def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
     )
 
 
+# The mesh axes a parameter is sharded over only to be stored (FSDP; `sequence` joins `fsdp`
+# on a mesh that splits rows): a weight in use is whole along them, split over `tensor` only.
+STORAGE_AXES = ("data", "fsdp", "sequence")
+
+
+def gathered(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
+    """Weight x (logical axes `axes`) as it is used under the active layout: split by its rules'
+    tensor-parallel axes only and whole along `STORAGE_AXES`, as FSDP gathers a weight before
+    use; x itself when no layout is active.
+
+    Without it XLA may keep a weight split over fsdp x sequence and move the activations
+    instead: an embedding lookup in a vocab-split table then looks every token of the
+    micro-batch up on each device and all-reduces the whole rows' embeddings.
+    """
+    layout = _ACTIVE.get()
+    if layout is None:
+        return x
+    rules = {k: _without(r, STORAGE_AXES) for k, r in layout.rules.items()}
+    return jax.lax.with_sharding_constraint(
+        x, dataclasses.replace(layout, rules=rules).sharding(axes, x.shape, "weight")
+    )
+
+
+def _without(rule: Rule, drop: Sequence[str]) -> Rule:
+    """`rule` without the mesh axes in `drop` (None when none is left)."""
+    axes = (rule,) if isinstance(rule, str) else tuple(rule or ())
+    kept = tuple(a for a in axes if a not in drop)
+    return kept if len(kept) > 1 else (kept[0] if kept else None)
+
+
 def _size(mesh: Mesh, mesh_axes: Sequence[str]) -> int:
     return int(np.prod([mesh.shape[a] for a in mesh_axes])) if mesh_axes else 1
 

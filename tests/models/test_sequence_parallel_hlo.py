@@ -28,14 +28,17 @@ from hfjax.workers.actor import response_logprobs
 from hfjax.workers.base import WorkerGroup
 
 # Sizes chosen so that no feature size (D, F, V, N * H, K * H) equals a row length or a
-# multiple of one: a collective's shape then says which it carries.
-CFG = ModelConfig(vocab_size=40, hidden_size=48, intermediate_size=72, num_layers=1,
+# multiple of one: a collective's shape then says which it carries. The vocab outgrows every
+# micro-batch's tokens here (4 rows on each of 2 shards, 352 tokens), as a real model's does:
+# with a table split over vocab that is when XLA would rather all-reduce the looked-up rows
+# than gather the table.
+CFG = ModelConfig(vocab_size=400, hidden_size=48, intermediate_size=72, num_layers=1,
                   num_heads=4, num_kv_heads=4, head_dim=8)
 PROMPT, RESPONSE = 13, 30
 T = PROMPT + RESPONSE  # 43 columns: padded to W = 44 on sequence=4
 S = 4  # the sequence size of every mesh here
 W = -(-T // S) * S
-FEATURES = {48, 72, 40, 32}
+FEATURES = {48, 72, 400, 32}
 
 _DOT = re.compile(r"= (\w+)\[([\d,]*)\]\S* dot\(")
 
@@ -64,14 +67,14 @@ def dot_tokens(text: str) -> list[tuple[tuple[int, ...], int]]:
     return out
 
 
-def programs_hlo(mesh: str, mode: str, rows: int) -> str:
+def programs_hlo(mesh: str, mode: str, rows: int, rules: str = "train") -> str:
     """One program holding the actor's log-probs (LM head chunked), a critic's values and a
     score model's scores on `rows` rows per data-parallel shard, and the gradients of all
-    three, compiled for `mesh` with `mode`."""
+    three, compiled for `mesh` with `mode`, the actor under the training `rules`."""
     n = math.prod(int(a.split("=")[1]) for a in mesh.split(","))
     pool = ResourcePool("all", tuple(jax.devices())[:n])
     groups = [WorkerGroup(name, pool, mesh, transformer.build(CFG, head, seed=1),
-                          sequence_parallel=mode)
+                          rules=rules if name == "actor" else "train", sequence_parallel=mode)
               for name, head in (("actor", "causal_lm"), ("critic", "value"),
                                  ("reward_model", "score"))]
     actor, critic, score = groups
@@ -96,16 +99,20 @@ def programs_hlo(mesh: str, mode: str, rows: int) -> str:
     return fn.lower(params, ids).compile().as_text()
 
 
-# (mesh, rows per data-parallel shard): one row per shard was always split; more than one
-# made XLA gather whole rows before every matmul (the [B * T, D] reshape).
-CASES = [("fsdp=2,sequence=4", 1), ("fsdp=2,sequence=4", 2), ("fsdp=2,sequence=4", 4),
-         ("sequence=4", 2)]
+# (mesh, rows per data-parallel shard, the actor's rules): one row per shard was always split;
+# more than one made XLA gather whole rows before every matmul (the [B * T, D] reshape). The
+# nested rules (the hybrid engine's, which configs/grpo_long.py's actor trains under) store the
+# embedding table split over vocab on fsdp x sequence: the lookup all-reduced whole rows'
+# embeddings (and all-gathered their gradient) until the table was gathered before use.
+CASES = [("fsdp=2,sequence=4", 1, "train"), ("fsdp=2,sequence=4", 2, "train"),
+         ("fsdp=2,sequence=4", 4, "train"), ("sequence=4", 2, "train"),
+         ("fsdp=2,sequence=4", 1, "nested_train")]
 
 
 @pytest.mark.parametrize("mode", sp.MODES)
-@pytest.mark.parametrize(("mesh", "rows"), CASES)
-def test_split_programs_move_no_whole_rows(mesh, mode, rows):
-    text = programs_hlo(mesh, mode, rows)
+@pytest.mark.parametrize(("mesh", "rows", "rules"), CASES)
+def test_split_programs_move_no_whole_rows(mesh, mode, rows, rules):
+    text = programs_hlo(mesh, mode, rows, rules)
     local = rows * W // S
     assert row_gathers(text, 2 * rows) == []
     dots = dot_tokens(text)
@@ -134,37 +141,54 @@ def attention_exchange(text: str) -> set[str]:
     return found
 
 
-def test_each_role_compiles_the_scheme_its_config_names():
-    """The actor, reference and critic as a run builds them from a config (the dry run's
-    abstract groups), each with its own `<role>.sequence_parallel`: the compiled programs
-    (the actor's update too) hold that scheme's exchange and not the other's, and gather no
-    whole rows."""
+def test_each_role_compiles_the_scheme_its_config_names(tmp_path):
+    """Every role of a Safe-RLHF run as the run builds it from a config (the dry run's abstract
+    groups), each with its own `<role>.sequence_parallel`: the actor (log-probs and update,
+    under the hybrid engine's nested rules), the reference, the critic (values and update) and
+    the reward and cost models (scoring). Each compiled program holds its scheme's exchange and
+    not the other's, and gathers no whole rows."""
     sys.path.insert(0, "tests")
     from support import tiny_rl_config
 
+    from hfjax.models import save_hf
+    from hfjax.models.config import scratch_model_config
     from hfjax.run import dry_run
 
     # hidden 48, responses of 11: no parameter's dimension is a multiple of a row's length
-    # (8 + 11 = 19 columns, padded to 20) or of the response's, up to 4 rows.
-    c = tiny_rl_config(mesh="fsdp=2,sequence=4", hidden=48)
+    # (8 + 11 = 19 columns, padded to 20) or of the response's, up to 4 rows. The vocab (392)
+    # outgrows a micro-batch's 8 x 20 tokens, as a real model's does.
+    mesh = "fsdp=2,sequence=4"
+    c = tiny_rl_config(algorithm="safe_rlhf", mesh=mesh, hidden=48)
+    c.algo.adv_estimator = "safe_rlhf"
     c.model.num_heads = c.model.num_kv_heads = 4
+    c.model.vocab_size = 392
     c.rollout.response_length = 11
-    want = {"actor": "ring", "ref": "ulysses", "critic": "ring"}
+    # The nested rules store the embedding table split over vocab on fsdp x sequence.
+    c.actor.rules = "nested_train"
+    for i, role in enumerate(("reward_model", "cost_model")):
+        mcfg = scratch_model_config(c.model, 0, 0, 1, 64)
+        c[role].path = save_hf(transformer.build(mcfg, "score", seed=i),
+                               str(tmp_path / role))
+        c[role].mesh = mesh
+    want = {"actor": "ring", "ref": "ulysses", "critic": "ring", "reward_model": "ring",
+            "cost_model": "ulysses"}
     for role, mode in want.items():
         c[role].sequence_parallel = mode
     w = dry_run.abstract_groups(c)
     shape = dry_run.step_shape(w, c)
     seen, gathers = {}, {}
     lengths = (shape.width, sp.padded_width(shape.width, w.actor.layout), shape.response_len)
+    names = ("actor.log_prob", "actor.update", "ref.log_prob", "critic.values",
+             "critic.update", "reward_model.score", "cost_model.score")
     for _role, group in dry_run.device_groups(w):
         for p in group.programs(shape):
-            if p.name in ("actor.log_prob", "ref.log_prob", "critic.values", "actor.update"):
+            if p.name in names:
                 text = p.fn.lower(*p.args).compile().as_text()
                 seen[p.name] = attention_exchange(text)
                 gathers[p.name] = row_gathers(text, 4, lengths)
-    assert seen == {"actor.log_prob": {"ring"}, "actor.update": {"ring"},
-                    "ref.log_prob": {"ulysses"}, "critic.values": {"ring"}}
-    # The update (forward and backward through the policy loss) moves no whole rows either.
+    assert w.actor.layout.rules["vocab"] == ("tensor", "fsdp", "sequence")
+    assert seen == {name: {want[name.split(".")[0]]} for name in names}
+    # The updates (forward and backward through the losses) move no whole rows either.
     assert gathers == {name: [] for name in seen}, (lengths, gathers)
 
 
@@ -185,6 +209,6 @@ def test_row_gathers_are_seen_on_a_program_that_gathers_rows():
     assert any(n > 2 * W // S for _, n in dot_tokens(text))  # 2 rows per shard
 
 
-if __name__ == "__main__":  # python tests/models/test_sequence_parallel_hlo.py MESH MODE ROWS
-    print("\n".join(row_gathers(programs_hlo(*sys.argv[1:3], int(sys.argv[3])),
+if __name__ == "__main__":  # python tests/models/test_sequence_parallel_hlo.py MESH MODE ROWS [RULES]
+    print("\n".join(row_gathers(programs_hlo(*sys.argv[1:3], int(sys.argv[3]), *sys.argv[4:5]),
                                 2 * int(sys.argv[3]))))
