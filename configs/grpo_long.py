@@ -27,9 +27,9 @@ def get_config():
     c.model.dtype = "auto"
     c.model.param_dtype = "float32"
     # Keep the matmuls' outputs and recompute only the elementwise work in the backward pass
-    # (no second forward of every layer, as "full" does): that holds 57.6 GiB of activations
+    # (no second forward of every layer, as "full" does): that holds 65.3 GiB of temporaries
     # per device for a quarter row, and fits only because sequence=4 splits each row. The same
-    # config with whole rows per device (actor.mesh=fsdp=8) needs 212.5 GiB in actor.update and
+    # config with whole rows per device (actor.mesh=fsdp=8) needs 212.8 GiB in actor.update and
     # does not fit; with remat_policy=full it would (docs/scaling.md, "Long responses").
     c.model.remat_policy = "dots_no_batch"
     c.sft.steps = 0

@@ -31,6 +31,25 @@ def test_constrain_maps_logical_axes_and_batch_onto_the_active_mesh():
     np.testing.assert_array_equal(np.asarray(y), 2.0)
 
 
+def test_gathered_keeps_only_a_weights_tensor_split():
+    """The nested rules store the embedding table split over vocab on tensor x fsdp x sequence;
+    in use (`gathered`) it is whole over fsdp and sequence and split over tensor only."""
+    mesh = ResourcePool("all", tuple(jax.devices())).mesh("fsdp=2,sequence=2,tensor=2")
+    layout = shd.layout(mesh, "nested_train")
+    axes = ("vocab", "embed")
+    w = jax.device_put(jnp.arange(16.0 * 6).reshape(16, 6), layout.sharding(axes, (16, 6)))
+    assert w.sharding.spec == P(("tensor", "fsdp", "sequence"))
+
+    def f(w):
+        with shd.activation_layout(layout):
+            return shd.gathered(w, axes) * 2
+
+    y = jax.jit(f)(w)
+    assert y.sharding.spec == P("tensor")
+    np.testing.assert_array_equal(np.asarray(y), 2 * np.asarray(w))
+    assert shd.gathered(w, axes) is w  # no layout active: x itself
+
+
 def _grad_hlo(jit, group: WorkerGroup, ids, mask) -> str:
     """Optimised HLO of the gradient of a mean logit, compiled by `jit`."""
 
