@@ -209,6 +209,7 @@ def test_row_gathers_are_seen_on_a_program_that_gathers_rows():
     assert any(n > 2 * W // S for _, n in dot_tokens(text))  # 2 rows per shard
 
 
-if __name__ == "__main__":  # python tests/models/test_sequence_parallel_hlo.py MESH MODE ROWS [RULES]
+# python tests/models/test_sequence_parallel_hlo.py MESH MODE ROWS [RULES]
+if __name__ == "__main__":
     print("\n".join(row_gathers(programs_hlo(*sys.argv[1:3], int(sys.argv[3]), *sys.argv[4:5]),
                                 2 * int(sys.argv[3]))))
