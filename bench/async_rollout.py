@@ -17,8 +17,9 @@ XLA runs each program on one thread (--xla_cpu_multi_thread_eigen=false).
   own. One process's programs on its simulated devices share the interpreter and the cores.
 
 Per run: steps/s over the steps after `--warmup` (which compile, timed on process 0), the
-seconds of generation per step (`timing_s/gen`: for the synchronous two-pool run, what the
-trainer's pool idles; the rest of the step is what the rollout's idles), the mean staleness,
+seconds of generation per step (`timing_s/gen`), both pools' idle seconds per step (the loop's
+`timing_s/idle/rollout` and `timing_s/idle/train`, docs/async.md "Metrics"; in the processes
+layout each is measured on its own pool's process), the mean staleness,
 the ratio to the synchronous two-pool run, and the planner's price of each two-pool run's step
 (`hfjax.planner.simulator.async_step_seconds`, from the synchronous run's measured generation
 and other stage times). The last line is JSON.
@@ -27,6 +28,7 @@ and other stage times). The last line is JSON.
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -96,20 +98,21 @@ def one(name: str, steps: int, warmup: int, smoke: bool) -> dict:
         trainer.async_rollout.close()
     gen = statistics.mean(m["timing_s/gen"] for m in ms)
     step = wall / steps
-    nan = float("nan")
-    if k >= 1 and jax.process_count() == 1:
+    if name == "colocate":  # both stages on every device: nothing idles by placement
+        idle_rollout = idle_train = 0.0
+    else:  # the loop's own measure (across processes, each pool's on its own process)
         idle_rollout = statistics.mean(m["timing_s/idle/rollout"] for m in ms)
         idle_train = statistics.mean(m["timing_s/idle/train"] for m in ms)
-    elif k >= 1:  # one schedule per process: the waits are inside collectives, unmeasured
-        idle_rollout = idle_train = nan
-    elif name == "sync":  # in turn: each pool idles while the other works
-        idle_rollout, idle_train = step - gen, gen
-    else:  # colocated: both stages on every device, nothing idles by placement
-        idle_rollout = idle_train = 0.0
     return {"run": name, "steps_per_s": steps / wall, "step_s": step, "gen_s": gen,
             "idle_rollout_s": idle_rollout, "idle_train_s": idle_train,
             "staleness_mean": statistics.mean(m.get("async/staleness/mean", 0.0) for m in ms),
             "push_s": statistics.mean(m.get("async/push_s", 0.0) for m in ms)}
+
+
+def seconds(value: float) -> str:
+    """An idle column: n/a where no process measured it (a process holding devices of both
+    pools measures neither)."""
+    return "n/a" if math.isnan(value) else f"{value:.3f}"
 
 
 def main(argv: list[str]) -> None:
@@ -163,7 +166,7 @@ def main(argv: list[str]) -> None:
             pred = async_step_seconds(base["gen_s"], rest, r["push_s"], RUNS[name][1])
         r["predicted_step_s"] = pred
         print(f"{name:10} {r['steps_per_s']:8.3f} {r['step_s']:7.3f} {r['gen_s']:7.3f} "
-              f"{r['idle_rollout_s']:13.3f} {r['idle_train_s']:11.3f} "
+              f"{seconds(r['idle_rollout_s']):>13} {seconds(r['idle_train_s']):>11} "
               f"{r['staleness_mean']:9.2f} {ratio:8.2f} {pred:9.3f}")
     print(json.dumps(results))
 

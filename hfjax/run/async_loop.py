@@ -16,15 +16,18 @@ The schedule is fixed by the step numbers, never by timing, so a run is reproduc
   response column `partial_column(response_length)` (halfway): rows still decoding there keep
   their prefix and continue under it (`hfjax.workers.rollout.generate_partial`).
 
-With K >= 1 in one process a rollout thread runs the issued jobs in order; it waits for a
-job's version to arrive (a push builds it beside the weights decoding reads, and the thread
-swaps at the next job: double buffering). Across processes (`jax.distributed`) there is no
-thread: every process runs the same single-threaded schedule, dispatching the generation of
-the steps it issues when it issues them, then the trainer's step. Each process only computes
-the programs of its own devices (the others' are no-ops there), so the rollout pool's process
-generates while the trainer's process updates, and every cross-process collective (the batch
-coming home, the push, host fetches) is issued in the same order on every process. With K = 0
-the job runs inline when the trainer's step asks for it: the synchronous loop on two pools.
+In one process a rollout thread runs the issued jobs in order; it waits for a job's version to
+arrive (a push builds it beside the weights decoding reads, and the thread swaps at the next
+job: double buffering). With K = 0 the same thread makes each batch when its step issues it and
+the trainer waits for it in its "gen" stage: the synchronous loop on two pools, through the
+machinery of K >= 1 with no overlap. Across processes (`jax.distributed`) there is no thread:
+every process runs the same single-threaded schedule. At each step with K >= 1 the step's batch
+(made at an earlier step) comes home first, then the generation of the steps issued ahead is
+dispatched, then the trainer's step (with K = 0 the step's "gen" stage generates its batch and
+brings it home). Each process only computes the programs of its own devices (the others' are
+no-ops there), so the rollout pool's process generates while the trainer's process updates, and
+every cross-process collective (the batch coming home, the push, host fetches) is issued in the
+same order on every process.
 
 A batch stays on the rollout pool until its step takes it; then its response columns that are
 padding in every row are cut (as the synchronous loop's generate does) and it moves to the
@@ -105,6 +108,16 @@ class AsyncRollout:
         self._error: BaseException | None = None
         self._closed = False
         self._idle_rollout = 0.0
+        # Across processes each pool's idle time is measured on a process that holds its
+        # devices and none of the other pool's; and on the rollout's, when the current step
+        # began and the seconds it has generated since.
+        here = jax.process_index()
+        holds_rollout = any(d.process_index == here for d in rollout.mesh.devices.flat)
+        holds_actor = any(d.process_index == here for d in actor.mesh.devices.flat)
+        self._rollout_side = holds_rollout and not holds_actor
+        self._trainer_side = holds_actor and not holds_rollout
+        self._mark: float | None = None
+        self._busy = 0.0
         self._issued = start_version  # the next step to issue
         self._thread: threading.Thread | None = None
         self._metrics: dict[str, float] = {}
@@ -175,32 +188,70 @@ class AsyncRollout:
     def take(self, step: int) -> tuple[Batch, Callable[[], Batch]]:
         """(the host prompts of `step`, a function giving its generated batch), issuing every
         step the bound admits first. With K >= 1 the batch is waited for here; with K = 0 the
-        function generates it (the driver's "gen" stage)."""
+        function waits for it (the driver's "gen" stage: on two pools in turn, the trainer
+        idles while the rollout pool generates)."""
+        now = time.perf_counter()
+        if not self.threaded and self._mark is not None:  # the previous step's period
+            self._idle_rollout = max(now - self._mark - self._busy, 0.0)
+        self._mark, self._busy = now, 0.0
+        issued = []
         for s in range(self._issued, step + self.k + 1):
             prompts, cursor = self._prompts(s)
             switch = switch_of(s, self.k, self.every, self.start) if self.partial else None
             job = _Job(s, prompts, version_of(s, self.k, self.every, self.start), cursor, switch)
             self._pending.append(job)
-            if self.k >= 1 and self.threaded:
+            issued.append(job)
+            if self.threaded:  # K = 0 too: the same thread and double buffer, no overlap
                 with self._cv:
                     self._jobs.append(job)
                     self._cv.notify_all()
-            elif self.k >= 1:  # dispatched now, in this thread: its version was pushed
-                self._made[s] = self._generate(job)
         self._issued = max(self._issued, step + self.k + 1)
         assert self._pending and self._pending[0].step == step, "steps consumed out of order"
         self._drop_unneeded()
-        if self.k == 0:
-            job = self._pending.popleft()
-            self._metrics["timing_s/idle/train"] = 0.0
-            return job.prompts, lambda: self._home(self._generate(job), job.version)
+        job = self._pending.popleft()
         if not self.threaded:
-            job = self._pending.popleft()
-            self._metrics["timing_s/idle/train"] = 0.0
-            self._metrics["timing_s/idle/rollout"] = 0.0
-            batch = self._home(self._made.pop(step), job.version)
-            return job.prompts, lambda: batch
+            return job.prompts, self._take_in_turn(step, job, issued, now)
         self._start()
+        if self.k == 0:
+            return job.prompts, lambda: self._home(self._wait(step), job.version)
+        batch = self._home(self._wait(step), job.version)
+        return job.prompts, lambda: batch
+
+    def _take_in_turn(self, step: int, job: _Job, issued: list[_Job],
+                      t0: float) -> Callable[[], Batch]:
+        """`take` with no rollout thread (across processes): this step's batch comes home
+        first, then the generation of the steps issued ahead is dispatched. In that order the
+        rollout's process generates them while the trainer's process trains on this one; the
+        other order would keep the trainer waiting for the batch of a later step."""
+        self._metrics["timing_s/idle/rollout"] = (self._idle_rollout if self._rollout_side
+                                                  else float("nan"))
+        if self.k == 0:
+            def made() -> Batch:
+                t1 = time.perf_counter()
+                batch = self._home(self._generate(job), job.version)
+                self._metrics["timing_s/idle/train"] = self._wait_seconds(t1)
+                return batch
+
+            return made
+        for other in issued:  # at the first step, the batches up to this one
+            if other.step <= step:
+                self._made[other.step] = self._generate(other)
+        batch = self._home(self._made.pop(step), job.version)
+        self._metrics["timing_s/idle/train"] = self._wait_seconds(t0)
+        for other in issued:
+            if other.step > step:
+                self._made[other.step] = self._generate(other)
+        return lambda: batch
+
+    def _wait_seconds(self, t0: float) -> float:
+        """Across processes, the seconds since `t0` the trainer's process spent getting its
+        batch (NaN on another process: there they are not a wait)."""
+        if not self._trainer_side:
+            return float("nan")
+        return time.perf_counter() - t0
+
+    def _wait(self, step: int) -> Batch:
+        """The batch of `step` from the rollout thread, once it has made it."""
         t0 = time.perf_counter()
         with self._cv:
             while step not in self._made and self._error is None:
@@ -211,9 +262,7 @@ class AsyncRollout:
             self._metrics["timing_s/idle/rollout"] = self._idle_rollout
             self._idle_rollout = 0.0
         self._metrics["timing_s/idle/train"] = time.perf_counter() - t0
-        job = self._pending.popleft()
-        batch = self._home(batch, job.version)
-        return job.prompts, lambda: batch
+        return batch
 
     def metrics(self, step: int, batch: Batch) -> dict:
         """This step's async metrics: push bytes and seconds, idle times (host floats) and
@@ -223,10 +272,24 @@ class AsyncRollout:
         if self.partial:
             with self._cv:
                 out["async/partial/rows"] = self._continued.pop(step, 0.0)
+        if not self.threaded:
+            out |= self._from_pools(out)
         with jax.transfer_guard("allow"):  # the step number: one scalar upload
             mean, worst = _staleness(batch["token_versions"], batch["response_mask"],
                                      _scalar(step, batch["response_mask"]))
         return out | {"async/staleness/mean": mean, "async/staleness/max": worst}
+
+    def _from_pools(self, metrics: dict) -> dict:
+        """Across processes each pool's idle time is measured on its own process (NaN on the
+        others): placed on that pool's devices, where only its process's value lands, it
+        comes back to every process with the step's one metrics fetch."""
+        out = {}
+        with jax.transfer_guard("allow"):  # one scalar upload each
+            for key, mesh in (("timing_s/idle/rollout", self.rollout.mesh),
+                              ("timing_s/idle/train", self.actor.mesh)):
+                if key in metrics:
+                    out[key] = jax.device_put(np.float32(metrics[key]), NamedSharding(mesh, P()))
+        return out
 
     def close(self) -> None:
         """Stops the rollout thread (after its current job)."""
@@ -290,7 +353,12 @@ class AsyncRollout:
     def _generate(self, job: _Job) -> Batch:
         first = self._swap(job.version)
         if job.switch is None:
-            return self.rollout.generate(job.prompts)
+            t0 = time.perf_counter()
+            batch = self.rollout.generate(job.prompts)
+            if not self.threaded and self._rollout_side:  # the seconds it kept its devices busy
+                jax.block_until_ready(batch.arrays)
+                self._busy += time.perf_counter() - t0
+            return batch
 
         def second():  # after the first columns: the pushed version the rows continue under
             if not self._wait_for(job.switch):

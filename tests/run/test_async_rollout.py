@@ -1,8 +1,11 @@
 """Asynchronous rollout (hfjax.run.async_loop): refused where it cannot run, the version
 schedule against a loop that enumerates it, the rollout pool's devices, and end to end on 8
-CPU devices: the synchronous loop on two pools equals today's split run, K = 1 bounds every
-token's staleness, pushes the parameters' bytes, reruns identically and rewinds the data
-cursor over batches issued ahead."""
+CPU devices: the synchronous loop on two pools (through the rollout thread and the
+double-buffered push) and K = 1 on a staleness-0 schedule equal today's split run, K = 1
+bounds every token's staleness, pushes the parameters' bytes, reruns identically and rewinds
+the data cursor over batches issued ahead."""
+
+import threading
 
 import jax
 import numpy as np
@@ -11,6 +14,7 @@ from support import tiny_rl_config
 
 from hfjax.config import check_config
 from hfjax.controller.async_pools import resolve_pools
+from hfjax.run import async_loop
 from hfjax.run.async_loop import AsyncRollout, version_of
 from hfjax.run.checkpoint import RunCheckpointer
 from hfjax.run.trainer import Trainer
@@ -81,14 +85,38 @@ def _run(cfg):
 
 
 @pytest.mark.slow
-def test_synchronous_loop_on_two_pools_equals_todays_split_run():
+def test_synchronous_loop_on_two_pools_equals_todays_split_run(monkeypatch):
+    """K = 0 on two pools runs the machinery of K >= 1 with no overlap: the rollout thread
+    generates each batch with the version pushed (double-buffered) after the previous update
+    and swapped in at its job, the trainer cuts its padding columns and tags its tokens. So
+    does K = 1 on a schedule that admits only the newest version (`version_of` replaced: each
+    step's prompts are issued a step ahead, their batch made once the previous update's push
+    lands). Both equal today's split run, every metric of three GRPO steps within 1e-6."""
+    made = []  # (step, version, thread) of each batch the rollout group generates
+    generate = AsyncRollout._generate
+
+    def recording(self, job):
+        made.append((job.step, job.version, threading.current_thread().name))
+        return generate(self, job)
+
+    monkeypatch.setattr(AsyncRollout, "_generate", recording)
     _, today = _run(grpo_config("split", 0))
+    assert not made  # today's split: no rollout group
     trainer, two_pools = _run(grpo_config(POOLS, 0))
-    for a, b in zip(today, two_pools, strict=True):
+    trainer._async.close()
+    assert made == [(s, s, "hfjax-rollout") for s in range(3)]
+    assert two_pools[0]["async/push_bytes"] == param_bytes(trainer.actor.params)
+    made.clear()
+    monkeypatch.setattr(async_loop, "version_of", lambda step, *_args: step)
+    trainer, newest = _run(grpo_config(POOLS, 1))
+    trainer._async.close()  # step 3's batch, issued ahead, may or may not have been made
+    assert made[:3] == [(s, s, "hfjax-rollout") for s in range(3)]
+    for a, b, c in zip(today, two_pools, newest, strict=True):
         for key, value in _numeric(a).items():
             assert b[key] == pytest.approx(value, abs=1e-6), key
-        assert b["async/staleness/max"] == 0.0
-    assert two_pools[0]["async/push_bytes"] == param_bytes(trainer.actor.params)
+            assert c[key] == pytest.approx(value, abs=1e-6), key
+        assert b["async/staleness/max"] == c["async/staleness/max"] == 0.0
+        assert b["timing_s/idle/train"] >= 0 and b["timing_s/idle/rollout"] >= 0
 
 
 @pytest.mark.slow
