@@ -88,12 +88,15 @@ def one(name: str, steps: int, warmup: int, smoke: bool) -> dict:
     from hfjax.run.trainer import Trainer
 
     placement, k = RUNS[name]
-    trainer = Trainer(workload(placement, k, warmup + steps, smoke))
+    trainer = Trainer(workload(placement, k, warmup + steps + 1, smoke))
     for _ in range(warmup):
         trainer.train_step()
     t0 = time.perf_counter()
     ms = [trainer.train_step() for _ in range(steps)]
     wall = time.perf_counter() - t0
+    # A step reports the rollout's idle time over the step before it (the rollout waits for
+    # the trainer's step to end): one more step, untimed, reports the last timed step's.
+    after = trainer.train_step() if name != "colocate" else {}
     if trainer.async_rollout is not None:
         trainer.async_rollout.close()
     gen = statistics.mean(m["timing_s/gen"] for m in ms)
@@ -101,7 +104,7 @@ def one(name: str, steps: int, warmup: int, smoke: bool) -> dict:
     if name == "colocate":  # both stages on every device: nothing idles by placement
         idle_rollout = idle_train = 0.0
     else:  # the loop's own measure (across processes, each pool's on its own process)
-        idle_rollout = statistics.mean(m["timing_s/idle/rollout"] for m in ms)
+        idle_rollout = statistics.mean(m["timing_s/idle/rollout"] for m in [*ms[1:], after])
         idle_train = statistics.mean(m["timing_s/idle/train"] for m in ms)
     return {"run": name, "steps_per_s": steps / wall, "step_s": step, "gen_s": gen,
             "idle_rollout_s": idle_rollout, "idle_train_s": idle_train,
