@@ -3,7 +3,8 @@
 ``gen=4:rollout;train=4:actor+ref+reward``, the rollout pool is process 0's devices and the
 trainer's pool process 1's; batches come home and weights are pushed by collectives
 (hfjax.parallel.cross_pool), and both processes run one schedule on one thread. Three GRPO steps
-at K = 1 equal the one-process run on 8 devices (its rollout thread) within 1e-6.
+at K = 1 equal the one-process run on 8 devices (its rollout thread) within 1e-6, and each
+pool's idle time, measured on its own process, reaches the metrics both log.
 
 The job starts from scratch with tests/partial_credit_reward.py's per-character credit, so every
 stage computes on non-zero numbers. No KL in the reward: GRPO divides by each group's reward
@@ -11,6 +12,7 @@ spread, which for a group of equal scores would blow a 1e-10 KL difference (XLA 
 log-probs in another order in the two layouts, ~1 float32 ulp) up to 1e-5.
 """
 
+import math
 import os
 import subprocess
 import sys
@@ -73,3 +75,11 @@ def test_two_processes_one_pool_each_equal_one_process(tmp_path):
     for x, y in zip(a, b, strict=True):
         for k in x:
             assert abs(x[k] - y[k]) <= 1e-6 * max(1.0, abs(x[k])), (x["step"], k, x[k], y[k])
+    # Each pool's idle time is measured on its own process (process 0 generates, process 1
+    # trains) and every process logs both: process 0's file holds the trainer's wait too.
+    steps = [r for r in read_jsonl(os.path.join(two, "metrics.jsonl"))
+             if "timing_s/idle/train" in r]
+    assert len(steps) == TOTAL
+    for r in steps:
+        for key in ("timing_s/idle/train", "timing_s/idle/rollout"):
+            assert math.isfinite(r[key]) and r[key] >= 0, (r["step"], key, r[key])
