@@ -124,10 +124,16 @@ def chain_problems(n: int, seed: int, steps: int, max_b: int = 9) -> list[dict]:
     return rows
 
 
-def chain_response(a: int, b: int, steps: int) -> str:
-    """The demonstration's response: the chain, then `#### <a + steps * b>`, the one ending
-    the chain reward (hfjax.rewards.math.chain_answer) scores 1."""
-    return chain(a, b, steps) + f"#### {a + steps * b}"
+CHAIN_CLOSE = "##"  # the closing line's counter: "## 679", the answer where a next line's sum goes
+
+
+def chain_close(answer: int) -> str:
+    """The chain's closing line, `## <answer>` with the answer in three digits: the shape of a
+    chain line's start, its counter replaced by the marker, so the model writes the answer as
+    it opens every line, by copying the sum the line before it ended with (seven tokens back).
+    The chain reward (hfjax.rewards.math.chain_answer) scores a response that ends with it."""
+    return f"{CHAIN_CLOSE} {answer:03d}"
+
 
 
 def sft_texts(
@@ -148,10 +154,11 @@ def sft_texts(
         x = row["extra_info"]
         answer = int(row["reward_model"]["ground_truth"])
         text = f"#### {answer}"
-        if "steps" in x:  # a chain row: its worked chain, then the answer
+        if "steps" in x:  # a chain row: its worked chain, then the closing line
+            close = chain_close(answer)
             if corruption == "format" and rng.random() < corrupt_frac:
-                text = str(answer)
-            out.append((row["prompt"][-1]["content"], chain(x["a"], x["b"], x["steps"]) + text))
+                close = ""  # the chain stops after its last line, without the answer
+            out.append((row["prompt"][-1]["content"], chain(x["a"], x["b"], x["steps"]) + close))
             continue
         if corruption == "carry":
             wrong = _no_carry(x["a"], x["b"], x["op"])

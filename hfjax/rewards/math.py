@@ -81,7 +81,7 @@ def answer_after_hashes(data_source, solution_str, ground_truth, extra_info=None
 
 
 CHAIN_SOURCE = "hfjax/arith_chain"  # the data_source of hfjax.data.arith.chain_problems' rows
-_CHAIN_ANSWER = re.compile(r"#### (\d+)\s*$")
+_CHAIN_ANSWER = re.compile(r"(?:^|\s)## (\d{3})\s*$")  # hfjax.data.arith.chain_close
 
 
 def check_chain_row(ground_truth: str, extra_info: dict | None = None) -> str | None:
@@ -97,13 +97,14 @@ def check_chain_row(ground_truth: str, extra_info: dict | None = None) -> str | 
 
 @register_reward(CHAIN_SOURCE, check=check_chain_row)
 def chain_answer(data_source, solution_str, ground_truth, extra_info=None) -> float:
-    """1.0 when the response ends with `#### <ground truth>` (trailing whitespace aside), 0.0
+    """1.0 when the response ends with the chain's closing line `## <ground truth>`, the
+    answer in three digits (hfjax.data.arith.chain_close; trailing whitespace aside), 0.0
     otherwise. Only the answer is read, but only the chain reaches it (hfjax.data.arith.chain):
     each line's sum starts the next line, so a slip in any line moves every later sum and the
     answer with them. (An exact-match reward on the whole chain never fired on sampled
     responses: one slip among a thousand tokens scored 0 however close the rest was.)"""
     found = _CHAIN_ANSWER.search(solution_str)
-    return float(found is not None and found.group(1) == ground_truth)
+    return float(found is not None and int(found.group(1)) == int(ground_truth))
 
 
 # -- math-verify ---------------------------------------------------------------------------------

@@ -45,24 +45,28 @@ def test_chain_rows_and_demonstrations_are_long_and_exact():
         x = row["extra_info"]
         assert prompt == f"{x['a']}+{x['b']}=" and 10 <= x["a"] <= 99 and 1 <= x["b"] <= 9
         assert row["reward_model"]["ground_truth"] == str(x["a"] + STEPS * x["b"])
-        assert response == _reference_chain(x["a"], x["b"], STEPS) + \
-            f"#### {x['a'] + STEPS * x['b']}"
+        last = _reference_chain(x["a"], x["b"], STEPS).rstrip()[-3:]
+        assert response == _reference_chain(x["a"], x["b"], STEPS) + f"## {last}"
+        assert int(last) == x["a"] + STEPS * x["b"]
         assert len(tok.encode(response, add_special_tokens=False)) >= 1024
         assert registry.check_ground_truth(row["data_source"],
                                            row["reward_model"]["ground_truth"], x) is None
-    # "format" corruption drops the marker from a share of the demonstrations, never the chain.
+    # "format" corruption drops the closing line from a share of the demonstrations, never the
+    # chain: those end after the chain's last line.
     bare = arith.sft_texts(rows, 0.5, seed=1, corruption="format")
-    kinds = {"####" in r for _, r in bare}
+    kinds = {"##" in r for _, r in bare}
     assert kinds == {True, False}
     for row, (_, r) in zip(rows, bare):
         x = row["extra_info"]
-        assert r.startswith(_reference_chain(x["a"], x["b"], STEPS))
+        chain = _reference_chain(x["a"], x["b"], STEPS)
+        assert r in (chain, chain + f"## {chain.rstrip()[-3:]}")
 
 
 def test_reward_reads_the_answer_that_only_the_whole_chain_reaches():
     """The demonstration scores 1 with or without trailing whitespace; the bare answer, a
-    wrong answer, text after the answer, or a chain with a slip in any line, which carries the
-    slip to its last sum and writes that after the marker, score 0."""
+    wrong answer, an answer not in three digits, text after the answer, or a chain with a slip
+    in any line, which carries the slip to its last sum and writes that after the marker,
+    score 0."""
     row = arith.chain_problems(1, seed=9, steps=STEPS)[0]
     x = row["extra_info"]
     good = arith.sft_texts([row], 0.0, seed=0, corruption="none")[0][1]
@@ -74,11 +78,13 @@ def test_reward_reads_the_answer_that_only_the_whole_chain_reaches():
         slipped = _reference_chain(x["a"], x["b"], STEPS, slip_at=k)
         written = _last_sum(slipped)
         assert written != answer, k
-        assert _score(row, slipped + f"#### {written}") == 0.0, k
-    assert _score(row, good[:chain_len] + answer) == 0.0  # no marker
-    assert _score(row, good[:chain_len] + f"#### {int(answer) + 1}") == 0.0
+        assert _score(row, slipped + f"## {int(written):03d}") == 0.0, k
+    assert _score(row, good[:chain_len] + f"{int(answer):03d}") == 0.0  # no marker
+    assert _score(row, good[:chain_len] + f"## {int(answer) + 1:03d}") == 0.0
+    assert _score(row, good[:chain_len] + f"## 0{int(answer):03d}") == 0.0
+    assert _score(row, good[:chain_len] + f"x## {int(answer):03d}") == 0.0
     assert _score(row, good + " 00") == 0.0  # the answer must end the response
-    assert _score(row, good[:chain_len] + f"#### {answer}x") == 0.0
+    assert _score(row, good[:chain_len] + f"## {int(answer):03d}x") == 0.0
     assert registry.check_ground_truth(row["data_source"], str(int(answer) + 1), x) is not None
     assert row["data_source"] == math.CHAIN_SOURCE  # the reward is registered for these rows
 
