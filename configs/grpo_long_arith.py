@@ -3,22 +3,22 @@ arithmetic reaches, rows split over the `sequence` mesh axis.
 
 The task is `data.task=arith_chain` (hfjax.data.arith.chain): "47+8=" asks for 47 + 79 * 8,
 worked as 79 fixed-width lines counting down, each adding 8 to the sum the line before ended
-with ("78 047+8=055 77 055+8=063 ... 00 671+8=679 #### 679"), 1,027 tokens of chain and the
-answer: every token is a function of the tokens a line or less before it, so a warm start can
+with ("78 047+8=055 77 055+8=063 ... 00 671+8=679 ## 679"), 1,027 tokens of chain and a closing
+line: every token is a function of the tokens a line or less before it, so a warm start can
 learn it to a low loss, and one wrong digit anywhere moves every later sum and the answer. The
-reward (`hfjax/arith_chain`) is 1 for a response that ends in `#### <answer>`. 60% of the
-warm-start demonstrations end in the bare answer without the marker (`sft.corruption=format`),
-so greedy decoding after the warm start writes the chain and misses the marker; rollouts at
-temperature 0.4 keep most chains whole while still writing the marker in some, and GRPO has
-the marker to find at the end of 1,030 tokens.
+closing line has a chain line's shape (the marker `##` where the counter goes, the answer where
+the next line's first sum goes), so the answer is copied as every line's first sum is. The
+reward (`hfjax/arith_chain`) is 1 for a response that ends in `## <answer>`. 60% of the
+warm-start demonstrations stop after the chain's last line (`sft.corruption=format`), so greedy
+decoding after the warm start writes the chain and stops, scoring 0; rollouts at temperature
+0.4 keep most chains whole while writing the closing line in some, and GRPO has it to find at
+the end of 1,030 tokens.
 
 The actor and the reference train and score on `fsdp=2,sequence=4`: each row's tokens split four
 ways, attention across the shards by Ulysses (the model has 4 query and 4 KV heads, which
 sequence=4 divides); generation runs on `data=8` with whole rows, resharded from the training
 layout by the hybrid engine. Held-out greedy accuracy on 32 problems before and after
-(docs/algorithms.md, "Long responses"). Measured, it does not learn yet: after the warm start
-29 of 32 greedy chains are slip-free, but the answer copied after them is wrong in most, so
-rollouts are almost never rewarded (docs/algorithms.md gives the figures).
+(docs/algorithms.md, "Long responses", gives the measured run).
 
     python -m launch.train --config=configs/grpo_long_arith.py --cpu_devices=8
 """
