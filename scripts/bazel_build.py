@@ -79,6 +79,9 @@ TEST_OPTIONS: dict[str, dict] = {
     "tests/run/test_trackers.py": {"size": "large"},
     # Three LoRA runs exported (four launch.export processes) and loaded by PEFT.
     "tests/models/test_lora_export.py": {"size": "large"},
+    "tests/models/test_sequence_parallel_hlo.py": {"size": "large"},
+    "tests/run/test_async_partial.py": {"size": "large"},
+    "tests/run/test_async_rollout.py": {"size": "large"},
     # The smoke tier runs every command of README.md and docs/ (files outside the runfiles) in
     # a scratch copy of the checkout: pytest runs it (-m smoke, .ci/run), Bazel only on request.
     "tests/test_documented_commands.py": {"size": "enormous",
