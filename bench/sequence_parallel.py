@@ -18,13 +18,15 @@ rows, from its optimized HLO:
   convert on each side; an accelerator moves bfloat16); `as cpu`: the same as compiled here;
 - `permute/layer`: bytes of ring's collective-permutes, per layer: a step's K/V blocks (the scan
   body appears once) and, with the zig-zag placement, q, k, v moved to their places and the
-  output moved back; its ideal (in `ideal` and `ratio` for ring): b x T / s x head_dim x 2
-  bytes x (2 K for the k and v blocks, + 2 N + 2 K for the placement), per pass;
+  output moved back; its ideal (in `ideal` and `ratio` for ring): b x T / s x head_dim x the
+  compute dtype's bytes x (2 K for the k and v blocks, + 2 N + 2 K for the placement) per pass,
+  and for an update 2 K more: ring's backward passes the k and v blocks round the ring again,
+  with their gradients (without keeping all s blocks of the forward, s times the memory);
 - `row gathers`: all-gathers, all-reduces and reduce-scatters of float arrays whose shape
   holds a row's full length (should be none: tests/models/test_sequence_parallel_hlo.py);
 - `temp`: the program's temporary bytes per device (`memory_analysis().temp_size_in_bytes`);
   ring's update moves its K/V blocks three times per step (forward, the step recomputed in the
-  backward pass, the blocks' gradients), so its ratio is 1.5 where the placement is small;
+  backward pass, the blocks' gradients), which its ideal counts;
 - for ring, the half-shard pairs each device computes per layer (the causally empty ones are
   skipped), zig-zag placement (`ring`) against the plain one (`ring-plain`: device d holds
   half-shards 2d, 2d + 1), and both placements' scoring programs' temporary memory; and, as
@@ -163,8 +165,9 @@ def main(argv):
                         ideal = per_pass * passes
                         ratio = a2a / ideal
                     else:  # a step's k and v blocks, [b, T / s, K, head_dim], and their grads
-                        heads = 2 * k + (2 * n + 2 * k) * sp.RING_BALANCED  # + placement
-                        ideal = b * (width // s) * heads * H * nb * passes
+                        kv = 2 * k * (3 if p.trains else 1)  # forward; backward: again + grads
+                        placed = (2 * n + 2 * k) * sp.RING_BALANCED * passes
+                        ideal = b * (width // s) * (kv + placed) * H * nb
                         ratio = permute / ideal
                     cpu = (got["a2a"] if scheme == "ulysses" else got["permute"]) / ideal
                     print(f"{scheme:10} {p.name:18} {_mib(a2a):>11} {_mib(ideal):>11} "
