@@ -51,6 +51,11 @@ def workload(placement: str, k: int, steps: int, smoke: bool):
     m = c.model
     m.hidden_size, m.intermediate_size, m.head_dim = 256, 512, 32
     m.num_layers, m.num_heads, m.num_kv_heads = 4, 8, 4
+    # Logits over 512 ids (the task's 18 and unused ones, which decode to nothing): the
+    # untrained policy draws its stop token about once in 512, so every response runs to the
+    # response length, each step has the same widths (no timed step compiles) and generation
+    # is as long as the rest of the step.
+    m.vocab_size = 512
     c.data.n_train, c.data.n_test = 256, 16
     # Few rows and no reference: decoding is latency-bound (its time barely grows with the
     # rows), the update is not, so a small batch keeps the two sides comparable (measured:
