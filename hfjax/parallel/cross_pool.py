@@ -12,8 +12,13 @@ process does not hold is a no-op there. Two things then need a program that span
   permute over the union of the two device sets moves shard i to destination device i: each
   byte crosses once.
 - `gather`: a host copy of an array on every process, also on processes that hold none of its
-  devices (`multihost_utils.process_allgather` needs a shard on every process): each device's
-  shard is gathered over all devices, and every process assembles the array from its copy.
+  devices (`multihost_utils.process_allgather` needs a shard on every process). An array whose
+  devices all sit on one process is fetched there and handed to the others through the
+  distributed runtime's key-value store, so that no other process's devices take part: a
+  device collective would wait for whatever those devices run (the rollout's generation, on
+  CPU run to its end before anything else), and the two pools would run in turn. Otherwise
+  each device's shard is gathered over all devices, and every process assembles the array
+  from its copy.
 
 Both are collectives: every process must call them in the same order, which the asynchronous
 loop's single-threaded schedule across processes guarantees (`hfjax.run.async_loop`).
@@ -22,6 +27,7 @@ loop's single-threaded schedule across processes guarantees (`hfjax.run.async_lo
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Sequence
 
 import jax
@@ -121,9 +127,61 @@ def _gather(mesh: Mesh, count: int):
     return jax.jit(lambda xs: xs, out_shardings=[NamedSharding(mesh, P())] * count)
 
 
+_ROUNDS = itertools.count()  # gather calls, in the same order on every process
+_KV_TIMEOUT_MS = 30 * 60 * 1000  # as long as the slowest step may take to reach its fetch
+
+
+def _owner(xs: Sequence[jax.Array]) -> int | None:
+    """The one process that holds every device of every array of `xs`, or None."""
+    owners = {d.process_index for x in xs for d in x.sharding.device_set}
+    return owners.pop() if len(owners) == 1 else None
+
+
+def _through_store(xs: Sequence[jax.Array], owner: int) -> list[np.ndarray]:
+    """`gather` of arrays that only `owner` holds: it fetches them and writes one copy per
+    other process into the key-value store; each reader takes its copy and deletes it."""
+    from jax._src import distributed
+
+    client = distributed.global_state.client
+    prefix = f"hfjax/cross_pool/{next(_ROUNDS)}"
+    me = jax.process_index()
+    if me == owner:
+        with jax.transfer_guard("allow"):
+            out = [np.asarray(x) for x in xs]
+        data = _pack(out)
+        for p in range(jax.process_count()):
+            if p != owner:
+                client.key_value_set_bytes(f"{prefix}/{p}", data)
+        return out
+    key = f"{prefix}/{me}"
+    data = client.blocking_key_value_get_bytes(key, _KV_TIMEOUT_MS)
+    client.key_value_delete(key)
+    return _unpack(data, xs)
+
+
+def _pack(arrays: Sequence[np.ndarray]) -> bytes:
+    return b"".join(np.ascontiguousarray(a).tobytes() for a in arrays)
+
+
+def _unpack(data: bytes, like: Sequence[jax.Array]) -> list[np.ndarray]:
+    """The arrays `_pack` wrote, read by the shapes and dtypes of `like` (the same arrays'
+    descriptions, which every process knows: no dtype or shape goes through the store)."""
+    out, at = [], 0
+    for x in like:
+        n = int(np.prod(x.shape, dtype=np.int64)) * np.dtype(x.dtype).itemsize
+        out.append(np.frombuffer(data, dtype=x.dtype, count=n // np.dtype(x.dtype).itemsize,
+                                 offset=at).reshape(x.shape).copy())
+        at += n
+    return out
+
+
 def gather(xs: Sequence[jax.Array]) -> list[np.ndarray]:
     """Host copies of the whole of each of `xs` on every process, also those that hold none
-    of it, by one all-gather over every device."""
+    of it: through the key-value store when one process holds them all, else by one
+    all-gather over every device."""
+    owner = _owner(xs)
+    if owner is not None:
+        return _through_store(xs, owner)
     devices = jax.devices()
     mesh = Mesh(np.asarray(devices, dtype=object), (_AXIS,))
     stacked = []
