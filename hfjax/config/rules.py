@@ -311,8 +311,9 @@ def _async_rollout(c) -> str | None:
     problem = rollout_pool_problem(placement_of(c), k)
     if problem:
         return problem
+    pool = rollout_pool_name(placement_of(c), k)
     if a.partial_rollout:
-        if k < 1 or rollout_pool_name(placement_of(c), k) is None:
+        if k < 1 or pool is None:
             return ("async_rollout.partial_rollout=True continues rows under weights pushed "
                     "while they decode, and the synchronous loop pushes none; set "
                     "--config.async_rollout.max_staleness=1 or more (on a placement with a "
@@ -325,7 +326,7 @@ def _async_rollout(c) -> str | None:
             return ("async_rollout.partial_rollout=True cuts responses halfway, and "
                     f"rollout.response_length={c.rollout.response_length} has no middle; set "
                     "--config.rollout.response_length=2 or more")
-    if rollout_pool_name(placement_of(c), k) is None:
+    if pool is None:
         return None
     for bad, fix in ((c.actor.lora.rank, "actor.lora.rank=0"),
                      (c.rollout.multi_turn.enable, "rollout.multi_turn.enable=False"),

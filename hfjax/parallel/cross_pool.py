@@ -147,7 +147,7 @@ def _through_store(xs: Sequence[jax.Array], owner: int) -> list[np.ndarray]:
     me = jax.process_index()
     if me == owner:
         with jax.transfer_guard("allow"):
-            out = [np.asarray(x) for x in xs]
+            out = [np.asarray(x) for x in jax.device_get(list(xs))]  # one fetch for all
         data = _pack(out)
         for p in range(jax.process_count()):
             if p != owner:
@@ -168,10 +168,9 @@ def _unpack(data: bytes, like: Sequence[jax.Array]) -> list[np.ndarray]:
     descriptions, which every process knows: no dtype or shape goes through the store)."""
     out, at = [], 0
     for x in like:
-        n = int(np.prod(x.shape, dtype=np.int64)) * np.dtype(x.dtype).itemsize
-        out.append(np.frombuffer(data, dtype=x.dtype, count=n // np.dtype(x.dtype).itemsize,
-                                 offset=at).reshape(x.shape).copy())
-        at += n
+        count = int(np.prod(x.shape, dtype=np.int64))
+        out.append(np.frombuffer(data, x.dtype, count, at).reshape(x.shape).copy())
+        at += count * np.dtype(x.dtype).itemsize
     return out
 
 

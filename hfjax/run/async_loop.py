@@ -197,8 +197,8 @@ class AsyncRollout:
         issued = []
         for s in range(self._issued, step + self.k + 1):
             prompts, cursor = self._prompts(s)
-            switch = switch_of(s, self.k, self.every, self.start) if self.partial else None
-            job = _Job(s, prompts, version_of(s, self.k, self.every, self.start), cursor, switch)
+            version, switch = self._schedule(s)
+            job = _Job(s, prompts, version, cursor, switch)
             self._pending.append(job)
             issued.append(job)
             if self.threaded:  # K = 0 too: the same thread and double buffer, no overlap
@@ -371,11 +371,14 @@ class AsyncRollout:
             self._continued[job.step] = continued
         return batch
 
+    def _schedule(self, step: int) -> tuple[int, int | None]:
+        """(the version the batch of `step` starts under, the one it switches to or None)."""
+        first = version_of(step, self.k, self.every, self.start)
+        return first, switch_of(step, self.k, self.every, self.start) if self.partial else None
+
     def _job_versions(self, step: int) -> set[int]:
         """The versions the batch of `step` is generated with."""
-        first = version_of(step, self.k, self.every, self.start)
-        switch = switch_of(step, self.k, self.every, self.start) if self.partial else None
-        return {first} if switch is None else {first, switch}
+        return set(self._schedule(step)) - {None}
 
     def _drop_unneeded(self) -> None:
         with self._cv:
