@@ -19,7 +19,9 @@ the config's `<role>.sequence_parallel`):
   with `ppermute`, s steps, each folded into a float32 online softmax RING_K_BLOCK keys at a
   time (flash attention's memory: one [T / 2s, RING_K_BLOCK] score block, never T / s
   squared). The row's 2s half-shards are placed zig-zag (device d holds half-shards d and
-  2s - 1 - d, moved there and back by two `ppermute`s each way), and a pair of half-shards
+  2s - 1 - d, moved there and back by two `ppermute`s each way; the remat policies that keep
+  matmul outputs keep the placed q, k, v and the output moved home, as they keep Ulysses'
+  exchanges, so a recomputed layer does not move them again), and a pair of half-shards
   whose keys all follow the queries is skipped (the causal mask empties it), so every device
   computes 2s + 1 of the 4 s^2 pairs: equal work, none of it masked out whole. No condition
   on heads;
@@ -46,8 +48,9 @@ from hfjax.parallel import mesh as mesh_lib
 
 MODES = ("ulysses", "ring")
 AXIS = "sequence"
-# The name (`jax.ad_checkpoint.checkpoint_name`) of Ulysses' all-to-all results, for remat
-# policies that keep them (`hfjax.models.transformer`).
+# The name (`jax.ad_checkpoint.checkpoint_name`) of what a scheme moved to run attention (Ulysses'
+# all-to-all results; ring's zig-zag-placed q, k, v and its output moved home), for remat
+# policies that keep them (`hfjax.models.transformer`): recomputing them would move them again.
 EXCHANGED = "sequence_exchanged"
 
 
@@ -230,13 +233,15 @@ def _ring_body(s: int, shared: bool, balanced: bool | None = None):
                 return lo, hi
             ev = jax.lax.ppermute(lo, AXIS, to_even)
             od = jax.lax.ppermute(hi, AXIS, to_odd)
-            return jnp.where(d_even, ev, od), jnp.where(d_even, od, ev)
+            return (checkpoint_name(jnp.where(d_even, ev, od), EXCHANGED),
+                    checkpoint_name(jnp.where(d_even, od, ev), EXCHANGED))
 
         def unplace(lo, hi):  # inverse of place: [b, C, ...]
             if balanced:
                 ev, od = jnp.where(d_even, lo, hi), jnp.where(d_even, hi, lo)
                 lo = jax.lax.ppermute(ev, AXIS, [(t, f) for f, t in to_even])
                 hi = jax.lax.ppermute(od, AXIS, [(t, f) for f, t in to_odd])
+                return checkpoint_name(jnp.concatenate([lo, hi], axis=1)[:, :C], EXCHANGED)
             return jnp.concatenate([lo, hi], axis=1)[:, :C]
 
         def chunk_cols(c):  # chunk c's columns, and which of its h slots are real columns

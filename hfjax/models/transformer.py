@@ -105,9 +105,10 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
 
 
 _CP = jax.checkpoint_policies
-# The policies that keep matmul outputs also keep Ulysses' exchanged q, k, v and attention
-# output (`sequence_parallel.EXCHANGED`): the same bytes as the projections they come from,
-# and recomputing them would repeat the layer's four all-to-alls in the backward pass.
+# The policies that keep matmul outputs also keep sequence parallelism's exchanged q, k, v and
+# attention output (`sequence_parallel.EXCHANGED`: Ulysses' all-to-all results, ring's
+# zig-zag-placed blocks): the same bytes as the projections they come from, and recomputing
+# them would repeat the layer's exchanges in the backward pass.
 _KEEP_EXCHANGE = _CP.save_only_these_names(sp.EXCHANGED)
 _REMAT = {
     "full": _CP.nothing_saveable,

@@ -9,6 +9,7 @@ device's T / s; and they check that each scheme compiles its own exchange (Ulyss
 all-to-all; ring: collective-permute of key / value blocks) for the groups a config builds.
 """
 
+import dataclasses
 import math
 import re
 import sys
@@ -39,6 +40,10 @@ T = PROMPT + RESPONSE  # 43 columns: padded to W = 44 on sequence=4
 S = 4  # the sequence size of every mesh here
 W = -(-T // S) * S
 FEATURES = {48, 72, 400, 32}
+# With tensor=2: 8 query heads and 4 kv heads (2 per tensor shard, repeated twice for Ulysses
+# on sequence=4); the features as a tensor shard holds them too (MLP 36, vocab 200, q 32, kv 16).
+TP_CFG = dataclasses.replace(CFG, num_heads=8, num_kv_heads=4)
+TP_FEATURES = {48, 72, 36, 400, 200, 64, 32, 16}
 
 _DOT = re.compile(r"= (\w+)\[([\d,]*)\]\S* dot\(")
 
@@ -56,24 +61,24 @@ def row_gathers(text: str, rows: int, lengths=(T, W, RESPONSE)) -> list[str]:
     return bad
 
 
-def dot_tokens(text: str) -> list[tuple[tuple[int, ...], int]]:
+def dot_tokens(text: str, features=FEATURES) -> list[tuple[tuple[int, ...], int]]:
     """(shape, tokens) of every dot whose result has a feature dimension: tokens is the product
     of its other dimensions (rows x positions on the device)."""
     out = []
     for _, dims in _DOT.findall(text):
         shape = tuple(int(d) for d in dims.split(",") if d)
-        if set(shape) & FEATURES:
-            out.append((shape, math.prod(d for d in shape if d not in FEATURES)))
+        if set(shape) & features:
+            out.append((shape, math.prod(d for d in shape if d not in features)))
     return out
 
 
-def programs_hlo(mesh: str, mode: str, rows: int, rules: str = "train") -> str:
+def programs_hlo(mesh: str, mode: str, rows: int, rules: str = "train", cfg=CFG) -> str:
     """One program holding the actor's log-probs (LM head chunked), a critic's values and a
     score model's scores on `rows` rows per data-parallel shard, and the gradients of all
     three, compiled for `mesh` with `mode`, the actor under the training `rules`."""
     n = math.prod(int(a.split("=")[1]) for a in mesh.split(","))
     pool = ResourcePool("all", tuple(jax.devices())[:n])
-    groups = [WorkerGroup(name, pool, mesh, transformer.build(CFG, head, seed=1),
+    groups = [WorkerGroup(name, pool, mesh, transformer.build(cfg, head, seed=1),
                           rules=rules if name == "actor" else "train", sequence_parallel=mode)
               for name, head in (("actor", "causal_lm"), ("critic", "value"),
                                  ("reward_model", "score"))]
@@ -112,10 +117,20 @@ CASES = [("fsdp=2,sequence=4", 1, "train"), ("fsdp=2,sequence=4", 2, "train"),
 @pytest.mark.parametrize("mode", sp.MODES)
 @pytest.mark.parametrize(("mesh", "rows", "rules"), CASES)
 def test_split_programs_move_no_whole_rows(mesh, mode, rows, rules):
-    text = programs_hlo(mesh, mode, rows, rules)
+    check_split(programs_hlo(mesh, mode, rows, rules), mode, rows, FEATURES)
+
+
+@pytest.mark.parametrize("mode", sp.MODES)
+def test_split_programs_with_tensor_parallel_heads(mode):
+    """tensor=2 beside sequence=4: heads split over `tensor` (Megatron's all-reduces of the
+    row-parallel outputs are over `tensor`, on T / s tokens) and tokens over `sequence`."""
+    check_split(programs_hlo("tensor=2,sequence=4", mode, 2, cfg=TP_CFG), mode, 2, TP_FEATURES)
+
+
+def check_split(text: str, mode: str, rows: int, features) -> None:
     local = rows * W // S
     assert row_gathers(text, 2 * rows) == []
-    dots = dot_tokens(text)
+    dots = dot_tokens(text, features)
     assert dots, "no token matmul found"
     too_many = [(shape, n) for shape, n in dots if n > local]
     assert too_many == [], f"matmuls on more than {local} tokens per device: {too_many}"
@@ -126,6 +141,42 @@ def test_split_programs_move_no_whole_rows(mesh, mode, rows, rules):
         assert "all-to-all" in kinds
     else:
         assert "all-to-all" not in kinds and "collective-permute" in kinds
+
+
+# Ring's update under each remat policy: (k / v passes, placement passes). A pass of the k and
+# v blocks is s steps' permutes of [b, T / 2s, K, H] pairs (counted once: the step is a scan
+# body); a placement pass moves q, k, v to their zig-zag places and the output back. Keeping
+# matmul outputs keeps the placed q, k, v and the output home (`sp.EXCHANGED`, as Ulysses'
+# exchanges are kept), so the backward recomputes the steps (blocks round again: 3 passes)
+# but not the placement; `full` recomputes both, `none` neither.
+RING_PASSES = {"none": (2, 2), "dots_no_batch": (3, 2), "dots": (3, 2), "full": (3, 3)}
+
+
+@pytest.mark.parametrize("policy", sorted(RING_PASSES))
+def test_ring_update_permutes_what_its_remat_policy_implies(policy):
+    cfg = dataclasses.replace(CFG, num_heads=4, num_kv_heads=2, num_layers=2,
+                              remat_policy=policy)
+    pool = ResourcePool("all", tuple(jax.devices()))
+    group = WorkerGroup("actor", pool, "fsdp=2,sequence=4",
+                        transformer.build(cfg, "causal_lm", seed=1), sequence_parallel="ring")
+    rows = 2
+    ids = jax.ShapeDtypeStruct((rows * group.dp_size, T), jnp.int32,
+                               sharding=batch_sharding(group.mesh))
+
+    def loss(params, ids):
+        lp, _ = response_logprobs(group.model(params), ids, (ids >= 0).astype(jnp.int32),
+                                  RESPONSE, 1.0, chunk=5 * rows, dp=group.dp_size)
+        return jnp.mean(lp)
+
+    params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                          group.params)
+    text = group.jit(jax.value_and_grad(loss)).lower(params, ids).compile().as_text()
+    moved = sum(c.nbytes for c in collectives(text) if c.op == "collective-permute"
+                and any(dt == "f32" and len(d) == 4 for dt, d in c.shapes))
+    kv_passes, placements = RING_PASSES[policy]
+    N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    block = rows * 2 * -(-W // S // 2) * H * 4  # a device's two half-shards, one head, f32
+    assert moved == block * (2 * K * kv_passes + (2 * N + 2 * K) * placements)
 
 
 def attention_exchange(text: str) -> set[str]:
