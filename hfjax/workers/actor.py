@@ -52,7 +52,10 @@ def response_logprobs(model, input_ids, attention_mask, response_len: int, tempe
     (`hfjax.engine.head_chunks.over_tokens`; 0: the whole rows at once)."""
     # Only the positions that predict response tokens go through the LM head.
     s = sp.sequence_size(shd.active_layout())
-    if samples == 1 and s > 1:
+    if s > 1 and samples > 1:
+        return _split_shared_logprobs(model, input_ids, attention_mask, response_len,
+                                      temperature, samples, chunk, dp, s)
+    if s > 1:
         return _split_response_logprobs(model, input_ids, attention_mask, response_len,
                                         temperature, chunk, dp, s)
     if samples > 1:
@@ -79,6 +82,35 @@ def _split_response_logprobs(model, input_ids, attention_mask, response_len, tem
                                       split=s)
     cut = slice(T - response_len - 1, T - 1)
     return lp[:, cut], ent[:, cut]
+
+
+def _split_shared_logprobs(model, input_ids, attention_mask, response_len, temperature,
+                           samples, chunk, dp, s):
+    """`response_logprobs` of shared-prompt rows (`samples` per prompt) split `s` ways over
+    `sequence`. As for padded rows, the head runs on every position of each device's columns
+    against the next column's token, and the [B, R] results are cut out; a response's first
+    token is predicted by the prompt's last position instead (shared by the group), so that one
+    hidden state per row goes through the head once per sample. Cutting each response's
+    predicting hidden states out first (`shared_prompt.predicting`) would gather whole rows."""
+    ids, mask, positions, layout = shared_prompt.group_rows(input_ids, attention_mask,
+                                                            response_len, samples)
+    hidden, _ = model.model(ids, mask, positions=positions, shared_prompt=layout,
+                            keep_width=True)
+    g, t = ids.shape
+    p, n, r = t - samples * response_len, samples, response_len
+    head = _head(model, temperature)
+    labels = jnp.pad(ids[:, 1:], [(0, 0), (0, hidden.shape[1] - t + 1)])
+    lp, ent = head_chunks.over_tokens(head, chunk, dp, hidden, labels, split=s)
+    last = jnp.broadcast_to(hidden[:, p - 1, None], (g, n, hidden.shape[-1]))
+    first = head(last, ids[:, p::r])  # [G, n]: each response's first token
+
+    def rows(first, rest):  # [G, n] and [G, W] -> [G * n, R]
+        rest = rest[:, p:p + n * r].reshape(g, n, r)[:, :, :r - 1]
+        out = jnp.concatenate([first[..., None], rest], axis=2).reshape(g * n, r)
+        # Left split over `sequence` where it divides R: not all-gathered to whole rows.
+        return shd.constrain(out, ("batch", "length")) if r % s == 0 else out
+
+    return rows(first[0], lp), rows(first[1], ent)
 
 
 def _head(model, temperature: float):

@@ -254,3 +254,39 @@ def test_presets_fewer_kv_heads_than_the_sequence_size_are_accepted():
     assert (q15.num_heads, q15.num_kv_heads, q70.num_heads, q70.num_kv_heads) == (12, 2, 64, 8)
     assert sp.heads_problem(64, 8, {"tensor": 2, "sequence": 8}, "ulysses") is None
     assert sp.kv_repeats(8 // 2, 8) == 2
+
+
+@pytest.mark.parametrize("mode", sp.MODES)
+def test_shared_prompt_log_probs_split_equal_padded_whole_rows(mode):
+    """The actor's log-probs and entropies of groups of 3 samples scored as shared-prompt rows
+    split over `sequence` (the head on each device's own columns, chunked; a response's first
+    token from the prompt's last position), against the padded rows scored whole: values and
+    gradients within 1e-5."""
+    from hfjax.workers.actor import response_logprobs
+
+    rng = np.random.default_rng(3)
+    n, P, R = 3, 6, 5
+    prompts = rng.integers(1, CFG.vocab_size, (2, P)).repeat(n, axis=0)
+    ids = np.concatenate([prompts, rng.integers(1, CFG.vocab_size, (2 * n, R))], axis=1)
+    col = np.arange(P + R)[None, :]
+    first = np.array([2, 0]).repeat(n)[:, None]  # the prompts' left padding, per group
+    end = P + np.array([5, 3, 1, 5, 4, 2])[:, None]  # each response's length
+    mask = ((col >= first) & (col < end)).astype(np.int32)
+    ids = jnp.asarray(np.where(mask, ids, 0), jnp.int32)
+    graphdef, state = nnx.split(transformer.build(CFG, seed=1))
+    resp = jnp.asarray(mask[:, P:], jnp.float32)
+    weight = jnp.linspace(0.5, 1.5, R)
+
+    def run(lay, samples):
+        def loss(state):
+            lp, ent = response_logprobs(nnx.merge(graphdef, state), ids, jnp.asarray(mask), R,
+                                        0.7, samples=samples, chunk=3, dp=2)
+            return jnp.sum((lp + 0.3 * ent) * weight * resp) / jnp.sum(resp), (lp, ent)
+
+        fn = jax.value_and_grad(loss, has_aux=True)
+        (_, (lp, ent)), grads = jax.jit(shd.under_layout(lay, fn))(state)
+        keep = np.asarray(resp) > 0
+        return (np.concatenate([np.asarray(lp)[keep], np.asarray(ent)[keep]]),
+                [np.asarray(g) for g in jax.tree.leaves(grads)])
+
+    assert_same(run(layout("fsdp=2,sequence=4", mode), n), run(None, 1))

@@ -72,10 +72,12 @@ def dot_tokens(text: str, features=FEATURES) -> list[tuple[tuple[int, ...], int]
     return out
 
 
-def programs_hlo(mesh: str, mode: str, rows: int, rules: str = "train", cfg=CFG) -> str:
-    """One program holding the actor's log-probs (LM head chunked), a critic's values and a
-    score model's scores on `rows` rows per data-parallel shard, and the gradients of all
-    three, compiled for `mesh` with `mode`, the actor under the training `rules`."""
+def programs_hlo(mesh: str, mode: str, rows: int, rules: str = "train", cfg=CFG,
+                 samples: int = 1) -> str:
+    """One program holding the actor's log-probs (LM head chunked; with `samples` > 1 as
+    shared-prompt rows of that many samples), a critic's values and a score model's scores on
+    `rows` rows per data-parallel shard, and the gradients of all three, compiled for `mesh`
+    with `mode`, the actor under the training `rules`."""
     n = math.prod(int(a.split("=")[1]) for a in mesh.split(","))
     pool = ResourcePool("all", tuple(jax.devices())[:n])
     groups = [WorkerGroup(name, pool, mesh, transformer.build(cfg, head, seed=1),
@@ -91,7 +93,7 @@ def programs_hlo(mesh: str, mode: str, rows: int, rules: str = "train", cfg=CFG)
         mask = (ids >= 0).astype(jnp.int32)
         # A budget of 5 positions per row: the head scans over chunks of each device's 11.
         lp, ent = response_logprobs(actor.model(params[0]), ids, mask, RESPONSE, 1.0,
-                                    chunk=5 * rows, dp=dp)
+                                    samples=samples, chunk=5 * rows, dp=dp)
         values = critic.model(params[1])(ids, mask)
         # A score model's forward only: reward and cost models score, they do not train here.
         scores = score.model(jax.lax.stop_gradient(params[2]))(ids, mask)
@@ -127,20 +129,33 @@ def test_split_programs_with_tensor_parallel_heads(mode):
     check_split(programs_hlo("tensor=2,sequence=4", mode, 2, cfg=TP_CFG), mode, 2, TP_FEATURES)
 
 
-def check_split(text: str, mode: str, rows: int, features) -> None:
+@pytest.mark.parametrize("mode", sp.MODES)
+def test_shared_prompt_rows_keep_their_split(mode):
+    """The actor's groups of 2 samples as shared-prompt rows (13 + 2 x 30 = 73 columns, padded
+    to 76): their hidden states stay split, the head runs on each device's own columns."""
+    width = PROMPT + 2 * RESPONSE
+    check_split(programs_hlo("fsdp=2,sequence=4", mode, 4, samples=2), mode, 4, FEATURES,
+                lengths=(T, W, RESPONSE, width, -(-width // S) * S))
+
+
+def check_split(text: str, mode: str, rows: int, features, lengths=(T, W, RESPONSE)) -> None:
     local = rows * W // S
-    assert row_gathers(text, 2 * rows) == []
+    assert row_gathers(text, 2 * rows, lengths) == []
     dots = dot_tokens(text, features)
     assert dots, "no token matmul found"
     too_many = [(shape, n) for shape, n in dots if n > local]
     assert too_many == [], f"matmuls on more than {local} tokens per device: {too_many}"
     # The projections run on exactly the device's rows x T / s tokens (the head on chunks).
     assert any(n == local for _, n in dots)
-    kinds = {c.op for c in collectives(text) if c.group != 1}
+    # Ulysses' exchange: all-to-alls of [b, C, heads, head_dim] activations. (Shared-prompt
+    # rows' per-token log-probs may go back to the padded rows' order by an all-to-all of
+    # scalars; that is not an exchange.)
+    moved = {c.op for c in collectives(text) if c.group != 1
+             and any(set(d) & (features | {CFG.head_dim}) for _, d in c.shapes)}
     if mode == "ulysses":
-        assert "all-to-all" in kinds
+        assert "all-to-all" in moved
     else:
-        assert "all-to-all" not in kinds and "collective-permute" in kinds
+        assert "all-to-all" not in moved and "collective-permute" in moved
 
 
 # Ring's update under each remat policy: (k / v passes, placement passes). A pass of the k and
