@@ -196,10 +196,10 @@ def _groups(x: jax.Array, samples: int) -> jax.Array:
     return shd.constrain(x.reshape(b // samples, samples * k), ("batch", None))
 
 
-def compact_response_hidden(backbone, mb: dict[str, jax.Array], samples: int,
-                            ) -> tuple[jax.Array, jax.Array]:
-    """`backbone` on the compact rows of micro-batch `mb`: (the hidden states [G, S, D] that
-    predict each response token of the rows, their labels [G, S])."""
+def compact_hidden(backbone, mb: dict[str, jax.Array], samples: int, **kw):
+    """`backbone` on the compact rows of micro-batch `mb` (`kw` to it): (hidden states
+    [G, T, D], the rows' tokens [G, T], the column predicting each response column [G, S],
+    the prompt's width P)."""
     ids = _groups(mb["input_ids"], samples)  # [G, n * (P + R)]
     src = _groups(mb["compact_src"], samples)
     rows = jnp.take_along_axis(ids, src, axis=1)  # [G, T]
@@ -208,8 +208,15 @@ def compact_response_hidden(backbone, mb: dict[str, jax.Array], samples: int,
     # No response is longer than the batch's response width: attention's band.
     blocks = ResponseBlocks(_groups(mb["compact_blocks"], samples), p, r)
     hidden, _ = backbone(rows, None, positions=_groups(mb["compact_positions"], samples),
-                         response_blocks=blocks)
-    pred = _groups(mb["compact_pred"], samples)  # [G, S]
+                         response_blocks=blocks, **kw)
+    return hidden, rows, _groups(mb["compact_pred"], samples), p
+
+
+def compact_response_hidden(backbone, mb: dict[str, jax.Array], samples: int,
+                            ) -> tuple[jax.Array, jax.Array]:
+    """`backbone` on the compact rows of micro-batch `mb`: (the hidden states [G, S, D] that
+    predict each response token of the rows, their labels [G, S])."""
+    hidden, rows, pred, p = compact_hidden(backbone, mb, samples)
     labels = rows[:, p : p + pred.shape[1]]
     return jnp.take_along_axis(hidden, pred[:, :, None], axis=1), labels
 

@@ -125,11 +125,39 @@ def compact_logprobs(model, mb: dict[str, jax.Array], temperature: float, sample
                      chunk: int = head_chunks.DEFAULT_CHUNK, dp: int = 1):
     """(log-probs, entropy) [B, R] of a micro-batch laid out as compact shared-prompt rows
     (`hfjax.engine.shared_prompt.compact_layout`): only the rows' response tokens go through
-    the LM head, about `chunk` positions per data-parallel device at a time."""
-    hidden, labels = shared_prompt.compact_response_hidden(model.model, mb, samples)
-    lp, ent = head_chunks.over_tokens(_head(model, temperature), chunk, dp, hidden, labels)
+    the LM head, about `chunk` positions per data-parallel device at a time (rows split over
+    `sequence`: `_split_compact_logprobs`)."""
+    s = sp.sequence_size(shd.active_layout())
+    if s > 1:
+        lp, ent = _split_compact_logprobs(model, mb, temperature, samples, chunk, dp, s)
+    else:
+        hidden, labels = shared_prompt.compact_response_hidden(model.model, mb, samples)
+        lp, ent = head_chunks.over_tokens(_head(model, temperature), chunk, dp, hidden, labels)
     return (shared_prompt.compact_to_rows(lp, mb, samples),
             shared_prompt.compact_to_rows(ent, mb, samples))
+
+
+def _split_compact_logprobs(model, mb, temperature, samples, chunk, dp, s):
+    """(log-probs, entropy) [G, S] of compact shared-prompt rows split `s` ways over
+    `sequence`, as `_split_shared_logprobs` takes them from shared rows: the head on every
+    position of each device's columns against the next column's token, read at each response
+    column's predicting column; a response's first token (its predicting column is the
+    prompt's last) from the prompt's last position's distribution, computed once per row."""
+    hidden, rows, pred, p = shared_prompt.compact_hidden(model.model, mb, samples,
+                                                         keep_width=True)
+    t = rows.shape[1]
+    labels = jnp.pad(rows[:, 1:], [(0, 0), (0, hidden.shape[1] - t + 1)])
+    lp, ent = head_chunks.over_tokens(_head(model, temperature), chunk, dp, hidden, labels,
+                                      split=s)
+    targets = rows[:, p:p + pred.shape[1]]  # [G, S]
+    x = model.logits(hidden[:, p - 1]) / temperature  # [G, V]: the prompt's last position
+    x = x - jax.lax.stop_gradient(jnp.max(x, axis=-1, keepdims=True))
+    first_lp = (jnp.take_along_axis(x, targets, axis=1)
+                - jnp.log(jnp.sum(jnp.exp(x), axis=-1))[:, None])
+    first = pred == p - 1
+    return (jnp.where(first, first_lp, jnp.take_along_axis(lp, pred, axis=1)),
+            jnp.where(first, core.entropy_from_logits(x)[:, None],
+                      jnp.take_along_axis(ent, pred, axis=1)))
 
 
 def packed_logprobs(model, packed: packing.Packed, span: int, temperature: float):

@@ -3,6 +3,7 @@ axis give the logits, values and gradients of whole rows (float32, within 1e-5),
 by ring attention, for padded, packed and shared-prompt rows; and the head-count check."""
 
 import dataclasses
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -290,3 +291,38 @@ def test_shared_prompt_log_probs_split_equal_padded_whole_rows(mode):
                 [np.asarray(g) for g in jax.tree.leaves(grads)])
 
     assert_same(run(layout("fsdp=2,sequence=4", mode), n), run(None, 1))
+
+
+@pytest.mark.parametrize("mode", sp.MODES)
+def test_compact_shared_rows_log_probs_split_equal_whole_rows(mode, monkeypatch):
+    """Compact shared-prompt rows (length-grouped micro-batches: each response only as long as
+    it is) split over `sequence`: the actor's log-probs, entropies and their gradients equal
+    the same rows scored whole, within 1e-5."""
+    sys.path.insert(0, "tests")
+    from support import padded_rl_batch
+
+    from hfjax.engine import grouping, shared_prompt
+    from hfjax.workers.actor import compact_logprobs
+
+    monkeypatch.setattr(shared_prompt, "COMPACT_MAX_FRACTION", 1.0)
+    n, P, R = 2, 7, 9
+    batch = padded_rl_batch(5, 2 * 2 * n, P, R, CFG.vocab_size, samples=n)
+    arrays = {k: jnp.asarray(batch[k]) for k in ("input_ids", "attention_mask", "responses")}
+    (cut,) = grouping.plan(grouping.extents(arrays["attention_mask"], R), len(batch["input_ids"]),
+                           P, R, 2, group=n)
+    assert cut.compact is not None
+    mb = grouping.cut(arrays, cut, R)
+    graphdef, state = nnx.split(transformer.build(CFG, seed=1))
+    m = np.asarray(batch["response_mask"]) > 0
+
+    def run(lay):
+        def loss(state):
+            lp, ent = compact_logprobs(nnx.merge(graphdef, state), mb, 0.7, n, chunk=3, dp=2)
+            return jnp.sum(jnp.where(jnp.asarray(m), lp + 0.3 * ent, 0.0)), (lp, ent)
+
+        fn = jax.value_and_grad(loss, has_aux=True)
+        (_, (lp, ent)), grads = jax.jit(shd.under_layout(lay, fn))(state)
+        return (np.concatenate([np.asarray(lp)[m], np.asarray(ent)[m]]),
+                [np.asarray(g) for g in jax.tree.leaves(grads)])
+
+    assert_same(run(layout("fsdp=2,sequence=4", mode)), run(None))

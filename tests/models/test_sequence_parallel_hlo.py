@@ -138,6 +138,53 @@ def test_shared_prompt_rows_keep_their_split(mode):
                 lengths=(T, W, RESPONSE, width, -(-width // S) * S))
 
 
+@pytest.mark.parametrize("mode", sp.MODES)
+def test_compact_shared_rows_keep_their_split(mode, monkeypatch):
+    """Length-grouped micro-batches as compact shared-prompt rows (responses end to end, each
+    as long as it is) on fsdp=2,sequence=4: the actor's log-probs and their gradient gather no
+    hidden states of a row's columns or response tokens, and run no matmul on more than a
+    device's columns."""
+    sys.path.insert(0, "tests")
+    from flax import nnx
+    from support import padded_rl_batch
+
+    from hfjax.engine import grouping, shared_prompt
+    from hfjax.parallel import sharding as shd
+    from hfjax.workers.actor import compact_logprobs
+
+    monkeypatch.setattr(shared_prompt, "COMPACT_MAX_FRACTION", 1.0)
+    n = 2
+    # 4 groups of 2: 2 compact rows per data-parallel shard, 62 columns (padded to 64).
+    batch = padded_rl_batch(0, 8, PROMPT, RESPONSE, CFG.vocab_size, samples=n)
+    arrays = {k: jnp.asarray(batch[k]) for k in ("input_ids", "attention_mask", "responses")}
+    (cut,) = grouping.plan(grouping.extents(arrays["attention_mask"], RESPONSE), 8, PROMPT,
+                           RESPONSE, 2, group=n)
+    assert cut.compact is not None
+    mb = grouping.cut(arrays, cut, RESPONSE)
+    width = mb["compact_src"].shape[1] * n  # the compact row's columns
+    graphdef, state = nnx.split(transformer.build(CFG, seed=1))
+    pool = ResourcePool("all", tuple(jax.devices()))
+    lay = shd.layout(pool.mesh("fsdp=2,sequence=4"), "train", sequence_parallel=mode)
+
+    def loss(state):
+        lp, ent = compact_logprobs(nnx.merge(graphdef, state), mb, 1.0, n, chunk=5, dp=2)
+        return jnp.sum(lp) + jnp.sum(ent)
+
+    text = jax.jit(shd.under_layout(lay, jax.grad(loss))).lower(state).compile().as_text()
+    padded = -(-width // S) * S
+    assert (width, padded) == (62, 64)
+    # Hidden states [.., tokens, D] gathered for a row's columns or its response tokens
+    # (`compact_pred`'s S = 48 per row: cutting the predicting positions out first did that).
+    # Per-token log-probs may move: they are scalars.
+    tokens = {k * x for k in range(1, 5) for x in (width, padded, mb["compact_pred"].shape[1] * n)}
+    hidden = [c.line[:200] for c in collectives(text)
+              if c.group > 1 and c.op in ("all-gather", "all-reduce", "reduce-scatter")
+              and any(len(d) >= 3 and d[-1] == CFG.hidden_size and set(d[:-1]) & tokens
+                      for _, d in c.shapes)]
+    assert hidden == []
+    assert max(t for _, t in dot_tokens(text)) <= 2 * padded // S
+
+
 def check_split(text: str, mode: str, rows: int, features, lengths=(T, W, RESPONSE)) -> None:
     local = rows * W // S
     assert row_gathers(text, 2 * rows, lengths) == []
