@@ -77,11 +77,18 @@ def _split_response_logprobs(model, input_ids, attention_mask, response_len, tem
     W = -(-T // s) * s
     pad = [(0, 0), (0, W - T)]
     hidden, _ = model.model(jnp.pad(input_ids, pad), jnp.pad(attention_mask, pad))
-    labels = jnp.pad(input_ids[:, 1:], [(0, 0), (0, W - T + 1)])  # column t predicts t + 1
-    lp, ent = head_chunks.over_tokens(_head(model, temperature), chunk, dp, hidden, labels,
-                                      split=s)
+    lp, ent = _next_column(model, temperature, hidden, input_ids, chunk, dp, s)
     cut = slice(T - response_len - 1, T - 1)
     return lp[:, cut], ent[:, cut]
+
+
+def _next_column(model, temperature, hidden, ids, chunk, dp, s):
+    """(log-probs, entropy) [B, W] of hidden [B, W, D], split `s` ways over `sequence`, each
+    column predicting the next column's token of ids [B, T] (T <= W; 0 past its end): the head
+    on each device's own columns, `chunk` positions per data-parallel device at a time."""
+    labels = jnp.pad(ids[:, 1:], [(0, 0), (0, hidden.shape[1] - ids.shape[1] + 1)])
+    return head_chunks.over_tokens(_head(model, temperature), chunk, dp, hidden, labels,
+                                   split=s)
 
 
 def _split_shared_logprobs(model, input_ids, attention_mask, response_len, temperature,
@@ -98,11 +105,10 @@ def _split_shared_logprobs(model, input_ids, attention_mask, response_len, tempe
                             keep_width=True)
     g, t = ids.shape
     p, n, r = t - samples * response_len, samples, response_len
-    head = _head(model, temperature)
-    labels = jnp.pad(ids[:, 1:], [(0, 0), (0, hidden.shape[1] - t + 1)])
-    lp, ent = head_chunks.over_tokens(head, chunk, dp, hidden, labels, split=s)
+    lp, ent = _next_column(model, temperature, hidden, ids, chunk, dp, s)
+    # Each response's first token, from the prompt's last position (n positions per row).
     last = jnp.broadcast_to(hidden[:, p - 1, None], (g, n, hidden.shape[-1]))
-    first = head(last, ids[:, p::r])  # [G, n]: each response's first token
+    first_lp, first_ent = _head(model, temperature)(last, ids[:, p::r])  # [G, n]
 
     def rows(first, rest):  # [G, n] and [G, W] -> [G * n, R]
         rest = rest[:, p:p + n * r].reshape(g, n, r)[:, :, :r - 1]
@@ -110,7 +116,7 @@ def _split_shared_logprobs(model, input_ids, attention_mask, response_len, tempe
         # Left split over `sequence` where it divides R: not all-gathered to whole rows.
         return shd.constrain(out, ("batch", "length")) if r % s == 0 else out
 
-    return rows(first[0], lp), rows(first[1], ent)
+    return rows(first_lp, lp), rows(first_ent, ent)
 
 
 def _head(model, temperature: float):
@@ -145,18 +151,14 @@ def _split_compact_logprobs(model, mb, temperature, samples, chunk, dp, s):
     prompt's last) from the prompt's last position's distribution, computed once per row."""
     hidden, rows, pred, p = shared_prompt.compact_hidden(model.model, mb, samples,
                                                          keep_width=True)
-    t = rows.shape[1]
-    labels = jnp.pad(rows[:, 1:], [(0, 0), (0, hidden.shape[1] - t + 1)])
-    lp, ent = head_chunks.over_tokens(_head(model, temperature), chunk, dp, hidden, labels,
-                                      split=s)
-    targets = rows[:, p:p + pred.shape[1]]  # [G, S]
-    x = model.logits(hidden[:, p - 1]) / temperature  # [G, V]: the prompt's last position
-    x = x - jax.lax.stop_gradient(jnp.max(x, axis=-1, keepdims=True))
-    first_lp = (jnp.take_along_axis(x, targets, axis=1)
-                - jnp.log(jnp.sum(jnp.exp(x), axis=-1))[:, None])
+    lp, ent = _next_column(model, temperature, hidden, rows, chunk, dp, s)
+    # A response's first token: one distribution per row, read at each response column.
+    logits = model.logits(hidden[:, p - 1]) / temperature  # [G, V]
+    first_lp = jnp.take_along_axis(jax.nn.log_softmax(logits), rows[:, p:p + pred.shape[1]],
+                                   axis=1)
     first = pred == p - 1
     return (jnp.where(first, first_lp, jnp.take_along_axis(lp, pred, axis=1)),
-            jnp.where(first, core.entropy_from_logits(x)[:, None],
+            jnp.where(first, core.entropy_from_logits(logits)[:, None],
                       jnp.take_along_axis(ent, pred, axis=1)))
 
 
