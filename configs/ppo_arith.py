@@ -247,14 +247,16 @@ def get_config() -> config_dict.ConfigDict:
             ),
             # Rollout correction (verl's names; docs/algorithms.md): importance weights
             # pi_old / pi_rollout between the trainer's old log-probs and the sampler's,
-            # truncated at rollout_is_threshold, per token or sequence ("": off); rejection
+            # truncated at rollout_is_threshold, per token or sequence ("none": off; "auto":
+            # token when async_rollout.max_staleness >= 1 outside bypass mode); rejection
             # of tokens or sequences (token | sequence | geometric) whose ratio leaves
             # [rollout_rs_threshold_lower, rollout_rs_threshold] (0: rollout_is_threshold and
             # its reciprocal); a veto of sequences with a token below
             # rollout_token_veto_threshold (0: off). bypass_mode: the sampler's log-probs are
-            # the old policy's (no old-log-prob pass; PPO clips against the sampler).
+            # the old policy's (no old-log-prob pass; PPO clips against the sampler; rejection
+            # then judges pi_theta / pi_rollout inside the policy loss).
             rollout_correction=config_dict.ConfigDict(
-                dict(rollout_is="", rollout_is_threshold=2.0, rollout_rs="",
+                dict(rollout_is="auto", rollout_is_threshold=2.0, rollout_rs="",
                      rollout_rs_threshold=0.0, rollout_rs_threshold_lower=0.0,
                      rollout_token_veto_threshold=0.0, bypass_mode=False)
             ),

@@ -123,6 +123,10 @@ def _advantage(arrays, kl_coef, scalars, *, estimator, kl_penalty, use_kl, n, op
     else:
         rewards = scores
     b = scores.shape[0]
+    # Rejected tokens leave the estimator's mask (verl rewrites the response mask before its
+    # advantages): GAE skips them as it skips tool tokens, whitening is over the kept ones.
+    if "rollout_rs_mask" in arrays:
+        mask = mask * arrays["rollout_rs_mask"].astype(jnp.float32)
     inputs = AdvantageInputs(
         token_level_rewards=rewards,
         response_mask=mask,
@@ -149,6 +153,12 @@ def compute_advantage(batch: Batch, spec: StepSpec, kl_coef: float,
     keys = ["response_mask", "token_level_scores"] + (["old_log_probs", "ref_log_prob"]
                                                       if use_kl else [])
     keys += [k for k in _OPTIONAL_INPUTS if k in batch]
+    # The correction comes first, so that its rejected tokens leave the advantages too.
+    rc = a.rollout_correction.resolved
+    rc_metrics = {}
+    if rc.active and not a.rollout_correction.bypass_mode:
+        batch, rc_metrics = rollout_correction(batch, rc)
+        keys += [k for k in ("rollout_rs_mask",) if k in batch]
     opts = (("gamma", a.gamma), ("lam", a.lam),
             ("norm_adv_by_std_in_grpo", a.norm_adv_by_std_in_grpo))
     # The KL coefficient is host-side controller state (the adaptive controller updates it from
@@ -167,20 +177,16 @@ def compute_advantage(batch: Batch, spec: StepSpec, kl_coef: float,
         n=spec.rollout.n,
         opts=opts,
     )
-    batch = batch.union(Batch(out))
-    rc = a.rollout_correction.resolved
-    if rc.active and not a.rollout_correction.bypass_mode:
-        batch, rc_metrics = rollout_correction(batch, rc)
-        metrics = metrics | rc_metrics
-    return batch, metrics
+    return batch.union(Batch(out)), metrics | rc_metrics
 
 
 def rollout_correction(batch: Batch, c: RolloutCorrection) -> tuple[Batch, dict]:
     """The rollout correction's stage: adds `rollout_is_weights` [B, R] (with `rollout_is`)
     and `rollout_rs_mask` [B, R] (with rejection or a veto), which the actor's update applies
     (`hfjax.workers.actor`), and returns its rollout_corr/ metrics. Reads `old_log_probs`
-    (pi_old) and `rollout_log_probs` (the sampler's pi_rollout). Advantages are left as they
-    were: a rejected token leaves the policy loss, not the credit of the tokens around it."""
+    (pi_old) and `rollout_log_probs` (the sampler's pi_rollout). It runs before the
+    advantages (`compute_advantage`): a rejected token leaves the estimator, its whitening,
+    the critic's loss and the policy loss, as in verl."""
     weights, keep, metrics = _correct(batch["old_log_probs"], batch["rollout_log_probs"],
                                       batch["response_mask"], c=c)
     out = {}

@@ -14,7 +14,7 @@ import dataclasses
 from typing import Any
 
 from hfjax.engine.spec import RolloutSpec, Spec
-from hfjax.numerics.rollout_correction import RolloutCorrection, resolve
+from hfjax.numerics.rollout_correction import RolloutCorrection, level_in_force, resolve
 from hfjax.settings import Bool, Check, Choice, Float, Int, checks, key
 
 _FRACTION = Float(0.0, 1.0)
@@ -49,7 +49,8 @@ class RolloutCorrectionSpec(Spec):
 
     ROLE = "algo.rollout_correction"
 
-    rollout_is: str = key(Check(checks.level_or_off(("token", "sequence"))))
+    # "auto": token-level when async_rollout.max_staleness >= 1 (not in bypass mode), else off
+    rollout_is: str = key(Check(checks.level_or_off(("token", "sequence"), auto=True)))
     # upper truncation of the importance weights
     rollout_is_threshold: float = key(Float(0.0, lo_open=True))
     rollout_rs: str = key(Check(checks.level_or_off(("token", "sequence", "geometric"))))
@@ -59,6 +60,12 @@ class RolloutCorrectionSpec(Spec):
     rollout_token_veto_threshold: float = key(Float(0.0, 1.0, note="0: no veto"))
     # the rollout's log-probs are the old policy's; no old-log-prob pass
     bypass_mode: bool = key(Bool())
+
+    def in_force(self, max_staleness: int) -> RolloutCorrectionSpec:
+        """This spec with `rollout_is` the level a run with staleness bound `max_staleness`
+        applies ("auto" and "none" resolved, `level_in_force`)."""
+        return dataclasses.replace(self, rollout_is=level_in_force(
+            self.rollout_is, max_staleness, self.bypass_mode))
 
     @property
     def resolved(self) -> RolloutCorrection:
@@ -88,7 +95,8 @@ class AlgoSpec(Spec):
 @dataclasses.dataclass(frozen=True)
 class StepSpec:
     """A driver's settings: `algo` and `rollout` (samples per prompt `rollout.n`, the
-    response budget `rollout.response_length`, ...)."""
+    response budget `rollout.response_length`, ...). Its rollout correction is the one in
+    force: `rollout_is="auto"` is resolved against `async_rollout.max_staleness`."""
 
     algo: AlgoSpec
     rollout: RolloutSpec
@@ -98,7 +106,10 @@ class StepSpec:
         """`cfg` itself when it is already a StepSpec, else the spec of a run's config."""
         if isinstance(cfg, cls):
             return cfg
-        return cls(AlgoSpec.of(cfg.algo), RolloutSpec.of(cfg.rollout))
+        algo = AlgoSpec.of(cfg.algo)
+        k = cfg.async_rollout.max_staleness if "async_rollout" in cfg else 0
+        algo = dataclasses.replace(algo, rollout_correction=algo.rollout_correction.in_force(k))
+        return cls(algo, RolloutSpec.of(cfg.rollout))
 
     @classmethod
     def require(cls, value: Any, owner: str) -> None:

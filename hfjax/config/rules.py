@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 from hfjax.config.validators import split
+from hfjax.numerics import rollout_correction as rc_numerics
 
 
 def run_roles(algo, cfg) -> tuple[str, ...]:
@@ -283,12 +284,13 @@ def _rollout_correction(c) -> str | None:
     r = c.algo.get("rollout_correction")
     if r is None:
         return None
-    if r.bypass_mode and (r.rollout_is or r.rollout_rs or r.rollout_token_veto_threshold):
-        return ("algo.rollout_correction.bypass_mode=True makes the sampler's log-probs the old "
-                "policy's, so rollout_is, rollout_rs and the veto have nothing to correct; "
-                "turn them off (rollout_is='', rollout_rs='', rollout_token_veto_threshold=0) "
-                "or set bypass_mode=False")
-    if r.rollout_rs:
+    if r.bypass_mode and r.rollout_is in rc_numerics.IS_LEVELS:
+        return (f"algo.rollout_correction.bypass_mode=True with rollout_is={r.rollout_is!r}: "
+                "the clipped ratio is taken against the sampler's log-probs, so it already is "
+                "the importance ratio and weights would count it twice (verl applies none "
+                "there); set rollout_is=none (rejection, rollout_rs, still works) or "
+                "bypass_mode=False")
+    if r.rollout_rs not in ("", rc_numerics.NONE):
         upper = r.rollout_rs_threshold or r.rollout_is_threshold
         lower = r.rollout_rs_threshold_lower or 1.0 / upper
         if not lower < upper:

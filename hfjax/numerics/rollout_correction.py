@@ -17,6 +17,17 @@ w = pi_old / pi_rollout corrects the rest:
 - ``rollout_token_veto_threshold``: a sequence with any token whose (unbounded) ratio is below
   it is rejected whole.
 
+``rollout_is`` defaults to "auto": token-level truncated weights when the run is asynchronous
+(`async_rollout.max_staleness` >= 1, so pi_rollout lags pi_old by up to K updates) and not in
+bypass mode, off otherwise; "none" (or "") turns it off (`level_in_force`).
+
+Rejected tokens leave everything downstream of the correction, as in verl, where the rejection
+rewrites the response mask before the advantages: the advantage estimator (GAE's recursion
+skips them as it skips tool tokens, whitening is over the kept tokens), the critic's loss and
+the policy loss. In bypass mode (pi_old is pi_rollout) the ratio to correct is
+pi_theta / pi_rollout, which changes while the actor updates, so rejection is decided inside
+the policy loss on each micro-batch (`bypass_keep`) and removes tokens from that loss only.
+
 Ratios are formed in log space and bounded to [-20, 20] before any exponential (the safety
 bound), so one far-off token cannot overflow a weight. Everything is zero outside the response
 mask. These are pure functions of arrays, jitted by their caller.
@@ -33,6 +44,16 @@ from hfjax.numerics.core import LOG_RATIO_CLAMP, Array, mask_like, masked_mean, 
 
 IS_LEVELS = ("token", "sequence")
 RS_LEVELS = ("token", "sequence", "geometric")
+AUTO, NONE = "auto", "none"
+
+
+def level_in_force(rollout_is: str, max_staleness: int, bypass_mode: bool) -> str:
+    """The importance-weight level a run applies ("" when off): "auto" is "token" when the run
+    is asynchronous (K >= 1) and not in bypass mode (where PPO's ratio already is the
+    importance ratio to the sampler), else off; "none" is off; a level is itself."""
+    if rollout_is == AUTO:
+        return "token" if max_staleness >= 1 and not bypass_mode else ""
+    return "" if rollout_is == NONE else rollout_is
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +80,12 @@ def resolve(rollout_is: str, rollout_is_threshold: float, rollout_rs: str,
             rollout_token_veto_threshold: float) -> RolloutCorrection:
     """The settings in force, from the config's values (0 thresholds meaning "the default",
     as verl's null): ValueError naming the key for a level or threshold that cannot work."""
+    if rollout_is == AUTO:
+        raise ValueError("algo.rollout_correction.rollout_is='auto' depends on the run's "
+                         "async_rollout.max_staleness: resolve it with level_in_force first "
+                         "(StepSpec.of does)")
+    rollout_is = "" if rollout_is == NONE else rollout_is
+    rollout_rs = "" if rollout_rs == NONE else rollout_rs
     if rollout_is not in ("", *IS_LEVELS):
         raise ValueError(f"algo.rollout_correction.rollout_is={rollout_is!r}; use one of "
                          f"{', '.join(IS_LEVELS)}, or '' for none")
@@ -73,6 +100,23 @@ def resolve(rollout_is: str, rollout_is_threshold: float, rollout_rs: str,
                          "rollout_rs_threshold")
     return RolloutCorrection(rollout_is, float(rollout_is_threshold), rollout_rs, float(upper),
                              float(lower), float(rollout_token_veto_threshold))
+
+
+def describe(c: RolloutCorrection, bypass_mode: bool) -> str:
+    """One line naming the correction in force, for the run's first log lines."""
+    parts = []
+    if bypass_mode:
+        parts.append("bypass mode (the sampler's log-probs are pi_old; PPO clips against them)")
+    if c.rollout_is:
+        parts.append(f"{c.rollout_is}-level truncated importance weights pi_old / pi_rollout "
+                     f"(threshold {c.is_threshold:g})")
+    if c.rollout_rs:
+        ratio = "pi_theta / pi_rollout in the policy loss" if bypass_mode else "the ratio"
+        parts.append(f"{c.rollout_rs}-level rejection outside [{c.rs_lower:g}, {c.rs_upper:g}] "
+                     f"of {ratio}")
+    if c.veto_threshold:
+        parts.append(f"a veto below {c.veto_threshold:g}")
+    return "; ".join(parts) if parts else "none"
 
 
 def _bounded(log_ratio: Array) -> Array:
@@ -144,3 +188,14 @@ def correct(old_log_prob: Array, rollout_log_prob: Array, response_mask: Array,
         "rollout_corr/k3_kl": masked_mean(jnp.exp(log_ratio) - log_ratio - 1.0, m),
     }
     return weights, keep, metrics
+
+
+def bypass_keep(log_prob: Array, rollout_log_prob: Array, response_mask: Array,
+                c: RolloutCorrection) -> Array:
+    """Bypass mode's rejection, inside the policy loss: the response tokens [B, T] kept when
+    the ratio is pi_theta / pi_rollout (``log_prob``, the policy being updated, taken without
+    its gradient). Levels and the veto are `correct`'s; the weights are not applied (with a
+    clipped loss the ratio against the sampler already is the importance ratio)."""
+    _, keep, _ = correct(log_prob, rollout_log_prob, response_mask,
+                         dataclasses.replace(c, rollout_is=""))
+    return keep

@@ -16,6 +16,7 @@ from hfjax.engine.sampler import MIN_NEW_TOKENS_BUCKET, bucket_size, prompt_buck
 from hfjax.models import backend, lora
 from hfjax.models.config import ModelConfig
 from hfjax.models.hf_io import read_model_config
+from hfjax.numerics import rollout_correction
 from hfjax.planner.pricing import ModelSpec
 from hfjax.planner.simulator import Workload
 from hfjax.workers.groups import needs_ref
@@ -150,6 +151,8 @@ def _scores_old_policy(cfg, single: bool) -> bool:
     rc = cfg.algo.get("rollout_correction")
     if rc is not None and rc.bypass_mode:
         return False
-    corrects = rc is not None and bool(rc.rollout_is or rc.rollout_rs
-                                       or rc.rollout_token_veto_threshold)
+    k = cfg.async_rollout.max_staleness if "async_rollout" in cfg else 0
+    corrects = rc is not None and bool(
+        rollout_correction.level_in_force(rc.rollout_is, k, False)
+        or rc.rollout_rs not in ("", rollout_correction.NONE) or rc.rollout_token_veto_threshold)
     return bool(cfg.algo.use_kl_in_reward) or not single or corrects

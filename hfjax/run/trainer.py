@@ -24,6 +24,7 @@ from hfjax.controller import compile_log
 from hfjax.controller.async_pools import ROLE as ROLLOUT
 from hfjax.data.batching import prompt_batch
 from hfjax.data.dataset import task_dataset
+from hfjax.numerics import rollout_correction as rc_numerics
 from hfjax.parallel import distributed, targets
 from hfjax.parallel.transfer import host_values
 from hfjax.run import checkpoint as ckpt_lib
@@ -56,6 +57,12 @@ class Trainer:
 
             cfg = resolve_remat(cfg)
         self.cfg, self.spec = cfg, StepSpec.of(cfg)  # the spec: what the algorithm's steps read
+        rc = self.spec.algo.rollout_correction
+        logging.info("rollout correction: %s%s", rc_numerics.describe(rc.resolved, rc.bypass_mode),
+                     " (rollout_is='auto' with async_rollout.max_staleness >= 1; "
+                     "--config.algo.rollout_correction.rollout_is=none turns it off)"
+                     if cfg.algo.rollout_correction.rollout_is == rc_numerics.AUTO
+                     and rc.rollout_is else "")
         self.compute_dtype = model_source.compute_dtype(cfg, jax.devices()[0].platform)
         self.roles = run_roles(self.algo, cfg)
         self.tok = model_source.task_tokenizer(cfg)
@@ -86,6 +93,8 @@ class Trainer:
                              "fits the model (--config.model.tokenizer)")
         self.actor = groups.build_actor(cfg, initial, self.pools, self.tok.pad_id, self.tok.eos_id,
                                         tokenizer=self.tok)
+        if rc.bypass_mode and rc.resolved.active:  # rejection inside the policy loss
+            self.actor.bypass_rejection = rc.resolved
         self._groups: WorkerGroups | None = None
         self._collapse = health.CollapseWatch(self.model_cfg.vocab_size)
         self._async: AsyncRollout | None = None

@@ -79,11 +79,14 @@ def tool_spec(v) -> str | None:
     return None
 
 
-def level_or_off(levels: tuple[str, ...]) -> Callable[[Any], str | None]:
-    """A check for a setting that is one of `levels` or "" for off (rollout correction's)."""
+def level_or_off(levels: tuple[str, ...], auto: bool = False) -> Callable[[Any], str | None]:
+    """A check for a setting that is one of `levels`, "none" or "" for off, and with `auto`
+    also "auto" (rollout correction's)."""
+    extra = ("auto",) if auto else ()
+
     def check(v) -> str | None:
-        if isinstance(v, str) and v in ("", *levels):
+        if isinstance(v, str) and v in ("", "none", *levels, *extra):
             return None
-        return f"needs one of {', '.join(levels)}, or '' (off)"
+        return f"needs one of {', '.join((*levels, *extra))}, or none (off)"
 
     return check

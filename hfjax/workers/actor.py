@@ -33,6 +33,7 @@ from hfjax.engine.update import in_micro_batches, scoring_micro_batches, share_o
 from hfjax.models import lora
 from hfjax.models import sequence_parallel as sp
 from hfjax.numerics import core, losses
+from hfjax.numerics import rollout_correction as rc_numerics
 from hfjax.numerics.losses import PolicyLossInputs
 from hfjax.parallel import reshard
 from hfjax.parallel import sharding as shd
@@ -384,6 +385,9 @@ class ActorRollout(Reference):
     # Cut response columns that are padding in every row (`trim_responses`, a host read); an
     # asynchronous run's rollout group leaves that to the trainer's side (hfjax.run.async_loop).
     trim = True
+    # Bypass mode's rejection, decided in the policy loss (`rc_numerics.bypass_keep`); None:
+    # none there (`hfjax.workers.groups.build_actor` sets it).
+    bypass_rejection: rc_numerics.RolloutCorrection | None = None
 
     def __init__(self, *args, sampler: Sampler, spec: ActorSpec, rollout: RolloutSpec,
                  eos_ids: tuple[int, ...] = (), hybrid: HybridEngine | None = None,
@@ -557,12 +561,22 @@ class ActorRollout(Reference):
         # current log-prob and no separate scoring pass is needed.
         old = mb.get("old_log_probs")
         old = jax.lax.stop_gradient(lp) if old is None else old
+        pg_mask, pg_weight, rejected = mask, weight, {}
+        if self.bypass_rejection is not None:
+            # Bypass mode: old is pi_rollout, and the ratio to reject on, pi_theta / pi_rollout,
+            # moves with the update, so it is decided here, micro-batch by micro-batch; the
+            # rejected tokens weigh nothing, and the normaliser stays the batch's.
+            pg_mask = rc_numerics.bypass_keep(jax.lax.stop_gradient(lp), old, mask,
+                                              self.bypass_rejection)
+            pg_weight = share_of_normaliser(pg_mask, totals, a.loss_agg_mode)
+            rejected = {"rollout_corr/rollout_rs_masked_fraction":
+                        core.masked_sum(mask - pg_mask, mask) / totals["tokens"]}
         pg_loss, clipfrac, ppo_kl, clipfrac_lower = core.POLICY_LOSSES.get(a.policy_loss)(
             PolicyLossInputs(
                 old_log_prob=old,
                 log_prob=lp,
                 advantages=mb["advantages"],
-                response_mask=mask,
+                response_mask=pg_mask,
                 cliprange=a.clip_ratio,
                 cliprange_low=a.clip_ratio_low,
                 cliprange_high=a.clip_ratio_high,
@@ -576,15 +590,15 @@ class ActorRollout(Reference):
         # Without an entropy bonus the entropy is a metric only: keep it out of the backward pass
         # (a zero coefficient would still differentiate it).
         if a.entropy_coeff:
-            loss = pg_loss - a.entropy_coeff * entropy
+            loss = pg_loss * pg_weight - a.entropy_coeff * entropy * weight
         else:
-            loss, entropy = pg_loss, jax.lax.stop_gradient(entropy)
+            loss, entropy = pg_loss * pg_weight, jax.lax.stop_gradient(entropy)
         metrics = {
-            "actor/pg_loss": pg_loss * weight,
+            "actor/pg_loss": pg_loss * pg_weight,
             "actor/entropy": entropy * weight,
-            "actor/pg_clipfrac": clipfrac * weight,
-            "actor/ppo_kl": ppo_kl * weight,
-            "actor/pg_clipfrac_lower": clipfrac_lower * weight,
+            "actor/pg_clipfrac": clipfrac * pg_weight,
+            "actor/ppo_kl": ppo_kl * pg_weight,
+            "actor/pg_clipfrac_lower": clipfrac_lower * pg_weight,
             # The mini-batch's mean token entropy, whatever the aggregation mode: how close the
             # policy is to uniform (hfjax.run.health).
             "actor/token_entropy": core.masked_sum(jax.lax.stop_gradient(ent), mask)
@@ -593,9 +607,9 @@ class ActorRollout(Reference):
         if a.use_kl_loss:
             kld = losses.kl_penalty(lp, mb["ref_log_prob"], a.kl_loss_type)
             kl_loss = core.agg_loss(kld, mask, a.loss_agg_mode, horizon)
-            loss = loss + a.kl_loss_coef * kl_loss
+            loss = loss + a.kl_loss_coef * kl_loss * weight
             metrics["actor/kl_loss"] = kl_loss * weight
-        return loss * weight, metrics
+        return loss, metrics | rejected
 
     def _sft_loss(self, params, mb, totals):
         lp, _ = response_logprobs(

@@ -123,9 +123,11 @@ class Critic(WorkerGroup):
         }
         return vf_loss * weight, metrics
 
-    @method(DP_COMPUTE, reads=("response_mask", "values", "returns", *SEQUENCES))
+    @method(DP_COMPUTE, reads=("response_mask", "values", "returns", *SEQUENCES),
+            may_read=("rollout_rs_mask",))
     def update_critic(self, batch: Batch) -> dict[str, jax.Array]:
-        """Value-loss epochs over shuffled mini-batches; returns mean metrics."""
+        """Value-loss epochs over shuffled mini-batches; returns mean metrics. A rollout
+        correction's rejected tokens (`rollout_rs_mask` 0) leave the loss."""
         return self._update_critic(batch)
 
     def _update_critic(self, batch: Batch) -> dict[str, jax.Array]:
@@ -133,6 +135,11 @@ class Critic(WorkerGroup):
         if self.VALUES != "values":  # the loss reads the generic names
             batch = batch.union(Batch({"values": batch[self.VALUES],
                                        "returns": batch[self.RETURNS]}))
+        if "rollout_rs_mask" in batch:
+            # A rollout correction's rejected tokens leave the value loss (as its advantages).
+            keep = _keep(batch["response_mask"], batch["rollout_rs_mask"])
+            batch = batch.select([k for k in batch.arrays if k != "response_mask"]).union(
+                Batch({"response_mask": keep}))
         keys = ["input_ids", "attention_mask", "responses", "response_mask", "values", "returns"]
         out = self.train(self._loss, batch, keys, mini=c.ppo_mini_batch_size * self.rollout.n,
                          micro=c.ppo_micro_batch_size, epochs=c.ppo_epochs, shuffle=c.shuffle,
@@ -156,7 +163,13 @@ class CostCritic(Critic):
         """Batch with `cost_values` [B, R]."""
         return self._compute_values(batch)
 
-    @method(DP_COMPUTE, reads=("response_mask", "cost_values", "cost_returns", *SEQUENCES))
+    @method(DP_COMPUTE, reads=("response_mask", "cost_values", "cost_returns", *SEQUENCES),
+            may_read=("rollout_rs_mask",))
     def update_critic(self, batch: Batch) -> dict[str, jax.Array]:
         """Value-loss epochs on the cost returns; returns mean metrics."""
         return self._update_critic(batch)
+
+
+@jax.jit
+def _keep(mask, keep):
+    return (mask * keep.astype(mask.dtype)).astype(mask.dtype)

@@ -1,7 +1,9 @@
 """Rollout correction (`algo.rollout_correction`): every setting's weights, rejection mask and
 metrics against a loop over tokens written here; every registered policy loss applying the
-per-token weights; bad settings refused in one line; and a training step that applies them
-(decoupled) or skips the old-policy pass (bypass)."""
+per-token weights; rejected tokens leaving the advantages and their whitening (GAE and GRPO,
+against loops); bypass mode's rejection inside the policy loss against a loop; "auto" resolving
+to token-level weights exactly in asynchronous runs; bad settings refused in one line; and a
+training step that applies them (decoupled) or skips the old-policy pass (bypass)."""
 
 import dataclasses
 import math
@@ -217,14 +219,20 @@ def test_every_policy_loss_applies_the_weights(name, mode):
 
 BAD = {
     "level": ({"rollout_is": "tokens"},
-              r"rollout_is='tokens': needs one of token, sequence, or '' \(off\)"),
+              r"rollout_is='tokens': needs one of token, sequence, auto, or none \(off\)"),
     "rs-level": ({"rollout_rs": "seq"},
-                 r"rollout_rs='seq': needs one of token, sequence, geometric"),
+                 r"rollout_rs='seq': needs one of token, sequence, geometric, or none"),
+    "rs-auto": ({"rollout_rs": "auto"},
+                r"rollout_rs='auto': needs one of token, sequence, geometric, or none"),
     "threshold": ({"rollout_is_threshold": 0.0}, r"rollout_is_threshold=0.0: needs a float > 0"),
     "veto": ({"rollout_token_veto_threshold": 2.0}, r"veto_threshold=2.0: needs a float in"),
     "bypass-with-is": ({"bypass_mode": True, "rollout_is": "token"},
-                       r"bypass_mode=True makes the sampler's log-probs the old policy's, so "
-                       r"rollout_is, rollout_rs and the veto have nothing to correct"),
+                       r"bypass_mode=True with rollout_is='token': the clipped ratio is taken "
+                       r"against the sampler's log-probs, so it already is the importance "
+                       r"ratio .* set rollout_is=none \(rejection, rollout_rs, still works\)"),
+    "bypass-with-sequence-is": ({"bypass_mode": True, "rollout_is": "sequence",
+                                 "rollout_rs": "token"},
+                                r"bypass_mode=True with rollout_is='sequence'"),
     "empty-interval": ({"rollout_rs": "token", "rollout_rs_threshold": 1.5,
                         "rollout_rs_threshold_lower": 2.0},
                        r"the rejection interval \[2, 1.5\] is empty"),
@@ -240,6 +248,165 @@ def test_bad_settings_are_refused_in_one_line(name):
     with pytest.raises(ValueError, match=message) as e:
         validate_config(cfg)
     assert "\n" not in str(e.value)
+
+
+def test_bypass_with_rejection_and_auto_are_accepted():
+    for keys in ({"bypass_mode": True, "rollout_rs": "token"},  # verl's bypass + rejection
+                 {"bypass_mode": True, "rollout_token_veto_threshold": 1e-3},
+                 {"bypass_mode": True},  # "auto" is off in bypass mode
+                 {"rollout_is": "none", "rollout_rs": "none"}):
+        cfg = tiny_rl_config()
+        for k, v in keys.items():
+            cfg.algo.rollout_correction[k] = v
+        validate_config(cfg)
+
+
+# ------------------------------------------------------------------- the default: "auto"
+
+
+@pytest.mark.parametrize("rollout_is,k,bypass,want", [
+    ("auto", 0, False, ""), ("auto", 1, False, "token"), ("auto", 4, False, "token"),
+    ("auto", 1, True, ""), ("none", 2, False, ""), ("", 2, False, ""),
+    ("sequence", 0, False, "sequence"), ("token", 3, False, "token")])
+def test_auto_is_token_level_exactly_when_asynchronous(rollout_is, k, bypass, want):
+    from hfjax.algorithms.spec import StepSpec
+
+    assert rc.level_in_force(rollout_is, k, bypass) == want
+    cfg = tiny_rl_config()
+    assert cfg.algo.rollout_correction.rollout_is == "auto"  # the shipped default
+    r = cfg.algo.rollout_correction
+    r.rollout_is, r.bypass_mode = rollout_is, bypass
+    cfg.async_rollout.max_staleness = k
+    spec = StepSpec.of(cfg).algo.rollout_correction
+    assert spec.rollout_is == want and spec.resolved.rollout_is == want
+    line = rc.describe(spec.resolved, bypass)
+    if want:
+        assert line.startswith(f"{want}-level truncated importance weights pi_old / pi_rollout "
+                               "(threshold 2)")
+    else:
+        assert line == ("none" if not bypass else
+                        "bypass mode (the sampler's log-probs are pi_old; PPO clips against them)")
+
+
+# ------------------------------------------- rejected tokens leave the advantages (decoupled)
+
+
+def loop_gae(rewards, values, keep, gamma, lam):
+    """GAE row by row, over the kept tokens only (a rejected token is skipped as a tool token
+    is: no TD-error of its own, the next kept token's value and advantage pass through it),
+    then whitened over the kept tokens with the unbiased variance."""
+    b, t = keep.shape
+    adv, ret = np.zeros((b, t)), np.zeros((b, t))
+    for i in range(b):
+        next_v, last = 0.0, 0.0
+        for j in reversed(range(t)):
+            if keep[i, j]:
+                last = rewards[i, j] + gamma * next_v - values[i, j] + gamma * lam * last
+                next_v = values[i, j]
+                adv[i, j] = last
+                ret[i, j] = last + values[i, j]
+    kept = [adv[i, j] for i in range(b) for j in range(t) if keep[i, j]]
+    mean = sum(kept) / len(kept)
+    var = sum((a - mean) ** 2 for a in kept) / (len(kept) - 1)
+    for i in range(b):
+        for j in range(t):
+            adv[i, j] = (adv[i, j] - mean) / math.sqrt(var + 1e-8) if keep[i, j] else 0.0
+    return adv, ret
+
+
+def loop_grpo(scores, keep, n):
+    """GRPO's advantage by groups of n rows: (score - mean) / (std + 1e-6), on kept tokens."""
+    b, t = keep.shape
+    adv = np.zeros((b, t))
+    for g in range(0, b, n):
+        group = [float(scores[i].sum()) for i in range(g, g + n)]
+        mean = sum(group) / n
+        std = math.sqrt(sum((x - mean) ** 2 for x in group) / (n - 1))
+        for i in range(g, g + n):
+            for j in range(t):
+                adv[i, j] = (group[i - g] - mean) / (std + 1e-6) if keep[i, j] else 0.0
+    return adv
+
+
+@pytest.mark.parametrize("estimator", ["gae", "grpo"])
+def test_rejected_tokens_leave_the_advantages_and_their_whitening(estimator):
+    import jax.numpy as jnp
+
+    from hfjax.algorithms import dataflow
+    from hfjax.algorithms.spec import StepSpec
+    from hfjax.controller.batch import Batch
+
+    old, roll, mask = _batch(seed=5, b=6, t=9)
+    mask[4] = 1.0  # six live rows (three groups of two)
+    rng = np.random.default_rng(7)
+    scores = np.zeros_like(old)
+    for i in range(6):  # an outcome score on each row's last token, and a step reward
+        last = int(np.nonzero(mask[i])[0][-1])
+        scores[i, last] = rng.normal()
+        scores[i, 1] += 0.5 * rng.normal()
+    values = rng.normal(0.0, 1.0, old.shape).astype(np.float32)
+    cfg = tiny_rl_config()
+    cfg.algo.adv_estimator, cfg.rollout.n = estimator, 2
+    cfg.algo.use_kl_in_reward = False
+    cfg.algo.gamma, cfg.algo.lam = 0.9, 0.8
+    r = cfg.algo.rollout_correction
+    r.rollout_is, r.rollout_rs, r.rollout_rs_threshold = "token", "token", 1.5
+    spec = StepSpec.of(cfg)
+    c = spec.algo.rollout_correction.resolved
+    arrays = {"response_mask": mask, "token_level_scores": scores, "old_log_probs": old,
+              "rollout_log_probs": roll}
+    if estimator == "gae":
+        arrays["values"] = values
+    out, metrics = dataflow.compute_advantage(
+        Batch({k: jnp.asarray(v) for k, v in arrays.items()}), spec, 0.0)
+    _, keep, want_m = loop_correction(old, roll, mask, c)
+    assert 0 < keep.sum() < mask.sum()  # some tokens rejected, some kept
+    if estimator == "gae":
+        want, want_ret = loop_gae(scores * keep, values * keep, keep, 0.9, 0.8)
+        np.testing.assert_allclose(np.asarray(out["returns"]), want_ret, rtol=1e-4, atol=1e-5)
+    else:
+        want = loop_grpo(scores, keep, 2)
+    np.testing.assert_allclose(np.asarray(out["advantages"]), want, rtol=1e-4, atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(out["rollout_rs_mask"]), keep)
+    assert float(metrics["rollout_corr/rollout_rs_masked_fraction"]) == pytest.approx(
+        want_m["rollout_rs_masked_fraction"], rel=1e-5)
+
+
+# ------------------------------------------------------ bypass mode: rejection in the loss
+
+
+@pytest.mark.parametrize("level", ["token", "sequence", "geometric"])
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
+def test_bypass_rejection_in_the_policy_loss_against_a_loop(level, mode):
+    """The policy loss as the actor aggregates it in bypass mode (`bypass_keep`, the kept
+    tokens' share of the batch normaliser), against a loop: the ratio judged is
+    pi_theta / pi_rollout, rejected tokens add nothing, the denominator is the batch's."""
+    from hfjax.engine.update import share_of_normaliser
+
+    rng = np.random.default_rng(11)
+    _, roll, mask = _batch(seed=2)
+    lp = (roll + rng.normal(0.0, 0.5, roll.shape)).astype(np.float32)  # pi_theta drifted
+    adv = rng.normal(0.0, 1.0, roll.shape).astype(np.float32)
+    upper = {"token": 1.5, "sequence": 4.0, "geometric": 1.2}[level]
+    c = rc.resolve("", 2.0, level, upper, 0.0, 0.0)
+    keep = np.asarray(rc.bypass_keep(lp, roll, mask, c))
+    totals = {"tokens": float(mask.sum()), "seqs": float((mask.sum(-1) > 0).sum())}
+    x = PolicyLossInputs(roll, lp, adv, keep.astype(np.float32), cliprange=0.2, clip_ratio_c=3.0,
+                         loss_agg_mode=mode, loss_scale_factor=9.0)
+    got = float(core.POLICY_LOSSES.get("vanilla")(x)[0]) * float(
+        share_of_normaliser(keep, totals, mode))
+    # The loop: which tokens a ratio pi_theta / pi_rollout keeps, and the aggregation.
+    _, want_keep, _ = loop_correction(lp, roll, mask, c)
+    np.testing.assert_array_equal(keep, want_keep)
+    assert 0 < want_keep.sum() < mask.sum()
+    per = _vanilla(x)
+    if mode == "token-mean":
+        want = sum(per[i, j] for i in range(5) for j in range(9) if want_keep[i, j]) / mask.sum()
+    else:
+        rows = [i for i in range(5) if want_keep[i].sum() > 0]
+        want = sum(sum(per[i, j] for j in range(9) if want_keep[i, j]) / want_keep[i].sum()
+                   for i in rows) / totals["seqs"]
+    assert got == pytest.approx(want, rel=1e-4, abs=1e-6)
 
 
 # ------------------------------------------------------------------------------ in a real step
@@ -301,3 +468,68 @@ def test_a_grpo_step_applies_the_correction_and_bypass_skips_the_old_pass():
     got = seen[0].fetch(["old_log_probs", "rollout_log_probs"])
     np.testing.assert_array_equal(got["old_log_probs"], got["rollout_log_probs"])
     assert "rollout_is_weights" not in seen[0] and np.isfinite(m["actor/pg_loss"])
+
+
+@pytest.mark.slow
+def test_ppo_steps_reject_from_the_critic_and_bypass_rejects_in_the_loss(caplog):
+    """PPO with a critic, decoupled: the critic trains on the kept tokens only; an
+    asynchronous-looking run's first lines name the correction; bypass mode with rejection:
+    no scoring pass, and the actor's policy loss drops the tokens whose pi_theta / pi_rollout
+    leaves the interval."""
+    import logging
+
+    from hfjax.run.trainer import Trainer
+
+    cfg = tiny_rl_config()
+    cfg.rollout.top_k = 3  # pi_rollout renormalised over 3 tokens: ratios near 0.22 (above)
+    r = cfg.algo.rollout_correction
+    r.rollout_is, r.rollout_rs, r.rollout_rs_threshold_lower = "none", "token", 0.22
+    with caplog.at_level(logging.INFO):
+        trainer = Trainer(cfg)
+    assert any("rollout correction: token-level rejection outside [0.22, 2] of the ratio"
+               in rec.getMessage() for rec in caplog.records)
+    seen = []
+    train = trainer.workers.critic.train
+    trainer.workers.critic.train = lambda fn, b, keys, **kw: seen.append(b) or train(
+        fn, b, keys, **kw)
+    actor_seen = []
+    update = trainer.actor.update_actor
+    trainer.actor.update_actor = lambda b: actor_seen.append(b) or update(b)
+    m = trainer.train_step()
+    got = {k: np.asarray(v) for k, v in actor_seen[0].fetch(
+        ["response_mask", "rollout_rs_mask"]).items()}
+    assert 0 < got["rollout_rs_mask"].sum() < got["response_mask"].sum()
+    np.testing.assert_array_equal(np.asarray(seen[0]["response_mask"]),
+                                  got["response_mask"] * got["rollout_rs_mask"])
+    assert 0 < m["rollout_corr/rollout_rs_masked_fraction"] < 1
+
+    cfg = tiny_rl_config()
+    cfg.rollout.top_k = 3
+    r = cfg.algo.rollout_correction
+    r.bypass_mode, r.rollout_rs, r.rollout_rs_threshold_lower = True, "token", 0.22
+    trainer = Trainer(cfg)
+    actor = trainer.actor
+    assert actor.bypass_rejection is not None
+    scored, trained = [], []
+    score, train = actor.compute_log_prob, actor.train
+    actor.compute_log_prob = lambda b: scored.append(b) or score(b)
+    actor.train = lambda fn, b, keys, **kw: trained.append((b, keys)) or train(fn, b, keys, **kw)
+    m = trainer.train_step()
+    assert not scored  # bypass: no old-policy pass
+    frac = m["rollout_corr/rollout_rs_masked_fraction"]
+    assert 0 < frac < 1
+    b, keys = trained[0]
+    mb = {k: b[k] for k in keys}
+    mask = np.asarray(mb["response_mask"], np.float64)
+    totals = {"tokens": mask.sum(), "seqs": float((mask.sum(-1) > 0).sum())}
+    loss, metrics = actor._policy_loss(actor.params, mb, totals)
+    lp = np.asarray(actor.compute_log_prob(b)["old_log_probs"], np.float64)
+    _, keep, _ = loop_correction(lp, np.asarray(mb["old_log_probs"], np.float64), mask,
+                                 actor.bypass_rejection)
+    # The same tokens rejected as a loop over pi_theta / pi_rollout finds (up to one token at
+    # the interval's edge, where the two programs' log-probs may round apart).
+    assert float(metrics["rollout_corr/rollout_rs_masked_fraction"]) == pytest.approx(
+        1 - keep.sum() / mask.sum(), abs=1.01 / mask.sum())
+    actor.bypass_rejection = None
+    plain, _ = actor._policy_loss(actor.params, mb, totals)
+    assert abs(float(plain) - float(loss)) > 1e-6
