@@ -118,10 +118,17 @@ class AgentLoop:
             return int(hit[k - 1]) + 1 if hit.size >= k else None
         if self._text(tokens).count(TOOL_CALL_CLOSE) < k:
             return None
-        for j in range(1, len(tokens) + 1):  # the shortest prefix holding k tags
-            if self._text(tokens[:j]).count(TOOL_CALL_CLOSE) >= k:
-                return j
-        return None
+        # The shortest prefix holding k tags, by bisection: a prefix's text is a prefix of the
+        # whole text, so its tag count grows with its length. log2(n) decodes of at most n
+        # tokens, where decoding every prefix in turn was quadratic in the turn's length.
+        lo, hi = 0, len(tokens)  # the prefix of `lo` tokens holds fewer than k, `hi` at least k
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if self._text(tokens[:mid]).count(TOOL_CALL_CLOSE) >= k:
+                hi = mid
+            else:
+                lo = mid
+        return hi
 
     def _text(self, tokens) -> str:
         return self.tok.decode([int(t) for t in tokens], skip_special_tokens=False)

@@ -12,6 +12,11 @@ import abc
 import dataclasses
 from typing import Any, ClassVar
 
+# Set on a class that hfjax.tools.registry loaded from a file: the `path/to/file.py:Class` spec
+# that loads it again (in a worker process, hfjax.tools.worker). Here, below both, so neither
+# imports the other for it.
+FILE_SPEC = "_hfjax_tool_spec"
+
 
 class ToolError(Exception):
     """Raised by a tool's `call` for a failure the policy should read as it is (bad input, a

@@ -20,8 +20,14 @@ from hfjax.tools.registry import register_tool
 
 MAX_EXPRESSION_CHARS = 500
 MAX_EXPONENT = 10_000
-MAX_DIGITS = 5_000  # digits of any intermediate numerator or denominator
+# Digits of any intermediate numerator or denominator, and of any answer. Below CPython's
+# 4,300-digit limit on int <-> str conversion (sys.int_info.default_max_str_digits), which
+# str() of a larger answer would hit with a ValueError instead of this tool's own message.
+MAX_DIGITS = 4_000
 APPROX_DIGITS = 30
+# A non-terminating answer smaller than this is approximated in scientific notation: 30 decimal
+# places of 1/7**2000 would read 0.
+_SCIENTIFIC_BELOW = Fraction(1, 10**6)
 
 _BINOPS = {
     ast.Add: operator.add,
@@ -129,7 +135,9 @@ def _format_short(x: Fraction) -> str:
 
 
 def format_number(x: Fraction) -> str:
-    """`x` as an integer, an exact terminating decimal, or `p/q ≈ decimal` (30 digits)."""
+    """`x` as an integer, an exact terminating decimal, or `p/q ≈ decimal` (30 digits; in
+    scientific notation when the exact decimal would pass MAX_DIGITS digits or a
+    non-terminating value is below 1e-6)."""
     if x.denominator == 1:
         return str(x.numerator)
     den, twos, fives = x.denominator, 0, 0
@@ -139,10 +147,32 @@ def format_number(x: Fraction) -> str:
     while den % 5 == 0:
         den //= 5
         fives += 1
-    if den == 1:
-        places = max(twos, fives)
+    places = max(twos, fives)
+    whole_digits = max(1, _digits(Fraction(abs(x.numerator) // x.denominator)))
+    if den == 1 and places + whole_digits <= MAX_DIGITS:
         return _decimal(x, places)
+    if den == 1 or abs(x) < _SCIENTIFIC_BELOW:
+        return f"{x.numerator}/{x.denominator} ≈ {_scientific(x, APPROX_DIGITS)}"
     return f"{x.numerator}/{x.denominator} ≈ {_decimal(x, APPROX_DIGITS, exact=False)}"
+
+
+def _scientific(x: Fraction, digits: int) -> str:
+    """`x` (not 0) rounded half up to `digits` significant digits, as m.mmm…e±E."""
+    sign, a = ("-" if x < 0 else ""), abs(x)
+    # floor(log10(a)): the digit counts' difference, or one less.
+    exp = len(str(a.numerator)) - len(str(a.denominator))
+    if a < Fraction(10) ** exp:
+        exp -= 1
+    scaled = a * Fraction(10) ** (digits - 1 - exp)
+    mantissa = scaled.numerator // scaled.denominator
+    if 2 * (scaled - mantissa) >= 1:
+        mantissa += 1
+    if mantissa >= 10**digits:  # rounding carried into a new digit
+        mantissa //= 10
+        exp += 1
+    text = str(mantissa)
+    tail = text[1:].rstrip("0")
+    return f"{sign}{text[0]}{'.' + tail if tail else ''}e{exp:+d}"
 
 
 def _decimal(x: Fraction, places: int, exact: bool = True) -> str:

@@ -64,6 +64,7 @@ _CLONE_NS = (0x00020000, 0x02000000, 0x04000000, 0x08000000, 0x10000000, 0x20000
              0x40000000)
 _TIOCSTI, _TIOCLINUX = 0x5412, 0x541C  # push input into a terminal; console control
 NOBODY = 65534
+JAIL_IDS = (NOBODY,)  # the uids (and gids) a snippet may run as
 MOUNT = "/scratch"
 
 
@@ -223,7 +224,7 @@ def probe() -> None:
     """Builds the jail once and runs Python in it; JailUnavailable naming what failed."""
     if not sys.platform.startswith("linux"):
         raise JailUnavailable(f"the jail needs Linux namespaces; this is {sys.platform}")
-    code = ("import os\nassert os.getuid() == 65534 and os.getpid() < 10\n"
+    code = (f"import os\nassert os.getuid() == {NOBODY} and os.getpid() < 10\n"
             "open('/scratch/x', 'w').write('x')")
     with seccomp_file() as filt:
         argv = command([sys.executable, "-I", "-S", "-c", code], seccomp_fd=filt.fileno(),

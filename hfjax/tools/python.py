@@ -155,10 +155,11 @@ def _children(pid: int) -> list[int]:
 
 
 def _head(f, limit: int) -> str:
+    """The first `limit` bytes of `f` as text, with a note of how many more there were."""
+    size = f.seek(0, os.SEEK_END)
     f.seek(0)
-    data = f.read(limit + 1)
-    text = data[:limit].decode("utf-8", errors="replace")
-    return text + ("\n[output truncated]" if len(data) > limit else "")
+    text = f.read(limit).decode("utf-8", errors="replace")
+    return text + (f"\n[output truncated: {size - limit} more bytes]" if size > limit else "")
 
 
 def _error_tail(f, limit: int) -> str:

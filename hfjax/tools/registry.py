@@ -15,8 +15,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from hfjax.rewards.custom import import_file
-from hfjax.tools.base import Tool
-from hfjax.tools.worker import FILE_SPEC
+from hfjax.tools.base import FILE_SPEC, Tool
 
 _TOOLS: dict[str, type[Tool]] = {}
 

@@ -3,9 +3,11 @@ row's tools run, and in worker processes, so no tool can stall the controller.
 
 `ToolRunner.submit(calls)` returns at once with a Future of one Observation per call, in order.
 The future never fails: a malformed call (already an Observation from the parser), an unknown
-tool, arguments that do not fit the tool's schema, an exception in `call`, a call that runs past
-the tool's `timeout_s`, and an output longer than `max_output_chars` (truncated) all become
-error observations.
+tool, arguments that do not fit the tool's schema, any exception in `call` or in sending the call
+(BaseException included: RecursionError from deeply nested arguments, MemoryError, SystemExit,
+KeyboardInterrupt), a call that runs past the tool's `timeout_s`, and an output longer than
+`max_output_chars` (truncated, with a note of how much was cut) all become error observations;
+the runner's threads outlive every call.
 
 With `processes=True` (the default) each of the `max_workers` runner threads drives one worker
 process (`hfjax.tools.worker`, JSON lines; the tools are sent by reference, see that
@@ -244,7 +246,16 @@ class ToolRunner:
                 if job is None:
                     return
                 tool, args, slot = job
-                worker, obs = self._in_process(worker, tool, args)
+                try:
+                    worker, obs = self._in_process(worker, tool, args)
+                except BaseException as err:  # noqa: BLE001 (this thread must outlive any call)
+                    # Arguments the protocol cannot encode (RecursionError from ~1,000 nested
+                    # levels), MemoryError, an interrupt: that call's observation, and a fresh
+                    # worker for the next call (this one may hold half a request).
+                    if worker is not None:
+                        worker.kill()
+                    worker = None
+                    obs = self._observe(tool.name, "error", f"{type(err).__name__}: {err}")
                 slot.set(obs)
         finally:
             if worker is not None:
@@ -331,7 +342,8 @@ class ToolRunner:
                     obs = self._observe(tool.name, "ok", text)
             except ToolError as err:
                 obs = self._observe(tool.name, "tool_error", str(err))
-            except Exception as err:  # a tool's failure is the policy's observation
+            except BaseException as err:  # noqa: BLE001 (a tool's failure, even SystemExit or
+                # KeyboardInterrupt, is the policy's observation: this thread must not die)
                 obs = self._observe(tool.name, "error", f"{type(err).__name__}: {err}")
             finally:
                 timer.cancel()

@@ -5,7 +5,7 @@ holds the interpreter lock in C (`10 ** (10 ** 8)`), hangs, or crashes stalls no
 controller, and a call past its deadline is ended by killing its process. As with the reward
 scorers (hfjax/rewards/pool.py): no fork of the multi-threaded JAX process, and tools are sent
 by reference, never as code: a tool's class as `module:QualName` (or the `path/to/file.py:Class`
-spec it was loaded from, `registry.FILE_SPEC`), and its instance's attributes pickled (the
+spec it was loaded from, `base.FILE_SPEC`), and its instance's attributes pickled (the
 controller's own objects, going to its own child). The worker imports the class and rebuilds
 the instance without calling its constructor, so the python tool's jail probe runs once, in the
 controller, not per worker.
@@ -34,10 +34,7 @@ import sys
 import time
 from typing import Any
 
-from hfjax.tools.base import Tool, ToolError
-
-# Set on a class that registry._import_class loaded from a file: the spec that loads it again.
-FILE_SPEC = "_hfjax_tool_spec"
+from hfjax.tools.base import FILE_SPEC, Tool, ToolError
 
 
 def tool_reference(key: str, tool: Tool, where: str = "ToolRunner") -> list[str]:
@@ -110,7 +107,8 @@ def _answer(tool: Tool, args: Any, max_chars: int) -> dict:
         text = tool.call(args)
     except ToolError as err:
         kind, text = "tool_error", str(err)
-    except Exception as err:  # a tool's failure is the policy's observation
+    except BaseException as err:  # noqa: BLE001 (SystemExit, KeyboardInterrupt too: the
+        # policy's observation, and the worker lives on for the next call)
         kind, text = "error", f"{type(err).__name__}: {err}"
     else:
         kind = "ok"

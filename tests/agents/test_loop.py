@@ -453,3 +453,39 @@ def test_rows_waiting_for_a_tool_do_not_stall_the_others(model, sampler, rollout
     assert any(s < runner.arrived for s in starts), (starts, runner.arrived)
     np.testing.assert_array_equal(out.tokens, want.tokens)
     np.testing.assert_array_equal(out.gen_mask, want.gen_mask)
+
+
+class _CountingTokenizer:
+    """The test tokenizer, counting the tokens it decodes."""
+
+    def __init__(self, tok):
+        self.tok, self.decoded = tok, 0
+
+    def decode(self, ids, **kw):
+        self.decoded += len(ids)
+        return self.tok.decode(ids, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self.tok, name)
+
+
+def test_the_cut_at_the_close_tag_by_text_is_not_quadratic(sampler, runner):
+    """With no single token for </tool_call>, the turn is cut by decoding prefixes: a long
+    turn (the red team's: thousands of tokens, the tag at the end) decodes O(n log n) tokens,
+    where decoding every prefix in turn decoded n^2 / 2, and the cut is the same as the
+    shortest prefix found one token at a time."""
+    tok = _CountingTokenizer(TOK)
+    loop = AgentLoop(sampler, tok, runner, _spec())
+    loop.close_id = None
+    call = TOK.encode(tool_arith.tool_call_text(1, 2), add_special_tokens=False)
+    filler = TOK.encode("7 + ", add_special_tokens=False)
+    for reps in (50, 1000):
+        tokens = np.array(filler * reps + call + filler * 3 + call + filler)
+        n = len(tokens)
+        want = next(j for j in range(n - len(call) - 3 * len(filler) - len(filler), n + 1)
+                    if TOK.decode(tokens[:j].tolist(), skip_special_tokens=False)
+                    .count("</tool_call>") >= 2)
+        tok.decoded = 0
+        assert loop._cut_at_close(tokens, 2) == want
+        assert loop._cut_at_close(tokens, 3) is None
+        assert tok.decoded <= 2 * n * (np.log2(n) + 2), (n, tok.decoded)

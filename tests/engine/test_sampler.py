@@ -544,3 +544,26 @@ def test_truncated_marks_responses_cut_off_without_a_stop_token():
 
     for eos, limit in (((2, 7), 4), ((), 4), ((2, 7), 8)):
         np.testing.assert_array_equal(truncated(tokens, mask, limit, eos), want(eos, limit))
+
+
+def test_inverse_cdf_edges_never_draw_a_zero_probability_token():
+    """The draws at u = 0 and at the largest float32 below 1, with zero-probability tokens
+    first and last (a few, and whole blocks of the blocked draw): the first and the last token
+    with mass, for the plain and the blocked draw. A strict `cdf < target` would pick a leading
+    zero at u = 0."""
+    from hfjax.engine.token_select import blocked_inverse_cdf, inverse_cdf
+
+    V = 40
+    probs = np.zeros((3, V), np.float32)
+    probs[0, 3:37] = 1.0  # three zeros first, three last
+    probs[1, 16:20] = [0.1, 0.2, 0.3, 0.4]  # a whole empty block first and behind (block 8)
+    probs[2, 9] = 1.0  # one token with mass
+    probs /= probs.sum(-1, keepdims=True)
+    first, last = [3, 16, 9], [36, 19, 9]
+    below_one = np.nextafter(np.float32(1), np.float32(0))
+    draws = {"plain": jax.jit(inverse_cdf),
+             "blocked": jax.jit(lambda p, u: blocked_inverse_cdf(p, u, 8))}
+    for name, draw in draws.items():
+        for u, want in ((np.float32(0), first), (below_one, last)):
+            got = np.asarray(draw(jnp.asarray(probs), jnp.full((3,), u)))
+            assert got.tolist() == want, (name, float(u), got)

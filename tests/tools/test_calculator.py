@@ -3,9 +3,11 @@
 import random
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from hfjax.tools import ToolError, resolve_tools
-from hfjax.tools.calculator import MAX_EXPRESSION_CHARS, calculate
+from hfjax.tools.calculator import MAX_DIGITS, MAX_EXPRESSION_CHARS, calculate
 
 
 @pytest.mark.parametrize("expr, want", [
@@ -96,7 +98,60 @@ def test_huge_literals_are_refused_from_their_text():
     # Fraction("1e15000000") would build a 15-million-digit integer (seconds holding the GIL)
     # before the digit check; the literal's text is checked first.
     for text in ("1e15000000", "1e-15000000", "1.5e5001", "1e" + "9" * 400, "2 * 1e9999"):
-        with pytest.raises(ToolError, match="more than 5000 digits"):
+        with pytest.raises(ToolError, match=f"more than {MAX_DIGITS} digits"):
             calculate(text)
     assert calculate("1.5e3") == "1500"
     assert calculate("1_0.0_1e3") == "10010"
+
+
+def test_the_limit_on_digits_is_below_the_interpreters_own():
+    """str() of an integer past sys.int_info's 4,300 digits raises ValueError: every number
+    the calculator keeps, and every answer, stays below that."""
+    import sys
+
+    assert MAX_DIGITS < sys.int_info.default_max_str_digits
+
+
+@pytest.mark.parametrize("expr", ["1/3**10000", "1e4999", "2**-10000", "-1e4300",
+                                  "(10**3000+1)/2**3000", "1/2**9000", "1e-4999", "7**-4700"])
+def test_the_red_teams_answers_past_str_are_the_tools_own_errors_or_answers(expr):
+    """These raised ValueError (int -> str past 4,300 digits) from inside format_number."""
+    try:
+        out = calculate(expr)
+    except ToolError as err:
+        assert "digits" in str(err) or "exponent" in str(err), err
+    else:
+        assert "≈" in out and len(out) < 3 * MAX_DIGITS, out
+
+
+def _literal():
+    ints = st.integers(-10**5, 10**5).map(str)
+    huge = st.sampled_from(["3", "2", "10", "7", "0.1", "0.5", "1e4999", "1e4299", "1e-4999",
+                            "9" * 4000, "9" * 4301, "1.5e3999", "0", "1_0.0_1e3"])
+    exp_literal = st.builds(lambda m, e: f"{m}e{e}", st.sampled_from(["1", "2.5", "9.99"]),
+                            st.integers(-6000, 6000))
+    return st.one_of(ints, huge, exp_literal)
+
+
+_EXPRESSIONS = st.recursive(
+    _literal(),
+    lambda inner: st.one_of(
+        st.builds(lambda a, op, b: f"({a}) {op} ({b})", inner,
+                  st.sampled_from(["+", "-", "*", "/", "//", "%"]), inner),
+        st.builds(lambda a, n: f"({a}) ** {n}", inner, st.integers(-12000, 12000)),
+        st.builds(lambda a, b: f"({a}) ** ({b})", inner, inner),
+        st.builds(lambda a: f"-({a})", inner)),
+    max_leaves=6)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_EXPRESSIONS)
+def test_every_expression_is_an_answer_or_the_tools_own_error(expr):
+    """Whatever arithmetic is written (powers and literals at and past every limit), the
+    calculator answers in text or raises ToolError: never ValueError, OverflowError or
+    another exception the policy would see as a crash."""
+    try:
+        out = calculate(expr)
+    except ToolError:
+        return
+    assert isinstance(out, str) and out

@@ -1,5 +1,8 @@
 """Tool calls parsed from the policy's text (Hermes/Qwen <tool_call> format)."""
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from hfjax.tools import Observation, ToolCall, parse_tool_calls
 from hfjax.tools.parse import has_tool_call
 
@@ -69,8 +72,6 @@ def test_stray_close_tag_is_ignored():
 
 # -- the parser never raises, whatever the policy writes ------------------------------------
 
-from hypothesis import given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
 
 from hfjax.tools.parse import TOOL_CALL_CLOSE, TOOL_CALL_OPEN  # noqa: E402
 
@@ -115,3 +116,76 @@ _bytes = st.binary(max_size=200).map(lambda b: TOOL_CALL_OPEN + b.decode("utf-8"
 @given(st.one_of(st.text(), _adversarial, _nested, _bytes))
 def test_parser_never_raises(text):
     _check_parsed(text)
+
+
+def _reference(text):
+    """The parse, written the straightforward (quadratic) way: at each opening tag, the first
+    closing tag after it and the next opening tag, each searched from the body's start."""
+    from hfjax.tools.parse import parse_one
+
+    out, pos = [], 0
+    while (start := text.find("<tool_call>", pos)) >= 0:
+        body = start + len("<tool_call>")
+        end, nxt = text.find("</tool_call>", body), text.find("<tool_call>", body)
+        if end < 0 or 0 <= nxt < end:
+            out.append("unclosed")
+            if nxt < 0:
+                return out
+            pos = nxt
+            continue
+        out.append(parse_one(text[body:end]))
+        pos = end + len("</tool_call>")
+    return out
+
+
+class _Scanned(str):
+    """A text that counts the characters its `split` and `find` walk over: the parser's
+    work. The pieces `split` returns count too."""
+
+    scanned = 0
+
+    def find(self, sub, start=0, *rest):
+        at = str.find(self, sub, start, *rest)
+        _Scanned.scanned += (at + len(sub) if at >= 0 else len(self)) - start
+        return at
+
+    def split(self, *args):
+        _Scanned.scanned += len(self)
+        return [_Scanned(p) for p in str.split(self, *args)]
+
+
+def _scan(text):
+    _Scanned.scanned = 0
+    got = parse_tool_calls(_Scanned(text))
+    return got, _Scanned.scanned
+
+
+_PIECES = ["<tool_call>", "</tool_call>", '{"name": "a", "arguments": {}}', "x", "<", "/",
+           "{", "tool_call>"]
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.sampled_from(_PIECES), max_size=60), st.integers(1, 8))
+def test_the_parse_is_the_reference_one_and_linear_in_the_text(pieces, repeat):
+    """Any arrangement of tags and bodies parses as the straightforward parser does, while
+    walking the text at most twice; repeating the text `repeat` times repeats the work."""
+    text = "".join(pieces) * repeat
+    got, scanned = _scan(text)
+    want = _reference(text)
+    assert [("unclosed" if isinstance(g, Observation) and "no closing" in g.text else g)
+            for g in got] == want
+    # At least once (the parser reads the text through the counted methods), at most twice.
+    assert len(text) <= scanned <= 2 * len(text), (scanned, len(text))
+
+
+def test_the_red_teams_32768_unclosed_tags_are_one_pass():
+    """The attack: one long turn of 32,768 opening tags (360 KB) and no closing one; the
+    parser used to re-scan the rest of the text at every tag (3 to 4 s holding the
+    interpreter lock). Each tag is an error in its place, and the text is walked twice."""
+    text = "<tool_call>" * 32_768
+    got, scanned = _scan(text)
+    assert len(got) == 32_768 and all(o.error and "no closing" in o.text for o in got)
+    assert len(text) <= scanned <= 2 * len(text)
+    closed = "<tool_call>" * 32_767 + '<tool_call>{"name": "a", "arguments": {}}</tool_call>'
+    got, scanned = _scan(closed)
+    assert got[-1] == call("a") and len(got) == 32_768 and scanned <= 2 * len(closed)

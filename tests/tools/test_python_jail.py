@@ -444,3 +444,24 @@ def test_the_jail_has_no_write_access_to_a_hosts_file_mode(py):
                         "except OSError as e:\n    print('refused', e.errno)")
     assert out.startswith("refused"), out
     assert stat.S_IMODE(os.stat(exe).st_mode) == mode
+
+
+@needs_jail
+def test_the_snippet_runs_unprivileged_with_no_capabilities_and_no_new_privs(py):
+    """What the kernel says of the snippet's own process, read inside the jail: every uid and
+    gid the jail's unprivileged one (never 0), no capability in any set, and no_new_privs (no
+    setuid binary can give any back)."""
+    out = run(py, """
+        import json
+        fields = dict(line.split(":", 1) for line in open("/proc/self/status").read().splitlines())
+        print(json.dumps({k: fields[k].split() for k in ("Uid", "Gid", "CapInh", "CapPrm",
+                                                          "CapEff", "CapBnd", "CapAmb",
+                                                          "NoNewPrivs")}))
+        """)
+    got = json.loads(out)
+    uids, gids = {int(u) for u in got["Uid"]}, {int(g) for g in got["Gid"]}
+    assert len(uids) == 1 and 0 not in uids and uids == gids, got
+    assert uids <= set(jail.JAIL_IDS), got
+    for caps in ("CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb"):
+        assert int(got[caps][0], 16) == 0, (caps, got)
+    assert got["NoNewPrivs"] == ["1"], got
