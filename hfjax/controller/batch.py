@@ -24,7 +24,8 @@ from jax.sharding import Mesh, NamedSharding, Sharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
 from hfjax.parallel.mesh import batch_spec
-from hfjax.parallel.transfer import ordered_devices, transfer
+from hfjax.parallel.reshard import ordered_devices
+from hfjax.parallel.transfer import transfer
 
 Array = jax.Array | np.ndarray
 ShardingTarget = Sharding | Mesh | Mapping[str, Sharding] | Callable[[str, Array], Sharding]

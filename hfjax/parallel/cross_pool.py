@@ -35,6 +35,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, Sharding
 from jax.sharding import PartitionSpec as P
 
+from hfjax.parallel.reshard import ordered_devices, reshard_in_place
+
 _AXIS = "__hfjax_pools"
 
 
@@ -86,8 +88,6 @@ def _permute(n: int, mesh: Mesh):
 def send(xs: Sequence[jax.Array], dsts: Sequence[NamedSharding]) -> list[jax.Array]:
     """`xs[i]` placed on `dsts[i]` (over devices on other processes than the source's), by one
     collective permute for all of them. Source and destination must have as many devices."""
-    from hfjax.parallel.transfer import ordered_devices, reshard_in_place
-
     if not xs:
         return []
     staged, meshes = [], []

@@ -17,7 +17,8 @@ The transfer helpers move one array between shardings whose boxes nest (each sou
 its destination box) without a host round trip: an explicit `shard_map` all-gather, a jitted
 reshard, device-to-device copies of peer shards, and the local slice back. `relabel` gives the
 same buffers another sharding with equal boxes (no copy), and `offload`/`reload` park arrays in
-host memory on purpose.
+host memory on purpose. `reshard_in_place` and `ordered_devices` are the same-device reshard and
+the mesh-order device list that both `transfer` and `cross_pool` build on.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding, SingleDeviceSharding
 
 Box = tuple[tuple[int, int], ...]
 
@@ -227,6 +228,30 @@ def shares_buffers(x: jax.Array, y: jax.Array) -> bool:
 def reshard_program(out_sharding: Sharding) -> Callable[[jax.Array], jax.Array]:
     """Returns a jitted identity with a fixed output sharding: XLA inserts the collectives."""
     return jax.jit(lambda x: x, out_shardings=out_sharding)
+
+
+def _identity(x: jax.Array) -> jax.Array:
+    return x
+
+
+@functools.lru_cache(maxsize=512)
+def _reshard_fn(sharding: Sharding) -> Callable[[jax.Array], jax.Array]:
+    return jax.jit(_identity, out_shardings=sharding)
+
+
+def reshard_in_place(x: jax.Array, sharding: Sharding) -> jax.Array:
+    """`x` on `sharding`, over the same devices (one XLA program)."""
+    # An identity program with a fixed output sharding: XLA inserts the collectives, on device.
+    return _reshard_fn(sharding)(x)
+
+
+def ordered_devices(sharding: Sharding) -> list[Any] | None:
+    """The devices of `sharding` in mesh order, or None for shardings without one."""
+    if isinstance(sharding, NamedSharding):
+        return list(sharding.mesh.devices.flat)
+    if isinstance(sharding, SingleDeviceSharding):
+        return list(sharding.device_set)
+    return None
 
 
 def gather_program(

@@ -7,18 +7,17 @@ deliberate fetch of an array to the host, also when it spans several processes.
 
 from __future__ import annotations
 
-import functools
 import math
-from collections.abc import Callable
 from typing import Any
 
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
-from jax.sharding import AxisType, Mesh, NamedSharding, Sharding, SingleDeviceSharding
+from jax.sharding import AxisType, Mesh, NamedSharding, Sharding
 from jax.sharding import PartitionSpec as P
 
 from hfjax.parallel import cross_pool
+from hfjax.parallel.reshard import ordered_devices, reshard_in_place
 
 Array = jax.Array | np.ndarray
 
@@ -52,7 +51,7 @@ def transfer(x: Array, sharding: Sharding) -> Array:
     ):
         return jax.device_put(x, sharding)
     if src_devices == dst_devices:
-        return _reshard_in_place(x, sharding)
+        return reshard_in_place(x, sharding)
     if set(src_devices) == set(dst_devices) or len(src_devices) == 1:
         # Same devices in another order: jax reorders shards on device. One source device:
         # jax slices there and copies the slices out.
@@ -77,13 +76,13 @@ def _stage_for(x: jax.Array, src_devices: list[Any], dst: Sharding) -> jax.Array
                 (*used, _REPLICA_AXIS),
                 axis_types=(AxisType.Auto,) * (len(used) + 1),
             )
-            return _reshard_in_place(x, NamedSharding(mesh, dst.spec))
+            return reshard_in_place(x, NamedSharding(mesh, dst.spec))
     # The destination's shard count doesn't divide the source devices: gather a full copy on the
     # source side and send slices of one device's copy. Costs more bandwidth, but no host hop.
     mesh = Mesh(
         np.asarray(src_devices, dtype=object), (_REPLICA_AXIS,), axis_types=(AxisType.Auto,)
     )
-    full = _reshard_in_place(x, NamedSharding(mesh, P()))
+    full = reshard_in_place(x, NamedSharding(mesh, P()))
     return full.addressable_shards[0].data
 
 
@@ -102,34 +101,6 @@ def _spec_axes(sharding: Sharding) -> list[str] | None:
         return used
     if sharding.is_fully_replicated:
         return []
-    return None
-
-
-def _identity(x: jax.Array) -> jax.Array:
-    return x
-
-
-@functools.lru_cache(maxsize=512)
-def _reshard_fn(sharding: Sharding) -> Callable[[jax.Array], jax.Array]:
-    return jax.jit(_identity, out_shardings=sharding)
-
-
-def reshard_in_place(x: jax.Array, sharding: Sharding) -> jax.Array:
-    """`x` on `sharding`, over the same devices (one XLA program)."""
-    return _reshard_in_place(x, sharding)
-
-
-def _reshard_in_place(x: jax.Array, sharding: Sharding) -> jax.Array:
-    # An identity program with a fixed output sharding: XLA inserts the collectives, on device.
-    return _reshard_fn(sharding)(x)
-
-
-def ordered_devices(sharding: Sharding) -> list[Any] | None:
-    """The devices of `sharding` in mesh order, or None for shardings without one."""
-    if isinstance(sharding, NamedSharding):
-        return list(sharding.mesh.devices.flat)
-    if isinstance(sharding, SingleDeviceSharding):
-        return list(sharding.device_set)
     return None
 
 

@@ -10,18 +10,15 @@ Resuming at step s keeps what the sinks already hold up to s and drops what came
 is redone): the JSONL file is rewritten without the later lines and TensorBoard purges the later
 events, so a resumed run's files read like an uninterrupted run's.
 
-`metrics.jsonl` is strict JSON (RFC 8259), so any JSON reader takes it: a NaN or infinite
-metric is written as the string "NaN", "Infinity" or "-Infinity" (Python's own spellings, quoted),
-and `read_jsonl` turns those strings back into floats.
+`metrics.jsonl` is strict JSON (RFC 8259), so any JSON reader takes it; the record's encoding and
+`read_jsonl` live in `hfjax.run.records`, which the trackers share.
 
 Library code prints nothing: the console sink writes through a callable that the launcher gives.
 """
 
 from __future__ import annotations
 
-import json
 import math
-import numbers
 import os
 import re
 import time
@@ -31,6 +28,7 @@ from typing import Any, Protocol
 from absl import logging
 
 from hfjax.config.validators import parse_sink_names
+from hfjax.run.records import encode_record, format_record, read_jsonl, scalars
 
 JSONL_NAME = "metrics.jsonl"
 PLOT_NAME = "metrics.png"
@@ -66,68 +64,6 @@ class Sink(Protocol):
     def close(self) -> None: ...
 
 
-def _scalars(metrics: Mapping[str, Any]) -> dict[str, float]:
-    out = {}
-    for k, v in metrics.items():
-        if isinstance(v, bool) or not isinstance(v, numbers.Real):
-            raise TypeError(f"metric {k!r} is {type(v).__name__}; sinks take Python floats")
-        out[k] = float(v)
-    return out
-
-
-# How a non-finite float is written (strict JSON has no NaN or Infinity), and read back.
-_NONFINITE_TEXT = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
-
-
-def _strict(v):
-    if isinstance(v, float) and not math.isfinite(v):
-        return "NaN" if math.isnan(v) else ("Infinity" if v > 0 else "-Infinity")
-    return v
-
-
-def _from_strict(v):
-    return _NONFINITE_TEXT.get(v, v) if isinstance(v, str) else v
-
-
-def encode_record(record: Mapping[str, Any]) -> str:
-    """One strict-JSON line for a record: keys sorted, floats written with repr (they read back
-    bit for bit), non-finite floats as the strings "NaN", "Infinity", "-Infinity"."""
-    return json.dumps({k: _strict(v) for k, v in record.items()}, sort_keys=True, allow_nan=False)
-
-
-def read_jsonl(path: str) -> list[dict]:
-    """The records of a metrics JSONL file in file order (non-finite values back as floats); a
-    torn last line (a killed write) is skipped with a warning. A damaged line elsewhere raises
-    ValueError saying how to recover."""
-    if not os.path.exists(path):
-        return []
-    records = []
-    with open(path) as f:
-        lines = f.read().split("\n")
-    for i, line in enumerate(lines):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-            if not isinstance(record, dict) or not isinstance(record.get("step"), int):
-                raise ValueError("not a record with a step")
-        except ValueError as err:
-            if i >= len(lines) - 2:
-                logging.warning("%s: ignoring a torn last line (%d chars)", path, len(line))
-                continue
-            raise ValueError(
-                f"{path}: line {i + 1} is damaged ({err.__class__.__name__}: {line[:60]!r}); "
-                f"the checkpoints are not affected: delete or repair that line, or move "
-                f"{path} aside (the resumed run then starts a new file), and rerun") from None
-        records.append({k: _from_strict(v) for k, v in record.items()})
-    return records
-
-
-def format_record(step: int, metrics: Mapping[str, float]) -> str:
-    """One JSONL line for a step (see `encode_record`)."""
-    return encode_record({"step": int(step), **_scalars(metrics)})
-
-
 class JsonlSink:
     """One line per step in `<out_dir>/metrics.jsonl`, flushed as it is written."""
 
@@ -154,7 +90,7 @@ class JsonlSink:
         line = format_record(step, metrics)
         self._f.write(line + "\n")
         self._f.flush()
-        self.history.append({"step": int(step), **_scalars(metrics)})
+        self.history.append({"step": int(step), **scalars(metrics)})
 
     def close(self) -> None:
         if self._f is not None:
@@ -179,7 +115,7 @@ class TensorBoardSink:
                                 filename_suffix=f".{os.getpid()}.{time.time_ns()}")
 
     def write(self, step: int, metrics: Mapping[str, float]) -> None:
-        for k, v in _scalars(metrics).items():
+        for k, v in scalars(metrics).items():
             self._w.add_scalar(k, v, global_step=step)
         self._w.flush()
 
@@ -237,7 +173,7 @@ class MetricsLogger:
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         for s in self.sinks:
             s.write(step, metrics)
-        self.history.append({"step": int(step), **_scalars(metrics)})
+        self.history.append({"step": int(step), **scalars(metrics)})
 
     def close(self) -> None:
         for s in self.sinks:

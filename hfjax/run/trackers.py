@@ -28,6 +28,8 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from hfjax.run.records import scalars
+
 IDS_NAME = "trackers.json"
 
 
@@ -47,12 +49,6 @@ def _write_id(out_dir: str, tracker: str, run_id: str) -> None:
     with open(tmp, "w") as f:
         json.dump(ids, f, indent=2, sort_keys=True)
     os.replace(tmp, os.path.join(out_dir, IDS_NAME))
-
-
-def _floats(metrics: Mapping[str, Any]) -> dict[str, float]:
-    from hfjax.run.metrics import _scalars
-
-    return _scalars(metrics)
 
 
 def flat_params(config: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
@@ -91,7 +87,7 @@ class WandbSink:
         _write_id(self.out_dir, "wandb", self._run.id)
 
     def write(self, step: int, metrics: Mapping[str, float]) -> None:
-        self._run.log(_floats(metrics), step=step)
+        self._run.log(scalars(metrics), step=step)
 
     def close(self) -> None:
         if self._run is not None:
@@ -150,7 +146,7 @@ class MlflowSink:
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        items = [Metric(mlflow_name(k), v, now, int(step)) for k, v in _floats(metrics).items()]
+        items = [Metric(mlflow_name(k), v, now, int(step)) for k, v in scalars(metrics).items()]
         for i in range(0, len(items), 1000):
             self.client.log_batch(self.run_id, metrics=items[i:i + 1000])
 
