@@ -21,8 +21,9 @@ module moves. This script derives them from the code:
 
 A string constant that is exactly the name of a first-party module or package ("launch.train" in
 `python -m launch.train`, "configs" in a path join) is a dependency too: the code runs or reads it
-at run time. A launch/ entry point named this way from a test becomes the test's `data`; a test
-helper's module name (a file a test hands to a subprocess by path) makes the helper a dependency.
+at run time. A launch/ entry point named this way from a test or a test helper becomes its `data`;
+a test helper's module name (a file a test hands to a subprocess by path) makes the helper a
+dependency.
 
 tests/test_bazel_build.py fails when the checked-in BUILD files differ from what this writes.
 """
@@ -488,8 +489,11 @@ class Generator:
                     attrs |= TEST_OPTIONS.get(file, {})
                     out.append(Target("pytest_test", rel, f[:-3], attrs))
                 else:
+                    # A helper that runs an entry point (support.train_cmd) carries it as data,
+                    # into the runfiles of every test that uses the helper.
                     out.append(Target("py_library", rel, f[:-3],
-                                      {"srcs": [f], "deps": deps, "testonly": True}))
+                                      {"srcs": [f], "data": data, "deps": deps,
+                                       "testonly": True}))
         unknown = set(TEST_OPTIONS) - {f"{r}/{f}" for r, fs in files_by_dir.items() for f in fs}
         if unknown:
             raise BuildError(f"TEST_OPTIONS in scripts/bazel_build.py names missing test modules "

@@ -1,7 +1,10 @@
 """Helpers shared by the tests (importable as `support`: tests/ is on sys.path via conftest)."""
 
 import contextlib
+import json
 import os
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -10,6 +13,7 @@ from configs import ppo_arith
 from hfjax.controller.batch import Batch
 from hfjax.engine.spec import RolloutSpec
 from hfjax.parallel.mesh import ResourcePool
+from hfjax.run.metrics import is_timing_key, read_jsonl
 from hfjax.tools import Tool
 from launch import compile_cache
 
@@ -32,6 +36,29 @@ def subprocess_env(cache_dir=None) -> dict[str, str]:
     # limit (JAX's eviction reads per-entry files that only a limited cache writes).
     env["JAX_COMPILATION_CACHE_MAX_SIZE"] = str(compile_cache.MAX_BYTES)
     return env
+
+
+def train_cmd(out_dir, overrides: dict, *, cpu_devices: int) -> list[str]:
+    """`python -m launch.train` on `cpu_devices` simulated CPU devices, writing to `out_dir`,
+    with each of `overrides` as a `--config.<key>=<value>` flag."""
+    return [sys.executable, "-m", "launch.train", f"--cpu_devices={cpu_devices}",
+            f"--config.trainer.out_dir={out_dir}",
+            *(f"--config.{k}={v}" for k, v in overrides.items())]
+
+
+def run_train(out_dir, env, overrides: dict, *, cpu_devices: int) -> dict:
+    """Runs `train_cmd` to its end in the project root, asserts that it exits 0, and returns
+    the run's summary: the JSON object on the last line of its stdout."""
+    p = subprocess.run(train_cmd(out_dir, overrides, cpu_devices=cpu_devices), cwd=ROOT,
+                       env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def comparable_records(path) -> list[dict]:
+    """The records of a metrics JSONL file without their wall-clock keys
+    (`hfjax.run.metrics.is_timing_key`): what two runs of one job must agree on bit for bit."""
+    return [{k: v for k, v in r.items() if not is_timing_key(k)} for r in read_jsonl(path)]
 
 
 def tiny_rl_config(*, algorithm="ppo", placement="colocate", mesh=None, out_dir=None,

@@ -12,19 +12,15 @@ The job is tiny and starts from scratch, with tests/partial_credit_reward.py's p
 credit so that every stage computes on non-zero numbers.
 """
 
-import json
 import os
 import random
 import signal
 import subprocess
-import sys
 import time
 
 import partial_credit_reward
 import pytest
-from support import subprocess_env
-
-from hfjax.run.metrics import is_timing_key, read_jsonl
+from support import comparable_records, run_train, subprocess_env, train_cmd
 
 pytestmark = pytest.mark.slow
 
@@ -51,27 +47,10 @@ def env(tmp_path_factory):
     return subprocess_env(tmp_path_factory.mktemp("xla_cache"))
 
 
-def _cmd(out_dir):
-    return [sys.executable, "-m", "launch.train", "--cpu_devices=2",
-            f"--config.trainer.out_dir={out_dir}",
-            *(f"--config.{k}={v}" for k, v in OVERRIDES.items())]
-
-
-def _run(out_dir, env) -> dict:
-    p = subprocess.run(_cmd(out_dir), cwd=ROOT, env=env, capture_output=True, text=True,
-                       timeout=600)
-    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
-    return json.loads(p.stdout.strip().splitlines()[-1])
-
-
-def _comparable(path) -> list[dict]:
-    return [{k: v for k, v in r.items() if not is_timing_key(k)} for r in read_jsonl(path)]
-
-
 def test_sigkill_then_rerun_trains_every_prompt_once_exactly(tmp_path, env):
     ref_dir = tmp_path / "reference"
-    assert _run(ref_dir, env)["resumed_from"] is None
-    ref = _comparable(ref_dir / "metrics.jsonl")
+    assert run_train(ref_dir, env, OVERRIDES, cpu_devices=2)["resumed_from"] is None
+    ref = comparable_records(ref_dir / "metrics.jsonl")
     assert [r["step"] for r in ref] == list(range(TOTAL + 1))
     # The job trains, on samples as stale as the bound lets them be.
     assert sum(r["actor/grad_norm"] > 0 for r in ref[1:]) >= 3
@@ -83,7 +62,8 @@ def test_sigkill_then_rerun_trains_every_prompt_once_exactly(tmp_path, env):
     kill_after, delay = rng.randint(2, 4), rng.uniform(0.0, 0.3)
     out = tmp_path / "run"
     log = open(tmp_path / "run.log", "w")
-    p = subprocess.Popen(_cmd(out), cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    p = subprocess.Popen(train_cmd(out, OVERRIDES, cpu_devices=2), cwd=ROOT, env=env,
+                         stdout=log, stderr=subprocess.STDOUT)
     log.close()
     path = out / "metrics.jsonl"
     # Once checkpoint `kill_after` is complete (its batches issued ahead are in it), a random
@@ -98,11 +78,11 @@ def test_sigkill_then_rerun_trains_every_prompt_once_exactly(tmp_path, env):
     p.send_signal(signal.SIGKILL)
     p.wait()
     assert p.returncode == -signal.SIGKILL, f"job ended before the kill (seed {seed})"
-    summary = _run(out, env)
+    summary = run_train(out, env, OVERRIDES, cpu_devices=2)
     start = summary["resumed_from"]
     assert start is not None and kill_after <= start < TOTAL, (seed, summary)
     assert summary["step"] == TOTAL
-    resumed = _comparable(path)
+    resumed = comparable_records(path)
     after = [r for r in resumed if r["step"] > start]
     assert after == [r for r in ref if r["step"] > start], f"seed {seed}, resumed at {start}"
     assert resumed == ref, f"seed {seed}"

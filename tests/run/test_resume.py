@@ -23,9 +23,9 @@ import time
 
 import numpy as np
 import pytest
-from support import subprocess_env
+from support import comparable_records, run_train, subprocess_env, train_cmd
 
-from hfjax.run.metrics import is_timing_key, read_jsonl
+from hfjax.run.metrics import read_jsonl
 
 pytestmark = pytest.mark.slow
 
@@ -49,28 +49,11 @@ def env(tmp_path_factory):
     return subprocess_env(tmp_path_factory.mktemp("xla_cache"))
 
 
-def _cmd(out_dir):
-    return [sys.executable, "-m", "launch.train", "--cpu_devices=1",
-            f"--config.trainer.out_dir={out_dir}",
-            *(f"--config.{k}={v}" for k, v in OVERRIDES.items())]
-
-
-def _run(out_dir, env) -> dict:
-    p = subprocess.run(_cmd(out_dir), cwd=ROOT, env=env, capture_output=True, text=True,
-                       timeout=600)
-    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
-    return json.loads(p.stdout.strip().splitlines()[-1])
-
-
-def _comparable(path) -> list[dict]:
-    return [{k: v for k, v in r.items() if not is_timing_key(k)} for r in read_jsonl(path)]
-
-
 def _start_and_wait(out_dir, env, step: int, extra_delay: float = 0.0) -> subprocess.Popen:
     """Starts the job and returns once its JSONL holds `step`, plus `extra_delay` seconds."""
     log = open(os.path.join(os.path.dirname(out_dir), os.path.basename(out_dir) + ".log"), "w")
-    p = subprocess.Popen(_cmd(out_dir), cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                         text=True)
+    p = subprocess.Popen(train_cmd(out_dir, OVERRIDES, cpu_devices=1), cwd=ROOT, env=env,
+                         stdout=log, stderr=subprocess.STDOUT, text=True)
     log.close()  # the child holds its own copy
     path = os.path.join(out_dir, "metrics.jsonl")
     deadline = time.monotonic() + 600
@@ -88,9 +71,9 @@ def _start_and_wait(out_dir, env, step: int, extra_delay: float = 0.0) -> subpro
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, env):
     out = tmp_path_factory.mktemp("reference") / "run"
-    summary = _run(out, env)
+    summary = run_train(out, env, OVERRIDES, cpu_devices=1)
     assert summary["step"] == TOTAL and summary["resumed_from"] is None
-    records = _comparable(out / "metrics.jsonl")
+    records = comparable_records(out / "metrics.jsonl")
     assert [r["step"] for r in records] == list(range(TOTAL + 1))
     # The job must train, or equality after a resume would prove little.
     assert any(r.get("actor/grad_norm", 0) > 0 for r in records)
@@ -108,11 +91,11 @@ def test_sigkill_then_rerun_resumes_exactly(tmp_path, env, reference):
     p.send_signal(signal.SIGKILL)
     p.wait()
     assert p.returncode == -signal.SIGKILL, f"job finished before the kill (seed {seed})"
-    summary = _run(out, env)
+    summary = run_train(out, env, OVERRIDES, cpu_devices=1)
     start = summary["resumed_from"]
     # save_freq=2, and the kill came before the last step's checkpoint.
     assert start is not None and start % 2 == 0 and start < TOTAL, (seed, summary)
-    resumed = _comparable(out / "metrics.jsonl")
+    resumed = comparable_records(out / "metrics.jsonl")
     ref = reference[1]
     after = [r for r in resumed if r["step"] > start]
     assert after == [r for r in ref if r["step"] > start], f"seed {seed}, resumed at {start}"
@@ -132,9 +115,9 @@ def test_sigterm_saves_exits_cleanly_and_resumes_exactly(tmp_path, env, referenc
     assert any(f"SIGTERM: stopped at step {stopped}" in line for line in lines)
     assert (out / "checkpoints" / str(stopped)).is_dir()
     assert max(r["step"] for r in read_jsonl(out / "metrics.jsonl")) == stopped
-    resumed_summary = _run(out, env)
+    resumed_summary = run_train(out, env, OVERRIDES, cpu_devices=1)
     assert resumed_summary["resumed_from"] == stopped
-    assert _comparable(out / "metrics.jsonl") == reference[1]
+    assert comparable_records(out / "metrics.jsonl") == reference[1]
 
 
 def test_ctrl_c_saves_exits_cleanly_and_resumes_exactly(tmp_path, env, reference):
@@ -152,9 +135,9 @@ def test_ctrl_c_saves_exits_cleanly_and_resumes_exactly(tmp_path, env, reference
     assert any(f"SIGINT: stopped at step {stopped}, checkpoint" in line for line in lines)
     assert "Traceback" not in log and "KeyboardInterrupt" not in log
     assert (out / "checkpoints" / str(stopped)).is_dir()
-    resumed_summary = _run(out, env)
+    resumed_summary = run_train(out, env, OVERRIDES, cpu_devices=1)
     assert resumed_summary["resumed_from"] == stopped
-    assert _comparable(out / "metrics.jsonl") == reference[1]
+    assert comparable_records(out / "metrics.jsonl") == reference[1]
 
 
 def test_a_second_ctrl_c_ends_the_run_at_once(tmp_path, env, reference):
@@ -169,9 +152,9 @@ def test_a_second_ctrl_c_ends_the_run_at_once(tmp_path, env, reference):
 
 
 def test_rerun_of_a_finished_job_does_nothing(reference, env):
-    summary = _run(reference[0], env)
+    summary = run_train(reference[0], env, OVERRIDES, cpu_devices=1)
     assert summary["resumed_from"] == TOTAL and summary["step"] == TOTAL
-    assert _comparable(reference[0] / "metrics.jsonl") == reference[1]
+    assert comparable_records(reference[0] / "metrics.jsonl") == reference[1]
     assert (reference[0] / "metrics.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -211,7 +194,8 @@ def test_export_cli_loads_in_transformers_with_matching_logits(tmp_path, referen
 
 
 def test_bad_config_stops_the_launcher_with_a_message(tmp_path, env):
-    cmd = _cmd(tmp_path / "run") + ["--config.actor.ppo_mini_batch_size=7"]
+    cmd = [*train_cmd(tmp_path / "run", OVERRIDES, cpu_devices=1),
+           "--config.actor.ppo_mini_batch_size=7"]
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 1
     assert "hfjax train: actor: mini-batch of 7 sequences" in p.stderr
@@ -223,7 +207,7 @@ def test_resume_disable_on_a_run_with_checkpoints_is_refused_before_anything_run
                                                                                    env):
     out = reference[0]
     before = {p: p.stat().st_mtime_ns for p in out.rglob("*")}
-    cmd = _cmd(out) + ["--config.trainer.resume=disable"]
+    cmd = train_cmd(out, OVERRIDES, cpu_devices=1) + ["--config.trainer.resume=disable"]
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 1
     assert "hfjax train: trainer.resume=disable, but" in p.stderr
