@@ -12,10 +12,6 @@ import textwrap
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts/import_cycles.py"
 
-# Cycles still being broken, each as its sorted module list. Issue 58's sandbox work removes
-# this one (the runner's worker and the tool registry); delete the entry with it.
-KNOWN = [["hfjax.tools.registry", "hfjax.tools.worker"]]
-
 
 def _load_script():
     spec = importlib.util.spec_from_file_location("import_cycles", SCRIPT)
@@ -30,9 +26,8 @@ ic = _load_script()
 def test_hfjax_has_no_import_cycles():
     packages, modules = ic.cycles(ROOT / "hfjax")
     assert packages == [], f"hfjax subpackages import each other: {packages}"
-    new = [c for c in modules if c not in KNOWN]
-    assert new == [], (
-        f"hfjax modules import each other (lazy imports count): {new}; give the names they "
+    assert modules == [], (
+        f"hfjax modules import each other (lazy imports count): {modules}; give the names they "
         "share one home in a module below both")
 
 
