@@ -59,16 +59,33 @@ def _bazel(*args: str) -> str:
                           text=True).stdout
 
 
+def _with_tags(query: str, listed: list[str]) -> str:
+    """`query` narrowed as --test_tag_filters narrows a run: a test with any of the tags that
+    are listed plainly (all tests when none are) and none of those listed as -tag."""
+    def tagged(tag: str, q: str) -> str:
+        return f"attr(tags, '[\\[ ]{tag}[,\\]]', {q})"
+    wanted = [t for t in listed if t and not t.startswith("-")]
+    unwanted = [t[1:] for t in listed if t.startswith("-")]
+    if wanted:
+        query = "(" + " + ".join(tagged(t, query) for t in wanted) + ")"
+    for tag in unwanted:
+        query = f"({query} except {tagged(tag, query)})"
+    return query
+
+
 def summary(args: list[str]) -> int:
     patterns = [a for a in args if not a.startswith("-")] or ["//tests/..."]
     query = f"tests({' + '.join(patterns)})"
-    # Targets that the run's size filter left out still have test.xml files from earlier runs.
+    # Targets that the run's size or tag filter left out still have test.xml files from earlier
+    # runs.
     for a in args:
         if a.startswith("--test_size_filters="):
             listed = a.split("=", 1)[1].split(",")
             sizes = {x for x in listed if not x.startswith("-")} or set(SIZES)
             sizes -= {x[1:] for x in listed if x.startswith("-")}
             query = f"attr(size, '^({'|'.join(sorted(sizes))})$', {query})"
+        if a.startswith("--test_tag_filters="):
+            query = _with_tags(query, a.split("=", 1)[1].split(","))
     labels = _bazel("query", query).split()
     testlogs = Path(_bazel("info", "bazel-testlogs").strip())
     counts = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}

@@ -6,7 +6,8 @@
 #
 #   bash scripts/bazel_test.sh                                   # the whole suite
 #   bash scripts/bazel_test.sh //tests/models/... //tests/data:test_dataset
-#   bash scripts/bazel_test.sh --test_size_filters=small,medium  # what CI runs
+#   bash scripts/bazel_test.sh --test_tag_filters=ci //...   # what CI runs: builds every
+#                                    # target, runs the few tests tagged ci (scripts/bazel_build.py)
 #   HFJAX_PYTHON=/path/to/venv/bin/python bash scripts/bazel_test.sh
 #
 # Exits with Bazel's status (3: some tests failed). The Bazel server is shut down at the end, so

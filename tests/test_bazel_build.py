@@ -73,9 +73,16 @@ def _labels(text: str) -> list[str]:
     return re.findall(r'"((?://|:)[^"]*)"', text)
 
 
+def _mini_tables(monkeypatch) -> None:
+    """The tables of scripts/bazel_build.py for the miniature checkout CYCLE."""
+    monkeypatch.setattr(bb, "TEST_OPTIONS", {})
+    monkeypatch.setattr(bb, "CI_TESTS", {"tests/r/test_r.py"})
+    monkeypatch.setattr(bb, "CI_EXEMPT", {})
+
+
 def test_a_listed_cycle_shares_one_target_in_the_common_ancestor(tmp_path, monkeypatch):
     monkeypatch.setattr(bb, "KNOWN_CYCLES", [frozenset({"hfjax.p", "hfjax.q"})])
-    monkeypatch.setattr(bb, "TEST_OPTIONS", {})
+    _mini_tables(monkeypatch)
     out = bb.generate(_tree(tmp_path, CYCLE))
     assert sorted(out) == ["configs/BUILD", "hfjax/BUILD", "hfjax/r/BUILD", "launch/BUILD",
                            "tests/BUILD", "tests/r/BUILD"]
@@ -92,7 +99,7 @@ def test_a_listed_cycle_shares_one_target_in_the_common_ancestor(tmp_path, monke
 
 def test_an_unlisted_cycle_is_refused_with_the_imports_that_form_it(tmp_path, monkeypatch):
     monkeypatch.setattr(bb, "KNOWN_CYCLES", [])
-    monkeypatch.setattr(bb, "TEST_OPTIONS", {})
+    _mini_tables(monkeypatch)
     with pytest.raises(bb.BuildError, match="hfjax.p, hfjax.q import each other") as e:
         bb.generate(_tree(tmp_path, CYCLE))
     assert "hfjax/p/one.py:1" in str(e.value) and "hfjax/q/two.py:1" in str(e.value)
@@ -100,7 +107,7 @@ def test_an_unlisted_cycle_is_refused_with_the_imports_that_form_it(tmp_path, mo
 
 def test_once_the_cycle_is_gone_each_package_gets_its_own_target(tmp_path, monkeypatch):
     moved = CYCLE | {"hfjax/q/two.py": "X = 2\n"}
-    monkeypatch.setattr(bb, "TEST_OPTIONS", {})
+    _mini_tables(monkeypatch)
     monkeypatch.setattr(bb, "KNOWN_CYCLES", [frozenset({"hfjax.p", "hfjax.q"})])
     with pytest.raises(bb.BuildError, match="no longer import each other: delete that entry"):
         bb.generate(_tree(tmp_path, moved))
@@ -113,10 +120,35 @@ def test_once_the_cycle_is_gone_each_package_gets_its_own_target(tmp_path, monke
 
 def test_an_import_of_a_missing_module_is_named(tmp_path, monkeypatch):
     monkeypatch.setattr(bb, "KNOWN_CYCLES", [frozenset({"hfjax.p", "hfjax.q"})])
-    monkeypatch.setattr(bb, "TEST_OPTIONS", {})
+    _mini_tables(monkeypatch)
     broken = CYCLE | {"hfjax/r/__init__.py": "from hfjax.gone import thing\n"}
     with pytest.raises(bb.BuildError, match=r"hfjax/r/__init__.py:1 imports hfjax.gone"):
         bb.generate(_tree(tmp_path, broken))
+
+
+def test_ci_tests_are_tagged_and_every_test_package_has_one(tmp_path, monkeypatch):
+    _mini_tables(monkeypatch)
+    tree = _tree(tmp_path, CYCLE | {"hfjax/q/two.py": "X = 2\n",
+                                    "tests/s/test_s.py": "import hfjax.q\n"})
+    with pytest.raises(bb.BuildError, match=r"tests/s: no test module of it is in CI_TESTS"):
+        bb.generate(tree)
+    monkeypatch.setattr(bb, "CI_EXEMPT", {"tests/s": "a reason"})
+    out = bb.generate(tree)
+    tagged = re.search(r'name = "test_r",.*?tags = \[(.*?)\]', out["tests/r/BUILD"], re.S)
+    assert tagged and '"ci"' in tagged.group(1)
+    assert "tags" not in out["tests/s/BUILD"]
+    monkeypatch.setattr(bb, "CI_TESTS", {"tests/r/test_gone.py"})
+    with pytest.raises(bb.BuildError, match="CI_TESTS .* names missing test modules"):
+        bb.generate(tree)
+
+
+def test_the_checkout_s_ci_targets_are_cheap_modules_of_the_suite():
+    """What CI runs under Bazel is a subset of the modules, never one that TEST_OPTIONS makes
+    large (those are the suite's long modules)."""
+    assert bb.CI_TESTS and all((ROOT / m).is_file() for m in bb.CI_TESTS)
+    heavy = sorted(m for m in bb.CI_TESTS
+                   if bb.TEST_OPTIONS.get(m, {}).get("size", "medium") not in ("small", "medium"))
+    assert not heavy, f"CI_TESTS holds large modules: {heavy}"
 
 
 def _run_shard(tmp_path, module, total: int, index: int) -> tuple[int, list[str], bool]:

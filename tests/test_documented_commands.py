@@ -3,8 +3,9 @@ smoke mode (HFJAX_SMOKE=1, launch/smoke.py), and so does every algorithm's confi
 
 The commands are read from the docs' fenced blocks that hold a command, tagged ```bash or not
 (backslash continuations joined, `for` loops kept whole, comments dropped) and run with
-`bash -c` in a scratch copy of the repository, one copy per document, in the document's order,
-so that a command finds what the ones before it wrote (prepared data, a run to export). A
+`bash -c` in a scratch copy of the repository, one copy per document (or per part of a document,
+PARTS), in the document's order, so that a command finds what the ones before it wrote (prepared
+data, a run to export). A
 command that trains and names no `runs/` path starts from an empty `runs/`: the docs' training
 commands are alternatives, each starting a run of its own, not resuming the finished run of the
 command before it. Each must exit with status 0 (or the status EXIT_STATUS gives, where the
@@ -16,7 +17,8 @@ documented commands, and any other documented command runs: a new command in the
 escape the tier.
 
 The tier is marked `smoke` and deselected by default (pyproject.toml); CI runs it after the
-suite: `python -m pytest -q -m smoke tests/test_documented_commands.py`.
+suite on two pytest-xdist workers (`.ci/run`: `-m smoke --numprocesses=2 --dist=loadgroup`),
+each given its share of the parts, longest first, by their measured durations (SECONDS).
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ EXCLUDED: dict[str, str] = {
     "bash scripts/bazel_test.sh": "the whole suite again under Bazel (~20 min); CI runs its "
                                   "small and medium targets as its own step",
     "bash scripts/bazel_test.sh //tests/models/...": "Bazel, as above",
+    "bash scripts/bazel_test.sh --test_tag_filters=ci //...": "CI runs it as its own step, "
+                                                              "after this tier",
     "python -m launch.train --config=configs/ppo_llama8b.py": "Llama-3.1-8B (32 GB of float32 "
         "weights) needs a GPU or TPU host; its --dry_run commands in docs/scaling.md run",
     "python -m launch.train --config=configs/ppo_llama8b.py --coordinator_address=10.0.0.1:1234 "
@@ -97,6 +101,40 @@ PREREQUISITES: dict[str, list[str]] = {
     "docs/checkpoints.md": ["python -m launch.train --config.trainer.logger=console,jsonl,wandb,"
                             "mlflow"],
 }
+
+# Where a document's chain of commands splits into parts that need nothing from one another: each
+# command listed here starts a part of its own (with the commands after it, up to the next one
+# listed), which runs in a scratch copy of its own, so that CI's two workers can run the parts of
+# one long document side by side. A part that did need an earlier part's output would fail.
+PARTS: dict[str, list[str]] = {
+    "docs/algorithms.md": [
+        # SmolLM2-135M with LoRA on chain_sum.
+        "python -m launch.prepare_data --task=chain_sum --n_train=2048 --n_test=200 "
+        "--out=data/chain_sum --task_config='{\"min_terms\": 2, \"max_terms\": 2, "
+        "\"min_digits\": 1, \"max_digits\": 2}'",
+        # The tiny tool-use recipes.
+        "python -m bench.lora_decode --hidden=256 --layers=4 --rows=16 --new=32 --repeats=5",
+        # SmolLM2-135M's tool pipeline: data, SFT, GRPO with and without the tool, evaluations.
+        "python -m launch.prepare_data --task=basic_arithmetic --tools=calculator --sft_demos "
+        "--n_train=512 --n_test=100 --out=data/smollm2_tool --task_config='{\"min_terms\": 2, "
+        "\"max_terms\": 2, \"min_digits\": 3, \"max_digits\": 4, \"operators\": [\"*\"], "
+        "\"allow_parentheses\": false, \"allow_negation\": false}'",
+        "python -m launch.train --config=configs/grpo_long_arith.py --cpu_devices=8",
+    ],
+    "docs/data.md": [
+        # SmolLM2-135M with full weights on chain_sum, evaluated before and after.
+        "python -m launch.prepare_data --task=chain_sum --n_train=2048 --n_test=200 "
+        "--out=data/chain_sum --task_config='{\"min_terms\": 2, \"max_terms\": 2, "
+        "\"min_digits\": 1, \"max_digits\": 2}'",
+    ],
+}
+
+# Measured seconds of each part of the tier (a test id below), from the durations CI prints
+# (`--durations=0`): the tier hands the parts to its workers longest first (`groups`), so that
+# the workers finish together. A part missing here counts as DEFAULT_SECONDS.
+SECONDS: dict[str, float] = {
+}
+DEFAULT_SECONDS = 120.0
 
 # Configs that launch.train does not take: SFT and reward-model runs (the RLHF scripts run them)
 # and a reward function file.
@@ -184,6 +222,34 @@ def to_run(doc: str) -> list[str]:
                                                             if c not in EXCLUDED]))
 
 
+def parts(doc: str) -> list[list[str]]:
+    """`to_run(doc)` cut before each of its PARTS commands."""
+    out: list[list[str]] = []
+    for command in to_run(doc):
+        if not out or command in PARTS.get(doc, []):
+            out.append([])
+        out[-1].append(command)
+    return out
+
+
+def part_id(doc: str, k: int, n: int) -> str:
+    """The test id of part `k` of the `n` parts of `doc`: the document's name when it is whole."""
+    return doc if n == 1 else f"{doc}:{k + 1}of{n}"
+
+
+def groups(seconds: dict[str, float], n: int) -> dict[str, int]:
+    """Each item of `seconds` (an id -> its expected time) given to one of `n` workers,
+    longest first, each to the worker with the least time so far (the longest-processing-time
+    rule): the workers then end within about one short item of each other."""
+    load = [0.0] * max(n, 1)
+    out = {}
+    for item in sorted(seconds, key=lambda i: (-seconds[i], i)):
+        worker = min(range(len(load)), key=lambda w: (load[w], w))
+        out[item] = worker
+        load[worker] += seconds[item]
+    return out
+
+
 def substituted(command: str, scratch: str, gguf: str) -> str:
     for old, new in SUBSTITUTIONS.items():
         command = command.replace(old, new.format(scratch=scratch, gguf=gguf))
@@ -218,6 +284,9 @@ def configs_run_by_docs() -> set[str]:
 
 def test_the_tables_name_documented_commands():
     every = {c for doc in DOCS for c in documented(doc)}
+    for doc, starts in PARTS.items():
+        runs = to_run(doc)
+        assert all(c in runs[1:] for c in starts), f"PARTS[{doc!r}] names commands it does not run"
     assert len(every) > 20  # the extraction found the docs' commands
     stale = sorted((set(EXCLUDED) | set(EXIT_STATUS)) - every)
     assert not stale, f"EXCLUDED or EXIT_STATUS name commands the docs no longer show: {stale}"
@@ -245,6 +314,23 @@ def test_extraction_joins_continuations_and_keeps_loops():
             "for d in a b; do\n  echo $d\ndone\n```\n```python\nprint(1)\n```\n")
     assert bash_commands(text) == ["python -m a --x=1 --y='#2'",
                                    "for d in a b; do\necho $d\ndone"]
+
+
+def test_parts_keep_every_command_once_and_in_order():
+    for doc in DOCS:
+        assert [c for part in parts(doc) for c in part] == to_run(doc)
+    assert len(parts("docs/algorithms.md")) == len(PARTS["docs/algorithms.md"]) + 1
+
+
+def test_the_longest_items_go_to_different_workers_first():
+    seconds = {"a": 10.0, "b": 9.0, "c": 6.0, "d": 5.0, "e": 4.0, "f": 1.0}
+    g = groups(seconds, 2)
+    assert g["a"] != g["b"]
+    load = [sum(t for i, t in seconds.items() if g[i] == w) for w in (0, 1)]
+    assert sorted(load) == [16.0, 19.0]  # a, d, e and b, c, f
+    assert set(groups(seconds, 1).values()) == {0}
+    stale = sorted(set(SECONDS) - set(_SMOKE_ITEMS))
+    assert not stale, f"SECONDS names items the tier no longer has: {stale}"
 
 
 # -- the smoke tier --------------------------------------------------------------------------------
@@ -292,15 +378,35 @@ def _check(command: str, proc: subprocess.CompletedProcess, seconds: float,
         json.loads(lines[-1])  # a final JSON line must parse
 
 
+def _config_id(config: str) -> str:
+    return f"configs/{config}"
+
+
+_DOC_PARTS = {part_id(doc, k, len(ps)): (doc, part) for doc in DOCS
+              for ps in [parts(doc)] for k, part in enumerate(ps) if part}
+_CONFIGS = sorted(set(launch_train_configs()) - configs_run_by_docs())
+_SMOKE_ITEMS = list(_DOC_PARTS) + [_config_id(c) for c in _CONFIGS]
+# The tier's items on pytest-xdist's workers (CI: --dist=loadgroup), and each worker's items
+# longest first.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+_GROUP = groups({i: SECONDS.get(i, DEFAULT_SECONDS) for i in _SMOKE_ITEMS}, _WORKERS)
+
+
+def _smoke_params(items: dict) -> list:
+    order = sorted(items, key=lambda i: -SECONDS.get(i, DEFAULT_SECONDS))
+    return [pytest.param(*items[i], id=i,
+                         marks=pytest.mark.xdist_group(f"smoke{_GROUP[i]}")) for i in order]
+
+
 @pytest.mark.smoke
-@pytest.mark.parametrize("doc", [d for d in DOCS if to_run(d)])
-def test_documented_commands_run(doc, tmp_path):
+@pytest.mark.parametrize("doc, commands", _smoke_params(_DOC_PARTS))
+def test_documented_commands_run(doc, commands, tmp_path):
     from hfjax.models.smollm2 import smollm2_gguf_path
 
     scratch = str(tmp_path / "repo")
     _scratch_copy(scratch)
     env = _env(scratch)
-    for documented_command in to_run(doc):
+    for documented_command in commands:
         command = substituted(documented_command, scratch, str(smollm2_gguf_path()))
         if _TRAINS.search(command) and "runs/" not in command:
             shutil.rmtree(os.path.join(scratch, "runs"), ignore_errors=True)
@@ -308,7 +414,7 @@ def test_documented_commands_run(doc, tmp_path):
 
 
 @pytest.mark.smoke
-@pytest.mark.parametrize("config", sorted(set(launch_train_configs()) - configs_run_by_docs()))
+@pytest.mark.parametrize("config", _smoke_params({_config_id(c): (c,) for c in _CONFIGS}))
 def test_config_runs(config, tmp_path):
     """The algorithms whose configs the docs name only in passing ("or rloo, dapo, ...")."""
     command = (f"python -m launch.train --config=configs/{config} "
