@@ -92,6 +92,7 @@ TEST_OPTIONS: dict[str, dict] = {
     "tests/test_bazel_build.py": {"tags": ["external", "local"]},
     # These read the checkout beside the runfiles (bench/ as a process; docs/scaling.md's table).
     "tests/test_bench_accelerator.py": {"size": "large", "tags": ["external", "local"]},
+    "tests/test_bench_builds.py": {"tags": ["external", "local"]},
     "tests/planner/test_search.py": {"tags": ["external", "local"]},
     # Runs docs/agents.md's examples, read from the checkout.
     "tests/tools/test_docs_examples.py": {"tags": ["external", "local"]},

@@ -105,7 +105,13 @@ def build(w: workload.Workload):
     import numpy as np
 
     import hfjax.models as M
-    from hfjax.algorithms.spec import AlgoSpec, FilterGroupsSpec, OverlongSpec, StepSpec
+    from hfjax.algorithms.spec import (
+        AlgoSpec,
+        FilterGroupsSpec,
+        OverlongSpec,
+        RolloutCorrectionSpec,
+        StepSpec,
+    )
     from hfjax.controller.batch import Batch
     from hfjax.engine import head_chunks
     from hfjax.engine.continuous import rollout_sampler
@@ -154,6 +160,11 @@ def build(w: workload.Workload):
         use_kl_in_reward=False, kl_penalty="kl",
         filter_groups=FilterGroupsSpec(enable=False, max_num_gen_batches=0, on_exhausted="fill"),
         overlong_buffer=OverlongSpec(enable=False, len=1, penalty_factor=0.0),
+        # The configs' defaults, in force for a synchronous run (no staleness): off.
+        rollout_correction=RolloutCorrectionSpec(
+            rollout_is="auto", rollout_is_threshold=2.0, rollout_rs="", rollout_rs_threshold=0.0,
+            rollout_rs_threshold_lower=0.0, rollout_token_veto_threshold=0.0,
+            bypass_mode=False).in_force(0),
     )
 
     pool = ResourcePool("all", tuple(jax.devices()))
