@@ -144,7 +144,7 @@ _EXPRESSIONS = st.recursive(
     max_leaves=6)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(_EXPRESSIONS)
 def test_every_expression_is_an_answer_or_the_tools_own_error(expr):
     """Whatever arithmetic is written (powers and literals at and past every limit), the

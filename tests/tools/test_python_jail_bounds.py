@@ -179,17 +179,17 @@ def test_one_calls_fork_bomb_leaves_seven_concurrent_calls_their_processes(py):
         try:
             while n < 100:
                 if os.fork() == 0:
-                    time.sleep(12)
+                    time.sleep(8)
                     os._exit(0)
                 n += 1
         except OSError:
             pass
         print("bomb held", n, flush=True)
-        time.sleep(10)
+        time.sleep(6)
         """
     others = f"""
         import os, time
-        time.sleep(3)  # the bomb holds its processes by now
+        time.sleep(2.5)  # the bomb holds its processes by now (for 6 s)
         kids = []
         for _ in range({py.max_processes - 2}):
             pid = os.fork()
