@@ -20,6 +20,7 @@ tests/test_import_cycles.py runs this over hfjax/ in the suite.
 from __future__ import annotations
 
 import ast
+import importlib.util
 import sys
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -88,51 +89,22 @@ def package_graph(edges: Mapping[str, set[str]], packages: set[str]) -> dict[str
     return out
 
 
+def _bazel_build():
+    """scripts/bazel_build.py, whose Tarjan's algorithm (`Generator.components`) finds the
+    package cycles Bazel refuses; loaded by path, as scripts/ is no package."""
+    if "bazel_build" not in sys.modules:
+        spec = importlib.util.spec_from_file_location(
+            "bazel_build", Path(__file__).resolve().with_name("bazel_build.py"))
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # dataclasses look their module up while decorating
+        spec.loader.exec_module(module)
+    return sys.modules["bazel_build"]
+
+
 def strongly_connected(edges: Mapping[str, Iterable[str]]) -> list[list[str]]:
     """The cycles of a directed graph: its strongly connected components of two or more nodes,
-    each sorted, in sorted order. Iterative, so a long import chain needs no deep recursion."""
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    on_stack: set[str] = set()
-    found: list[list[str]] = []
-    counter = 0
-    for start in sorted(edges):
-        if start in index:
-            continue
-        work = [(start, iter(sorted(edges.get(start, ()))))]
-        index[start] = low[start] = counter
-        counter += 1
-        stack.append(start)
-        on_stack.add(start)
-        while work:
-            v, children = work[-1]
-            for w in children:
-                if w not in index:
-                    index[w] = low[w] = counter
-                    counter += 1
-                    stack.append(w)
-                    on_stack.add(w)
-                    work.append((w, iter(sorted(edges.get(w, ())))))
-                    break
-                if w in on_stack:
-                    low[v] = min(low[v], index[w])
-            else:
-                work.pop()
-                if work:
-                    parent = work[-1][0]
-                    low[parent] = min(low[parent], low[v])
-                if low[v] == index[v]:
-                    component = []
-                    while True:
-                        w = stack.pop()
-                        on_stack.discard(w)
-                        component.append(w)
-                        if w == v:
-                            break
-                    if len(component) > 1:
-                        found.append(sorted(component))
-    return sorted(found)
+    each sorted, in sorted order."""
+    return [c for c in _bazel_build().Generator.components(edges) if len(c) > 1]
 
 
 def cycles(root: Path) -> tuple[list[list[str]], list[list[str]]]:
