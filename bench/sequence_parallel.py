@@ -22,8 +22,14 @@ rows, from its optimized HLO:
   compute dtype's bytes x (2 K for the k and v blocks, + 2 N + 2 K for the placement) per pass,
   and for an update 2 K more: ring's backward passes the k and v blocks round the ring again,
   with their gradients (without keeping all s blocks of the forward, s times the memory);
-- `row gathers`: all-gathers, all-reduces and reduce-scatters of float arrays whose shape
-  holds a row's full length (should be none: tests/models/test_sequence_parallel_hlo.py);
+- `row gathers`: all-gathers, all-reduces and reduce-scatters of activations (float arrays
+  computed in the program, or its batch's) between devices at different `sequence`
+  positions whose shape holds a row's full length (should be none:
+  tests/models/test_sequence_parallel_hlo.py). What an operand holds is read from the HLO's
+  dataflow (`hfjax.parallel.hlo.Module`), not from its shape: a weight gathered by FSDP
+  whose dimensions happen to equal a row's length (a 70B's [8192, 512] kv projection at rows of
+  512) or a gradient reduced over the data-parallel devices is none;
+- `weight gathers`: those collectives' bytes of the model's weights (FSDP's gathers);
 - `temp`: the program's temporary bytes per device (`memory_analysis().temp_size_in_bytes`);
   ring's update moves its K/V blocks three times per step (forward, the step recomputed in the
   backward pass, the blocks' gradients), which its ideal counts;
@@ -61,14 +67,26 @@ flags.DEFINE_list("programs", [], "only these programs (e.g. actor.log_prob); de
 flags.DEFINE_bool("dense_ring", True, "also compile ring's scoring programs with a shard's "
                   "keys in one block (ring-dense), for its temporary memory")
 FLAGS = flags.FLAGS
+# hfjax's programs take the model's parameters as their `params` argument, and jax names each
+# entry parameter of the compiled program after the argument it comes from (`params['embed']`).
+WEIGHTS_ARG = "params"
 
-def traffic(text: str, row_lengths: set[int]) -> dict[str, float]:
-    """Static bytes per device of the HLO's collectives, by kind."""
-    out = {"a2a": 0, "permute": 0, "row_gathers": 0, "other": 0, "a2a_f32": 0,
-           "permute_f32": 0}
-    from hfjax.parallel.hlo import collectives
 
-    for c in collectives(text):
+def traffic(text: str, row_lengths: set[int], mesh_shape: tuple[int, ...], seq_axis: int,
+            weights: str = WEIGHTS_ARG) -> dict[str, float]:
+    """Static bytes per device of the HLO's collectives, by kind. An all-gather, all-reduce or
+    reduce-scatter is classified by what each of its operands holds (`hlo.operand_roles`), not
+    by its shape: the model's weights (an entry parameter under the `weights` argument, sliced
+    and cast but never computed on), gradients (values that leave the program on their way
+    into the updated state), or activations. Only activations moved between devices at different
+    `sequence` positions (axis `seq_axis` of `mesh_shape`) with a row's full length in their
+    shape count as row gathers; weights' collectives are `weight_gathers`."""
+    out = {"a2a": 0, "permute": 0, "row_gathers": 0, "weight_gathers": 0, "other": 0,
+           "a2a_f32": 0, "permute_f32": 0}
+    from hfjax.parallel import hlo
+
+    roles = {(c.name, c.computation, i): role for c, i, role in hlo.operand_roles(text, weights)}
+    for c in hlo.collectives(text):
         if c.group == 1:
             continue
         shapes, op, nbytes = c.shapes, c.op, c.nbytes
@@ -76,14 +94,23 @@ def traffic(text: str, row_lengths: set[int]) -> dict[str, float]:
         if op == "all-to-all":
             out["a2a"] += nbytes
             out["a2a_f32"] += f32
-        elif op == "collective-permute":
+            continue
+        if op == "collective-permute":
             rank4 = any(len(d) == 4 and dt[0] in "fb" for dt, d in shapes)
             out["permute" if rank4 else "other"] += nbytes
             out["permute_f32"] += f32 if rank4 else 0
-        elif any(dt[0] in "fb" and set(d) & row_lengths for dt, d in shapes):
-            out["row_gathers"] += nbytes
-        else:
-            out["other"] += nbytes
+            continue
+        over_rows = hlo.spans(c.line, mesh_shape, seq_axis)
+        for i, (dt, dims) in enumerate(shapes):
+            size = hlo.BYTES[dt] * math.prod(dims)
+            role = roles.get((c.name, c.computation, i), "activations")
+            if role == "weights":
+                out["weight_gathers"] += size
+            elif (role == "activations" and dt[0] in "fb" and over_rows
+                  and set(dims) & row_lengths):
+                out["row_gathers"] += size
+            else:
+                out["other"] += size
     return out
 
 
@@ -114,7 +141,8 @@ def main(argv):
     rows, results = [], {}
     default_block = sp.RING_K_BLOCK
     print(f"{'scheme':10} {'program':18} {'a2a/layer':>11} {'ideal':>11} {'ratio':>6} "
-          f"{'as cpu':>6} {'permute/layer':>14} {'row gathers':>11} {'temp':>9} {'compile s':>9}")
+          f"{'as cpu':>6} {'permute/layer':>14} {'row gathers':>11} {'weight gathers':>14} "
+          f"{'temp':>9} {'compile s':>9}")
     schemes = list(FLAGS.schemes)
     if "ring" in schemes:
         schemes.append("ring-plain")
@@ -150,7 +178,8 @@ def main(argv):
                     seconds = time.perf_counter() - t0
                     text = compiled.as_text()
                     temp = compiled.memory_analysis().temp_size_in_bytes
-                    got = traffic(text, lengths)
+                    got = traffic(text, lengths, tuple(group.mesh.devices.shape),
+                                  group.mesh.axis_names.index("sequence"))
                     b = _micro_rows(cfg, p, group)
                     passes = 2 if p.trains else 1
                     nb = mcfg.jnp_dtype.itemsize  # the exchange in the compute dtype
@@ -172,12 +201,14 @@ def main(argv):
                     cpu = (got["a2a"] if scheme == "ulysses" else got["permute"]) / ideal
                     print(f"{scheme:10} {p.name:18} {_mib(a2a):>11} {_mib(ideal):>11} "
                           f"{ratio:6.2f} {cpu:6.2f} {_mib(permute):>14} "
-                          f"{_mib(got['row_gathers']):>11} {_mib(temp):>9} "
+                          f"{_mib(got['row_gathers']):>11} {_mib(got['weight_gathers']):>14} "
+                          f"{_mib(temp):>9} "
                           f"{seconds:9.1f}", flush=True)
                     rows.append(dict(scheme=scheme, program=p.name, layers=L, rows=b,
                                      a2a_bytes=a2a, ideal_bytes=ideal, ratio=ratio,
                                      ratio_as_compiled_on_cpu=cpu,
                                      permute_bytes=permute, row_gather_bytes=got["row_gathers"],
+                                     weight_gather_bytes=got["weight_gathers"],
                                      temp_bytes=int(temp), compile_s=round(seconds, 1)))
                 if scheme == "ring" and "ring_block_pairs" not in results:
                     bal, plain = sp.ring_pairs(s, True), sp.ring_pairs(s, False)
