@@ -288,7 +288,7 @@ def main(argv: list[str]) -> None:
     ideal = float("nan")
     if base:
         g, t = stages(base)
-        ideal = base["step_s"] / max(g, t)
+        ideal = (g + t) / max(g, t)  # the synchronous step (median) over its longer stage
         print(f"synchronous stages: generation {g:.3f} s, rest {t:.3f} s; the overlap's "
               f"ideal: {ideal:.2f}x")
     print(f"{'run':10} {'steps/s':>8} {'step s':>7} {'gen s':>7} {'idle rollout':>13} "
