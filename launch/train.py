@@ -299,6 +299,7 @@ def main(argv):
     finally:
         logger.close()
         ckpt.close()
+        trainer.close()
     if not main_process:
         return
     history = logger.history

@@ -20,6 +20,8 @@ import subprocess
 import sys
 import tempfile
 
+import pytest
+
 from hfjax.parallel.distributed import simulate_cpu_devices
 
 FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
@@ -59,3 +61,32 @@ jax.config.update("jax_enable_x64", False)
 # participants and hang in an XLA CPU all-gather. launch/train.py does the same on CPU.
 jax.config.update("jax_cpu_enable_async_dispatch", False)
 assert jax.device_count() == 8, jax.devices()
+
+
+# -- worker processes ---------------------------------------------------------------------------
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _workers_closed(request):
+    """After each test module: the shared reward pools are closed (their scorers are a
+    per-process cache that would otherwise live until the pytest worker exits), dropped agent
+    loops' tool runners are collected (hfjax.agents.loop closes them), and any tool worker or
+    scorer still running is reported as a warning naming the module: a test that starts one
+    closes it (`with ToolRunner(...)`, `Trainer.close()`, `RewardPool.close()`)."""
+    yield
+    import gc
+    import time
+    import warnings
+
+    from support import hfjax_children
+
+    from hfjax.rewards.pool import close_shared_pools
+
+    gc.collect()
+    close_shared_pools()
+    deadline = time.monotonic() + 10.0  # a closed runner's threads end their workers
+    while (left := hfjax_children()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if left:
+        warnings.warn(f"{request.module.__name__} left {len(left)} tool worker or reward "
+                      f"scorer processes running: {left[:4]}", stacklevel=1)

@@ -229,3 +229,41 @@ def python_isolation() -> str:
     except jail.JailUnavailable:
         return "none"
     return "jail"
+
+
+# The command lines of the processes hfjax starts beside a run: tool workers
+# (hfjax/tools/worker.py) and reward scorers (hfjax/rewards/scorer.py).
+_WORKER_MARKS = ("hfjax.tools.worker", "hfjax.rewards.scorer")
+
+
+def children_left(mark: str, timeout_s: float = 10.0) -> list[str]:
+    """`hfjax_children()` whose command line holds `mark`, once they are gone or `timeout_s`
+    has passed (a closed runner's threads end their workers as they see the close)."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while (left := [c for c in hfjax_children() if mark in c]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return left
+
+
+def hfjax_children() -> list[str]:
+    """This process's live child processes that are tool workers or reward scorers, as
+    'pid: command line'."""
+    me, found = os.getpid(), []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+        except OSError:
+            continue
+        # The parent pid follows the state, after the command name's closing parenthesis.
+        fields = stat[stat.rindex(")") + 2:].split()
+        if len(fields) > 1 and int(fields[1]) == me and fields[0] != "Z" \
+                and any(m in cmd for m in _WORKER_MARKS):
+            found.append(f"{entry}: {cmd}")
+    return found

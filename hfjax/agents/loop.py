@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import dataclasses
+import weakref
 import zlib
 from collections.abc import Sequence
 
@@ -97,6 +98,10 @@ class AgentLoop:
         self.sampler = sampler
         self.tok = tokenizer
         self.runner = runner
+        # A loop dropped without close() still ends its tool workers when it is collected (the
+        # runner's own threads keep the runner alive, so it cannot do this itself).
+        if hasattr(runner, "close"):
+            weakref.finalize(self, runner.close)
         self.spec = spec
         self.render = observation_renderer(tokenizer)
         self.close_id = close_tag_id(tokenizer)
@@ -111,6 +116,12 @@ class AgentLoop:
         self.turn_calls = 0  # session programs (first turn and resumes) of the last `run`
         self.prefilled = 0  # tokens the last `run`'s resumes prefilled
 
+
+    def close(self) -> None:
+        """Closes the tool runner (its threads end their worker processes)."""
+        close = getattr(self.runner, "close", None)
+        if close is not None:
+            close()
     def _cut_at_close(self, tokens: np.ndarray, k: int) -> int | None:
         """The number of tokens up to and including the `k`-th close tag, or None."""
         if self.close_id is not None:

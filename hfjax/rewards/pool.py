@@ -284,3 +284,9 @@ def shared_pool(num_processes: int, timeout_s: float) -> RewardPool:
         _SHARED[key] = RewardPool(num_processes, timeout_s)
         logging.info("reward pool: %d scorer processes, %.3g s per call", num_processes, timeout_s)
     return _SHARED[key]
+
+
+def close_shared_pools() -> None:
+    """Stops the scorer processes of every shared pool; a later `map` starts fresh ones."""
+    for pool in _SHARED.values():
+        pool.close()

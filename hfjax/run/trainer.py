@@ -311,6 +311,26 @@ class Trainer:
             ckpt.save(self.step, self.checkpoint_items(), self.state_dict(),
                       config_json(self.cfg))
 
+    def close(self) -> None:
+        """Ends what the run started beside the controller: the async rollout's thread, the
+        tool runner's worker processes (multi-turn rollouts) and the rule reward's scorer
+        processes. Training or validating again afterwards starts fresh scorers, but the tools
+        stay closed; launch.train closes its trainer at the end, tests in a finalizer."""
+        if self._async is not None:
+            self._async.close()
+        agent = getattr(self.actor, "agent", None)
+        if agent is not None:
+            agent.close()
+        close = getattr(self.reward, "close", None)
+        if close is not None:
+            close()
+
+    def __enter__(self) -> Trainer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     # -- the run -------------------------------------------------------------------------------
 
     def fit(

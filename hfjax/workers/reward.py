@@ -125,6 +125,10 @@ class RuleReward:
             self._since_pop[k] += v
         return scores, counts
 
+    def close(self) -> None:
+        """Stops the scorer processes of its pool (a later call starts fresh ones)."""
+        self.pool.close()
+
     @method(ON_HOST, reads=("responses", "response_mask"))
     def compute_reward(self, batch: Batch) -> Batch:
         """Batch with `token_level_scores` [B, R], the decoded `response_text` in meta, and

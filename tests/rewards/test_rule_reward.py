@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from support import children_left
 
 from hfjax.controller.batch import Batch
 from hfjax.data import arith
@@ -63,6 +64,9 @@ def test_builtin_rewards_in_scorer_processes():
     np.testing.assert_array_equal(got, expected(mask, [1, 0, 1, 0, 1, 0, 1, 0]))
     assert list(out.meta["response_text"]) == texts
     assert out.info == {"reward/failures": 0, "reward/timeouts": 0}
+    assert children_left("hfjax.rewards.scorer", timeout_s=0)  # scored in processes
+    rr.close()
+    assert not children_left("hfjax.rewards.scorer")
 
 
 def test_raising_and_hanging_rows_score_zero_and_are_counted(tmp_path):

@@ -9,7 +9,14 @@ import subprocess
 import sys
 
 import pytest
-from support import scripted_policy, subprocess_env, tiny_rl_config, tool_call_successors
+from support import (
+    children_left,
+    hfjax_children,
+    scripted_policy,
+    subprocess_env,
+    tiny_rl_config,
+    tool_call_successors,
+)
 
 from hfjax.config import model_source
 from hfjax.models import transformer
@@ -64,6 +71,10 @@ def test_a_multi_turn_grpo_step_calls_its_tool_and_takes_a_second_turn(tmp_path,
     assert m["num_turns/mean"] == 2.0
     # The reward read each trajectory's turns: its mean score is the mean policy turns.
     assert m["critic/score/mean"] == pytest.approx(2.0, abs=1e-5)
+    # The tools ran in worker processes, which the trainer's close ends.
+    assert any("hfjax.tools.worker" in c for c in hfjax_children())
+    trainer.close()
+    assert not children_left("hfjax.tools.worker")
 
 
 @pytest.mark.slow

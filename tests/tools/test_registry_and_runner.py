@@ -98,7 +98,8 @@ def test_resolve_class_by_module_and_by_file(tmp_path):
         "    pass\n")
     tools = resolve_tools(f"{path}:Shout,calculator")
     assert set(tools) == {"shout", "calculator"}
-    assert ToolRunner(tools).run([ToolCall("shout", {"s": "hi"})]) == [Observation("HI", False)]
+    with ToolRunner(tools) as runner:
+        assert runner.run([ToolCall("shout", {"s": "hi"})]) == [Observation("HI", False)]
     with pytest.raises(ValueError, match="not a subclass of hfjax.tools.Tool"):
         resolve_tools(f"{path}:NotATool")
     with pytest.raises(ValueError, match="has no attribute 'Missing'"):
