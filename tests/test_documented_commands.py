@@ -18,7 +18,7 @@ escape the tier.
 
 The tier is marked `smoke` and deselected by default (pyproject.toml); CI runs it after the
 suite on two pytest-xdist workers (`.ci/run`: `-m smoke --numprocesses=2 --dist=loadgroup`),
-each given its share of the parts, longest first, by their measured durations (SECONDS).
+each given its share of the parts, longest first, by their expected durations (`expected_s`).
 """
 
 from __future__ import annotations
@@ -129,12 +129,16 @@ PARTS: dict[str, list[str]] = {
     ],
 }
 
-# Measured seconds of each part of the tier (a test id below), from the durations CI prints
+# Measured seconds of parts of the tier (test ids below), from the durations CI prints
 # (`--durations=0`): the tier hands the parts to its workers longest first (`groups`), so that
-# the workers finish together. A part missing here counts as DEFAULT_SECONDS.
+# the workers finish together. A part missing here is estimated by `expected_s`.
 SECONDS: dict[str, float] = {
 }
-DEFAULT_SECONDS = 120.0
+# The estimate for a part without a measurement, per command: SmolLM2-135M's commands (30
+# layers to compile and a 135M model to load) are the tier's longest; the longest serial chains
+# measured so far were SmolLM2 pipelines (docs/algorithms.md, docs/data.md).
+COMMAND_S, SMOLLM2_COMMAND_S = 30.0, 90.0
+_SMOLLM2 = re.compile(r"smollm2|\.gguf|--src=model\.gguf|launch\.generate(?!.*--model=)")
 
 # Configs that launch.train does not take: SFT and reward-model runs (the RLHF scripts run them)
 # and a reward function file.
@@ -235,6 +239,19 @@ def parts(doc: str) -> list[list[str]]:
 def part_id(doc: str, k: int, n: int) -> str:
     """The test id of part `k` of the `n` parts of `doc`: the document's name when it is whole."""
     return doc if n == 1 else f"{doc}:{k + 1}of{n}"
+
+
+def expected_s(item: str, commands: list[str]) -> float:
+    """`item`'s measured seconds (SECONDS), else the estimate for its `commands`."""
+    if item in SECONDS:
+        return SECONDS[item]
+    total = 0.0
+    for c in commands:
+        # A script (scripts/rlhf_arith.sh) runs one command per stage.
+        stages = sum(open(os.path.join(ROOT, s)).read().count("python -m launch")
+                     for s in re.findall(r"bash (scripts/\w+\.sh)", c))
+        total += max(stages, 1) * (SMOLLM2_COMMAND_S if _SMOLLM2.search(c) else COMMAND_S)
+    return total
 
 
 def groups(seconds: dict[str, float], n: int) -> dict[str, int]:
@@ -389,11 +406,13 @@ _SMOKE_ITEMS = list(_DOC_PARTS) + [_config_id(c) for c in _CONFIGS]
 # The tier's items on pytest-xdist's workers (CI: --dist=loadgroup), and each worker's items
 # longest first.
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-_GROUP = groups({i: SECONDS.get(i, DEFAULT_SECONDS) for i in _SMOKE_ITEMS}, _WORKERS)
+_EXPECTED = {i: expected_s(i, _DOC_PARTS[i][1] if i in _DOC_PARTS else [i])
+             for i in _SMOKE_ITEMS}
+_GROUP = groups(_EXPECTED, _WORKERS)
 
 
 def _smoke_params(items: dict) -> list:
-    order = sorted(items, key=lambda i: -SECONDS.get(i, DEFAULT_SECONDS))
+    order = sorted(items, key=lambda i: -_EXPECTED[i])
     return [pytest.param(*items[i], id=i,
                          marks=pytest.mark.xdist_group(f"smoke{_GROUP[i]}")) for i in order]
 
