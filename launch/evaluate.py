@@ -14,9 +14,11 @@ configs/ppo_arith.py, any key overridable with `--config.KEY=VALUE`) sets the pr
 response lengths, the actor's mesh, the compute precision and the reward settings, so a run is
 evaluated with the settings it trained with by passing its own config.
 
-Printed per data source: greedy accuracy and, with `--samples=k` (k > 1, at `--temperature`),
-the mean accuracy of the k samples and pass@k (a prompt counts when any of its k samples
-scores 1). Sampling seeds are fixed per prompt, so two evaluations of one model agree. The last
+Printed per data source: greedy accuracy with its 95% Wilson interval over the prompts
+(`hfjax.run.intervals`; in the JSON as `<source>/greedy_ci95`) and, with `--samples=k` (k > 1,
+at `--temperature`), the mean accuracy of the k samples and pass@k (a prompt counts when any of
+its k samples scores 1; with its interval). Sampling seeds are fixed per prompt, so two
+evaluations of one model agree. The last
 line is JSON. With `--responses=FILE.jsonl` every response is written out, one JSON line each
 (prompt index, sample, data_source, ground truth, response text, its token count, `finished`:
 whether it ended before the length cap, `score`, and `mode`: greedy or sampled), to read what
@@ -37,6 +39,7 @@ from absl import flags
 
 from hfjax.config.run_dir import is_run
 from hfjax.parallel import distributed
+from hfjax.run import intervals
 from hfjax.run.checkpoint import export_hf
 from hfjax.run.validation import evaluate_policy
 from launch import cli
@@ -105,10 +108,21 @@ def main(argv):
         head, what, stat = name.rsplit("/", 2)
         if what == "acc" and stat in labels:
             found.append((head.split("/", 1)[1], labels[stat], value))
+    counts = {}  # prompts per source: the n of each source's interval
+    for r in rows:
+        counts[r["data_source"]] = counts.get(r["data_source"], 0) + 1
     for source, label, value in sorted(found, key=lambda f: (f[0], order.index(f[1]))):
         result[f"{source}/{label}"] = round(value, 4)
+        n = counts.get(source, len(rows))
+        interval = ""
+        if label != f"mean@{k}" or k == 1:
+            # Greedy and pass@k score each prompt once (0 or 1): a Wilson interval over the
+            # prompts. mean@k averages k correlated samples per prompt, so it gets none.
+            lo, hi = intervals.accuracy_interval(value, n)
+            result[f"{source}/{label}_ci95"] = [round(lo, 4), round(hi, 4)]
+            interval = f" (95% interval {intervals.fmt(lo, hi)})"
         if distributed.is_main_process():
-            print(f"{source}: {label} accuracy {value:.4f} on {len(rows)} prompts", flush=True)
+            print(f"{source}: {label} accuracy {value:.4f}{interval} on {n} prompts", flush=True)
     if records is not None and distributed.is_main_process():
         # Written whole to a temporary file, then renamed: a partial file never replaces one.
         tmp_path = _RESPONSES.value + ".tmp"

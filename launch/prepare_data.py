@@ -11,7 +11,7 @@ starts every prompt with a system message describing the tools (docs/agents.md),
 (sft_train.parquet, sft_test.parquet; docs/algorithms.md); and arith_prefs /
 arith_cost_prefs, preference pairs for reward / cost models (docs/algorithms.md):
 
-    python -m launch.prepare_data --task=arith_prefs --n_train=1400 --n_test=200 \
+    python -m launch.prepare_data --task=arith_prefs --n_train=1000 --n_test=200 \
         --task_config='{"max_b": 9, "pairs_per_prompt": 4}' --out=data/arith_prefs
 """
 
@@ -25,7 +25,8 @@ from launch import cli
 
 _TASK = flags.DEFINE_enum("task", None, list(prepare.TASKS), "task to generate", required=True)
 _N_TRAIN = flags.DEFINE_integer("n_train", 1000, "training prompts")
-_N_TEST = flags.DEFINE_integer("n_test", 100, "held-out prompts (disjoint from training)")
+_N_TEST = flags.DEFINE_integer("n_test", 100, "held-out prompts: problems from the held-out "
+                               "third of the task's space, never in a train split")
 _OUT = flags.DEFINE_string("out", None, "output directory", required=True)
 _SEED = flags.DEFINE_integer("seed", 0, "generator seed; the same seed writes the same files")
 _CONFIG = flags.DEFINE_string(
@@ -40,6 +41,9 @@ _SFT_DEMOS = flags.DEFINE_bool(
     "demonstrations of the same prompts (call the calculator, read its result, answer), "
     "multi-turn SFT parquet for launch.sft; needs --tools=calculator"
 )
+_ALLOW_OVERLAP = flags.DEFINE_bool(
+    "allow_overlap", False, "write a test split that shares problems with the train split (or "
+    "with the train.parquet already in --out) instead of refusing it; logged as a warning")
 
 
 def main(argv):
@@ -47,7 +51,7 @@ def main(argv):
     config = json.loads(_CONFIG.value)
     paths = prepare.prepare(_TASK.value, _N_TRAIN.value, _N_TEST.value, _OUT.value,
                             seed=_SEED.value, config=config, tools=_TOOLS.value,
-                            sft_demos=_SFT_DEMOS.value)
+                            sft_demos=_SFT_DEMOS.value, allow_overlap=_ALLOW_OVERLAP.value)
     import pyarrow.parquet as pq
 
     for path in paths.values():

@@ -6,7 +6,8 @@
 
 Prints a progress bar (a plain line every tenth of the run or 30 s when stdout is not a
 terminal), per-stage timings and tokens/s; the last stdout line is JSON with the
-held-out accuracy before and after RL, the throughput, the wall time, the step reached, the step
+held-out accuracy before and after RL with their 95% Wilson intervals over the held-out
+prompts and the prompts' count, the throughput, the wall time, the step reached, the step
 the run resumed from (null: a fresh start) and whether SIGTERM cut it short.
 
 Across processes (`launch.local_cluster`, or every host of a cluster running this same command,
@@ -250,7 +251,7 @@ def main(argv):
 
     topo = cli.start_run("train", cfg, before_jax=dry_run)
 
-    from hfjax.run import metrics
+    from hfjax.run import intervals, metrics
     from hfjax.run.checkpoint import RunCheckpointer
     from hfjax.run.resume import check_resume, config_json
     from hfjax.run.trainer import Trainer
@@ -322,11 +323,22 @@ def main(argv):
                                title=f"{cfg.algorithm}: {t.out_dir}")
         if png:
             print(f"wrote {png}")
+    n_test = len(trainer.test_data)
+
+    def ci95(acc):  # Wilson over the held-out prompts (hfjax.run.intervals)
+        return None if acc is None else [round(x, 4) for x in
+                                         intervals.accuracy_interval(acc, n_test)]
+
     if after is not None:
-        print(f"held-out accuracy after RL: {after:.3f} (before {_fmt(before)})")
+        print(f"held-out accuracy after RL: {after:.3f} {intervals.fmt(*ci95(after))} (before "
+              f"{_fmt(before)}{'' if before is None else ' ' + intervals.fmt(*ci95(before))}; "
+              f"95% intervals over {n_test} prompts)")
     print(json.dumps({
         "heldout_accuracy_before": None if before is None else round(before, 4),
         "heldout_accuracy_after": None if after is None else round(after, 4),
+        "heldout_accuracy_before_ci95": ci95(before),
+        "heldout_accuracy_after_ci95": ci95(after),
+        "heldout_prompts": n_test,
         "tokens_per_s": round(progress.tokens / progress.seconds, 1) if progress.seconds else 0.0,
         "wall_s": round(time.perf_counter() - t_start, 1),
         "step": result.step,

@@ -1,6 +1,6 @@
 """Trains a reward (or cost) model with the Bradley–Terry loss on preference pairs.
 
-    python -m launch.prepare_data --task=arith_prefs --n_train=1400 --n_test=200 \\
+    python -m launch.prepare_data --task=arith_prefs --n_train=1000 --n_test=200 \\
         --task_config='{"max_b": 9, "pairs_per_prompt": 4}' --out=data/arith_prefs
     python -m launch.train_rm --config.model.path=runs/sft_arith/hf      # from the SFT policy
     python -m launch.train_rm --config=configs/cost_arith.py             # a cost model

@@ -21,7 +21,7 @@ python -m launch.sft --config=configs/sft_arith.py --config.trainer.out_dir="$OU
 tail -1 "$OUT/sft.log"
 
 echo "== 2/3 reward model" >&2
-python -m launch.prepare_data --task=arith_prefs --n_train=1400 --n_test=200 \
+python -m launch.prepare_data --task=arith_prefs --n_train=1000 --n_test=200 \
     --task_config='{"max_b": 9, "pairs_per_prompt": 4}' --out="$OUT/prefs" \
     > "$OUT/prefs.log" 2>&1 || { tail -20 "$OUT/prefs.log"; exit 1; }
 python -m launch.train_rm --config=configs/rm_arith.py --config.model.path="$OUT/sft/hf" \

@@ -21,7 +21,7 @@ if [[ ! -f "$OUT/sft/hf/config.json" ]]; then
 fi
 for kind in prefs cost_prefs; do
     if [[ ! -f "$OUT/$kind/train.parquet" ]]; then
-        python -m launch.prepare_data --task="arith_$kind" --n_train=1400 --n_test=200 \
+        python -m launch.prepare_data --task="arith_$kind" --n_train=1000 --n_test=200 \
             --task_config='{"max_b": 9, "pairs_per_prompt": 4}' --out="$OUT/$kind" \
             > "$OUT/$kind.log" 2>&1 || { tail -20 "$OUT/$kind.log"; exit 1; }
     fi

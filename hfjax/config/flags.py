@@ -136,6 +136,7 @@ FLAG_KEYS: dict[str, dict[str, Callable[[Any], str | None]]] = {
         "task_config": Check(json_object),
         "tools": Check(tool_spec),
         "sft_demos": Bool(),
+        "allow_overlap": Bool(),
         "task": Choice(_prepare_tasks),
     },
     "plan": {

@@ -110,6 +110,9 @@ HAND_KEYS: dict[str, Callable[[Any], str | None]] = {
     "data.max_b": Int(1),
     "data.chain_steps": Int(1, 100, note="arith_chain: lines of the worked chain"),
     "data.max_prompt_length": Int(1),
+    # True lets a test set share problems with training (logged); off: refused
+    # (hfjax.data.holdout)
+    "data.allow_overlap": Bool(),
     # warm start
     "sft.steps": Int(0, note="0: no warm start"),
     "sft.batch_size": Int(1),

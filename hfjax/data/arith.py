@@ -20,6 +20,7 @@ import numpy as np
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers
 
+from hfjax.data import holdout
 from hfjax.models.tokenizer import Tokenizer
 
 DATA_SOURCE = "hfjax/arith"
@@ -48,16 +49,23 @@ def _no_carry(a: int, b: int, op: str) -> int:
     return tens * 10 + ones
 
 
-def problems(n: int, seed: int, max_b: int = 99, plus_only: bool = False) -> list[dict]:
+def problems(n: int, seed: int, max_b: int = 99, plus_only: bool = False,
+             split: str | None = None) -> list[dict]:
     """n problems as verl-schema rows: "a+b=" or "a-b=" with a two-digit a and 1 <= b <= max_b,
-    a >= b for subtraction (only "a+b=" with `plus_only`)."""
+    a >= b for subtraction (only "a+b=" with `plus_only`). `split` "train" draws only problems
+    outside the held-out part of the space (hfjax.data.holdout), "test" only distinct held-out
+    ones; None draws from the whole space."""
     rng = np.random.default_rng(seed)
+    keep = holdout.keeper(split, n, f"arith test split with max_b={max_b}",
+                          "lower data.n_test or raise data.max_b")
     rows = []
-    for i in range(n):
+    while len(rows) < n:
         a, b = int(rng.integers(10, 100)), int(rng.integers(1, max_b + 1))
         op = "+" if plus_only or rng.random() < 0.5 else "-"
         if op == "-" and a < b:
             a, b = b, a
+        if not keep(f"{a}{op}{b}="):
+            continue
         answer = a + b if op == "+" else a - b
         rows.append(
             {
@@ -65,7 +73,7 @@ def problems(n: int, seed: int, max_b: int = 99, plus_only: bool = False) -> lis
                 "prompt": [{"role": "user", "content": f"{a}{op}{b}="}],
                 "ability": "arithmetic",
                 "reward_model": {"style": "rule", "ground_truth": str(answer)},
-                "extra_info": {"index": i, "a": a, "b": b, "op": op},
+                "extra_info": {"index": len(rows), "a": a, "b": b, "op": op},
             }
         )
     return rows
@@ -111,11 +119,14 @@ def chain(a: int, b: int, steps: int) -> str:
                    for k in range(steps))
 
 
-def chain_problems(n: int, seed: int, steps: int, max_b: int = 9) -> list[dict]:
-    """n chain problems: `problems`' "a+b=" rows (addition only) whose answer is
-    a + steps * b, the end of `chain(a, b, steps)`; data_source `CHAIN_SOURCE`, whose reward
-    (hfjax.rewards.math.chain_answer) reads the answer that only the whole chain reaches."""
-    rows = problems(n, seed, max_b=max_b, plus_only=True)
+def chain_problems(n: int, seed: int, steps: int, max_b: int = 9,
+                   split: str | None = None) -> list[dict]:
+    """n chain problems: `problems`' "a+b=" rows (addition only, drawn for `split`) whose
+    answer is a + steps * b, the end of `chain(a, b, steps)`; data_source `CHAIN_SOURCE`, whose
+    reward (hfjax.rewards.math.chain_answer) reads the answer that only the whole chain
+    reaches. The held-out partition is the arithmetic task's: a chain is held out with its
+    start value and step, so a test chain's prompt is in no training set of either task."""
+    rows = problems(n, seed, max_b=max_b, plus_only=True, split=split)
     for row in rows:
         x = row["extra_info"]
         x["steps"] = steps

@@ -46,7 +46,7 @@ import numpy as np
 import pyarrow.parquet as pq
 from absl import logging
 
-from hfjax.data import arith, tool_arith
+from hfjax.data import arith, holdout, tool_arith
 from hfjax.rewards.registry import check_ground_truth, resolve_reward
 
 REQUIRED_COLUMNS = ("data_source", "prompt", "reward_model")
@@ -312,12 +312,14 @@ class Dataset:
 
     @classmethod
     def arith(
-        cls, n: int, seed: int, max_prompt_length: int, tokenizer=None, max_b: int = 99, **kw
+        cls, n: int, seed: int, max_prompt_length: int, tokenizer=None, max_b: int = 99,
+        split: str | None = None, **kw
     ) -> Dataset:
-        """The embedded arithmetic task (hfjax.data.arith), generated in memory."""
+        """The embedded arithmetic task (hfjax.data.arith), generated in memory from `split`'s
+        side of the held-out partition (None: the whole space)."""
         tok = tokenizer if tokenizer is not None else arith.tokenizer()
-        return cls(arith.problems(n, seed=seed, max_b=max_b), tok, max_prompt_length,
-                   name="arith", **kw)
+        return cls(arith.problems(n, seed=seed, max_b=max_b, split=split), tok,
+                   max_prompt_length, name=f"arith {split or ''}".strip(), **kw)
 
     # -- access --------------------------------------------------------------------------------
 
@@ -456,22 +458,21 @@ class PromptIterator:
 
 
 def task_dataset(cfg, tokenizer, split: str) -> Dataset:
-    """A run config's prompts for `split`, "train" or "test": the embedded arithmetic task's
-    (seeds `seed` and `seed + 10000`), or `data.train_files` / `data.val_files`, checked against
-    `reward.custom_fn` when one is set."""
+    """A run config's prompts for `split`, "train" or "test": the embedded tasks' (seeds `seed`
+    and `seed + 10000`, each from its side of the held-out partition, hfjax.data.holdout), or
+    `data.train_files` / `data.val_files`, checked against `reward.custom_fn` when one is set."""
     c, d = cfg, cfg.data
     train = split == "train"
+    n, seed = (d.n_train, c.seed) if train else (d.n_test, c.seed + 10_000)
     if d.task == "arith":
-        n, seed = (d.n_train, c.seed) if train else (d.n_test, c.seed + 10_000)
-        return Dataset.arith(n, seed, d.max_prompt_length, tokenizer=tokenizer, max_b=d.max_b)
+        return Dataset.arith(n, seed, d.max_prompt_length, tokenizer=tokenizer, max_b=d.max_b,
+                             split=split)
     if d.task == "arith_chain":
-        n, seed = (d.n_train, c.seed) if train else (d.n_test, c.seed + 10_000)
-        return Dataset(arith.chain_problems(n, seed, d.chain_steps, max_b=d.max_b), tokenizer,
-                       d.max_prompt_length, name="arith_chain")
+        return Dataset(arith.chain_problems(n, seed, d.chain_steps, max_b=d.max_b, split=split),
+                       tokenizer, d.max_prompt_length, name="arith_chain")
     if d.task == "arith_tool":
-        n, seed = (d.n_train, c.seed) if train else (d.n_test, c.seed + 10_000)
-        return Dataset(tool_arith.problems(n, seed), tokenizer, d.max_prompt_length,
-                       name="arith_tool")
+        return Dataset(tool_arith.problems(n, seed, split=split), tokenizer,
+                       d.max_prompt_length, name="arith_tool")
     if d.task == "parquet":
         files = d.train_files if train else d.val_files
         return Dataset.from_parquet(files.split(","), tokenizer, d.max_prompt_length,
@@ -480,3 +481,14 @@ def task_dataset(cfg, tokenizer, split: str) -> Dataset:
                      "'arith_tool' (built in) "
                      "or 'parquet' "
                      "(with data.train_files and data.val_files)")
+
+
+def task_splits(cfg, tokenizer) -> tuple[Dataset, Dataset]:
+    """A run's (train, test) prompts (`task_dataset`), refused in one line when a test problem
+    occurs in training (`data.allow_overlap` lets it through, logged)."""
+    train, test = (task_dataset(cfg, tokenizer, s) for s in ("train", "test"))
+    holdout.check_disjoint(map(holdout.problem_key, train.rows),
+                           map(holdout.problem_key, test.rows),
+                           f"{test.name} against {train.name}", "data.allow_overlap=True",
+                           allow=bool(cfg.data.get("allow_overlap", False)))
+    return train, test

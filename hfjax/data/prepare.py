@@ -28,8 +28,14 @@ them (`hfjax.tools.prompt.system_message`: name, description, JSON schema of the
 its result, answer) as multi-turn SFT parquet, for a warm start before RL with the tool
 (`hfjax.data.tool_demos`).
 
-Train and test come from one seeded stream of problems, deduplicated by prompt, so the two
-splits never share a question and the same seed always writes the same files.
+Train and test come from one seeded stream of problems, deduplicated by the problem's identity
+(`hfjax.data.holdout.problem_key`: an arithmetic problem's operands and operator, a
+reasoning-gym question's normalised text) and sent to the side of the held-out partition that
+identity falls in: the same third of every task's problems is test-only whatever the seed or
+sizes, so no test problem occurs in any training file, SFT demonstration or preference pair
+written for the task, and the same seed always writes the same files. Writing a split next to
+an existing file of the other split checks the two for shared problems, and refuses overlap
+unless `allow_overlap` (logged).
 """
 
 from __future__ import annotations
@@ -42,7 +48,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from hfjax.data import arith, preferences, tool_arith, tool_demos
+from hfjax.data import arith, holdout, preferences, tool_arith, tool_demos
 from hfjax.tools import prompt as tool_prompt
 from hfjax.tools import resolve_tools
 
@@ -176,9 +182,6 @@ def make_splits(
     if n_train < 0 or n_test < 0 or n_train + n_test == 0:
         raise ValueError(f"need n_train, n_test >= 0 and not both 0, got {n_train}, {n_test}")
     config = dict(config or {})
-    splits: dict[str, list[dict]] = {"train": [], "test": []}
-    wanted = {"train": n_train, "test": n_test}
-    split = "train" if n_train else "test"
     if task in PREFERENCE_TASKS:
         return _preference_splits(task, n_train, n_test, seed, config)
     if task == "arith":
@@ -186,26 +189,34 @@ def make_splits(
     elif task == "arith_tool":
         stream = _arith_tool_stream(seed, config)
     else:
-        stream = _rg_stream(task, seed, config, size=(n_train + n_test) * 5 // 4 + 16)
+        # The test side keeps a third of the problems, so a test split of n takes ~3n draws.
+        stream = _rg_stream(task, seed, config, size=3 * n_test + 3 * n_train // 2 + 16)
+    splits: dict[str, list[dict]] = {"train": [], "test": []}
+    wanted = {"train": n_train, "test": n_test}
     seen: set[str] = set()
     drawn, limit = 0, 20 * (n_train + n_test) + 1000
     for row in stream:
         drawn += 1
         if drawn > limit:
+            short = [f"{s} {len(splits[s])} of {wanted[s]}" for s in splits
+                     if len(splits[s]) < wanted[s]]
             raise ValueError(
-                f"task {task}: only {len(seen)} distinct prompts in {limit} draws, fewer than "
-                f"n_train + n_test = {n_train + n_test}; ask for fewer or widen the task config"
-            )
-        text = row["prompt"][-1]["content"]
-        if text in seen:
+                f"task {task}: only {len(seen)} distinct problems in {limit} draws "
+                f"({', '.join(short)} filled: a third of the problems are held out for "
+                "test); ask for fewer or widen the task config")
+        key = holdout.problem_key(row)
+        if key in seen:
             continue
-        seen.add(text)
+        seen.add(key)
+        # Each problem's side is fixed by its identity (hfjax.data.holdout), whatever the
+        # seed or sizes, so no test problem is in any training file this task writes.
+        split = "test" if holdout.is_heldout(key) else "train"
+        if len(splits[split]) == wanted[split]:
+            continue
         row["extra_info"] = dict(row["extra_info"], split=split, index=len(splits[split]))
         splits[split].append(row)
-        if len(splits[split]) == wanted[split]:
-            if split == "test" or n_test == 0:
-                break
-            split = "test"
+        if all(len(splits[s]) == wanted[s] for s in splits):
+            break
     return splits["train"], splits["test"]
 
 
@@ -218,15 +229,34 @@ def _preference_splits(task, n_train, n_test, seed, config):
             arith.preference_rows(test, seed + 2, kind, per_prompt))
 
 
+def check_files_disjoint(train: list[dict], test: list[dict], out_dir: str | os.PathLike,
+                         allow: bool = False) -> None:
+    """Refuses (one line; logged instead with `allow`) test rows sharing a problem with the
+    training rows; a split asked for with 0 rows is taken from its file in `out_dir`, when
+    there is one, so a test set written beside an earlier training set is checked against it."""
+    def rows_of(rows, split):
+        path = os.path.join(os.fspath(out_dir), f"{split}.parquet")
+        if rows or not os.path.isfile(path):
+            return rows, f"the {split} split"
+        return pq.read_table(path, columns=["prompt"]).to_pylist(), path
+
+    (train, train_name), (test, test_name) = rows_of(train, "train"), rows_of(test, "test")
+    holdout.check_disjoint(map(holdout.problem_key, train), map(holdout.problem_key, test),
+                           f"{test_name} against {train_name}", "--allow_overlap", allow)
+
+
 def prepare(
     task: str, n_train: int, n_test: int, out_dir: str | os.PathLike, seed: int = 0,
     config: dict | None = None, tools: str = "", sft_demos: bool = False,
+    allow_overlap: bool = False,
 ) -> dict[str, str]:
     """Write `train.parquet` and `test.parquet` for `task` into `out_dir` (with `tools`: the
     system message and tools_kwargs of `make_splits`); with `sft_demos`, also
     `sft_train.parquet` and `sft_test.parquet`, tool-use demonstrations of the same prompts
     (`hfjax.data.tool_demos`; needs the calculator in `tools`). Returns the paths of the files
-    written (a split with 0 rows is not written)."""
+    written (a split with 0 rows is not written). A test split that shares a problem with the
+    train split, or with the other split's file already in `out_dir` when one split is empty,
+    is refused (`check_files_disjoint`)."""
     if sft_demos and task in PREFERENCE_TASKS:
         raise ValueError(f"task {task!r} writes preference pairs; --sft_demos needs a task "
                          "with arithmetic expressions")
@@ -234,6 +264,7 @@ def prepare(
     if sft_demos and "calculator" not in named:
         raise ValueError("--sft_demos writes calls to the calculator; add --tools=calculator")
     train, test = make_splits(task, n_train, n_test, seed, config, tools)
+    check_files_disjoint(train, test, out_dir, allow_overlap)
     os.makedirs(out_dir, exist_ok=True)
     paths = {}
     write = preferences.write_rows if task in PREFERENCE_TASKS else write_rows

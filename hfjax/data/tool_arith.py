@@ -27,6 +27,7 @@ import numpy as np
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers
 
+from hfjax.data import holdout
 from hfjax.data.sft import SFTData, SFTExample
 from hfjax.models.tokenizer import Tokenizer
 from hfjax.tools.prompt import tools_kwargs
@@ -89,13 +90,22 @@ def row(a: int, b: int, index: int | None = None) -> dict:
     }
 
 
-def problems(n: int, seed: int, digits: tuple[int, int] = (3, 4)) -> list[dict]:
-    """n rows (`row`) with operands of digits[0]..digits[1] digits each."""
+def problems(n: int, seed: int, digits: tuple[int, int] = (3, 4),
+             split: str | None = None) -> list[dict]:
+    """n rows (`row`) with operands of digits[0]..digits[1] digits each; `split` "train" or
+    "test" draws from its side of the held-out partition (hfjax.data.holdout), None from all."""
     lo, hi = digits
     if not 1 <= lo <= hi:
         raise ValueError(f"digits={digits}: give (fewest, most) digits, 1 <= fewest <= most")
     rng = np.random.default_rng(seed)
-    return [row(*draw(rng, lo, hi), index=i) for i in range(n)]
+    keep = holdout.keeper(split, n, f"arith_tool test split with digits={digits}",
+                          "lower data.n_test")
+    rows: list[dict] = []
+    while len(rows) < n:
+        a, b = draw(rng, lo, hi)
+        if keep(f"{a}*{b}="):
+            rows.append(row(a, b, index=len(rows)))
+    return rows
 
 
 def demonstrations(tok: Tokenizer, rows: list[dict], tool_frac: float, seed: int) -> SFTData:

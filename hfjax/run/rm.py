@@ -23,7 +23,7 @@ from absl import logging
 from hfjax.config import model_source
 from hfjax.controller.batch import Batch
 from hfjax.controller.placement import resolve_placement
-from hfjax.data import arith, preferences
+from hfjax.data import arith, holdout, preferences
 from hfjax.engine.update import make_optimizer
 from hfjax.models import load as load_model
 from hfjax.models import load_tokenizer, save_hf, transformer
@@ -54,6 +54,13 @@ class RMTrainer:
         self.train = preferences.load_parquet(r.train_files.split(","), self.tok, **kw)
         self.val = (preferences.load_parquet(r.val_files.split(","), self.tok, **kw)
                     if r.val_files else None)
+        if self.val is not None:
+            # Held-out pairs ask prompts no training pair asks (rendered ids compared).
+            holdout.check_disjoint((p.prompt_ids for p in self.train.pairs),
+                                   (p.prompt_ids for p in self.val.pairs),
+                                   "rm.val_files against rm.train_files",
+                                   "data.allow_overlap=True",
+                                   allow=bool(c.data.get("allow_overlap", False)))
         if r.sign_coef and not self.train.labelled:
             raise ValueError("rm.sign_coef > 0 needs chosen_unsafe / rejected_unsafe labels in "
                              "every training pair; set rm.sign_coef=0 or label the data")

@@ -21,10 +21,10 @@ from absl import logging
 
 from hfjax.config import model_source
 from hfjax.controller.batch import Batch
-from hfjax.data import arith, tool_arith
+from hfjax.data import arith, holdout, tool_arith
 from hfjax.data import sft as sft_data
 from hfjax.data.batching import sft_arrays, sft_batches
-from hfjax.data.dataset import task_dataset
+from hfjax.data.dataset import task_dataset, task_splits
 from hfjax.models import save_hf
 from hfjax.parallel.mesh import dp_size
 from hfjax.run import health
@@ -133,8 +133,14 @@ class SFTTrainer:
             self.val = parquet_examples(c, self.tok, s.val_files) if s.get("val_files") else None
             if c.data.task == "parquet" and c.data.val_files and s.heldout_generation:
                 self.prompt_rows = task_dataset(c, self.tok, "test").rows
+                # The demonstrations' prompts against the held-out prompts, as rendered ids.
+                holdout.check_disjoint(
+                    (e.prompt_ids for e in self.train.examples),
+                    (tuple(r["prompt_ids"]) for r in self.prompt_rows),
+                    "data.val_files against sft.train_files", "data.allow_overlap=True",
+                    allow=bool(c.data.get("allow_overlap", False)))
         elif c.data.task in ("arith", "arith_chain", "arith_tool"):
-            train, test = (task_dataset(c, self.tok, s) for s in ("train", "test"))
+            train, test = task_splits(c, self.tok)
             self.train = arith_demonstrations(c, self.tok, train.rows)
             self.val = arith_demonstrations(c, self.tok, test.rows)
             self.prompt_rows = test.rows if s.heldout_generation else []

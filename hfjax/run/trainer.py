@@ -23,7 +23,7 @@ from hfjax.config import model_source, run_roles, validate_config
 from hfjax.controller import compile_log
 from hfjax.controller.async_pools import ROLE as ROLLOUT
 from hfjax.data.batching import prompt_batch
-from hfjax.data.dataset import task_dataset
+from hfjax.data.dataset import task_splits
 from hfjax.numerics import rollout_correction as rc_numerics
 from hfjax.parallel import distributed, targets
 from hfjax.parallel.transfer import host_values
@@ -67,8 +67,7 @@ class Trainer:
         self.roles = run_roles(self.algo, cfg)
         self.tok = model_source.task_tokenizer(cfg)
         # Bad rows fail or are counted here, before compiling.
-        self.train_data, self.test_data = (task_dataset(cfg, self.tok, split)
-                                           for split in ("train", "test"))
+        self.train_data, self.test_data = task_splits(cfg, self.tok)
         logging.info("train data: %s", self.train_data.report.summary())
         logging.info("validation data: %s", self.test_data.report.summary())
         # Every process builds its host batches itself (see `train_step`): they must all hold

@@ -71,7 +71,7 @@ def test_other_tasks_load_and_score(tmp_path, tok, task):
 
 
 def test_too_few_distinct_problems_is_an_error():
-    with pytest.raises(ValueError, match="distinct prompts"):
+    with pytest.raises(ValueError, match="distinct problems"):
         make_splits("arith", 200, 0, config={"max_b": 1})  # 180 distinct
 
 

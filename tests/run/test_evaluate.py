@@ -14,6 +14,7 @@ from hfjax.config.model_source import task_tokenizer
 from hfjax.config.run_dir import is_run
 from hfjax.rewards.registry import register_reward
 from hfjax.run.checkpoint import RunCheckpointer, export_hf
+from hfjax.run.intervals import wilson
 from hfjax.run.trainer import Trainer
 from hfjax.run.validation import evaluate_policy
 
@@ -83,6 +84,14 @@ def test_command_prints_greedy_and_pass_at_k_and_writes_responses(run, tmp_path)
                                                                 abs=1e-4)
     best = [max(r["score"] for r in sampled if r["prompt"] == i) for i in range(8)]
     assert sum(best) / 8 == pytest.approx(result["hfjax/arith/pass@4"], abs=1e-4)
+    # Greedy and pass@k carry a Wilson interval over the 8 prompts; mean@k (correlated
+    # samples) none.
+    right = int(sum(r["score"] for r in greedy))
+    assert result["hfjax/arith/greedy_ci95"] == pytest.approx(wilson(right, 8), abs=1e-4)
+    assert result["hfjax/arith/pass@4_ci95"] == pytest.approx(wilson(int(sum(best)), 8),
+                                                              abs=1e-4)
+    assert "hfjax/arith/mean@4_ci95" not in result
+    assert "(95% interval [" in p.stdout
     for r in recs:
         assert 0 <= r["response_tokens"] <= 8 and r["finished"] == (r["response_tokens"] < 8)
         assert r["data_source"] == "hfjax/arith" and r["ground_truth"]
