@@ -50,6 +50,16 @@ def get_config() -> config_dict.ConfigDict:
             # platform (dense on CPU, blockwise on GPU, splash on TPU; cudnn is opt-in;
             # hfjax.models.backend.attention_impl).
             attention_impl="auto",
+            # A mixture of experts from scratch (hfjax/models/moe.py): num_experts > 0 makes
+            # every layer's MLP num_experts gated MLPs of moe_intermediate_size (0:
+            # intermediate_size) of which each token takes num_experts_per_tok. moe_impl
+            # (also for model.path): auto | ragged (dropless grouped matmul) | capacity
+            # (per-expert buffers of capacity_factor x the mean load; overflow dropped).
+            num_experts=0,
+            num_experts_per_tok=2,
+            moe_intermediate_size=0,
+            moe_impl="auto",
+            capacity_factor=1.25,
         )
     )
     c.data = config_dict.ConfigDict(
@@ -148,6 +158,12 @@ def get_config() -> config_dict.ConfigDict:
             use_kl_loss=False,
             kl_loss_coef=0.001,
             kl_loss_type="low_var_kl",
+            # A mixture-of-experts actor's router losses (hfjax/models/moe.py), averaged over
+            # its sparse layers: the load-balancing loss (E * sum_e f_e * P_e, k when the load
+            # is even) and the z-loss (mean squared log-sum-exp of the router logits). Logged
+            # either way, with the least and most loaded experts' share of the mean load.
+            moe_aux_loss_coef=0.0,
+            moe_z_loss_coef=0.0,
             # LoRA (hfjax/models/lora.py): rank > 0 trains low-rank adapters on the model RL
             # starts from (after the warm start) instead of its full weights; that base stays
             # frozen in model.param_dtype and is the reference (no second copy). targets:

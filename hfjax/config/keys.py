@@ -98,6 +98,12 @@ HAND_KEYS: dict[str, Callable[[Any], str | None]] = {
     "model.attention_impl": Choice(attention_impls, note="auto: dense on CPU, blockwise on "
                                    "GPU, splash on TPU; blockwise where cudnn or splash cannot "
                                    "run (hfjax.models.backend.attention_impl)"),
+    "model.num_experts": Int(0, note="0: dense; > 0: a mixture of experts from scratch"),
+    "model.num_experts_per_tok": Int(1),
+    "model.moe_intermediate_size": Int(0, note="0: intermediate_size"),
+    "model.moe_impl": Choice(("auto", "ragged", "capacity"), note="auto: ragged, the dropless "
+                             "grouped matmul (hfjax.models.backend.moe_impl)"),
+    "model.capacity_factor": Float(0.0, lo_open=True),
     # data
     "data.task": Choice(("arith", "arith_chain", "arith_tool", "parquet"),
                         note="arith_chain: a + chain_steps * b worked line by line; "

@@ -49,7 +49,8 @@ def model_overrides(cfg, compute_dtype: str) -> dict:
     m = cfg.model
     return dict(dtype=compute_dtype, param_dtype=m.param_dtype,
                 scan_layers=m.scan_layers, remat_policy=m.remat_policy,
-                attention_impl=m.attention_impl)
+                attention_impl=m.attention_impl, moe_impl=m.moe_impl,
+                capacity_factor=m.capacity_factor)
 
 
 def compute_dtype(cfg, platform: str) -> str:

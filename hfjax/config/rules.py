@@ -185,6 +185,13 @@ def _scratch_model(c) -> str | None:
                 f"{m.num_kv_heads}; grouped-query attention needs whole groups")
     if m.head_dim % 2:
         return f"model.head_dim={m.head_dim} must be even (rotary embeddings pair dimensions)"
+    if m.num_experts:
+        from hfjax.models.config import scratch_model_config
+
+        try:  # the model's own checks (top-k against the experts, ...), named by config key
+            scratch_model_config(m, 1, 0, 0, 1)
+        except ValueError as err:
+            return f"model: {err}"
     if m.vocab_size:
         from hfjax.data import arith
 
@@ -192,6 +199,27 @@ def _scratch_model(c) -> str | None:
         if m.vocab_size < need:
             return (f"model.vocab_size={m.vocab_size} is smaller than the tokenizer's {need}; "
                     "set 0 (the tokenizer's size) or more")
+    return None
+
+
+def _expert_axis(c) -> str | None:
+    """An `expert` mesh axis must divide the actor's experts (a dense model takes it as one
+    more data-parallel axis)."""
+    from hfjax.parallel.mesh import MeshSpec
+
+    sizes = dict(MeshSpec.parse(c.actor.mesh).sizes) if c.actor.get("mesh") else {}
+    ep = sizes.get("expert", 1)
+    if ep <= 1:
+        return None
+    if c.model.path:
+        from hfjax.models.hf_io import read_model_config
+
+        experts = read_model_config(c.model.path).num_experts
+    else:
+        experts = c.model.num_experts
+    if experts and experts % ep:
+        return (f"actor.mesh={c.actor.mesh!r}: expert={ep} does not divide the model's "
+                f"{experts} experts; pick an expert size that divides {experts}")
     return None
 
 
@@ -373,6 +401,7 @@ TRAIN_RULES: tuple[Callable[[Any], str | None], ...] = (
     _arith_sizes,
     _mini_batches_fit,
     _scratch_model,
+    _expert_axis,
     _adaptive_kl,
     _positions,
     _slot_cache,

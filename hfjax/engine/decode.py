@@ -57,7 +57,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from hfjax.models import backend
+from hfjax.models import backend, moe
 from hfjax.models.backend import storage_dtype
 from hfjax.models.config import ModelConfig
 from hfjax.models.transformer import (
@@ -169,16 +169,19 @@ def split_layers(model, fuse: bool | None = None) -> list[dict[str, jax.Array]]:
         # here instead of inside the loop gives the same values and reads half the bytes per
         # step with bfloat16 compute over float32 weights. Norm scales and biases (a few KB)
         # stay as they are: each op casts them to its own operand's dtype.
-        stacked = {k: v.astype(cfg.jnp_dtype) if k.endswith("_proj") else v
+        stacked = {k: v.astype(cfg.jnp_dtype) if k.endswith("_proj") or k in moe.SPARSE_PARAMS
+                   else v
                    for k, v in stacked.items()}
     # Unmerged LoRA adapters (`hfjax.models.lora`) apply per projection: no fusion then.
     adapters = any("_lora_" in k for k in stacked)
     if (fuses_for_layout() if fuse is None else fuse) and not adapters:
-        L, D = cfg.num_layers, cfg.hidden_size
+        D = cfg.hidden_size
         for fused, names in _FUSED.items():
-            stacked[fused] = jnp.concatenate(
-                [stacked.pop(n).reshape(L, D, -1) for n in names], axis=-1)
-    return [{k: v[i] for k, v in stacked.items()} for i in range(cfg.num_layers)]
+            if all(n in stacked for n in names):  # a sparse model's dense layers may be none
+                stacked[fused] = jnp.concatenate(
+                    [(w := stacked.pop(n)).reshape(w.shape[0], D, -1) for n in names], axis=-1)
+    # A mixture of experts stacks its dense MLP and its experts over different layers.
+    return moe.layer_slices(cfg, stacked)
 
 
 def cache_and_row_shardings(mesh: Mesh, cfg: ModelConfig,

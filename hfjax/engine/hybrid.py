@@ -279,7 +279,7 @@ class HybridEngine:
             grid[r, b, s % lo, s // lo] = mesh.devices[coords]
         auto = (AxisType.Auto,)
         self.transition_mesh = Mesh(grid, _T_AXES, axis_types=auto * 4)
-        sizes = dict(zip(MESH_AXES, (n_rep * n_b * lo, 1, 1, t_g)))
+        sizes = {**dict.fromkeys(MESH_AXES, 1), "data": n_rep * n_b * lo, "tensor": t_g}
         self.decode_mesh = Mesh(
             grid.reshape(tuple(sizes.values())), MESH_AXES, axis_types=auto * len(MESH_AXES)
         )

@@ -303,3 +303,23 @@ def stand_in_differences(platform: str) -> str:
             f"model's attention inputs and KV caches in {kept}); temporaries are "
             f"XLA:{here.upper()}'s (it computes 16-bit element-wise work in float32)"
             + (f"; {kernels}" if kernels else ""))
+
+
+# --- mixture of experts -------------------------------------------------------------------
+
+MOE_IMPLS = ("auto", "ragged", "capacity")
+
+
+def moe_impl(impl: str = "auto", platform: str | None = None) -> str:
+    """The expert dispatch `model.moe_impl` stands for (`hfjax.models.moe`): "auto" is the
+    dropless grouped matmul ("ragged", `jax.lax.ragged_dot`) on every platform; "capacity"
+    (fixed per-expert buffers, overflow dropped) only when asked.
+
+    XLA lowers ragged_dot to a grouped GEMM on GPUs and TPUs; XLA:CPU expands it into one
+    masked dense product per expert (E times the active FLOPs), which bench/moe.py measures
+    against capacity dispatch. Dropless stays the default there too: dropping tokens changes
+    the model, a slow CPU does not."""
+    if impl not in MOE_IMPLS:
+        raise ValueError(f"model.moe_impl={impl!r}; choose one of {MOE_IMPLS}")
+    del platform  # one answer everywhere today; the argument keeps the module's convention
+    return "ragged" if impl == "auto" else impl

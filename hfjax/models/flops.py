@@ -7,9 +7,16 @@ from hfjax.models.config import ModelConfig
 
 
 def layer_matmul_params(cfg: ModelConfig) -> int:
-    """W: the matmul weights of one decoder layer (q, k, v, o and the gated MLP)."""
-    return cfg.hidden_size * cfg.head_dim * (2 * cfg.num_heads + 2 * cfg.num_kv_heads) + (
-        3 * cfg.hidden_size * cfg.intermediate_size)
+    """W: the matmul weights a token passes through in one decoder layer (q, k, v, o and the
+    gated MLP), averaged over the layers; a sparse layer counts its router and its
+    `num_experts_per_tok` active experts (the active parameters, not the total)."""
+    d = cfg.hidden_size
+    attn = d * cfg.head_dim * (2 * cfg.num_heads + 2 * cfg.num_kv_heads)
+    n_sparse = len(cfg.layer_indices("sparse"))
+    dense = 3 * d * cfg.intermediate_size * (cfg.num_layers - n_sparse)
+    sparse = n_sparse * d * (3 * cfg.moe_intermediate_size * cfg.num_experts_per_tok
+                             + cfg.num_experts)
+    return attn + (dense + sparse) // cfg.num_layers
 
 
 def layers_flops(cfg: ModelConfig, rows: int, tokens: int, context: int) -> float:

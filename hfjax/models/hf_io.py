@@ -24,7 +24,7 @@ from absl import logging
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from hfjax.models import presets, transformer
+from hfjax.models import moe, presets, transformer
 from hfjax.models.config import ModelConfig
 from hfjax.parallel import sharding as shd
 from hfjax.parallel.transfer import to_host
@@ -89,28 +89,62 @@ CONVERTERS: dict[str, tuple[str, Callable, Callable]] = {
     "model.layers.down_proj": (_L + "mlp.down_proj.weight", lambda w, c: w.T, lambda w, c: w.T),
 }
 
+_T = (lambda w, c: w.T, lambda w, c: w.T)
+# Mixtures of experts: the router and each expert's projections, per family. `{e}` is the
+# expert index; an expert's HF tensor is one [out, in] slice of our [experts, in, out] stack.
+MOE_CONVERTERS: dict[str, dict[str, tuple[str, Callable, Callable]]] = {
+    "qwen3_moe": {
+        "model.layers.router": (_L + "mlp.gate.weight", *_T),
+        "model.layers.expert_gate": (_L + "mlp.experts.{e}.gate_proj.weight", *_T),
+        "model.layers.expert_up": (_L + "mlp.experts.{e}.up_proj.weight", *_T),
+        "model.layers.expert_down": (_L + "mlp.experts.{e}.down_proj.weight", *_T),
+    },
+    "mixtral": {
+        "model.layers.router": (_L + "block_sparse_moe.gate.weight", *_T),
+        "model.layers.expert_gate": (_L + "block_sparse_moe.experts.{e}.w1.weight", *_T),
+        "model.layers.expert_up": (_L + "block_sparse_moe.experts.{e}.w3.weight", *_T),
+        "model.layers.expert_down": (_L + "block_sparse_moe.experts.{e}.w2.weight", *_T),
+    },
+}
+EXPERT_PARAMS = ("model.layers.expert_gate", "model.layers.expert_up", "model.layers.expert_down")
+
 # HF tensors that carry nothing hfjax needs.
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
 
 
-def _hf_name_index() -> list[tuple[re.Pattern, str]]:
+def converters(model_type: str = "llama") -> dict[str, tuple[str, Callable, Callable]]:
+    """Our parameter path -> (HF name template, HF -> ours, ours -> HF) for a family."""
+    return {**CONVERTERS, **MOE_CONVERTERS.get(model_type, {})}
+
+
+@functools.cache
+def _hf_name_index(model_type: str) -> list[tuple[re.Pattern, str]]:
     out = []
-    for ours, (tmpl, _, _) in CONVERTERS.items():
-        pat = re.escape(tmpl).replace(re.escape("{i}"), r"(\d+)")
+    for ours, (tmpl, _, _) in converters(model_type).items():
+        pat = re.escape(tmpl).replace(re.escape("{i}"), r"(?P<i>\d+)")
+        pat = pat.replace(re.escape("{e}"), r"(?P<e>\d+)")
         out.append((re.compile("^" + pat + "$"), ours))
     return out
 
 
-_HF_PATTERNS = _hf_name_index()
-
-
-def parse_hf_name(name: str) -> tuple[str, int | None] | None:
-    """(our parameter path, layer index or None) for an HF tensor name; None if unknown."""
-    for pat, ours in _HF_PATTERNS:
+def parse_hf_name(name: str, model_type: str = "llama"
+                  ) -> tuple[str, int | None, int | None] | None:
+    """(our parameter path, layer index or None, expert index or None) for an HF tensor name
+    of a `model_type` checkpoint; None if unknown."""
+    for pat, ours in _hf_name_index(model_type):
         m = pat.match(name)
         if m:
-            return ours, int(m.group(1)) if m.groups() else None
+            groups = m.groupdict()
+            i, e = groups.get("i"), groups.get("e")
+            return ours, None if i is None else int(i), None if e is None else int(e)
     return None
+
+
+def stacked_layers(cfg: ModelConfig, path: str) -> list[int] | None:
+    """The layer indices a stacked parameter `path` holds, in order (None: not stacked)."""
+    if not path.startswith("model.layers."):
+        return None
+    return list(cfg.layer_indices(moe.layer_kind(cfg, path.split(".")[-1])))
 
 
 def _flat_params(state: nnx.State) -> dict[str, nnx.Variable]:
@@ -123,16 +157,20 @@ def _flat_params(state: nnx.State) -> dict[str, nnx.Variable]:
 def expected_hf_tensors(cfg: ModelConfig, head: str = "causal_lm") -> dict[str, tuple]:
     """HF tensor name -> HF shape that a checkpoint for `cfg` must provide."""
     abstract = transformer.abstract(cfg, head)
+    conv = converters(cfg.model_type)
     out = {}
     for path, var in _flat_params(nnx.state(abstract)).items():
-        tmpl, _, to_hf = CONVERTERS[path]
+        tmpl, _, to_hf = conv[path]
         shape = var.get_value().shape
-        stacked = path.startswith("model.layers.")
-        one = shape[1:] if stacked else shape
+        layers = stacked_layers(cfg, path)
+        one = shape[1:] if layers is not None else shape
+        experts = range(one[0]) if path in EXPERT_PARAMS else [None]
+        one = one[1:] if path in EXPERT_PARAMS else one
         spec = jax.ShapeDtypeStruct(one, jnp.float32)
         hf_shape = jax.eval_shape(functools.partial(to_hf, c=cfg), spec)
-        for i in range(cfg.num_layers) if stacked else [None]:
-            out[tmpl.format(i=i)] = tuple(hf_shape.shape)
+        for i in [None] if layers is None else layers:
+            for e in experts:
+                out[tmpl.format(i=i, e=e)] = tuple(hf_shape.shape)
     return out
 
 
@@ -160,24 +198,36 @@ def assemble(
         mesh = Mesh(np.array(jax.devices()[:1]).reshape(1), ("data",))
     lay = shd.layout(mesh, rules, replicate_indivisible=tuple(replicate_indivisible))
     dt = cfg.jnp_param_dtype
+    conv = converters(cfg.model_type)
     pieces: dict[str, dict[int | None, jax.Array]] = {k: {} for k in params}
+    # A layer's experts are gathered on the host (one projection of one layer at a time) and
+    # placed together: our stack is [experts, ...] per layer, HF's is a tensor per expert.
+    expert_rows: dict[tuple[str, int], dict[int, np.ndarray]] = {}
     for name, w in tensors:
-        parsed = parse_hf_name(name)
+        parsed = parse_hf_name(name, cfg.model_type)
         if parsed is None:
             if not _IGNORED.match(name):
                 logging.warning("ignoring tensor %s: hfjax has no parameter for it", name)
             continue
-        ours, i = parsed
+        ours, i, e = parsed
         if ours not in params:
             if ours == "lm_head" and cfg.tie_word_embeddings or head != "causal_lm":
                 continue
             raise ValueError(f"tensor {name} does not belong to a {cfg.model_type} {head} model")
         if i is not None and i >= cfg.num_layers:
             raise ValueError(f"tensor {name}: layer {i} but the config has {cfg.num_layers}")
+        if i is not None and i not in stacked_layers(cfg, ours):
+            raise ValueError(f"tensor {name}: layer {i} is not a "
+                             f"{moe.layer_kind(cfg, ours.split('.')[-1])} layer of this config "
+                             "(mlp_only_layers / decoder_sparse_step)")
         var = params[ours]
         full = var.get_value().shape
         want = full[1:] if i is not None else full
-        converted = CONVERTERS[ours][1](np.asarray(w), cfg)
+        if e is not None:
+            if e >= want[0]:
+                raise ValueError(f"tensor {name}: expert {e} but the config has {want[0]}")
+            want = want[1:]
+        converted = conv[ours][1](np.asarray(w), cfg)
         if tuple(converted.shape) != tuple(want):
             hf_want = expected_hf_tensors(cfg, head).get(name)
             raise ValueError(
@@ -186,25 +236,37 @@ def assemble(
             )
         axes = var.get_metadata()["logical_axes"]
         axes = axes[1:] if i is not None else axes
+        if e is not None:
+            rows = expert_rows.setdefault((ours, i), {})
+            rows[e] = np.asarray(converted, dtype=dt)
+            if len(rows) < full[1]:
+                continue
+            converted = np.stack([rows[j] for j in range(full[1])])
+            want = full[1:]
+            del expert_rows[(ours, i)]
         target = lay.sharding(axes, want, name)
         pieces[ours][i] = jax.device_put(np.asarray(converted, dtype=dt), target)
         del converted, w
+    for (ours, i), rows in expert_rows.items():
+        gap = next(j for j in range(params[ours].get_value().shape[1]) if j not in rows)
+        raise ValueError(f"missing tensor {conv[ours][0].format(i=i, e=gap)}")
 
     optional = set(optional)
     values = {}
     for path, var in params.items():
         got = pieces[path]
         shape = var.get_value().shape
-        stacked = path.startswith("model.layers.")
-        need = list(range(cfg.num_layers)) if stacked else [None]
+        layers = stacked_layers(cfg, path)
+        stacked = layers is not None
+        need = layers if stacked else [None]
         missing = [i for i in need if i not in got]
         if missing and path in optional and not got:
             values[path] = _fresh_head(cfg, head, var, lay)
             continue
         if missing:
-            tmpl = CONVERTERS[path][0]
+            tmpl = conv[path][0]
             raise ValueError(
-                f"missing tensor {tmpl.format(i=missing[0])} "
+                f"missing tensor {tmpl.format(i=missing[0], e=0)} "
                 f"({len(missing)} missing for parameter {path})"
             )
         axes = var.get_metadata()["logical_axes"]
@@ -457,12 +519,18 @@ def iter_hf_tensors(model: nnx.Module) -> Iterator[tuple[str, np.ndarray]]:
     collective): every process of the run must iterate alike, and each gets every tensor.
     """
     cfg: ModelConfig = model.config
+    conv = converters(cfg.model_type)
     for path, var in _flat_params(nnx.state(model, nnx.Param)).items():
-        tmpl, _, to_hf = CONVERTERS[path]
+        tmpl, _, to_hf = conv[path]
         arr = var.get_value()
-        if path.startswith("model.layers."):
-            for i in range(cfg.num_layers):
-                yield tmpl.format(i=i), np.asarray(to_hf(to_host(arr[i]), cfg))
+        layers = stacked_layers(cfg, path)
+        if layers is not None and path in EXPERT_PARAMS:
+            for j, i in enumerate(layers):
+                for e in range(arr.shape[1]):
+                    yield tmpl.format(i=i, e=e), np.asarray(to_hf(to_host(arr[j, e]), cfg))
+        elif layers is not None:
+            for j, i in enumerate(layers):
+                yield tmpl.format(i=i), np.asarray(to_hf(to_host(arr[j]), cfg))
         else:
             yield tmpl, np.asarray(to_hf(to_host(arr), cfg))
 

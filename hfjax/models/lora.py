@@ -129,8 +129,17 @@ def projection_axes(cfg: ModelConfig, name: str) -> tuple[tuple, tuple, tuple, t
     return table[name]
 
 
+def check_targets(cfg: ModelConfig, spec: LoraSpec) -> None:
+    """Refuses MLP targets on a mixture of experts (its experts take no adapters)."""
+    mlp = [t for t in spec.targets if t in ("gate_proj", "up_proj", "down_proj")]
+    if cfg.is_moe and mlp:
+        raise ValueError(f"lora.targets {','.join(mlp)} on a mixture-of-experts model: its "
+                         "experts take no adapters; target q_proj,k_proj,v_proj,o_proj")
+
+
 def adapter_shapes(cfg: ModelConfig, spec: LoraSpec) -> dict[str, tuple[int, ...]]:
     """{adapter name: shape} of every adapter array `spec` adds to a model of `cfg`."""
+    check_targets(cfg, spec)
     out = {}
     for name in spec.targets:
         ins, _, outs, _ = projection_axes(cfg, name)
@@ -152,6 +161,7 @@ def add_adapters(model: nnx.Module, spec: LoraSpec, seed: int = 0) -> nnx.Module
     if getattr(layers, "lora_scale", None) is not None:
         raise ValueError("the model already carries LoRA adapters")
     cfg = model.config
+    check_targets(cfg, spec)
     abstract = isinstance(layers.q_proj.get_value(), jax.ShapeDtypeStruct)
     key = jax.random.key(seed)
     for i, name in enumerate(spec.targets):

@@ -11,7 +11,9 @@ model's; the -Instruct variants share every shape and differ in `eos_token_id`,
 `max_position_embeddings` and, for Qwen2.5-32B/-72B, `rms_norm_eps`=1e-6). The family flags
 come with the model_type: q/k/v biases for qwen2, q/k RMSNorm for qwen3. Llama-3.1 uses llama3
 RoPE scaling. Qwen3-32B's attention width (64 heads x 128) is larger than its hidden size 5120,
-which is why `head_dim` is always explicit.
+which is why `head_dim` is always explicit. The mixtures of experts (qwen3-30b-a3b,
+qwen3-235b-a22b, mixtral-8x7b) carry their expert count, top-k and expert width
+(`ModelConfig.num_params` / `active_params`: 30.5B / 3.3B, 235.1B / 22.2B, 46.7B / 12.9B).
 """
 
 from __future__ import annotations
@@ -33,9 +35,15 @@ def _qwen2(**kw) -> ModelConfig:
 
 
 def _qwen3(**kw) -> ModelConfig:
-    return ModelConfig(model_type="qwen3", qk_norm=True, vocab_size=151936, head_dim=128,
+    kw = {"model_type": "qwen3", **kw}
+    return ModelConfig(qk_norm=True, vocab_size=151936, head_dim=128,
                        rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=40960,
                        tie_word_embeddings=False, bos_token_id=151643, eos_token_id=151645, **kw)
+
+
+def _qwen3_moe(**kw) -> ModelConfig:
+    return _qwen3(model_type="qwen3_moe", num_experts=128, num_experts_per_tok=8,
+                  norm_topk_prob=True, **kw)
 
 
 def _llama2(**kw) -> ModelConfig:
@@ -105,6 +113,21 @@ PRESETS: dict[str, ModelConfig] = {
                        num_kv_heads=8),
     "qwen3-32b": _qwen3(hidden_size=5120, intermediate_size=25600, num_layers=64, num_heads=64,
                         num_kv_heads=8),
+    # Mixtures of experts: every layer sparse (no mlp_only_layers, decoder_sparse_step 1).
+    "qwen3-30b-a3b": _qwen3_moe(hidden_size=2048, intermediate_size=6144,
+                                moe_intermediate_size=768, num_layers=48, num_heads=32,
+                                num_kv_heads=4),
+    "qwen3-235b-a22b": _qwen3_moe(hidden_size=4096, intermediate_size=12288,
+                                  moe_intermediate_size=1536, num_layers=94, num_heads=64,
+                                  num_kv_heads=4),
+    # Mixtral-8x7B v0.1: the experts are the `intermediate_size` MLPs, top-2 renormalised.
+    "mixtral-8x7b": ModelConfig(
+        model_type="mixtral", vocab_size=32000, hidden_size=4096, intermediate_size=14336,
+        num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5,
+        rope_theta=1000000.0, max_position_embeddings=32768, tie_word_embeddings=False,
+        bos_token_id=1, eos_token_id=2, num_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=14336, norm_topk_prob=True,
+    ),
 }
 
 PRESET_PREFIX = "preset:"

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from hfjax.models import backend, lora_dropout
+from hfjax.models import backend, expert_parallel, lora_dropout, moe
 from hfjax.models import sequence_parallel as sp
 from hfjax.models.attention import ResponseBlocks, SharedPrompt, attention_fn
 from hfjax.models.backend import storage_dtype
@@ -155,9 +155,21 @@ class Layers(nnx.Module):
             self.q_norm = p((L, H), ("layers", "norm"), "ones")
             self.k_norm = p((L, H), ("layers", "norm"), "ones")
         self.post_attn_norm = p((L, D), ("layers", "norm"), "ones")
-        self.gate_proj = p((L, D, F), ("layers", "embed", "mlp"))
-        self.up_proj = p((L, D, F), ("layers", "embed", "mlp"))
-        self.down_proj = p((L, F, D), ("layers", "mlp", "embed"))
+        # A mixture of experts stacks the dense MLP over its dense layers only and the router
+        # and experts over its sparse ones (`ModelConfig.layer_indices`).
+        Ld = len(cfg.layer_indices("dense")) if cfg.is_moe else L
+        if Ld:
+            self.gate_proj = p((Ld, D, F), ("layers", "embed", "mlp"))
+            self.up_proj = p((Ld, D, F), ("layers", "embed", "mlp"))
+            self.down_proj = p((Ld, F, D), ("layers", "mlp", "embed"))
+        if cfg.is_moe:
+            Ls, E, Fe = (len(cfg.layer_indices("sparse")), cfg.num_experts,
+                         cfg.moe_intermediate_size)
+            # The router stays whole on every device: each token's top-k reads all E logits.
+            self.router = p((Ls, D, E), ("layers", "embed", None))
+            self.expert_gate = p((Ls, E, D, Fe), ("layers", "expert", "embed", "mlp"))
+            self.expert_up = p((Ls, E, D, Fe), ("layers", "expert", "embed", "mlp"))
+            self.expert_down = p((Ls, E, Fe, D), ("layers", "expert", "mlp", "embed"))
 
     def arrays(self) -> dict[str, jax.Array]:
         """{name: stacked array} of every parameter; LoRA adapters (`hfjax.models.lora`) come
@@ -316,23 +328,39 @@ def attention_inputs(cfg: ModelConfig, rope, p, h):
 
 def layer_output(cfg: ModelConfig, p, h, attn):
     """The second half of a decoder layer: the attention output attn [B, T, N, H] through
-    o_proj into the residual, then the gated MLP. Returns the new hidden states [B, T, D]."""
+    o_proj into the residual, then the gated MLP (dense, or the layer's mixture of experts).
+    Returns the new hidden states [B, T, D]."""
+    return routed_layer_output(cfg, p, h, attn)[0]
+
+
+def routed_layer_output(cfg: ModelConfig, p, h, attn, *, replay=None, valid=None):
+    """`layer_output` and the layer's `moe.RouterStats` (None for a dense MLP); `replay`
+    [B, T, k] replays a sparse layer's expert ids, `valid` [B, T] marks the tokens its
+    statistics count."""
     D, F = cfg.hidden_size, cfg.intermediate_size
     h = h + _proj(cfg, p, attn, "o_proj", (D,))
     x = rms_norm(h, p["post_attn_norm"], cfg.rms_norm_eps)
+    if "router" in p:
+        layout = shd.active_layout()
+        if expert_parallel.expert_size(layout) > 1:  # experts split over `expert`: all-to-all
+            y, stats = expert_parallel.sparse_mlp(cfg, p, x, layout, replay=replay, valid=valid)
+        else:
+            y, stats = moe.sparse_mlp(cfg, p, x, replay=replay, valid=valid)
+        return h + y, stats
     if "gate_up_proj" in p:  # fused weights, as q/k/v above
         gate, up = jnp.split(_proj(cfg, p, x, "gate_up_proj", (2 * F,)), 2, axis=-1)
     else:
         gate = _proj(cfg, p, x, "gate_proj", (F,))
         up = _proj(cfg, p, x, "up_proj", (F,))
-    return h + _proj(cfg, p, jax.nn.silu(gate) * up, "down_proj", (D,))
+    return h + _proj(cfg, p, jax.nn.silu(gate) * up, "down_proj", (D,)), None
 
 
-def _block(cfg: ModelConfig, rope, p, h, attention, cache_kv, cache_index):
+def _block(cfg: ModelConfig, rope, p, h, attention, cache_kv, cache_index, replay, valid):
     """One decoder layer. p holds this layer's arrays; `attention(q, k, v)` is
-    `hfjax.models.attention.attention_fn`'s; cache_kv is (k, v) slots or None.
+    `hfjax.models.attention.attention_fn`'s; cache_kv is (k, v) slots or None; replay and
+    valid are `routed_layer_output`'s.
 
-    Returns (new hidden, new (k, v) slots or None).
+    Returns (new hidden, new (k, v) slots or None, router stats or None).
     """
     q, k, v = attention_inputs(cfg, rope, p, h)
     new_kv = None
@@ -341,8 +369,9 @@ def _block(cfg: ModelConfig, rope, p, h, attention, cache_kv, cache_index):
         ck = jax.lax.dynamic_update_slice_in_dim(ck, k.astype(ck.dtype), cache_index, axis=1)
         cv = jax.lax.dynamic_update_slice_in_dim(cv, v.astype(cv.dtype), cache_index, axis=1)
         new_kv = (ck, cv)
-        return layer_output(cfg, p, h, attention(q, ck, cv)), new_kv
-    return layer_output(cfg, p, h, attention(q, k, v)), new_kv
+        k, v = ck, cv
+    h, stats = routed_layer_output(cfg, p, h, attention(q, k, v), replay=replay, valid=valid)
+    return h, new_kv, stats
 
 
 class Backbone(nnx.Module):
@@ -386,6 +415,7 @@ class Backbone(nnx.Module):
         shared_prompt: SharedPrompt | None = None,
         response_blocks: ResponseBlocks | None = None,
         keep_width: bool = False,
+        routing: jax.Array | None = None,
     ) -> tuple[jax.Array, KVCache | None]:
         """Final hidden states [B, T, D] and the updated cache (None without a cache).
 
@@ -414,9 +444,15 @@ class Backbone(nnx.Module):
         each column's block (`ResponseBlocks`); a prompt token sees the prompt's earlier
         tokens, a response token the prompt and its own response's earlier tokens
         (`compact_attention`). `positions` must be given.
+
+        A mixture-of-experts model (`hfjax.models.moe`) replays the expert ids `routing`
+        [sparse layers, B, T, k] when given, and hands each pass's router statistics to an
+        active `moe.collecting()`.
         """
         cfg = self.config
         B, T = input_ids.shape
+        if routing is not None and not cfg.is_moe:
+            raise ValueError("routing replay needs a mixture-of-experts model; this one is dense")
         if segment_ids is not None:
             if cache is not None or positions is None:
                 raise ValueError("packed rows (segment_ids) take positions and no cache")
@@ -459,38 +495,69 @@ class Backbone(nnx.Module):
                                  f"whose lora.dropout is {rate}")
             params[lora_dropout.LAYER_KEY] = lora_dropout.layer_keys(dropout[0], cfg.num_layers)
 
-        def layer(h, p, kv):
-            return _block(cfg, rope, p, h, attention, kv, cache_index)
+        # A sparse model's routing: `routing` [sparse layers, B, T, k] replays expert ids;
+        # `valid` marks the tokens the router statistics count (none while decoding).
+        valid = None
+        if cfg.is_moe and cache is None:
+            valid = key_valid
+            if split:
+                valid = jnp.pad(valid, pad)
+                if routing is not None:
+                    routing = jnp.pad(routing, [(0, 0), *pad, (0, 0)])
+
+        def layer(h, p, kv, r):
+            return _block(cfg, rope, p, h, attention, kv, cache_index, r, valid)
 
         if cfg.remat_policy != "none":
             layer = jax.checkpoint(layer, policy=_REMAT[cfg.remat_policy])
 
+        scan = cfg.scan_layers and moe.uniform(cfg)
+        per_layer = None if scan else moe.layer_slices(cfg, params)
+        sparse_index = {i: j for j, i in enumerate(cfg.layer_indices("sparse"))}
+
+        def replay_of(i):
+            return None if routing is None or i not in sparse_index else routing[sparse_index[i]]
+
+        stats = []
         if cache is None:
-            if cfg.scan_layers:
-                h, _ = jax.lax.scan(lambda h, p: (layer(h, p, None)[0], None), h, params)
+            if scan:
+                def body(h, xs):
+                    h, _, st = layer(h, xs[0], None, xs[1])
+                    return h, st
+
+                h, st = jax.lax.scan(body, h, (params, routing))
+                stats = [] if st is None else [st]
             else:
                 for i in range(cfg.num_layers):
-                    h = layer(h, {k: v[i] for k, v in params.items()}, None)[0]
+                    h, _, st = layer(h, per_layer[i], None, replay_of(i))
+                    stats += [] if st is None else [st]
+                stats = [moe.stack(stats)] if stats else []
             new_cache = None
         else:
             # The whole cache rides in the carry and each layer updates its slice in place, so a
             # decode step never copies the cache.
             def step(carry, xs):
                 h, ck, cv = carry
-                i, p = xs
-                h, (k_i, v_i) = layer(h, p, (ck[i], cv[i]))
+                i, p, r = xs
+                h, (k_i, v_i), st = layer(h, p, (ck[i], cv[i]), r)
                 ck = jax.lax.dynamic_update_index_in_dim(ck, k_i, i, axis=0)
                 cv = jax.lax.dynamic_update_index_in_dim(cv, v_i, i, axis=0)
-                return (h, ck, cv), None
+                return (h, ck, cv), st
 
             carry = (h, cache.k, cache.v)
-            if cfg.scan_layers:
-                carry, _ = jax.lax.scan(step, carry, (jnp.arange(cfg.num_layers), params))
+            if scan:
+                carry, st = jax.lax.scan(step, carry, (jnp.arange(cfg.num_layers), params,
+                                                       routing))
+                stats = [] if st is None else [st]
             else:
                 for i in range(cfg.num_layers):
-                    carry, _ = step(carry, (i, {k: v[i] for k, v in params.items()}))
+                    carry, st = step(carry, (i, per_layer[i], replay_of(i)))
+                    stats += [] if st is None else [st]
+                stats = [moe.stack(stats)] if stats else []
             h, ck, cv = carry
             new_cache = KVCache(ck, cv)
+        for st in stats:
+            moe.record(st)
         if width != T and not keep_width:
             h = h[:, :T]
         return rms_norm(h, self.norm[...], cfg.rms_norm_eps), new_cache

@@ -21,9 +21,11 @@ from jax.sharding import PartitionSpec as P
 
 # Order matters: the last axis varies fastest over the pool's device list, so `tensor` groups are
 # consecutive devices (same host, fastest links), and `data` groups are the farthest apart.
-MESH_AXES: tuple[str, ...] = ("data", "fsdp", "sequence", "tensor")
-# Axes over which a batch is split: every device along them sees different samples.
-DP_AXES: tuple[str, ...] = ("data", "fsdp")
+MESH_AXES: tuple[str, ...] = ("data", "fsdp", "expert", "sequence", "tensor")
+# Axes over which a batch is split: every device along them sees different samples. `expert`
+# splits a mixture of experts' experts and, for everything else, the batch
+# (`hfjax.models.expert_parallel`).
+DP_AXES: tuple[str, ...] = ("data", "fsdp", "expert")
 
 _ITEM = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_]*)\s*=\s*(-?\d+)\s*$")
 
@@ -179,7 +181,7 @@ def carve_pools(
 
 
 def dp_axes(mesh: Mesh) -> tuple[str, ...]:
-    """Returns the batch-splitting axes (data, fsdp) of `mesh` that have size > 1."""
+    """Returns the batch-splitting axes (data, fsdp, expert) of `mesh` that have size > 1."""
     return tuple(a for a in DP_AXES if mesh.shape.get(a, 1) > 1)
 
 

@@ -34,6 +34,7 @@ TRAIN_RULES: dict[str, Rule] = {
     "mlp": "tensor",
     "norm": None,
     "layers": None,
+    "expert": "expert",  # a mixture of experts' experts (hfjax.models.expert_parallel)
 }
 
 # Decoding: tensor parallel only; every other dimension replicated.

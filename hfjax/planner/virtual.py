@@ -13,7 +13,7 @@ The planner prices meshes of hundreds of devices on a machine that has a handful
   group of a device follows from its split index, see `hfjax.engine.hybrid`) and counts what
   each device receives with `reshard.tree_transfer_bytes`, the function the engine itself uses.
 
-Meshes follow `hfjax.parallel.mesh`: axes (data, fsdp, sequence, tensor), the last varying
+Meshes follow `hfjax.parallel.mesh`: axes (data, fsdp, expert, sequence, tensor), the last varying
 fastest over the device ids.
 """
 
@@ -68,9 +68,11 @@ def leaves_of(state: Any) -> tuple[Leaf, ...]:
     return tuple(out)
 
 
-def mesh_sizes(data: int = 1, fsdp: int = 1, tensor: int = 1, sequence: int = 1) -> dict[str, int]:
+def mesh_sizes(data: int = 1, fsdp: int = 1, tensor: int = 1, sequence: int = 1,
+               expert: int = 1) -> dict[str, int]:
     """{axis: size} for every canonical mesh axis."""
-    return {"data": data, "fsdp": fsdp, "sequence": sequence, "tensor": tensor}
+    return {"data": data, "fsdp": fsdp, "expert": expert, "sequence": sequence,
+            "tensor": tensor}
 
 
 def _entries(spec, ndim: int) -> list[Entry]:

@@ -30,7 +30,7 @@ from hfjax.engine.sampler import (
 )
 from hfjax.engine.spec import RolloutSpec
 from hfjax.engine.update import in_micro_batches, scoring_micro_batches, share_of_normaliser
-from hfjax.models import lora
+from hfjax.models import lora, moe
 from hfjax.models import sequence_parallel as sp
 from hfjax.numerics import core, losses
 from hfjax.numerics import rollout_correction as rc_numerics
@@ -552,7 +552,8 @@ class ActorRollout(Reference):
 
     def _policy_loss(self, params, mb, totals):
         a = self.spec
-        lp, ent = self._train_logprobs(params, mb)
+        with moe.collecting() as routed:
+            lp, ent = self._train_logprobs(params, mb)
         mask = mb["response_mask"]
         weight = share_of_normaliser(mask, totals, a.loss_agg_mode)
         horizon = float(self.rollout.response_length)  # batches may be trimmed (module docstring)
@@ -609,7 +610,23 @@ class ActorRollout(Reference):
             kl_loss = core.agg_loss(kld, mask, a.loss_agg_mode, horizon)
             loss = loss + a.kl_loss_coef * kl_loss * weight
             metrics["actor/kl_loss"] = kl_loss * weight
+        if routed:
+            loss = loss + self._router_losses(moe.merge(routed), weight, metrics) * weight
         return loss, metrics | rejected
+
+    def _router_losses(self, stats: moe.RouterStats, weight, metrics) -> jax.Array:
+        """The router losses a mixture of experts' update adds (`actor.moe_aux_loss_coef`,
+        `moe_z_loss_coef`; both averaged over the sparse layers), with their metrics and the
+        tokens-per-expert spread (the least and most loaded experts' share of the mean load,
+        worst layer) written into `metrics`."""
+        a = self.spec
+        aux, z = jnp.mean(stats.aux_loss), jnp.mean(stats.z_loss)
+        low, high = moe.load_spread(stats.counts)
+        metrics["actor/moe_aux_loss"] = jax.lax.stop_gradient(aux) * weight
+        metrics["actor/moe_z_loss"] = jax.lax.stop_gradient(z) * weight
+        metrics["actor/expert_load_min"] = low * weight
+        metrics["actor/expert_load_max"] = high * weight
+        return a.moe_aux_loss_coef * aux + a.moe_z_loss_coef * z
 
     def _sft_loss(self, params, mb, totals):
         lp, _ = response_logprobs(

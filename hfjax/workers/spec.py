@@ -65,6 +65,11 @@ class ActorSpec(_UpdateSpec):
     use_kl_loss: bool = key(Bool())
     kl_loss_coef: float = key(Float(0.0))
     kl_loss_type: str = key(Choice(checks.kl_names))
+    # A mixture of experts' router losses (`hfjax.models.moe.RouterStats`), averaged over its
+    # sparse layers; a dense model has none and ignores them.
+    moe_aux_loss_coef: float = key(Float(0.0, note="the load-balancing loss's weight "
+                                         "(Switch / Qwen form: k when balanced)"))
+    moe_z_loss_coef: float = key(Float(0.0, note="the router z-loss's weight"))
 
     def samples_per_row(self, n: int) -> int:
         """The samples a shared-prompt row holds with `n` samples per prompt (1: none)."""

@@ -43,6 +43,8 @@ def make_hf_model(kind: str, out_dir: str, seed: int = 0):
         model = tf.MistralForCausalLM(
             tf.MistralConfig(**TINY, tie_word_embeddings=False, sliding_window=None)
         )
+    elif kind in MOE:
+        model = make_hf_moe(kind)
     else:
         raise ValueError(kind)
     # Random init leaves norms at 1 and biases at 0; perturb them so they are exercised.
@@ -50,9 +52,33 @@ def make_hf_model(kind: str, out_dir: str, seed: int = 0):
         for name, p in model.named_parameters():
             if "norm" in name or name.endswith("bias"):
                 p.add_(0.1 * torch.randn_like(p))
+            if name.endswith(".gate.weight"):
+                # A router at initialisation scale gives near-equal probabilities: scaled up,
+                # its top-k has clear margins (no near-ties for rounding to flip).
+                p.copy_(torch.randn_like(p))
     model.eval()
     model.save_pretrained(out_dir)
     return model
+
+
+# Tiny mixtures of experts: Qwen3-MoE with renormalised top-k, Qwen3-MoE with a dense first
+# layer (mlp_only_layers) and no renormalisation, and Mixtral.
+MOE = ("qwen3_moe", "qwen3_moe_mixed", "mixtral")
+
+
+def make_hf_moe(kind: str):
+    import transformers as tf
+
+    experts = dict(num_experts_per_tok=2, tie_word_embeddings=False)
+    if kind == "mixtral":
+        cfg = tf.MixtralConfig(**{**TINY, "intermediate_size": 32}, num_local_experts=8,
+                               sliding_window=None, **experts)
+        return tf.MixtralForCausalLM(cfg)
+    mixed = kind == "qwen3_moe_mixed"
+    cfg = tf.Qwen3MoeConfig(**{**TINY, "num_hidden_layers": 3 if mixed else 2}, num_experts=8,
+                            moe_intermediate_size=32, norm_topk_prob=not mixed,
+                            mlp_only_layers=[0] if mixed else [], **experts)
+    return tf.Qwen3MoeForCausalLM(cfg)
 
 
 def left_padded_batch(vocab: int, lengths=(9, 5, 12, 1), seed: int = 0):

@@ -23,10 +23,12 @@ FakeDevice = collections.namedtuple("FakeDevice", ["id", "process_index"])
 
 def test_parse_fills_absent_axes_in_canonical_order():
     spec = MeshSpec.parse(" tensor=2 , data=2,fsdp=2")
-    assert spec.sizes == (("data", 2), ("fsdp", 2), ("sequence", 1), ("tensor", 2))
+    assert spec.sizes == (("data", 2), ("fsdp", 2), ("expert", 1), ("sequence", 1),
+                          ("tensor", 2))
     assert MeshSpec.parse("tensor=2").sizes == (
         ("data", 1),
         ("fsdp", 1),
+        ("expert", 1),
         ("sequence", 1),
         ("tensor", 2),
     )
@@ -36,12 +38,13 @@ def test_parse_fills_absent_axes_in_canonical_order():
 @pytest.mark.parametrize(
     "text, n, expected",
     [
-        ("data=2,fsdp=2,tensor=2", 8, {"data": 2, "fsdp": 2, "sequence": 1, "tensor": 2}),
-        ("fsdp=-1,tensor=2", 8, {"data": 1, "fsdp": 4, "sequence": 1, "tensor": 2}),
-        ("fsdp=-1,tensor=2", 4, {"data": 1, "fsdp": 2, "sequence": 1, "tensor": 2}),
-        ("tensor=2", 2, {"data": 1, "fsdp": 1, "sequence": 1, "tensor": 2}),
-        ("data=-1", 3, {"data": 3, "fsdp": 1, "sequence": 1, "tensor": 1}),
-        ("sequence=2,fsdp=2", 4, {"data": 1, "fsdp": 2, "sequence": 2, "tensor": 1}),
+        ("data=2,fsdp=2,tensor=2", 8,
+         {"data": 2, "fsdp": 2, "expert": 1, "sequence": 1, "tensor": 2}),
+        ("fsdp=-1,tensor=2", 8, {"data": 1, "fsdp": 4, "expert": 1, "sequence": 1, "tensor": 2}),
+        ("fsdp=-1,tensor=2", 4, {"data": 1, "fsdp": 2, "expert": 1, "sequence": 1, "tensor": 2}),
+        ("tensor=2", 2, {"data": 1, "fsdp": 1, "expert": 1, "sequence": 1, "tensor": 2}),
+        ("data=-1", 3, {"data": 3, "fsdp": 1, "expert": 1, "sequence": 1, "tensor": 1}),
+        ("sequence=2,fsdp=2", 4, {"data": 1, "fsdp": 2, "expert": 1, "sequence": 2, "tensor": 1}),
     ],
 )
 def test_resolve(text, n, expected):
@@ -55,7 +58,8 @@ def test_resolve(text, n, expected):
         ("fsdp4", r"cannot parse 'fsdp4'.*'axis=size'"),
         ("fsdp=4,,tensor=2", r"cannot parse ''"),
         ("fsdp=two", r"cannot parse 'fsdp=two'"),
-        ("pipeline=2", r"unknown axis 'pipeline'; valid axes are data, fsdp, sequence, tensor"),
+        ("pipeline=2",
+         r"unknown axis 'pipeline'; valid axes are data, fsdp, expert, sequence, tensor"),
         ("fsdp=2,fsdp=2", r"axis 'fsdp' is given twice"),
         ("fsdp=0", r"axis 'fsdp' has size 0; sizes must be positive"),
         ("tensor=-2", r"axis 'tensor' has size -2"),
@@ -84,7 +88,7 @@ def test_build_mesh_has_all_axes_auto_and_tensor_fastest():
     devices = jax.devices()
     mesh = MeshSpec.parse("fsdp=-1,tensor=2").build(devices)
     assert mesh.axis_names == MESH_AXES
-    assert dict(mesh.shape) == {"data": 1, "fsdp": 4, "sequence": 1, "tensor": 2}
+    assert dict(mesh.shape) == {"data": 1, "fsdp": 4, "expert": 1, "sequence": 1, "tensor": 2}
     assert all(t == AxisType.Auto for t in mesh.axis_types)
     # tensor groups are consecutive devices.
     grid = mesh.devices.reshape(4, 2)

@@ -212,10 +212,17 @@ def _ppo_mapping(**changes):
          r"adv_estimator='remax' needs reward_baselines, which algorithm 'ppo' does not"),
         (lambda c: (setattr(c, "algorithm", "grpo"), setattr(c.algo, "adv_estimator", "gae")),
          r"adv_estimator='gae' needs values, which algorithm 'grpo' does not produce"),
+        (lambda c: (setattr(c.model, "num_experts", 4),
+                    setattr(c.model, "num_experts_per_tok", 5)),
+         r"model: num_experts_per_tok=5 with num_experts=4: each token needs between 1 and 4"),
+        (lambda c: (setattr(c.model, "num_experts", 8), setattr(c.actor, "mesh", "expert=3"),
+                    setattr(c, "placement", "split")),
+         r"actor.mesh='expert=3': expert=3 does not divide the model's 8 experts"),
     ],
     ids=["mesh-too-big", "mesh-too-big-split", "mesh-indivisible-ref", "device-overlap",
          "role-twice", "role-without-pool", "pools-too-big", "mini-batch", "micro-batch",
-         "algorithm", "estimator", "val-samples", "estimator-input", "estimator-critic"],
+         "algorithm", "estimator", "val-samples", "estimator-input", "estimator-critic",
+         "moe-top-k", "moe-expert-axis"],
 )
 def test_bad_config_fails_before_building(change, message):
     cfg = tiny_config()
