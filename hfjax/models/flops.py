@@ -19,6 +19,15 @@ def layer_matmul_params(cfg: ModelConfig) -> int:
     return attn + (dense + sparse) // cfg.num_layers
 
 
+def active_mlp_width(cfg: ModelConfig) -> float:
+    """The MLP width a token's activations have in one layer, averaged over the layers: the
+    dense MLP's `intermediate_size`, or in a sparse layer its k experts' k x
+    `moe_intermediate_size` (what the planner's activation bytes count)."""
+    n_sparse = len(cfg.layer_indices("sparse"))
+    return ((cfg.num_layers - n_sparse) * cfg.intermediate_size
+            + n_sparse * cfg.num_experts_per_tok * cfg.moe_intermediate_size) / cfg.num_layers
+
+
 def layers_flops(cfg: ModelConfig, rows: int, tokens: int, context: int) -> float:
     """FLOPs of the decoder layers for `rows` x `tokens` new tokens attending over `context`
     keys each (2W + 4NH·context per token and layer)."""

@@ -76,7 +76,12 @@ import numpy as np
 
 from hfjax.models.backend import storage_dtype
 from hfjax.models.config import ModelConfig
-from hfjax.models.flops import head_flops, layer_matmul_params, layers_flops  # noqa: F401
+from hfjax.models.flops import (  # noqa: F401
+    active_mlp_width,
+    head_flops,
+    layer_matmul_params,
+    layers_flops,
+)
 from hfjax.models.lora import LoraSpec, adapter_bytes
 from hfjax.planner import virtual
 
@@ -279,7 +284,8 @@ def layer_activation_bytes(cfg: ModelConfig, seq: int, tensor: int,
                            platform: str = "gpu") -> float:
     """a(s): bytes per token of one layer's activations on `platform` (module docstring)."""
     c, a = _itemsize(cfg.dtype), _attention_itemsize(cfg, platform)
-    d, f, n, k, h = (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads,
+    # A mixture of experts' activations are its k active experts' (`active_mlp_width`).
+    d, f, n, k, h = (cfg.hidden_size, active_mlp_width(cfg), cfg.num_heads, cfg.num_kv_heads,
                      cfg.head_dim)
     return (c * (4 * d + 4 * f / tensor) + a * ((2 * n + 3 * k) * h + n * h) / tensor + 8 * d
             + n * seq * (4 + a) / tensor)
@@ -290,7 +296,8 @@ def saved_activation_bytes(cfg: ModelConfig, seq: int, tensor: int,
     """Bytes per token of one layer that training keeps for the backward pass on `platform`,
     by remat policy (module docstring)."""
     c, a = _itemsize(cfg.dtype), _attention_itemsize(cfg, platform)
-    d, f, n, k, h = (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads,
+    # A mixture of experts' activations are its k active experts' (`active_mlp_width`).
+    d, f, n, k, h = (cfg.hidden_size, active_mlp_width(cfg), cfg.num_heads, cfg.num_kv_heads,
                      cfg.head_dim)
     policy = cfg.remat_policy
     if policy == "none":

@@ -199,3 +199,16 @@ def test_presets_have_the_published_sizes(name, total, active):
     assert cfg.num_params() == presets.param_bytes(name) // 4
     assert cfg.active_params() == pytest.approx(active, rel=1e-2)
     assert ModelConfig.from_hf_config(cfg.to_hf_config()) == cfg
+
+
+def test_flops_and_activations_count_active_experts():
+    """The planner prices a token's FLOPs and activations by its k experts, its weights by
+    all of them."""
+    from hfjax.models import flops, presets
+
+    cfg = presets.get_preset("qwen3-30b-a3b")
+    emb = 2 * cfg.vocab_size * cfg.hidden_size
+    per_token = flops.layers_flops(cfg, 1, 1, 0)
+    assert per_token == pytest.approx(2 * (cfg.active_params() - emb), rel=1e-3)
+    assert flops.active_mlp_width(cfg) == 8 * 768
+    assert presets.param_bytes(cfg) == 4 * cfg.num_params()
