@@ -86,7 +86,8 @@ class _Evaluator:
                 return self._power(left, right)
             if isinstance(node.op, (ast.Div, ast.FloorDiv, ast.Mod)) and right == 0:
                 raise ToolError("division by zero")
-            return _checked(_BINOPS[type(node.op)](left, right))
+            # Fraction // Fraction is an int, and an int to a negative power a float.
+            return _checked(Fraction(_BINOPS[type(node.op)](left, right)))
         if isinstance(node, ast.BinOp) and isinstance(node.op, ast.BitXor):
             raise ToolError("^ is not a power here; write ** (2 ** 10)")
         raise ToolError(f"{self._describe(node)} is not allowed; use numbers, + - * / // % ** "

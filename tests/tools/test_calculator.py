@@ -31,6 +31,9 @@ from hfjax.tools.calculator import MAX_DIGITS, MAX_EXPRESSION_CHARS, calculate
     ("123456789123456789 * 987654321987654321", str(123456789123456789 * 987654321987654321)),
     ("10 / 4 / 5", "0.5"),
     ("-1 / 8", "-0.125"),
+    # A floor division's result to a negative power (an int's would be a float).
+    ("((1) // (1)) ** -1", "1"),
+    ("(7 // 2) ** -2", "1/9 ≈ 0.111111111111111111111111111111"),
 ])
 def test_exact_values(expr, want):
     assert calculate(expr) == want
