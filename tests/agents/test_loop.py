@@ -22,7 +22,8 @@ from hfjax.models import transformer
 from hfjax.models.config import ModelConfig
 from hfjax.parallel.mesh import ResourcePool
 from hfjax.tools import Observation, ToolRunner, resolve_tools
-from hfjax.workers.actor import ActorRollout, response_logprobs
+from hfjax.workers.actor import ActorRollout
+from hfjax.workers.logprobs import response_logprobs
 from hfjax.workers.spec import ActorSpec
 
 TOK = tool_arith.tokenizer()

@@ -21,7 +21,8 @@ from hfjax.models import transformer
 from hfjax.models.config import ModelConfig
 from hfjax.numerics import core
 from hfjax.parallel.mesh import ResourcePool
-from hfjax.workers.actor import ActorRollout, compact_logprobs, response_logprobs
+from hfjax.workers.actor import ActorRollout
+from hfjax.workers.logprobs import compact_logprobs, response_logprobs
 from hfjax.workers.spec import ActorSpec
 
 N, G, P, R = 2, 4, 12, 23  # samples per prompt, prompts, prompt and response columns

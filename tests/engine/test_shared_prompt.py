@@ -22,7 +22,8 @@ from hfjax.engine.spec import RolloutSpec
 from hfjax.models import attention, transformer
 from hfjax.models.config import ModelConfig
 from hfjax.parallel.mesh import ResourcePool
-from hfjax.workers.actor import ActorRollout, compact_logprobs, response_logprobs
+from hfjax.workers.actor import ActorRollout
+from hfjax.workers.logprobs import compact_logprobs, response_logprobs
 from hfjax.workers.spec import ActorSpec
 
 N, G, P, R = 4, 4, 20, 24  # samples per prompt, prompts, prompt and response columns

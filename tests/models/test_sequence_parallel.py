@@ -263,7 +263,7 @@ def test_shared_prompt_log_probs_split_equal_padded_whole_rows(mode):
     split over `sequence` (the head on each device's own columns, chunked; a response's first
     token from the prompt's last position), against the padded rows scored whole: values and
     gradients within 1e-5."""
-    from hfjax.workers.actor import response_logprobs
+    from hfjax.workers.logprobs import response_logprobs
 
     rng = np.random.default_rng(3)
     n, P, R = 3, 6, 5
@@ -302,7 +302,7 @@ def test_compact_shared_rows_log_probs_split_equal_whole_rows(mode, monkeypatch)
     from support import padded_rl_batch
 
     from hfjax.engine import grouping, shared_prompt
-    from hfjax.workers.actor import compact_logprobs
+    from hfjax.workers.logprobs import compact_logprobs
 
     monkeypatch.setattr(shared_prompt, "COMPACT_MAX_FRACTION", 1.0)
     n, P, R = 2, 7, 9

@@ -25,8 +25,8 @@ from hfjax.models import transformer
 from hfjax.models.config import ModelConfig
 from hfjax.parallel.hlo import collectives
 from hfjax.parallel.mesh import ResourcePool, batch_sharding
-from hfjax.workers.actor import response_logprobs
 from hfjax.workers.base import WorkerGroup
+from hfjax.workers.logprobs import response_logprobs
 
 # Sizes chosen so that no feature size (D, F, V, N * H, K * H) equals a row length or a
 # multiple of one: a collective's shape then says which it carries. The vocab outgrows every
@@ -150,7 +150,7 @@ def test_compact_shared_rows_keep_their_split(mode, monkeypatch):
 
     from hfjax.engine import grouping, shared_prompt
     from hfjax.parallel import sharding as shd
-    from hfjax.workers.actor import compact_logprobs
+    from hfjax.workers.logprobs import compact_logprobs
 
     monkeypatch.setattr(shared_prompt, "COMPACT_MAX_FRACTION", 1.0)
     n = 2
