@@ -5,16 +5,17 @@ with NESTED_TRAIN_RULES, or Megatron-style `data=2,tensor=4` with params replica
 `data`). The decoding layout is `data=d_g,tensor=t_g` with DECODE_RULES (tensor parallel only).
 
 **Device order.** The training rules split the dimensions that decoding splits (vocab, heads,
-kv_heads, mlp) over ordered tuples of mesh axes; A is the widest of them (`plan_nesting`), N
-ways; call a device's position along A its *split index* s. The decode mesh puts the device
-with split index s in decode tensor group j = s // (N/t_g), so decode tensor groups take split
-indices at stride N/t_g and the devices that share a decode shard (a *micro-DP group*) hold
-consecutive split indices. Every device's training shard then lies inside its decoding shard.
-Axes that split other dimensions (e.g. `fsdp` over `embed` under TRAIN_RULES, which decoding
-keeps whole) join the micro-DP group; axes that split nothing (`data` in a Megatron-style
-layout) index replicas. A parameter may also split a tensor-parallel dimension over the leading
-axes of A that make up t_g, and another dimension over the rest (28 heads over `tensor`, embed
-over `fsdp`, A = tensor x fsdp): the same boxes.
+kv_heads, mlp) over ordered tuples of mesh axes; A is the widest of them
+(`hfjax.engine.nesting.plan_nesting`), N ways; call a device's position along A its *split
+index* s. The decode mesh puts the device with split index s in decode tensor group
+j = s // (N/t_g), so decode tensor groups take split indices at stride N/t_g and the devices
+that share a decode shard (a *micro-DP group*) hold consecutive split indices. Every device's
+training shard then lies inside its decoding shard. Axes that split other dimensions (e.g.
+`fsdp` over `embed` under TRAIN_RULES, which decoding keeps whole) join the micro-DP group;
+axes that split nothing (`data` in a Megatron-style layout) index replicas. A parameter may
+also split a tensor-parallel dimension over the leading axes of A that make up t_g, and another
+dimension over the rest (28 heads over `tensor`, embed over `fsdp`, A = tensor x fsdp): the
+same boxes.
 
 **Transitions.** Both directions run one small program per parameter, so at most one tensor is
 in flight and the peak is the decode shard plus one tensor's shard:
@@ -47,7 +48,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -56,6 +57,7 @@ from absl import logging
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from hfjax.engine import nesting
 from hfjax.parallel import reshard
 from hfjax.parallel import sharding as shd
 from hfjax.parallel.mesh import MESH_AXES, MeshSpec
@@ -67,12 +69,6 @@ METHODS = ("all_gather", "reshard", "copies")
 # On 8 simulated CPU devices the three methods tie within noise (docs/benchmarks.md); the
 # explicit all-gather is the paper's design, one collective per tensor in each micro-DP group.
 DEFAULT_METHOD = "all_gather"
-
-
-# Transition-mesh axes, slowest to fastest: replicas, axes gathered whole, the low part of the
-# split index (the micro-DP position), the decode tensor group.
-_REP, _GATHER, _MICRO, _TG = "rep", "gather", "micro", "tensor_g"
-_T_AXES = (_REP, _GATHER, _MICRO, _TG)
 
 
 class LayoutError(ValueError):
@@ -108,22 +104,6 @@ class TransitionStats:
     seconds: float
     bytes_received: dict[int, int]
     peak_bytes: dict[int, int]
-
-
-def _entry(e: Any) -> tuple[str, ...]:
-    return () if e is None else (e,) if isinstance(e, str) else tuple(e)
-
-
-def _spec_entries(spec: P, ndim: int) -> list[tuple[str, ...]]:
-    entries = [_entry(e) for e in spec]
-    return entries + [()] * (ndim - len(entries))
-
-
-def _to_spec(entries: Sequence[tuple[str, ...]]) -> P:
-    out = [None if not e else e[0] if len(e) == 1 else tuple(e) for e in entries]
-    while out and out[-1] is None:
-        out.pop()
-    return P(*out)
 
 
 class HybridEngine:
@@ -240,14 +220,14 @@ class HybridEngine:
                 raise LayoutError(
                     f"decode mesh {self.decode_spec.text!r} cannot hold the model: {err}"
                 ) from err
-            out.append(_spec_entries(spec, len(aval.shape)))
+            out.append(nesting.spec_entries(spec, len(aval.shape)))
         return out
 
     def _train_specs(self) -> list[list[tuple[str, ...]]]:
         out = []
         for name, axes, aval in zip(self._names, self._axes, self._avals):
             spec = P() if axes is None else self.train_layout.spec(axes, aval.shape, name)
-            out.append(_spec_entries(spec, len(aval.shape)))
+            out.append(nesting.spec_entries(spec, len(aval.shape)))
         return out
 
     def _plan_nested(self, decode_specs: list[list[tuple[str, ...]]]) -> None:
@@ -261,7 +241,7 @@ class HybridEngine:
             else self.decode_rules
         )
         split_logical = {k for k, v in rules.items() if v}
-        plan = plan_nesting(self._axes, train_specs, decode_specs, dict(mesh.shape),
+        plan = nesting.plan_nesting(self._axes, train_specs, decode_specs, dict(mesh.shape),
                             self._decode_sizes["tensor"], split_logical)
         A, B, n_a, lo, t_g = plan.A, plan.B, plan.n_a, plan.lo, plan.t_g
         n_b = math.prod(mesh.shape[a] for a in B)
@@ -273,12 +253,12 @@ class HybridEngine:
         names = mesh.axis_names
         for coords in np.ndindex(mesh.devices.shape):
             at = dict(zip(names, coords))
-            s = _mixed_radix([at[a] for a in A], [mesh.shape[a] for a in A])
-            b = _mixed_radix([at[a] for a in B], [mesh.shape[a] for a in B])
-            r = _mixed_radix([at[a] for a in rep_axes], [mesh.shape[a] for a in rep_axes])
+            s = nesting.mixed_radix([at[a] for a in A], [mesh.shape[a] for a in A])
+            b = nesting.mixed_radix([at[a] for a in B], [mesh.shape[a] for a in B])
+            r = nesting.mixed_radix([at[a] for a in rep_axes], [mesh.shape[a] for a in rep_axes])
             grid[r, b, s % lo, s // lo] = mesh.devices[coords]
         auto = (AxisType.Auto,)
-        self.transition_mesh = Mesh(grid, _T_AXES, axis_types=auto * 4)
+        self.transition_mesh = Mesh(grid, nesting.TRANSITION_AXES, axis_types=auto * 4)
         sizes = {**dict.fromkeys(MESH_AXES, 1), "data": n_rep * n_b * lo, "tensor": t_g}
         self.decode_mesh = Mesh(
             grid.reshape(tuple(sizes.values())), MESH_AXES, axis_types=auto * len(MESH_AXES)
@@ -297,8 +277,8 @@ class HybridEngine:
             else:
                 leaf = LeafPlan(
                     name=self._names[i], shape=tuple(aval.shape), dtype=aval.dtype,
-                    train=NamedSharding(mesh, _to_spec(tr)),
-                    decode=NamedSharding(self.decode_mesh, _to_spec(decode_specs[i])),
+                    train=NamedSharding(mesh, nesting.to_spec(tr)),
+                    decode=NamedSharding(self.decode_mesh, nesting.to_spec(decode_specs[i])),
                     train_t=None, decode_t=None, gathered=(), direct=True,
                 )
                 moved.append(leaf.name)
@@ -334,7 +314,7 @@ class HybridEngine:
         """Leaf i's nested plan, or None when its training boxes do not re-label onto the
         transition mesh or do not lie inside its decode boxes."""
         aval = self._avals[i]
-        dc_t = [(_TG,) if e else () for e in dc]
+        dc_t = [(nesting.TENSOR_G,) if e else () for e in dc]
         gathered = []
         for dim, (a, b) in enumerate(zip(tr_t, dc_t)):
             if a[: len(b)] != b:
@@ -345,10 +325,10 @@ class HybridEngine:
             name=self._names[i],
             shape=tuple(aval.shape),
             dtype=aval.dtype,
-            train=NamedSharding(self.train_mesh, _to_spec(tr)),
-            decode=NamedSharding(self.decode_mesh, _to_spec(dc)),
-            train_t=NamedSharding(self.transition_mesh, _to_spec(tr_t)),
-            decode_t=NamedSharding(self.transition_mesh, _to_spec(dc_t)),
+            train=NamedSharding(self.train_mesh, nesting.to_spec(tr)),
+            decode=NamedSharding(self.decode_mesh, nesting.to_spec(dc)),
+            train_t=NamedSharding(self.transition_mesh, nesting.to_spec(tr_t)),
+            decode_t=NamedSharding(self.transition_mesh, nesting.to_spec(dc_t)),
             gathered=tuple(gathered),
         )
         same = reshard.boxes(leaf.train, leaf.shape) == reshard.boxes(
@@ -395,8 +375,8 @@ class HybridEngine:
                     name=name,
                     shape=tuple(aval.shape),
                     dtype=aval.dtype,
-                    train=NamedSharding(self.train_mesh, _to_spec(tr)),
-                    decode=NamedSharding(self.decode_mesh, _to_spec(dc)),
+                    train=NamedSharding(self.train_mesh, nesting.to_spec(tr)),
+                    decode=NamedSharding(self.decode_mesh, nesting.to_spec(dc)),
                     train_t=None,
                     decode_t=None,
                     gathered=(),
@@ -597,104 +577,6 @@ class HybridEngine:
             y, staged = reshard.gather_by_copies(x_t, leaf.decode, [d for d, _ in leaf.gathered])
             return y, staged, True
         return self._program(self.method, i)(x_t), {}, True
-
-
-@dataclasses.dataclass(frozen=True)
-class NestPlan:
-    """How a training layout's shards nest in a decode layout, from specs and axis sizes alone.
-
-    `A`: the widest axis tuple over which training splits a dimension that decoding splits; the
-    decode tensor group of a device is its split index over A divided by `lo` = n_a / t_g. `B`:
-    an axis tuple disjoint from A that splits dimensions decoding keeps whole (fsdp over embed
-    under TRAIN_RULES); it joins the micro-DP groups. `ok`: t_g divides n_a (else nothing
-    nests). `leaves[i]`: (leaf i's training spec on the transition mesh, or None when its boxes
-    do not fit the order and it moves by a plain transfer; its decode spec, which keeps whole a
-    dimension that training does not split over the decode tensor axis).
-    """
-
-    A: tuple[str, ...]
-    B: tuple[str, ...]
-    n_a: int
-    lo: int
-    t_g: int
-    ok: bool
-    leaves: tuple[tuple[list[tuple[str, ...]] | None, list[tuple[str, ...]]], ...]
-
-
-def plan_nesting(
-    axes_list: Sequence[Sequence[str | None] | None],
-    train_specs: Sequence[Sequence[tuple[str, ...]]],
-    decode_specs: Sequence[Sequence[tuple[str, ...]]],
-    sizes: Mapping[str, int],
-    t_g: int,
-    split_logical: set[str],
-) -> NestPlan:
-    """Returns the NestPlan of leaves with logical `axes_list` split by `train_specs` (per
-    dimension, the mesh axes) on a mesh of `sizes`, decoding in `decode_specs` over decode
-    tensor size `t_g`; `split_logical` names the logical axes the decode rules split. The
-    engine and the planner's virtual layouts both use it, so they agree on what moves."""
-    a_set: dict[tuple[str, ...], int] = {}
-    b_set: dict[tuple[str, ...], int] = {}
-    for axes, entries in zip(axes_list, train_specs):
-        for dim, entry in enumerate(entries):
-            if entry:
-                logical = axes[dim] if axes is not None else None
-                target = a_set if logical in split_logical else b_set
-                target.setdefault(entry, math.prod(sizes[a] for a in entry))
-    A = max(a_set, key=a_set.get, default=())
-    B = next((b for b in b_set if not set(b) & set(A)), ())
-    n_a = math.prod(sizes[a] for a in A)
-    if n_a % t_g:
-        return NestPlan(A, B, n_a, 0, t_g, False, ())
-    lo = n_a // t_g
-    split_a = tuple(a for a, n in ((_TG, t_g), (_MICRO, lo)) if n > 1)
-    # A leaf may split a tensor-parallel dimension over the leading axes of A that make up
-    # exactly the decode tensor size (28 heads over tensor=2 of A = tensor x fsdp), and another
-    # dimension over the trailing axes that make up the micro-DP size (embed over fsdp): the
-    # same boxes as one split over A, on two dimensions.
-    head_a = next((A[:k] for k in range(1, len(A) + 1)
-                   if math.prod(sizes[a] for a in A[:k]) == t_g), None)
-    tail_a = A[len(head_a):] if head_a is not None and lo > 1 else None
-    leaves = []
-    for axes, tr, dc in zip(axes_list, train_specs, decode_specs):
-        axes = axes or (None,) * len(tr)
-        dc = list(dc)
-        tr_t: list[tuple[str, ...]] | None = []
-        whole = []
-        for dim, e in enumerate(tr):
-            split = axes[dim] in split_logical
-            if split and e not in ((), A, head_a):
-                tr_t = None  # split over other axes than A (e.g. tensor only, A=tensor x fsdp)
-                break
-            if not e:
-                tr_t.append(())
-            elif e == A:
-                tr_t.append(split_a)
-            elif split and e == head_a:
-                tr_t.append((_TG,))
-            elif e == B:
-                tr_t.append((_GATHER,))
-            elif e == tail_a:
-                tr_t.append((_MICRO,))
-            else:
-                tr_t = None
-                break
-            if dc[dim] and e not in (A, head_a):
-                whole.append(dim)
-        if tr_t is not None:
-            for dim in whole:
-                # Training keeps this dimension whole (e.g. 3 KV heads on 8 devices), or splits
-                # another one over A: decoding keeps it whole too, or the way back would gather.
-                dc[dim] = ()
-        leaves.append((tr_t, dc))
-    return NestPlan(A, B, n_a, lo, t_g, True, tuple(leaves))
-
-
-def _mixed_radix(digits: Sequence[int], sizes: Sequence[int]) -> int:
-    out = 0
-    for d, n in zip(digits, sizes):
-        out = out * n + int(d)
-    return out
 
 
 def engine_for(train_layout: shd.Layout, decode_mesh: str, state: Any) -> HybridEngine | None:

@@ -29,7 +29,7 @@ import jax
 import numpy as np
 from jax.sharding import AbstractMesh
 
-from hfjax.engine import hybrid
+from hfjax.engine import nesting
 from hfjax.parallel import reshard
 from hfjax.parallel import sharding as shd
 from hfjax.parallel.mesh import MESH_AXES
@@ -189,8 +189,8 @@ def _transition(leaves: tuple[Leaf, ...], rules: str, fsdp: int, tensor: int,
         raise NoNesting(f"decode mesh data={n // tensor_g},tensor={tensor_g} cannot hold the "
                         f"model: {err}") from None
     split_logical = {k for k, v in shd.DECODE_RULES.items() if v}
-    plan = hybrid.plan_nesting([leaf.axes for leaf in leaves], train, decode, sizes, tensor_g,
-                               split_logical)
+    plan = nesting.plan_nesting([leaf.axes for leaf in leaves], train, decode, sizes, tensor_g,
+                                split_logical)
     a = plan.A
     if not plan.ok:
         raise NoNesting(f"decode tensor={tensor_g} must divide the {plan.n_a} ways training "
