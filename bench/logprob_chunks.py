@@ -25,7 +25,7 @@ from absl import app, flags
 
 from bench.timing import best_time
 from hfjax.engine import head_chunks
-from hfjax.models.transformer import matmul
+from hfjax.models.low_precision import matmul
 from hfjax.numerics import core
 
 flags.DEFINE_integer("rows", 2, "rows")

@@ -5,7 +5,7 @@
 Shapes: the decode step's MLP matmul at 16 and 64 rows (SmolLM2-135M: 576 -> 1536) and a
 square 2048^3. For bfloat16 three forms are timed: plain (bf16 x bf16 -> bf16), float32
 accumulation and result (the LM head's form, `preferred_element_type=float32`), and that result
-cast back to bfloat16 (what a bf16 layer uses, hfjax.models.transformer.matmul). Prints median
+cast back to bfloat16 (what a bf16 layer uses, hfjax.models.low_precision.matmul). Prints median
 GFLOP/s per form and the best bf16 form over f32; then the forward, weight-gradient and
 input-gradient layouts of a 2048-row matmul (the backward pass's dots have a transposed
 operand), each gradient written plainly and in the form hfjax's matmul uses; then one JSON
@@ -24,7 +24,7 @@ import numpy as np
 from absl import app, flags
 
 from hfjax.models import precision
-from hfjax.models.transformer import dot_form
+from hfjax.models.low_precision import dot_form
 
 _TRIALS = flags.DEFINE_integer("trials", 7, "timings per shape and dtype (the median is kept)")
 _MIN_TIME = flags.DEFINE_float("min_time_s", 0.3, "each timing repeats the matmul this long")
@@ -45,7 +45,7 @@ FORMS = {
 
 # Where the backward pass's dots put their transposes, for x [M, K], w [K, N], g [M, N]: the
 # forward x @ w, the weight gradient x.T @ g and the input gradient g @ w.T, each written
-# plainly and in the form hfjax's matmul uses (hfjax.models.transformer.dot_form).
+# plainly and in the form hfjax's matmul uses (hfjax.models.low_precision.dot_form).
 LAYOUTS = {
     "forward x@w": lambda m, k, n: ((m, k), (k, n), lambda a, b, acc: jnp.dot(
         a, b, preferred_element_type=acc)),

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from hfjax.models import backend, precision, transformer
+from hfjax.models import backend, low_precision, precision, transformer
 from hfjax.models.presets import get_preset
 from hfjax.numerics import core
 
@@ -67,7 +67,7 @@ def test_matmul_backward_stays_in_bf16_with_f32_accumulation(rows, transpose_w):
         w = w.T
 
     def f(x, w):
-        y = transformer.matmul(x, w, jnp.bfloat16, jnp.float32, transpose_w=transpose_w)
+        y = low_precision.matmul(x, w, jnp.bfloat16, jnp.float32, transpose_w=transpose_w)
         return jnp.sum(y**2)
 
     dx, dw = jax.jit(jax.grad(f, argnums=(0, 1)))(x, w)
@@ -100,7 +100,7 @@ def test_matmul_backward_stays_in_bf16_with_f32_accumulation(rows, transpose_w):
 def test_f32_matmul_is_the_plain_product():
     x = jnp.asarray(np.random.default_rng(3).standard_normal((5, 7)), jnp.float32)
     w = jnp.asarray(np.random.default_rng(4).standard_normal((7, 3)), jnp.float32)
-    np.testing.assert_array_equal(np.asarray(transformer.matmul(x, w, jnp.float32)),
+    np.testing.assert_array_equal(np.asarray(low_precision.matmul(x, w, jnp.float32)),
                                   np.asarray(x @ w))
 
 
