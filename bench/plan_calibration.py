@@ -52,7 +52,7 @@ from bench.timing import best_time  # noqa: E402
 from configs import ppo_arith  # noqa: E402
 from hfjax.parallel.mesh import MeshSpec  # noqa: E402
 from hfjax.parallel.targets import Target  # noqa: E402
-from hfjax.planner import search  # noqa: E402
+from hfjax.planner import report, search  # noqa: E402
 from hfjax.planner.compiled import CompiledPrices  # noqa: E402
 from hfjax.planner.config import plan_inputs  # noqa: E402
 from hfjax.planner.pricing import ClosedFormPrices, MeshLayout  # noqa: E402
@@ -322,7 +322,7 @@ def main(argv):
     models, host, workload = plan_inputs(cfg, platform="cpu")
     result = search.plan(models, workload, cluster, 8, host_roles=host, efficiency=eff)
     print("plan for the default job on this machine, fitted factors: "
-          + search.describe(result.best))
+          + report.describe(result.best))
     print(json.dumps({
         "device": figures, "device_spread": spread,
         "fit": {src: {k: {"overhead_s": o, "efficiency": e} for k, (o, e) in f.items()}

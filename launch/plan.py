@@ -78,7 +78,7 @@ def _gb(x: float) -> str:
 
 def main(argv):
     from hfjax.models import backend
-    from hfjax.planner import search
+    from hfjax.planner import report, search
     from hfjax.planner.config import flagfile_lines, plan_inputs
     from hfjax.planner.simulator import (
         Efficiency,
@@ -163,7 +163,7 @@ def main(argv):
     else:
         print("prices: closed forms (--prices=compiled prices the plans shown from compiled "
               "programs)")
-    print(f"best: {best.mode}, estimated {search.fmt_seconds(best.iteration_s)} per step, "
+    print(f"best: {best.mode}, estimated {report.fmt_seconds(best.iteration_s)} per step, "
           f"{best.tokens_per_s:,.0f} tokens/s ({best.tokens_per_s / _DEVICES.value:,.1f} per "
           "device)")
     for name, sc in best.sets.items():
@@ -183,11 +183,11 @@ def main(argv):
                             else "in the training layout"))
             print(f"    {role:<7} mesh {ch.layout.mesh}{extra}; state {_gb(ch.state_bytes)}, "
                   f"working {_gb(ch.extra_bytes)} per device")
-    print("\n".join(search.format_stage_table(best)))
+    print("\n".join(report.format_stage_table(best)))
     if result.alternatives:
         print("next placements (the best allocation of each):")
         for i, p in enumerate(result.alternatives, 1):
-            print(f"  {i}. {search.describe(p)}")
+            print(f"  {i}. {report.describe(p)}")
     if _EMIT.value:
         lines, missing = flagfile_lines(best, cfg, _config_path(), sys.argv, _REWARD.value)
         with open(_EMIT.value, "w") as f:
