@@ -173,7 +173,8 @@ def train_stages(model, f, layout: str) -> list[tuple[str, Callable[[dict], None
     from hfjax.engine.spec import RolloutSpec
     from hfjax.engine.update import make_optimizer
     from hfjax.parallel.mesh import ResourcePool
-    from hfjax.workers.actor import ActorRollout, trim_responses
+    from hfjax.workers.actor import ActorRollout
+    from hfjax.workers.responses import trim as trim_responses
     from hfjax.workers.spec import ActorSpec
 
     c = grpo_smollm2.get_config()

@@ -388,7 +388,7 @@ class AsyncRollout:
 
     def _home(self, batch: Batch, version: int) -> Batch:
         """A generated batch on the trainer's mesh, cut to the responses' longest length (a
-        power-of-two bucket, as `trim_responses`), its tokens tagged with `version`."""
+        power-of-two bucket, as `workers.responses.trim`), its tokens tagged with `version`."""
         batch = DP_COMPUTE.collect(cut_responses(batch), 0, self.actor.mesh)
         if "token_versions" in batch.arrays:  # partial rollouts: tagged token by token
             return batch
@@ -399,7 +399,7 @@ class AsyncRollout:
 
 def cut_responses(batch: Batch) -> Batch:
     """`batch` without the response columns that are padding in every row, kept to a
-    power-of-two width (at least MIN_NEW_TOKENS_BUCKET): what `trim_responses` does to a
+    power-of-two width (at least MIN_NEW_TOKENS_BUCKET): what `workers.responses.trim` does to a
     synchronous generate's output, here on a whole generated batch (a host read of one
     scalar)."""
     width = batch["responses"].shape[1]

@@ -21,7 +21,7 @@ import numpy as np
 from hfjax.agents import AgentLoop, turn_lists
 from hfjax.controller.batch import Batch
 from hfjax.controller.protocol import DP_COMPUTE, ON_HOST, method
-from hfjax.engine import grouping, packing, shared_prompt, token_select
+from hfjax.engine import grouping, packing, shared_prompt
 from hfjax.engine.hybrid import HybridEngine
 from hfjax.engine.sampler import (
     MIN_NEW_TOKENS_BUCKET,
@@ -38,7 +38,8 @@ from hfjax.numerics import rollout_correction as rc_numerics
 from hfjax.numerics.losses import PolicyLossInputs
 from hfjax.parallel import reshard
 from hfjax.parallel.mesh import batch_sharding
-from hfjax.parallel.transfer import to_host, transfer
+from hfjax.parallel.transfer import transfer
+from hfjax.workers import responses
 from hfjax.workers.base import SEQUENCES, Program, StepShape, WorkerGroup
 from hfjax.workers.logprobs import compact_logprobs, packed_logprobs, response_logprobs
 from hfjax.workers.spec import ActorSpec
@@ -250,7 +251,7 @@ class ActorRollout(Reference):
     the engine's decode mesh.
     """
 
-    # Cut response columns that are padding in every row (`trim_responses`, a host read); an
+    # Cut response columns that are padding in every row (`responses.trim`, a host read); an
     # asynchronous run's rollout group leaves that to the trainer's side (hfjax.run.async_loop).
     trim = True
     # Bypass mode's rejection, decided in the policy loss (`rc_numerics.bypass_keep`); None:
@@ -335,7 +336,7 @@ class ActorRollout(Reference):
             self.release_rollout_params(state)
             if offload:
                 self.opt_state = reshard.reload(self.opt_state, self.opt_shardings)
-        return self.respond(batch, trim_responses(out) if self.trim else out, n)
+        return self.respond(batch, responses.trim(out) if self.trim else out, n)
 
     def sampling_params(self, *, greedy: bool = False, n: int | None = None,
                         temperature: float | None = None) -> SamplingParams:
@@ -367,10 +368,10 @@ class ActorRollout(Reference):
             rep = rep.to(self.mesh)
         prompts, pmask = rep["prompts"], rep["prompt_mask"]
         resp, rmask = out.tokens, out.mask.astype(pmask.dtype)
-        arrays = _join(prompts, pmask, resp, rmask)
+        arrays = responses.join(prompts, pmask, resp, rmask)
         arrays["rollout_log_probs"] = out.logprobs
         # Cut off at the length limit without a stop token (verl's response_length/clip_ratio).
-        arrays["truncated"] = _truncated(resp, rmask, r.response_length, self.eos_ids)
+        arrays["truncated"] = responses.truncated(resp, rmask, r.response_length, self.eos_ids)
         return rep.union(Batch(arrays))
 
     def _generate_turns(self, batch: Batch, params: SamplingParams) -> Batch:
@@ -403,7 +404,7 @@ class ActorRollout(Reference):
         with jax.transfer_guard("allow"):
             rep = rep.to(self.mesh)
             up = Batch(host).to(self.mesh)
-        arrays = _join(rep["prompts"], rep["prompt_mask"], up["responses"], up["attn"])
+        arrays = responses.join(rep["prompts"], rep["prompt_mask"], up["responses"], up["attn"])
         arrays["response_mask"] = up["response_mask"]
         for k in ("rollout_log_probs", "num_turns", "tool_calls", "tool_errors"):
             arrays[k] = up[k]
@@ -520,7 +521,7 @@ class ActorRollout(Reference):
         its importance weights (`rollout_is_weights`) weigh every token's policy loss."""
         a = self.spec
         if "rollout_rs_mask" in batch:
-            keep = _keep(batch["response_mask"], batch["rollout_rs_mask"])
+            keep = responses.keep_tokens(batch["response_mask"], batch["rollout_rs_mask"])
             batch = batch.select([k for k in batch.arrays if k != "response_mask"]).union(
                 Batch({"response_mask": keep}))
         keys = ["input_ids", "attention_mask", "responses", "response_mask", "advantages"]
@@ -592,37 +593,3 @@ class ActorRollout(Reference):
         return {"sft/loss": m["loss"], "sft/grad_norm": m["grad_norm"],
                 "sft/nonfinite_updates": m["nonfinite"],
                 "sft/nonfinite_params": m["nonfinite_params"]}
-
-
-def trim_responses(out: GenerateOutput) -> GenerateOutput:
-    """Cuts the response columns that are padding in every row, keeping a power-of-two width
-    (at least MIN_NEW_TOKENS_BUCKET) so that a run compiles a handful of shapes.
-
-    Reads the longest response length from the devices (one scalar, after generation has
-    finished anyway) unless the width is already the smallest bucket.
-    """
-    rows, width = out.tokens.shape
-    if width <= MIN_NEW_TOKENS_BUCKET:  # nothing to cut: skip the fetch
-        return out
-    with jax.transfer_guard("allow"):
-        longest = int(to_host(jnp.max(jnp.sum(out.mask, axis=1))))
-    keep = bucket_size(longest, MIN_NEW_TOKENS_BUCKET, cap=width)
-    return out if keep == width else out.head(rows, keep)
-
-
-_truncated = jax.jit(token_select.truncated, static_argnums=(2, 3))
-
-
-@jax.jit
-def _keep(mask, keep):
-    return (mask * keep.astype(mask.dtype)).astype(mask.dtype)
-
-
-@jax.jit
-def _join(prompts, pmask, resp, rmask) -> dict:
-    return {
-        "responses": resp,
-        "response_mask": rmask,
-        "input_ids": jnp.concatenate([prompts, resp], axis=1),
-        "attention_mask": jnp.concatenate([pmask, rmask], axis=1),
-    }

@@ -11,6 +11,7 @@ from hfjax.engine import grouping, packing
 from hfjax.engine.spec import RolloutSpec
 from hfjax.engine.update import share_of_normaliser
 from hfjax.numerics import core, losses
+from hfjax.workers import responses
 from hfjax.workers.base import SEQUENCES, Program, StepShape, WorkerGroup
 from hfjax.workers.spec import CriticSpec
 
@@ -137,7 +138,7 @@ class Critic(WorkerGroup):
                                        "returns": batch[self.RETURNS]}))
         if "rollout_rs_mask" in batch:
             # A rollout correction's rejected tokens leave the value loss (as its advantages).
-            keep = _keep(batch["response_mask"], batch["rollout_rs_mask"])
+            keep = responses.keep_tokens(batch["response_mask"], batch["rollout_rs_mask"])
             batch = batch.select([k for k in batch.arrays if k != "response_mask"]).union(
                 Batch({"response_mask": keep}))
         keys = ["input_ids", "attention_mask", "responses", "response_mask", "values", "returns"]
@@ -168,8 +169,3 @@ class CostCritic(Critic):
     def update_critic(self, batch: Batch) -> dict[str, jax.Array]:
         """Value-loss epochs on the cost returns; returns mean metrics."""
         return self._update_critic(batch)
-
-
-@jax.jit
-def _keep(mask, keep):
-    return (mask * keep.astype(mask.dtype)).astype(mask.dtype)

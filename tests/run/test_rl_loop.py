@@ -359,7 +359,7 @@ def test_micro_batching_does_not_change_the_update():
 
 def test_trim_responses_keeps_a_power_of_two_width():
     from hfjax.engine.sampler import GenerateOutput
-    from hfjax.workers.actor import trim_responses
+    from hfjax.workers.responses import trim as trim_responses
 
     def out(lengths, width):
         mask = (np.arange(width)[None, :] < np.asarray(lengths)[:, None]).astype(np.int32)
