@@ -9,6 +9,10 @@ norm, layers); `hfjax.parallel.sharding` turns those names into `NamedSharding`s
 
 The same backbone serves three heads: `CausalLM` (logits), `ValueModel` (a per-token scalar, the
 critic) and `ScoreModel` (one scalar per sequence, a reward or cost model).
+
+Why a little over 600 lines: the decoder's layers, heads and their mixture-of-experts wiring
+read as one model; the matmul went to `hfjax.models.low_precision`, and the rotary embedding
+(`rope_*`, `apply_rope`) is the next piece to move out (the decode engine imports it from here).
 """
 
 from __future__ import annotations
