@@ -23,6 +23,7 @@ the status is that of the failure, not of the clean-up.
 from __future__ import annotations
 
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -33,6 +34,7 @@ import time
 from absl import app, flags
 
 from hfjax.parallel import distributed as dist
+from hfjax.parallel import lost_process
 
 _NUM = flags.DEFINE_integer("num_processes", 2, "processes to start", lower_bound=1)
 _DEVICES = flags.DEFINE_integer("devices_per_process", 4,
@@ -90,6 +92,9 @@ class LocalCluster:
             dist.ENV_NUM_PROCESSES: str(self.n),
             dist.ENV_PROCESS_ID: str(rank),
             dist.ENV_LAUNCHER: "launch.local_cluster",
+            # A lost process's survivors name the command that resumes the whole job: this one.
+            lost_process.ENV_RESUME_COMMAND: shlex.join(
+                getattr(sys, "orig_argv", None) or [sys.executable, *sys.argv]),
             "JAX_PLATFORMS": "cpu",
             "PYTHONUNBUFFERED": "1",
         })

@@ -12,39 +12,35 @@ in order of precedence:
 
 Flags that contradict the launcher or the cluster are refused rather than silently overridden.
 
-Losing a process. JAX's coordination service (hosted by process 0) expects a heartbeat from
-every process; one that misses them for `--heartbeat_timeout_s` is declared dead and, by
-JAX's default, every other process is then terminated. `LossWatch` keeps a heartbeat of its own
-in the same service's key-value store and, after half that time without one from a peer,
-reports the lost process by number and exits with `EXIT_LOST_PROCESS`; JAX's own termination,
-whose log line also names the dead task, remains the backstop. A lost process 0
-takes the coordination service with it: JAX then ends the other processes at once, with
-"JAX distributed service detected fatal errors".
+Losing a process (a peer killed, out of memory or hung) is `hfjax.parallel.lost_process`'s:
+every survivor names it and ends with `EXIT_LOST_PROCESS`.
 """
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
 import hashlib
 import math
 import os
-import re
 import socket
-import sys
-import threading
 import time
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 from absl import flags, logging
 
-# The process-lost exit status: EX_TEMPFAIL, "try again later", which is what a rerun (resuming
-# from the last checkpoint) does.
-EXIT_LOST_PROCESS = 75
-# An uncaught exception in a multi-process run.
-EXIT_ERROR = 1
+from hfjax.parallel import lost_process
+from hfjax.parallel.cpu_devices import (  # noqa: F401  (imported from here by scripts and tests)
+    CPU_COLLECTIVE_TIMEOUT_S,
+    safe_cpu_collectives,
+    simulate_cpu_devices,
+)
+from hfjax.parallel.lost_process import (  # noqa: F401  (the run's exit statuses, named here too)
+    EXIT_ERROR,
+    EXIT_LOST_PROCESS,
+    before_error_exit,
+)
 
 ENV_COORDINATOR = "HFJAX_COORDINATOR_ADDRESS"
 ENV_NUM_PROCESSES = "HFJAX_NUM_PROCESSES"
@@ -320,64 +316,11 @@ def detect_cluster_env() -> tuple[str, int, int] | None:
 
 
 _TOPOLOGY: Topology | None = None
-_WATCH: LossWatch | None = None
 
 
 def initialize_from_flags(flag_values: flags.FlagValues = flags.FLAGS) -> Topology:
     """Joins the run described by the process flags and the environment; see `initialize`."""
     return initialize(settings_from_flags(flag_values))
-
-
-_CPU_COLLECTIVE_FLAG = "--xla_cpu_collective_call_terminate_timeout_seconds"
-CPU_COLLECTIVE_TIMEOUT_S = 600
-_CPU_DEVICE_FLAG = re.compile(r"--xla_force_host_platform_device_count=(\d+)")
-# XLA:CPU sizes the thread pool that runs every device's program from this variable.
-_CPU_POOL_ENV = "PJRT_NPROC"
-
-
-def safe_cpu_collectives(environ: MutableMapping[str, str] | None = None,
-                         devices: int | None = None) -> None:
-    """Prepares XLA:CPU's in-process collectives for simulated devices on few cores. Only read
-    when JAX's CPU backend starts, so call it before that; settings the user made win.
-
-    - Patience: collectives wait `CPU_COLLECTIVE_TIMEOUT_S` for every device before they abort
-      the program. Simulated devices share the machine's cores, so on a loaded laptop or CI box
-      one device's thread can reach an all-reduce tens of seconds after the others; XLA's
-      shorter default ends such a run with a C++ abort.
-    - Threads: every device's program runs on one shared pool, `max(cores, devices)` threads
-      by default, and a collective holds its thread until all devices reach it. A program
-      with two independent collectives (an all-gather inside a loop, an all-reduce beside it)
-      can have 7 devices blocked in one and the 8th in the other: all 8 threads wait, and the
-      8th device's all-reduce, queued behind them, never runs. With `devices` > 1 the pool gets
-      4 threads per device (PJRT_NPROC), enough for 4 collectives in flight per device, at
-      most 256 unless there are more cores or devices (a dry run of a large mesh compiles, it
-      does not run). `devices` defaults to XLA_FLAGS's --xla_force_host_platform_device_count.
-    """
-    environ = os.environ if environ is None else environ
-    flags_ = environ.get("XLA_FLAGS", "")
-    if _CPU_COLLECTIVE_FLAG not in flags_:
-        environ["XLA_FLAGS"] = f"{flags_} {_CPU_COLLECTIVE_FLAG}={CPU_COLLECTIVE_TIMEOUT_S}".strip()
-    if not devices:
-        found = _CPU_DEVICE_FLAG.findall(flags_)
-        devices = int(found[-1]) if found else 1
-    if devices > 1 and not environ.get(_CPU_POOL_ENV):
-        environ[_CPU_POOL_ENV] = str(max(os.cpu_count() or 1, devices, min(4 * devices, 256)))
-
-
-def simulate_cpu_devices(count: int, *, keep_given: bool = True,
-                         environ: MutableMapping[str, str] | None = None) -> int:
-    """Asks XLA:CPU for `count` simulated devices (XLA_FLAGS), unless `keep_given` and XLA_FLAGS
-    already names a count, then prepares their collectives (`safe_cpu_collectives`). For
-    scripts and tests that set devices before importing JAX; returns the count in effect."""
-    environ = os.environ if environ is None else environ
-    given = _CPU_DEVICE_FLAG.findall(environ.get("XLA_FLAGS", ""))
-    if given and keep_given:
-        count = int(given[-1])
-    else:
-        flag = f"--xla_force_host_platform_device_count={int(count)}"
-        environ["XLA_FLAGS"] = f"{environ.get('XLA_FLAGS', '')} {flag}".strip()
-    safe_cpu_collectives(environ, devices=count)
-    return count
 
 
 def initialize(settings: Settings) -> Topology:
@@ -389,7 +332,7 @@ def initialize(settings: Settings) -> Topology:
     in a multi-process run, an error found after joining ends this process at once (the others
     then stop as for a lost process), since an orderly exit would wait for them forever.
     """
-    global _TOPOLOGY, _WATCH
+    global _TOPOLOGY
     if _TOPOLOGY is not None:
         return _TOPOLOGY
     safe_cpu_collectives(devices=settings.cpu_devices)
@@ -420,14 +363,15 @@ def initialize(settings: Settings) -> Topology:
     )
     topology = _topology(settings, jax)
     if settings.num_processes is not None and topology.num_processes != settings.num_processes:
-        _fail_now(
+        lost_process.fail_now(
             f"hfjax: process {topology.process_id} was told --num_processes="
             f"{settings.num_processes}, but the coordinator (process 0) started the run with "
             f"{topology.num_processes}; give every process the same --num_processes")
-    _install_exit_paths(settings)
+    lost_process.install_exit_paths(settings.heartbeat_timeout_s)
     if topology.num_processes > 1:
-        _WATCH = LossWatch(jax_coordination()[0], topology, settings.heartbeat_timeout_s)
-        _WATCH.start()
+        lost_process.start_watch(jax_coordination()[0], topology.process_id,
+                                 topology.num_processes, topology.coordinator_address,
+                                 settings.heartbeat_timeout_s)
     _TOPOLOGY = topology
     return topology
 
@@ -521,134 +465,6 @@ def wait_for_coordinator(address: str, timeout_s: float) -> None:
         except OSError as err:
             last = err
             time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
-
-
-def _fail_now(message: str, status: int = 2) -> None:
-    _write_stderr(message)
-    os._exit(status)
-
-
-def _write_stderr(message: str) -> None:
-    """Writes one line straight to file descriptor 2: the process may be about to os._exit,
-    which would drop anything still in Python's buffers."""
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except Exception:  # a closed or broken stream must not stop the message
-            pass
-    os.write(2, (message.rstrip("\n") + "\n").encode())
-
-
-def _install_exit_paths(settings: Settings) -> None:
-    """Multi-process exits that do not wait on peers that will never come.
-
-    An uncaught exception would otherwise run JAX's orderly shutdown, which waits (up to
-    --shutdown_timeout_s) for the other processes, while they wait in a collective for this
-    one. Ending the process instead lets the others see it lost within --heartbeat_timeout_s.
-    A JAX runtime error is most often a collective whose peer just died: the hook first gives
-    LossWatch the time to name that peer.
-    """
-    previous = sys.excepthook
-
-    def hook(exc_type, exc, tb):
-        previous(exc_type, exc, tb)
-        import jax
-
-        watch = _WATCH
-        if watch is not None and isinstance(exc, jax.errors.JaxRuntimeError):
-            watch.join(timeout=settings.heartbeat_timeout_s + 5)
-        _fail_now(f"hfjax: process {jax.process_index()} stops on the error above", EXIT_ERROR)
-
-    sys.excepthook = hook
-    # atexit runs last-registered first: this stops the watch before JAX's own shutdown, so
-    # peers leaving normally at the end are not reported as lost.
-    atexit.register(lambda: _WATCH is not None and _WATCH.stop())
-
-
-def before_error_exit(exc: BaseException) -> None:
-    """For an entry point that ends on `exc` by itself (launch.cli): a JAX runtime error in a
-    multi-process run is most often a collective whose peer just died, so first give LossWatch
-    the time to name that peer (it then ends the process with EXIT_LOST_PROCESS)."""
-    watch = _WATCH
-    if watch is None or not watch.is_alive():
-        return
-    import jax
-
-    if isinstance(exc, jax.errors.JaxRuntimeError):
-        watch.join(timeout=watch.heartbeat_timeout_s + 5)
-
-
-class LossWatch(threading.Thread):
-    """Ends this process, naming the lost one, when a peer stops beating.
-
-    Each process's watch bumps a counter of its own in the coordination service's key-value
-    store (`hfjax/alive/<process id>`) every `interval_s` and reads every peer's counter in the
-    same call. A peer whose counter has not moved for `lost_after_s` (half of
-    --heartbeat_timeout_s) is reported by number, before JAX's own termination at
-    --heartbeat_timeout_s, which stays the backstop. The counter is bumped by this thread, not
-    by the training loop, so a process that is compiling or waiting in a collective still
-    beats; only a process that is gone (or frozen whole) stops.
-    """
-
-    PREFIX = "hfjax/alive/"
-    DONE = "done"
-
-    def __init__(self, client: Any, topology: Topology, heartbeat_timeout_s: int,
-                 interval_s: float = 1.0):
-        super().__init__(name="hfjax-loss-watch", daemon=True)
-        self.client, self.topology = client, topology
-        self.heartbeat_timeout_s, self.interval_s = heartbeat_timeout_s, interval_s
-        self.lost_after_s = max(2.0, heartbeat_timeout_s / 2)
-        self._stopping = threading.Event()
-
-    def stop(self) -> None:
-        """Stops watching and tells the peers this process is leaving on purpose (a process
-        that ends its run first must not be reported lost by one still writing its outputs)."""
-        self._stopping.set()
-        try:
-            self.client.key_value_set(f"{self.PREFIX}{self.topology.process_id}", self.DONE,
-                                      allow_overwrite=True)
-        except Exception:  # the coordinator may be gone already; nothing waits on this
-            pass
-
-    def _fail(self, message: str) -> None:
-        if not self._stopping.is_set():
-            _fail_now(message, EXIT_LOST_PROCESS)
-
-    def run(self) -> None:
-        me, n = self.topology.process_id, self.topology.num_processes
-        started = time.monotonic()
-        seen: dict[int, tuple[str, float]] = {}  # peer -> (its last counter, when it moved)
-        beat = 0
-        while not self._stopping.is_set():
-            beat += 1
-            try:
-                self.client.key_value_set(f"{self.PREFIX}{me}", str(beat), allow_overwrite=True)
-                entries = self.client.key_value_dir_get(self.PREFIX)
-            except Exception as err:
-                reason = str(err).splitlines()[0] if str(err) else type(err).__name__
-                self._fail(
-                    f"hfjax: process {me} of {n} lost the coordinator (process 0 at "
-                    f"{self.topology.coordinator_address}): {reason}. Rerun the same command to "
-                    "resume from the last checkpoint.")
-                return
-            now = time.monotonic()
-            for key, value in entries:
-                peer = int(key.rsplit("/", 1)[-1])
-                if seen.get(peer, (None,))[0] != value:
-                    seen[peer] = (value, now)
-            lost = [i for i in range(n) if i != me and seen.get(i, (None,))[0] != self.DONE
-                    and now - seen.get(i, (None, started))[1] > self.lost_after_s]
-            if lost:
-                which = ", ".join(map(str, lost))
-                self._fail(
-                    f"hfjax: process {me} of {n} lost process{'es' if len(lost) > 1 else ''} "
-                    f"{which}: no heartbeat from it for {self.lost_after_s:g} s (half of "
-                    f"--heartbeat_timeout_s={self.heartbeat_timeout_s}); it crashed, was killed "
-                    "or its host is gone. Stopping; rerun the same command to resume from the "
-                    "last checkpoint.")
-                return
-            self._stopping.wait(self.interval_s)
 
 
 # --------------------------------------------------------------------------------------------

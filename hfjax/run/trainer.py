@@ -25,7 +25,7 @@ from hfjax.controller.async_pools import ROLE as ROLLOUT
 from hfjax.data.batching import prompt_batch
 from hfjax.data.dataset import task_splits
 from hfjax.numerics import rollout_correction as rc_numerics
-from hfjax.parallel import distributed, targets
+from hfjax.parallel import distributed, lost_process, targets
 from hfjax.parallel.transfer import host_values
 from hfjax.run import checkpoint as ckpt_lib
 from hfjax.run import health, mfu, sft
@@ -52,6 +52,7 @@ class Trainer:
         # (`_with_compiles`): the first RL step's carry the programs it compiled.
         self._compiles = compile_log.install()
         self.algo, self.pools = validate_config(cfg)
+        lost_process.name_pools(self.pools)  # a lost process is reported with its pools
         if cfg.model.remat_policy == "auto":
             from hfjax.run.dry_run import resolve_remat
 

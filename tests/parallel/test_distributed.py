@@ -5,7 +5,9 @@ through launch.local_cluster, or directly with the process flags.
 """
 
 import os
+import random
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -15,6 +17,7 @@ import pytest
 from ml_collections import config_dict
 
 from hfjax.parallel import distributed as dist
+from hfjax.parallel import lost_process
 from hfjax.parallel.distributed import DistributedError, Topology, resolve_settings
 from launch import local_cluster
 
@@ -142,7 +145,8 @@ def _launch(*args, timeout=120):
 
 
 def _worker(*args, **popen):
-    return subprocess.Popen([sys.executable, "-u", WORKER, *args], cwd=ROOT, env=_env(),
+    popen.setdefault("env", _env())
+    return subprocess.Popen([sys.executable, "-u", WORKER, *args], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen)
 
 
@@ -186,16 +190,39 @@ def _wait_ready(procs, timeout=60):
     return seen
 
 
-def _lose(victim: int, heartbeat_s: int = 10):
-    """Starts two processes with the process flags, SIGKILLs `victim` once both run collectives;
+def _slurm_job() -> dict[str, str]:
+    """An srun-style environment for a job of 2 tasks on this host (each task adds its
+    SLURM_PROCID and SLURM_LOCALID): JAX's SLURM detector derives the coordinator's port from
+    the job id, so the job id is one whose port is free."""
+    first = 65536 - 4096  # the detector's ports: first + job id % 4096
+    for port in random.Random().sample(range(first, 65536), 64):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        break
+    return {"SLURM_JOB_ID": str(port - first), "SLURM_STEP_NODELIST": "127.0.0.1",
+            "SLURM_NTASKS": "2", "SLURM_STEP_NUM_NODES": "1"}
+
+
+def _lose(victim: int, heartbeat_s: int = 10, how: int = signal.SIGKILL, slurm: bool = False):
+    """Starts two processes (with the process flags, or as `srun` would start them), sends
+    `victim` the signal `how` (SIGKILL: it dies; SIGSTOP: it hangs) once both run collectives;
     returns (survivor's exit status, seconds it took to exit, its output)."""
-    port = local_cluster.free_port()
-    common = ["--job=loop", f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2",
-              "--cpu_devices=2", f"--heartbeat_timeout_s={heartbeat_s}"]
-    procs = [_worker(*common, f"--process_id={i}") for i in range(2)]
+    common = ["--job=loop", "--cpu_devices=2", f"--heartbeat_timeout_s={heartbeat_s}"]
+    if slurm:
+        job = _slurm_job()
+        procs = [_worker(*common, env=_env() | job | {"SLURM_PROCID": str(i),
+                                                        "SLURM_LOCALID": str(i)})
+                 for i in range(2)]
+    else:
+        port = local_cluster.free_port()
+        common += [f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2"]
+        procs = [_worker(*common, f"--process_id={i}") for i in range(2)]
     try:
         seen = _wait_ready(procs)
-        procs[victim].kill()
+        procs[victim].send_signal(how)
         t0 = time.monotonic()
         survivor = procs[1 - victim]
         rest, _ = survivor.communicate(timeout=60)
@@ -237,12 +264,32 @@ def test_a_moved_coordination_state_is_a_clear_error(monkeypatch):
         dist.jax_coordination()
 
 
+# Killed (SIGKILL: an OOM kill too), or hung (SIGSTOP), started with the process flags or as
+# srun starts them: every case is named the same way, within half of --heartbeat_timeout_s.
 @pytest.mark.slow
-def test_a_lost_process_is_named_and_the_other_exits():
-    code, took, out = _lose(victim=1)
+@pytest.mark.parametrize("how, slurm", [(signal.SIGKILL, False), (signal.SIGSTOP, False),
+                                        (signal.SIGKILL, True)], ids=["killed", "hung", "srun"])
+def test_a_lost_process_is_named_and_the_other_exits(how, slurm):
+    code, took, out = _lose(victim=1, how=how, slurm=slurm)
     assert code == dist.EXIT_LOST_PROCESS, out
-    assert took < 60
-    assert "hfjax: process 0 of 2 lost process 1: no heartbeat from it" in out
+    assert took < 5 + lost_process.lost_after_s(10) + 10, out
+    last = out.strip().splitlines()[-1]
+    assert last.startswith("hfjax: process 0 of 2 lost process 1: no heartbeat from it for 5 s "
+                           "(half of --heartbeat_timeout_s=10)"), out
+    # ... and the command that resumes: this process's own (no launcher named another).
+    assert f"resume from the last checkpoint with: {sys.executable} -u {WORKER} --job=loop" in last
+
+
+def test_a_peer_loss_seen_from_a_collective_is_not_a_user_error():
+    """gloo reports a collective whose peer is gone as a ValueError: it waits for the watch to
+    name the lost process instead of ending as a user error; other errors do not."""
+    gone = ValueError("UNKNOWN: Gloo AllGather failed: [external/gloo/gloo/transport/tcp/"
+                      "pair.cc:538] Read error [127.0.0.1]:19102: Connection reset by peer")
+    assert lost_process.is_peer_loss(gone)
+    assert lost_process.is_peer_loss(ValueError("Gloo AllGather failed: Connection closed by "
+                                                "peer [127.0.0.1]:7601"))
+    assert not lost_process.is_peer_loss(ValueError("data.train_batch_size=7 must divide 16"))
+    assert not lost_process.is_peer_loss(KeyError(2))
 
 
 @pytest.mark.slow
@@ -261,8 +308,10 @@ def test_an_error_on_one_process_stops_the_others():
                         "--stop_grace_s=120", "--", "--job=loop", "--fail_on=1",
                         "--heartbeat_timeout_s=10")
     assert "[1] RuntimeError: a deliberate failure on this process" in out
-    assert "[0] hfjax: process 0 of 2 lost process 1" in out, out
-    assert code == dist.EXIT_LOST_PROCESS, out
+    # Process 1 marks itself failed: process 0 names it at once, and does not call it lost
+    # (a rerun would meet the same error).
+    assert "[0] hfjax: process 0 of 2 stops: process 1 ended on an error (see its output)" in out
+    assert code == dist.EXIT_ERROR, out
 
 
 def test_launcher_stops_the_others_and_returns_the_failure(tmp_path):
