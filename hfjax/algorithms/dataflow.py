@@ -23,6 +23,7 @@ from hfjax.numerics import rollout_correction as rc_numerics
 from hfjax.numerics.advantages import AdvantageInputs
 from hfjax.numerics.losses import KLController, LagrangeMultiplier
 from hfjax.numerics.rollout_correction import RolloutCorrection
+from hfjax.parallel.transfer import mesh_scalar
 from hfjax.workers.groups import WorkerGroups
 
 
@@ -162,11 +163,13 @@ def compute_advantage(batch: Batch, spec: StepSpec, kl_coef: float,
     opts = (("gamma", a.gamma), ("lam", a.lam),
             ("norm_adv_by_std_in_grpo", a.norm_adv_by_std_in_grpo))
     # The KL coefficient is host-side controller state (the adaptive controller updates it from
-    # the fetched metrics): one deliberate scalar upload per step.
-    with jax.transfer_guard("allow"):
-        coef = jnp.float32(kl_coef if use_kl else 0.0)
-        # The multiplier, likewise host state, is uploaded the same way when there is one.
-        scalars = {} if lagrange is None else {"lagrange_lambda": jnp.float32(lagrange.value)}
+    # the fetched metrics): one deliberate scalar upload per step, placed on the batch's mesh.
+    # Left on this process's default device (uncommitted), it segfaults a process that holds
+    # none of the batch's devices from the second call on (see `mesh_scalar`).
+    like = batch["response_mask"]
+    coef = mesh_scalar(kl_coef if use_kl else 0.0, like)
+    # The multiplier, likewise host state, is uploaded the same way when there is one.
+    scalars = {} if lagrange is None else {"lagrange_lambda": mesh_scalar(lagrange.value, like)}
     out, metrics = _advantage(
         {k: batch[k] for k in keys},
         coef,

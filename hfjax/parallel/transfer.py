@@ -104,6 +104,22 @@ def _spec_axes(sharding: Sharding) -> list[str] | None:
     return None
 
 
+def mesh_scalar(value, like: jax.Array, dtype=np.float32) -> jax.Array:
+    """A host scalar uploaded replicated onto the devices of `like` (a deliberate upload).
+
+    Across processes a scalar must not be left on this process's default device (`jnp.float32`,
+    uncommitted) when it joins a program on another pool's devices: on a process that holds
+    none of them, jaxlib's cached dispatch (the second call of the program on) copies the
+    uncommitted argument onto the executable's devices, none of which is addressable there,
+    and the process dies with SIGSEGV. Committed to the program's mesh, every process places
+    its own shards (none, where it holds no device)."""
+    sharding = like.sharding
+    if isinstance(sharding, NamedSharding):
+        sharding = NamedSharding(sharding.mesh, P())
+    with jax.transfer_guard("allow"):
+        return jax.device_put(np.asarray(value, dtype), sharding)
+
+
 def to_host(x: Array) -> np.ndarray:
     """A host (numpy) copy of the whole of `x`: the caller's deliberate fetch.
 
