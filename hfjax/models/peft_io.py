@@ -4,7 +4,7 @@ PEFT's LoRA layer computes `lora_B(lora_A(x)) * lora_alpha / r` with torch Linea
 `lora_A.weight` [r, in] and `lora_B.weight` [out, r]; hfjax's adapters (`hfjax.models.lora`)
 are A [layers, *in, r] and B [layers, r, *out] with x @ A @ B: per layer, PEFT's A is ours
 flattened to [in, r] and transposed, and the same for B. The in and out dimensions flatten in
-the order the HF weights do (`hfjax.models.hf_io.CONVERTERS`), e.g. q_proj's out is heads x
+the order the HF weights do (`hfjax.models.hf_names.CONVERTERS`), e.g. q_proj's out is heads x
 head_dim.
 """
 
