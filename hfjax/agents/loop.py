@@ -90,9 +90,12 @@ class _Row:
 class AgentLoop:
     """Runs multi-turn rollouts with a sampler, a tokenizer and a tool runner (module
     docstring), as `spec` (`rollout.multi_turn`) says. `runner` is a `hfjax.tools.ToolRunner`
-    (anything with `submit(calls) -> Future[list[Observation]]`)."""
+    (anything with `submit(calls) -> Future[list[Observation]]`). The loop owns the runner and
+    closes it, unless `owns_runner=False` (a runner shared by several loops, closed by whoever
+    made it)."""
 
-    def __init__(self, sampler: Sampler, tokenizer, runner, spec: MultiTurnSpec):
+    def __init__(self, sampler: Sampler, tokenizer, runner, spec: MultiTurnSpec, *,
+                 owns_runner: bool = True):
         MultiTurnSpec.require(spec, "AgentLoop", "spec")
         check_spec(spec)
         self.sampler = sampler
@@ -100,7 +103,8 @@ class AgentLoop:
         self.runner = runner
         # A loop dropped without close() still ends its tool workers when it is collected (the
         # runner's own threads keep the runner alive, so it cannot do this itself).
-        if hasattr(runner, "close"):
+        self.owns_runner = owns_runner
+        if owns_runner and hasattr(runner, "close"):
             weakref.finalize(self, runner.close)
         self.spec = spec
         self.render = observation_renderer(tokenizer)
@@ -119,7 +123,7 @@ class AgentLoop:
 
     def close(self) -> None:
         """Closes the tool runner (its threads end their worker processes)."""
-        close = getattr(self.runner, "close", None)
+        close = getattr(self.runner, "close", None) if self.owns_runner else None
         if close is not None:
             close()
     def _cut_at_close(self, tokens: np.ndarray, k: int) -> int | None:

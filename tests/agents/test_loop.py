@@ -59,7 +59,9 @@ def _prompts():
 
 
 def _loop(sampler, runner, max_turns=3, obs_len=8, **kw):
-    return AgentLoop(sampler, TOK, runner, _spec(max_turns=max_turns, obs_len=obs_len, **kw))
+    # The module's runner is shared by every loop the tests make (the fixture closes it).
+    return AgentLoop(sampler, TOK, runner, _spec(max_turns=max_turns, obs_len=obs_len, **kw),
+                     owns_runner=False)
 
 
 def _spec(max_turns=3, obs_len=8, **kw):

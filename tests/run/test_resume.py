@@ -190,7 +190,9 @@ def test_export_cli_loads_in_transformers_with_matching_logits(tmp_path, referen
     ours = np.asarray(jax.device_get(model(rows, mask)))
     real = mask.astype(bool)
     assert np.abs(ours[real]).max() > 1.0  # a trained model, not a zero head
-    np.testing.assert_allclose(ours[real], ref[real], atol=1e-5, rtol=0)
+    # float32 logits of magnitude ~3 from two implementations' reduction orders: 1.3e-5 apart
+    # at one of 540 positions on the disjoint-split run; a wrong weight moves them by O(1).
+    np.testing.assert_allclose(ours[real], ref[real], atol=1e-5, rtol=1e-5)
 
 
 def test_bad_config_stops_the_launcher_with_a_message(tmp_path, env):
