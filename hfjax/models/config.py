@@ -48,6 +48,9 @@ class ModelConfig:
     # llama3-style scaling: {"rope_type": "llama3", "factor", "low_freq_factor",
     # "high_freq_factor", "original_max_position_embeddings"}; None for plain RoPE.
     rope_scaling: dict | None = None
+    # Multimodal RoPE (Qwen2.5-VL): the head_dim/2 frequencies split into temporal, height and
+    # width bands, each rotated by its own position component; () is plain RoPE.
+    mrope_section: tuple[int, ...] = ()
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     attention_bias: bool = False
@@ -101,6 +104,11 @@ class ModelConfig:
             if getattr(self, name) not in ("float32", "bfloat16", "float16"):
                 raise ValueError(f"{name}={getattr(self, name)!r}; use float32 or bfloat16")
         object.__setattr__(self, "mlp_only_layers", tuple(int(i) for i in self.mlp_only_layers))
+        object.__setattr__(self, "mrope_section", tuple(int(i) for i in self.mrope_section))
+        if self.mrope_section and (len(self.mrope_section) != 3
+                                   or 2 * sum(self.mrope_section) != self.head_dim):
+            raise ValueError(f"mrope_section={list(self.mrope_section)} must be 3 bands (temporal, "
+                             f"height, width) summing to head_dim/2={self.head_dim // 2}")
         self._check_moe()
 
     def _check_moe(self):

@@ -17,6 +17,7 @@ read as one model; the matmul went to `hfjax.models.low_precision`, and the rota
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import NamedTuple
 
@@ -71,7 +72,8 @@ def rope_inv_freq(cfg: ModelConfig) -> jax.Array:
 
 
 def rope_tables(
-    positions: jax.Array, inv_freq: jax.Array, dtype, n_positions: int
+    positions: jax.Array, inv_freq: jax.Array, dtype, n_positions: int,
+    sections: tuple[int, ...] = (),
 ) -> tuple[jax.Array, jax.Array]:
     """(cos, sin) [B, T, 1, head_dim] for positions [B, T] in [0, n_positions), rotate-half
     convention.
@@ -79,11 +81,20 @@ def rope_tables(
     The angles are tabulated for positions 0..n_positions-1 and looked up: the table depends
     only on constants, so XLA folds it at compile time, whereas cos/sin of the positions
     themselves would be fused into every layer's RoPE and re-evaluated per head.
+
+    With M-RoPE `sections` (`ModelConfig.mrope_section`), positions may be [3, B, T]: band c of
+    the frequencies reads position component c (temporal, height, width). Positions [B, T]
+    serve all three, which is plain RoPE (a text token, or any decoded token).
     """
     angles = jnp.arange(n_positions, dtype=jnp.float32)[:, None] * inv_freq  # [P, D/2]
-    angles = jnp.concatenate([angles, angles], axis=-1)
-    table = jnp.stack([jnp.cos(angles), jnp.sin(angles)]).astype(dtype)  # [2, P, D]
-    cos_sin = jnp.take(table, positions, axis=1)[:, :, :, None, :]  # [2, B, T, 1, D]
+    table = jnp.stack([jnp.cos(angles), jnp.sin(angles)]).astype(dtype)  # [2, P, D/2]
+    if sections and positions.ndim == 3:
+        bounds = [0, *itertools.accumulate(sections)]
+        half = jnp.concatenate([jnp.take(table[:, :, lo:hi], positions[c], axis=1)
+                                for c, (lo, hi) in enumerate(zip(bounds, bounds[1:]))], -1)
+    else:
+        half = jnp.take(table, positions, axis=1)  # [2, B, T, D/2]
+    cos_sin = jnp.concatenate([half, half], axis=-1)[:, :, :, None, :]  # [2, B, T, 1, D]
     return cos_sin[0], cos_sin[1]
 
 
@@ -343,6 +354,7 @@ class Backbone(nnx.Module):
         response_blocks: ResponseBlocks | None = None,
         keep_width: bool = False,
         routing: jax.Array | None = None,
+        embeds: jax.Array | None = None,
     ) -> tuple[jax.Array, KVCache | None]:
         """Final hidden states [B, T, D] and the updated cache (None without a cache).
 
@@ -375,6 +387,9 @@ class Backbone(nnx.Module):
         A mixture-of-experts model (`hfjax.models.moe`) replays the expert ids `routing`
         [sparse layers, B, T, k] when given, and hands each pass's router statistics to an
         active `moe.collecting()`.
+
+        A vision-language model (`hfjax.models.qwen2_5_vl`) passes `embeds` [B, T, D], the
+        token embeddings with its image features in place, and M-RoPE `positions` [3, B, T].
         """
         cfg = self.config
         B, T = input_ids.shape
@@ -405,13 +420,16 @@ class Backbone(nnx.Module):
         # multiple of the split (masked out of every attention) and cut back after the layers.
         width = T
         split = cache is None and sp.sequence_size(shd.active_layout()) > 1
+        if split and (embeds is not None or positions.ndim == 3):
+            raise ValueError("sequence parallelism does not split image embeddings or M-RoPE "
+                             "positions yet; use a mesh with sequence=1 for a vision model")
         if split:
             width = sp.padded_width(T, shd.active_layout())
             pad = [(0, 0), (0, width - T)]
             input_ids, positions = jnp.pad(input_ids, pad), jnp.pad(positions, pad)
-        h = self.embed(input_ids, split=split)
+        h = self.embed(input_ids, split=split) if embeds is None else embeds.astype(cfg.jnp_dtype)
         rope = rope_tables(positions, rope_inv_freq(cfg), storage_dtype(cfg.jnp_dtype),
-                           key_valid.shape[1])
+                           key_valid.shape[1], cfg.mrope_section)
         params = self.layers.arrays()
         dropout = lora_dropout.active()
         rate = getattr(self.layers, "lora_dropout", 0.0)

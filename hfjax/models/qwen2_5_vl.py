@@ -1,0 +1,244 @@
+"""Qwen2.5-VL: the vision tower (`hfjax.models.vision`) feeding hfjax's Qwen2 decoder.
+
+The language model is `transformer.CausalLM` itself, configured with M-RoPE bands
+(`ModelConfig.mrope_section`); nothing of it is copied here. A prompt's image placeholders
+(`image_token_id`, one per merged 2x2 patch group) have their token embeddings replaced, in
+order, by the tower's outputs, and every token gets three position components (temporal,
+row, column): text tokens count up as usual, an image's tokens take their frame, row and
+column offset by the position where the image starts, and the text after an image resumes at
+that start plus the image's longer side in merged units. Positions are computed on the host
+from the token ids and image grids (`mrope_positions`), like the tower's layout.
+
+HF checkpoints load and save in transformers' `Qwen2_5_VLForConditionalGeneration` layout
+(`load_hf`, `save_hf`): the decoder's tensors through `hfjax.models.hf_io`, the tower's through
+`vision.HF_NAMES`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from hfjax.models import hf_io, vision
+from hfjax.models.config import ModelConfig
+from hfjax.models.transformer import CausalLM, KVCache
+
+
+@dataclasses.dataclass(frozen=True)
+class VLConfig:
+    """A vision-language model: the decoder's config, the tower's, and the special tokens."""
+
+    text: ModelConfig
+    vision: vision.VisionConfig
+    image_token_id: int
+    video_token_id: int
+    vision_start_token_id: int
+    vision_end_token_id: int
+
+    def __post_init__(self):
+        if not self.text.mrope_section:
+            raise ValueError("a Qwen2.5-VL decoder needs mrope_section (its M-RoPE bands)")
+        if self.vision.out_hidden_size != self.text.hidden_size:
+            raise ValueError(f"vision out_hidden_size={self.vision.out_hidden_size} must equal "
+                             f"the decoder's hidden_size={self.text.hidden_size}")
+
+    @classmethod
+    def from_hf_config(cls, hf: dict, dtype: str = "float32") -> VLConfig:
+        """From an HF Qwen2.5-VL config.json: transformers 5's nested `text_config` or the
+        flat layout of the published checkpoints (`rope_scaling: {type: mrope, ...}`)."""
+        if hf.get("model_type") != "qwen2_5_vl":
+            raise ValueError(f"model_type={hf.get('model_type')!r} is not qwen2_5_vl")
+        text = dict(hf.get("text_config") or hf)
+        rope = dict(text.pop("rope_parameters", None) or text.pop("rope_scaling", None) or {})
+        section = rope.get("mrope_section")
+        if not section:
+            raise ValueError("config.json has no mrope_section (rope_parameters / rope_scaling)")
+        text.pop("rope_scaling", None)
+        text.update(model_type="qwen2", rope_theta=rope.get("rope_theta",
+                                                            text.get("rope_theta", 1e6)))
+        text.setdefault("tie_word_embeddings", hf.get("tie_word_embeddings", False))
+        if "tie_word_embeddings" in hf:
+            text["tie_word_embeddings"] = hf["tie_word_embeddings"]
+        tcfg = ModelConfig.from_hf_config(text, mrope_section=tuple(section), dtype=dtype,
+                                          param_dtype=dtype)
+        vcfg = vision.VisionConfig.from_hf_config(hf["vision_config"], dtype=dtype,
+                                                  param_dtype=dtype)
+        return cls(tcfg, vcfg, hf["image_token_id"], hf["video_token_id"],
+                   hf["vision_start_token_id"], hf["vision_end_token_id"])
+
+    def to_hf_config(self) -> dict:
+        """An HF config.json dictionary (transformers 5's nested layout)."""
+        text = self.text.to_hf_config()
+        for key in ("architectures", "rope_scaling", "rope_theta", "use_sliding_window",
+                    "sliding_window", "torch_dtype"):
+            text.pop(key, None)
+        text.update(model_type="qwen2_5_vl_text", rope_parameters={
+            "rope_type": "default", "rope_theta": self.text.rope_theta,
+            "mrope_section": list(self.text.mrope_section)})
+        return {"architectures": ["Qwen2_5_VLForConditionalGeneration"],
+                "model_type": "qwen2_5_vl", "text_config": text,
+                "vision_config": self.vision.to_hf_config(),
+                "tie_word_embeddings": self.text.tie_word_embeddings,
+                "image_token_id": self.image_token_id, "video_token_id": self.video_token_id,
+                "vision_start_token_id": self.vision_start_token_id,
+                "vision_end_token_id": self.vision_end_token_id,
+                "dtype": self.text.param_dtype}
+
+
+def mrope_positions(cfg: VLConfig, input_ids, attention_mask, grids):
+    """M-RoPE positions [3, B, T] (int32) and each row's offset [B] from its real-token count
+    to its next position (decoded token j of a row takes position n_real + j + offset).
+
+    `grids` [(t, h, w), ...] are the images' patch grids in the order their placeholders
+    appear, row by row. Padding (attention mask 0) gets position 0. Raises ValueError naming
+    the row when placeholder counts and grids disagree.
+    """
+    ids = np.asarray(input_ids)
+    mask = np.ones(ids.shape, bool) if attention_mask is None else np.asarray(attention_mask,
+                                                                               bool)
+    m = cfg.vision.spatial_merge_size
+    B, T = ids.shape
+    out = np.zeros((3, B, T), np.int32)
+    offsets = np.zeros(B, np.int32)
+    grids = [tuple(int(x) for x in g) for g in grids]
+    k = 0
+    for b in range(B):
+        row = ids[b][mask[b]]
+        pos, cur, j = [], 0, 0
+        while j < len(row):
+            if row[j] != cfg.image_token_id:
+                pos.append(np.full(3, cur))
+                cur, j = cur + 1, j + 1
+                continue
+            if k >= len(grids):
+                raise ValueError(f"row {b}: more image placeholders than images")
+            t, h, w = grids[k]
+            gh, gw = h // m, w // m
+            n = t * gh * gw
+            if j + n > len(row) or np.any(row[j:j + n] != cfg.image_token_id):
+                raise ValueError(f"row {b}: image {k} ({t}x{h}x{w} patches) needs {n} "
+                                 "consecutive placeholders")
+            ft, fh, fw = np.meshgrid(np.arange(t), np.arange(gh), np.arange(gw), indexing="ij")
+            pos.extend(np.stack([ft, fh, fw], -1).reshape(-1, 3) + cur)
+            cur, j, k = cur + max(gh, gw), j + n, k + 1
+        pos = np.asarray(pos, np.int32).reshape(-1, 3)
+        out[:, b, mask[b]] = pos.T
+        offsets[b] = (pos.max() + 1 if len(pos) else 0) - len(row)
+    if k != len(grids):
+        raise ValueError(f"{len(grids)} images but {k} have placeholders in the prompts")
+    return out, offsets
+
+
+def place_images(embeds: jax.Array, is_image: jax.Array, features: jax.Array) -> jax.Array:
+    """Token embeddings [B, T, D] with the image placeholders' rows replaced by `features`
+    [N, D] in row-major order (the n-th placeholder of the batch takes feature n)."""
+    B, T, D = embeds.shape
+    flat = is_image.reshape(-1)
+    index = jnp.clip(jnp.cumsum(flat) - 1, 0, features.shape[0] - 1)
+    placed = features.astype(embeds.dtype)[index].reshape(B, T, D)
+    return jnp.where(is_image[..., None], placed, embeds)
+
+
+class VisionLM(nnx.Module):
+    """The policy: `lm` (a `transformer.CausalLM` with M-RoPE) and `visual` (the tower)."""
+
+    def __init__(self, cfg: VLConfig, *, rngs: nnx.Rngs, lm: CausalLM | None = None,
+                 visual: vision.VisionTower | None = None):
+        self.config = cfg
+        self.lm = lm if lm is not None else CausalLM(cfg.text, rngs=rngs)
+        self.visual = visual if visual is not None else vision.VisionTower(cfg.vision,
+                                                                           rngs=rngs)
+
+    def embed(self, input_ids, features=None):
+        """Token embeddings [B, T, D] with the image `features` [N, D] (the tower's output for
+        the batch's images, in placeholder order) at the placeholders."""
+        h = self.lm.model.embed(input_ids)
+        if features is None:
+            return h
+        return place_images(h, input_ids == self.config.image_token_id, features)
+
+    def __call__(self, input_ids, attention_mask=None, *, pixels=None, layout=None,
+                 features=None, positions=None, **kw):
+        """Logits [B, T, V] (and the cache with `cache=`). Images come as `pixels` [N,
+        patch_dim] with their `vision.layout`, or as `features` the tower already gave (a
+        prompt's images embedded once for all its samples). `positions` are
+        `mrope_positions`' [3, B, T] (required with images)."""
+        if pixels is not None:
+            features = self.visual(pixels, layout)
+        if features is not None and positions is None:
+            raise ValueError("a prompt with images needs its M-RoPE positions "
+                             "(qwen2_5_vl.mrope_positions)")
+        embeds = self.embed(input_ids, features)
+        return self.lm(input_ids, attention_mask, embeds=embeds, positions=positions, **kw)
+
+
+def greedy(model: VisionLM, input_ids, attention_mask, grids, pixels, max_new_tokens: int):
+    """Greedy continuations [B, max_new_tokens] of left-padded prompts with images, through
+    the KV cache: the image tokens enter the cache at prefill, each decoded token then reads
+    it. A reference decoder for checks; rollouts run through `hfjax.engine`."""
+    cfg = model.config
+    ids = np.asarray(input_ids)
+    mask = np.asarray(attention_mask, np.int32)
+    B, T = ids.shape
+    positions, offsets = mrope_positions(cfg, ids, mask, grids)
+    slots = T + max_new_tokens
+    cache = KVCache.zeros(cfg.text, B, slots)
+    slot_mask = np.zeros((B, slots), np.int32)
+    slot_mask[:, :T] = mask
+    feats = None if pixels is None else model.visual(jnp.asarray(pixels),
+                                                     vision.layout(cfg.vision, grids))
+    logits, cache = model(jnp.asarray(ids), jnp.asarray(slot_mask), features=feats,
+                          positions=jnp.asarray(positions), cache=cache, cache_index=0)
+    nxt = jnp.argmax(logits[:, -1], -1)
+    out = [nxt]
+    pos = mask.sum(1) + offsets
+    step = jax.jit(lambda m, tok, c, sm, p, i: m(tok, sm, positions=p, cache=c, cache_index=i))
+    for j in range(1, max_new_tokens):
+        slot_mask[:, T + j - 1] = 1
+        logits, cache = step(model, nxt[:, None], cache, jnp.asarray(slot_mask),
+                             jnp.asarray(pos + j - 1)[:, None], T + j - 1)
+        nxt = jnp.argmax(logits[:, -1], -1)
+        out.append(nxt)
+    return np.asarray(jnp.stack(out, 1))
+
+
+def load_hf(path: str, *, dtype: str = "float32") -> VisionLM:
+    """A `VisionLM` from an HF Qwen2.5-VL directory (safetensors), on the default device.
+    Tensors under `model.language_model.` (transformers 5 in memory) read as `model.`."""
+    cfg = VLConfig.from_hf_config(hf_io._read_config(path), dtype=dtype)
+    files = hf_io._safetensor_files(path)
+    visual = {}
+
+    def text_tensors():
+        for name, w in hf_io._iter_safetensors(files):
+            name = name.replace("model.language_model.", "model.", 1)
+            if name.startswith("model.visual."):
+                name = name[len("model."):]
+            if name.startswith("visual."):
+                visual[name] = w
+            else:
+                yield name, w
+
+    lm = hf_io.assemble(cfg.text, text_tensors())
+    tower = vision.from_hf_tensors(cfg.vision, visual)
+    return VisionLM(cfg, rngs=nnx.Rngs(0), lm=lm, visual=tower)
+
+
+def save_hf(model: VisionLM, path: str) -> None:
+    """Writes `model` as an HF Qwen2.5-VL directory (config.json and model.safetensors) that
+    transformers' `Qwen2_5_VLForConditionalGeneration.from_pretrained` loads."""
+    from safetensors.numpy import save_file
+
+    os.makedirs(path, exist_ok=True)
+    tensors = dict(hf_io.iter_hf_tensors(model.lm))
+    tensors.update(vision.to_hf_tensors(model.visual))
+    tensors = {k: np.ascontiguousarray(v) for k, v in tensors.items()}
+    save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(model.config.to_hf_config(), f, indent=1)
