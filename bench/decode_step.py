@@ -52,6 +52,7 @@ def one_array_step(model, layers, tokens, positions, mask, cache, slot):
     import jax.numpy as jnp
 
     from hfjax.engine.decode import write
+    from hfjax.models import rope as R
     from hfjax.models import transformer as T
     from hfjax.models.attention import attend
 
@@ -59,7 +60,7 @@ def one_array_step(model, layers, tokens, positions, mask, cache, slot):
     rows, cols = mask.shape
     valid = mask.astype(bool) & (jnp.arange(cols)[None, :] <= slot)
     h = model.model.embed(tokens[:, None])
-    rope = T.rope_tables(positions[:, None], T.rope_inv_freq(cfg),
+    rope = R.rope_tables(positions[:, None], R.rope_inv_freq(cfg),
                          T.storage_dtype(cfg.jnp_dtype), cols)
     zero, out = jnp.int32(0), []
     for p, (ck, cv) in zip(layers, cache):

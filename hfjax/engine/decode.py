@@ -60,13 +60,12 @@ from jax.sharding import PartitionSpec as P
 from hfjax.models import backend, moe
 from hfjax.models.backend import storage_dtype
 from hfjax.models.config import ModelConfig
+from hfjax.models.rope import rope_inv_freq, rope_tables
 from hfjax.models.transformer import (
     KVCache,
     attention_inputs,
     layer_output,
     rms_norm,
-    rope_inv_freq,
-    rope_tables,
 )
 from hfjax.parallel import mesh as mesh_lib
 from hfjax.parallel import sharding as shd

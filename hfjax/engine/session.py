@@ -61,12 +61,11 @@ from hfjax.engine.decode import (
 from hfjax.engine.sampler import Sampler, _prefill, bucket_size
 from hfjax.engine.token_select import Knobs, SamplingParams, Static, select_tokens
 from hfjax.models.backend import storage_dtype
+from hfjax.models.rope import rope_inv_freq, rope_tables
 from hfjax.models.transformer import (
     attention_inputs,
     layer_output,
     rms_norm,
-    rope_inv_freq,
-    rope_tables,
 )
 from hfjax.parallel import mesh as mesh_lib
 from hfjax.parallel import sharding as sharding_lib

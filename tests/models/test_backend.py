@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import pytest
 
 from hfjax.models import backend, presets, transformer
+from hfjax.models import rope as rope_lib
 
 F32, BF16 = jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)
 
@@ -103,7 +104,7 @@ def test_attention_inputs_compiled_for_a_gpu_target_are_bf16():
     positions = jnp.broadcast_to(jnp.arange(8), (2, 8))
 
     def dtypes():
-        rope = transformer.rope_tables(positions, transformer.rope_inv_freq(cfg),
+        rope = rope_lib.rope_tables(positions, rope_lib.rope_inv_freq(cfg),
                                        backend.storage_dtype(cfg.jnp_dtype), 8)
         q, k, v = jax.eval_shape(lambda p, h: transformer.attention_inputs(cfg, rope, p, h),
                                  p, h)
