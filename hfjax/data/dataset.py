@@ -21,6 +21,12 @@ Every row is checked when the dataset is built, before anything compiles:
 - a missing field or a value of the wrong type is an error naming the file, the row and the
   field (`on_bad_row="skip"` makes these counted skips instead);
 - a data_source with no reward is an error naming it and the known ones;
+- with `images=True` (a vision-language policy), verl's multimodal column `images` (a list of
+  {"bytes": ...} records, one `<image>` placeholder each in the messages) is checked: an image
+  that does not decode, has no pixels, or exceeds `max_image_pixels`, and a placeholder count
+  that differs from the image count, are errors naming the row (counted skips with
+  `on_bad_row="skip"`); rows keep the images' bytes in `images`. Without it, a row with
+  images is refused: the policy is text-only;
 - an empty prompt, a ground truth the row's reward could never match (see each reward's check),
   and a prompt longer than `max_prompt_length` tokens are counted skips, logged as warnings and
   listed in `Dataset.report`.
@@ -47,6 +53,7 @@ import pyarrow.parquet as pq
 from absl import logging
 
 from hfjax.data import arith, holdout, tool_arith
+from hfjax.data import images as image_lib
 from hfjax.rewards.registry import check_ground_truth, resolve_reward
 
 REQUIRED_COLUMNS = ("data_source", "prompt", "reward_model")
@@ -56,6 +63,7 @@ EMPTY_PROMPT = "empty prompt"
 BAD_GROUND_TRUTH = "ground truth the reward cannot score"
 TOO_LONG = "prompt longer than max_prompt_length"
 MALFORMED = "malformed row"
+BAD_IMAGE = "bad image"
 
 _LOGGED_SKIPS = 5
 
@@ -219,6 +227,8 @@ class Dataset:
         custom_reward_fn: str | None = None,
         on_bad_row: str = "error",
         row_labels: Sequence[str] | None = None,
+        images: bool = False,
+        max_image_pixels: int = image_lib.MAX_DECODED_PIXELS,
     ):
         if on_bad_row not in ("error", "skip"):
             raise ValueError(f"on_bad_row must be 'error' or 'skip', got {on_bad_row!r}")
@@ -240,6 +250,19 @@ class Dataset:
                     raise
                 skips.append((MALFORMED, str(err)))
                 continue
+            pictures = raw.get("images")
+            if pictures is not None and len(pictures) and not images:
+                raise ValueError(f"{label} has images, but the policy is text-only; train a "
+                                 "vision-language model or drop the images column")
+            if images:
+                try:
+                    row["images"] = image_lib.row_images(pictures, row["prompt"],
+                                                         max_image_pixels)
+                except ValueError as err:
+                    if on_bad_row == "error":
+                        raise RowError(f"{label}: {err}") from None
+                    skips.append((BAD_IMAGE, f"{label}: {err}"))
+                    continue
             if _empty(row["prompt"]):
                 skips.append((EMPTY_PROMPT, f"{label}: empty prompt"))
                 continue

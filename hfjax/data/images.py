@@ -77,3 +77,38 @@ def preprocess(images, *, patch_size: int = 14, merge_size: int = 2,
         out.append(x.reshape(gh * gw, -1))
         grids.append((1, gh, gw))
     return np.concatenate(out).astype(np.float32), np.asarray(grids, np.int64)
+
+
+# verl's placeholder for an image in a multimodal row's message text.
+PLACEHOLDER = "<image>"
+# Decoded area above which a row's picture is refused (resizing would shrink it, but decoding
+# it already costs the memory): a 8192 x 8192 image.
+MAX_DECODED_PIXELS = 8192 * 8192
+
+
+def row_images(records, messages, max_pixels: int = MAX_DECODED_PIXELS) -> list[bytes]:
+    """The encoded bytes of a multimodal row's `images` (verl's column: a list of
+    {"bytes": ...} records, or raw bytes), checked: each has bytes that decode (an image
+    of zero width or height does not) to at most `max_pixels` pixels, and the row's messages
+    hold one `PLACEHOLDER` per image. ValueError naming the image and the problem otherwise."""
+    records = list(records if records is not None else ())
+    n_marks = sum(m["content"].count(PLACEHOLDER) for m in messages)
+    if n_marks != len(records):
+        raise ValueError(f"{n_marks} {PLACEHOLDER} placeholder(s) in the prompt but "
+                         f"{len(records)} image(s)")
+    out = []
+    for j, rec in enumerate(records):
+        data = rec.get("bytes") if isinstance(rec, dict) else rec
+        if not isinstance(data, bytes) or not data:
+            raise ValueError(f"image {j} has no bytes (expected {{'bytes': <encoded image>}})")
+        try:
+            with Image.open(io.BytesIO(data)) as img:
+                w, h = img.size  # the header: nothing decoded yet
+                if w * h > max_pixels:
+                    raise ValueError(f"image {j} is {w}x{h}, over the {max_pixels}-pixel "
+                                     "budget; downscale it when writing the data")
+                img.load()
+        except (OSError, Image.DecompressionBombError) as err:
+            raise ValueError(f"image {j} is not a readable image ({err})") from None
+        out.append(data)
+    return out

@@ -74,6 +74,9 @@ _MESSAGES = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]
 _REWARD_MODEL = pa.struct([("style", pa.string()), ("ground_truth", pa.string())])
 
 
+_IMAGES = pa.list_(pa.struct([("bytes", pa.binary()), ("path", pa.string())]))
+
+
 def write_rows(rows: list[dict], path: str | os.PathLike) -> None:
     """Write verl-schema rows to one parquet file (extra_info's struct type is inferred)."""
     if not rows:
@@ -88,6 +91,9 @@ def write_rows(rows: list[dict], path: str | os.PathLike) -> None:
     if any("agent_name" in r for r in rows):
         # verl's multi-turn column: which agent loop runs the row.
         columns["agent_name"] = pa.array([r.get("agent_name") for r in rows], pa.string())
+    if any(r.get("images") for r in rows):
+        # verl's multimodal column (HF datasets' Image feature): {bytes, path} per image.
+        columns["images"] = pa.array([r.get("images") or [] for r in rows], _IMAGES)
     pq.write_table(pa.table(columns), os.fspath(path))
 
 
