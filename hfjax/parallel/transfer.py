@@ -11,6 +11,7 @@ import math
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import AxisType, Mesh, NamedSharding, Sharding
@@ -49,7 +50,15 @@ def transfer(x: Array, sharding: Sharding) -> Array:
         or not x.is_fully_addressable
         or not sharding.is_fully_addressable
     ):
-        return jax.device_put(x, sharding)
+        out = jax.device_put(x, sharding)
+        if x.is_fully_addressable and len(sharding.addressable_devices) == 1 < len(
+                sharding.device_set):
+            # jax 0.10's device_put of a process-local array onto a sharding with one device
+            # on each process (replicated) builds an array whose own shard claims the whole
+            # sharding: `addressable_shards` raises, and Orbax cannot save it. A copy by a
+            # program over the sharding is well formed.
+            out = jnp.copy(out)
+        return out
     if src_devices == dst_devices:
         return reshard_in_place(x, sharding)
     if set(src_devices) == set(dst_devices) or len(src_devices) == 1:

@@ -41,6 +41,8 @@ from absl import logging
 from jax.experimental import multihost_utils
 
 from hfjax.config.run_dir import TRAINER_ITEM
+from hfjax.parallel.transfer import host_values
+from hfjax.run import ckpt_shards
 
 CONFIG_ITEM = "config"
 RESERVED = (TRAINER_ITEM, CONFIG_ITEM)
@@ -113,29 +115,31 @@ def _fingerprints(arrays: dict[str, jax.Array]) -> dict[str, jax.Array]:
 
 
 @jax.jit
-def _fingerprints_and_finite(arrays: dict[str, jax.Array]) -> dict[str, tuple]:
-    return {k: (_fingerprint(v), jnp.all(jnp.isfinite(v)) if jnp.issubdtype(v.dtype, jnp.inexact)
-                else jnp.bool_(True)) for k, v in arrays.items()}
+def _finite(arrays: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    return {k: jnp.all(jnp.isfinite(v)) if jnp.issubdtype(v.dtype, jnp.inexact)
+            else jnp.bool_(True) for k, v in arrays.items()}
 
 
 def _describe(item: str, arrays: Mapping[str, jax.Array]) -> dict[str, dict]:
-    """Shape, dtype and fingerprint of each array (one small fetch); NonFiniteCheckpoint when
-    one holds NaN or infinity, so that no checkpoint is ever written with one."""
-    with jax.transfer_guard("allow"):
-        got = jax.device_get(_fingerprints_and_finite(dict(arrays)))
-    bad = [k for k, (_, finite) in got.items() if not finite]
+    """Shape, dtype and fingerprint of each array (one small fetch, on every process also
+    where the arrays sit on another process's devices); NonFiniteCheckpoint when one holds
+    NaN or infinity, so that no checkpoint is ever written with one."""
+    arrays = dict(arrays)
+    fp, finite = _fingerprints(arrays), _finite(arrays)
+    got = host_values({**{f"fp/{k}": v for k, v in fp.items()},
+                       **{f"ok/{k}": v for k, v in finite.items()}})
+    bad = [k for k in arrays if not got[f"ok/{k}"]]
     if bad:
         more = f" (and {len(bad) - 1} more arrays)" if len(bad) > 1 else ""
         raise NonFiniteCheckpoint(f"{item}/{bad[0]}{more} holds NaN or infinity; refusing to "
                                   "write a checkpoint of it")
     return {k: {"shape": list(v.shape), "dtype": np.dtype(v.dtype).name,
-                "fingerprint": int(got[k][0])} for k, v in arrays.items()}
+                "fingerprint": int(got[f"fp/{k}"])} for k, v in arrays.items()}
 
 
 def fingerprints(arrays: Mapping[str, jax.Array]) -> dict[str, int]:
     """{name: 32-bit fingerprint} of a named array dict (one small deliberate host fetch)."""
-    with jax.transfer_guard("allow"):
-        return {k: int(v) for k, v in jax.device_get(_fingerprints(dict(arrays))).items()}
+    return {k: int(v) for k, v in host_values(_fingerprints(dict(arrays))).items()}
 
 
 # -- locating checkpoints --------------------------------------------------------------------
@@ -204,7 +208,19 @@ class RunCheckpointer:
         except ValueError as err:
             raise NonFiniteCheckpoint(f"the trainer state or config of step {step} holds NaN "
                                       f"or infinity ({err}); refusing to write it") from None
-        args = {name: ocp.args.StandardSave(a) for name, a in arrays.items()}
+        args = {}
+        for name, leaves in arrays.items():
+            # Arrays on the devices of some processes only go to the item's per-process part
+            # (hfjax.run.ckpt_shards); the others to Orbax's collective save.
+            whole = {k: v for k, v in leaves.items() if ckpt_shards.spans_all_processes(v)}
+            part = {k: v for k, v in leaves.items() if k not in whole}
+            if whole:
+                args[name] = ocp.args.StandardSave(whole)
+            if part:
+                args[name + ckpt_shards.SUFFIX] = ckpt_shards.PerProcessSave(
+                    ckpt_shards.own_shards(part))
+                for k in part:
+                    state[ARRAYS][name][k]["per_process"] = True
         args[TRAINER_ITEM] = ocp.args.JsonSave(state)
         args[CONFIG_ITEM] = ocp.args.JsonSave(dict(config))
         t0 = time.perf_counter()
@@ -282,14 +298,13 @@ class RunCheckpointer:
         abstract = {item: {k: _abstract(v) for k, v in leaves.items()}
                     for item, leaves in named.items()}
         try:
-            r = self._mgr.restore(step, args=ocp.args.Composite(
-                **{item: ocp.args.StandardRestore(a) for item, a in abstract.items()}))
+            arrays_of = self._read_arrays(step, state[ARRAYS], abstract)
         except Exception as e:  # noqa: BLE001
             raise CheckpointCorrupt(f"{self.step_dir(step)}: arrays unreadable "
                                     f"({type(e).__name__}: {_short(e)})") from e
         items = {}
         for item, tree in targets.items():
-            arrays = r[item]
+            arrays = arrays_of[item]
             got = fingerprints(arrays)
             want = state[ARRAYS][item]
             bad = [k for k in named[item] if got[k] != want[k]["fingerprint"]]
@@ -300,6 +315,37 @@ class RunCheckpointer:
             items[item] = jax.tree_util.tree_unflatten(treedef, [arrays[k] for k in named[item]])
         state = {k: v for k, v in state.items() if k != ARRAYS}
         return Restored(step=step, items=items, state=state, config=config)
+
+    def _read_arrays(self, step: int, saved: dict, abstract: dict[str, dict]) -> dict:
+        """{item: {name: array on its target sharding}}: what Orbax saved collectively read by
+        Orbax (onto targets that span every process; as host arrays for the others), and
+        what the processes saved each for itself (`ckpt_shards`) from their files."""
+        args, split = {}, {}
+        for item, leaves in abstract.items():
+            whole = {k for k in leaves if not saved[item][k].get("per_process")}
+            split[item] = whole
+            if whole:
+                args[item] = ocp.args.StandardRestore(
+                    {k: leaves[k] if ckpt_shards.spans_all_processes(leaves[k])
+                     else np.empty(leaves[k].shape, leaves[k].dtype) for k in whole})
+            if len(whole) < len(leaves):
+                args[item + ckpt_shards.SUFFIX] = ckpt_shards.PerProcessRestore()
+        r = self._mgr.restore(step, args=ocp.args.Composite(**args))
+        out = {}
+        for item, leaves in abstract.items():
+            got = {}
+            for k, like in leaves.items():
+                if k in split[item]:
+                    x = r[item][k]
+                    got[k] = x if isinstance(x, jax.Array) else ckpt_shards.place(
+                        lambda x=x: np.asarray(x), like)
+                else:
+                    files = r[item + ckpt_shards.SUFFIX]
+                    got[k] = ckpt_shards.place(
+                        lambda files=files, k=k, like=like: files.host(k, like.shape,
+                                                                        like.dtype), like)
+            out[item] = got
+        return out
 
     def restore_latest(self, targets: Targets, step: int | None = None) -> Restored:
         """Restores `step`, or else the newest readable step, passing over corrupt ones with a
