@@ -339,6 +339,26 @@ def get_config() -> config_dict.ConfigDict:
             eval_every=250,  # held-out accuracy every N steps (0: only before and after)
         )
     )
+    # python -m launch.train_dpo: DPO and its offline relatives on the same preference parquet
+    # (configs/dpo_arith.py sets the files), from the warm-started policy and its reference.
+    c.dpo = config_dict.ConfigDict(
+        dict(
+            loss_type="sigmoid",  # sigmoid (DPO) | ipo | simpo (reference-free)
+            beta=0.1,
+            label_smoothing=0.0,  # conservative DPO's eps (sigmoid and simpo)
+            simpo_gamma=0.5,  # SimPO's target margin
+            train_files="",  # preference parquet: prompt, chosen, rejected
+            val_files="",  # held-out pairs for the val/ preference metrics
+            max_response_length=0,  # 0: rollout.response_length
+            steps=200,
+            batch_size=64,  # pairs per step
+            micro_batch_size=64,
+            lr=1e-4,
+            weight_decay=0.0,
+            grad_clip=1.0,
+            eval_every=50,  # held-out metrics every N steps (0: only before and after)
+        )
+    )
     # Asynchronous rollout (docs/async.md): the rollout pool generates with its own copy of the
     # actor's weights, at most max_staleness updates behind the trainer. 0: synchronous.
     c.async_rollout = config_dict.ConfigDict(

@@ -4,9 +4,10 @@ Compiled XLA programs are written to a directory and read back by any later proc
 compiles the same program on the same kind of devices: a run resumed after preemption, or a
 second `launch.generate`, skips compiling what an earlier process compiled.
 
-Every entry point that compiles uses it, through this one helper: launch.train, evaluate, sft
-and train_rm take the setting from `--config.trainer.compilation_cache_dir` (`cli.start_run`),
-launch.generate, convert and export from `--compilation_cache_dir` (`cli.run`). The setting is
+Every entry point that compiles uses it, through this one helper: launch.train, evaluate, sft,
+train_rm and train_dpo take the setting from `--config.trainer.compilation_cache_dir`
+(`cli.start_run`), launch.generate, convert and export from `--compilation_cache_dir`
+(`cli.run`). The setting is
 - `auto` (the default): `$JAX_COMPILATION_CACHE_DIR` when set, else `~/.cache/hfjax/xla` (under
   `$XDG_CACHE_HOME` when set); `HFJAX_COMPILATION_CACHE=off` in the environment turns `auto`
   off for every entry point at once;

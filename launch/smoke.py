@@ -30,6 +30,8 @@ CONFIG_LIMITS: dict[str, int] = {
     "sft.steps": 2,
     "rm.steps": 2,
     "rm.eval_every": 1,
+    "dpo.steps": 2,
+    "dpo.eval_every": 1,
     "data.n_test": 16,
     "rollout.response_length": 16,
 }

@@ -143,9 +143,10 @@ SECONDS: dict[str, float] = {
 COMMAND_S, SMOLLM2_COMMAND_S = 30.0, 90.0
 _SMOLLM2 = re.compile(r"smollm2|\.gguf|--src=model\.gguf|launch\.generate(?!.*--model=)")
 
-# Configs that launch.train does not take: SFT and reward-model runs (the RLHF scripts run them)
+# Configs that launch.train does not take: SFT, reward-model and DPO runs (their own entry points)
 # and a reward function file.
-NOT_TRAIN_CONFIGS = {"sft_arith.py", "rm_arith.py", "cost_arith.py", "last_number_reward.py"}
+NOT_TRAIN_CONFIGS = {"sft_arith.py", "rm_arith.py", "cost_arith.py", "dpo_arith.py",
+                     "last_number_reward.py"}
 
 # A command that starts a training run: launch.train itself, or under launch.local_cluster.
 _TRAINS = re.compile(r"python -m launch\.train\b(?!_rm)|scripts/train\.sh|"

@@ -95,6 +95,7 @@ FLAG_KEYS: dict[str, dict[str, Callable[[Any], str | None]]] = {
         "responses": _OUT_FILE,
     },
     "train_rm": {"cpu_devices": Int(0, note="0: leave XLA_FLAGS alone")},
+    "train_dpo": {"cpu_devices": Int(0, note="0: leave XLA_FLAGS alone")},
     "generate": {
         "model": Check(model_path(optional=True)),
         "prompt": Check(prompts),

@@ -198,6 +198,12 @@ def rm_targets() -> tuple[str, ...]:
     return tuple(TARGETS)
 
 
+def preference_losses() -> tuple[str, ...]:
+    from hfjax.numerics.preference import PREFERENCE_LOSSES
+
+    return PREFERENCE_LOSSES.names()
+
+
 SINK_NAMES = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
 
 

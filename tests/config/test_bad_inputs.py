@@ -561,6 +561,8 @@ SUBPROCESS = [
     Case("train_rm", ["--config.model.path=", "--config.rm.target=safety",
                       "--config.trainer.out_dir={root}/r2"],
          r"rm.target='safety': needs one of reward, cost", absent=("{root}/r2",)),
+    Case("train_dpo", ["--config.dpo.loss_type=kto", "--config.trainer.out_dir={root}/o1"],
+         r"dpo.loss_type='kto': needs one of ipo, sigmoid, simpo", absent=("{root}/o1",)),
     Case("train", ["--config.reward_model.path={hf}", "--config.trainer.out_dir={root}/t5"],
          r"reward_model.path=.* has no score head", watch=("{hf}",), absent=("{root}/t5",)),
     Case("generate", ["--temperature=-1"], r"--temperature=-1.0: needs a float >= 0"),
@@ -599,9 +601,9 @@ SUBPROCESS = [
 # The entry point of each case, each named whole so that the Bazel build ships it with this
 # test (scripts/bazel_build.py makes a launch/ module named in a string a test's data).
 ENTRY_MODULES = {"train": "launch.train", "sft": "launch.sft", "train_rm": "launch.train_rm",
-                 "generate": "launch.generate", "convert": "launch.convert",
-                 "export": "launch.export", "prepare_data": "launch.prepare_data",
-                 "evaluate": "launch.evaluate"}
+                 "train_dpo": "launch.train_dpo", "generate": "launch.generate",
+                 "convert": "launch.convert", "export": "launch.export",
+                 "prepare_data": "launch.prepare_data", "evaluate": "launch.evaluate"}
 
 
 def _run_case(case: Case, files, env) -> tuple[subprocess.CompletedProcess, dict, dict]:
@@ -644,8 +646,8 @@ def test_case_count():
     total = len(CONFIG_CASES) + len(FLAG_CASES) + len(FILE_CASES) + len(SUBPROCESS)
     assert total >= 60, total
     entries = {c[0] for c in FLAG_CASES} | {c.entry for c in SUBPROCESS} | {"train"}
-    assert entries == {"train", "sft", "train_rm", "generate", "convert", "export",
-                       "prepare_data", "evaluate"}
+    assert entries == {"train", "sft", "train_rm", "train_dpo", "generate", "convert",
+                       "export", "prepare_data", "evaluate"}
 
 
 def test_verbose_shows_the_traceback(tmp_path):

@@ -62,8 +62,8 @@ print(json.dumps(out))
 # Each module is named whole, so that the Bazel build ships it with this test
 # (scripts/bazel_build.py makes a launch/ module named in a string a test's data).
 ENTRY_MODULES = ("launch.local_cluster", "launch.train", "launch.sft", "launch.train_rm",
-                 "launch.evaluate", "launch.generate", "launch.convert", "launch.export",
-                 "launch.prepare_data", "launch.plan")
+                 "launch.train_dpo", "launch.evaluate", "launch.generate", "launch.convert",
+                 "launch.export", "launch.prepare_data", "launch.plan")
 ENTRIES = tuple(m.removeprefix("launch.") for m in ENTRY_MODULES)
 
 
