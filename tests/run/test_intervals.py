@@ -58,27 +58,50 @@ def _result(after, before=0.1, n=512):
 
 
 def test_seeds_script_reports_arms_and_whether_they_overlap(tmp_path):
-    # Finished runs (result.json, as the script writes them) of three arms over 3 seeds.
+    # Finished runs (result.json and metrics.jsonl, as the script and a run write them) of four
+    # arms over 3 seeds, one of them a config with its own override after `@`.
     arms = {"ppo_arith": [0.95, 0.96, 0.94], "grpo_arith": [0.955, 0.945, 0.96],
-            "remax_arith": [0.60, 0.62, 0.61]}
+            "remax_arith": [0.60, 0.62, 0.61], "grpo_arith@actor.lr=1e-3": [0.945, 0.935, 0.95]}
     for arm, afters in arms.items():
         for seed, after in enumerate(afters):
             os.makedirs(tmp_path / f"{arm}_s{seed}")
             with open(tmp_path / f"{arm}_s{seed}" / "result.json", "w") as f:
                 json.dump(_result(after), f)
+            with open(tmp_path / f"{arm}_s{seed}" / "metrics.jsonl", "w") as f:
+                f.write(json.dumps({"step": 0, "val": 0.5}) + "\n")  # before RL: no reward
+                for step in range(1, 5):
+                    f.write(json.dumps({"step": step, "critic/score/mean": step + seed}) + "\n")
     out = subprocess.run(
         [sys.executable, "scripts/seeds.py", "--seeds=3", "--reuse", f"--out={tmp_path}",
-         *(f"configs/{a}.py" for a in arms)],
+         "--curve=critic/score/mean", "--curve_every=2", "--curve=val",
+         *("configs/" + (a.replace("@", ".py@", 1) if "@" in a else a + ".py") for a in arms)],
         cwd=ROOT, capture_output=True, text=True, timeout=120,
         env={**os.environ, "HFJAX_SMOKE": ""})
     assert out.returncode == 0, out.stderr
     mean, lo, hi = over_seeds(arms["ppo_arith"])
     assert f"after {mean:.3f} [{lo:.3f}, {hi:.3f}]" in out.stdout
     lines = out.stdout.splitlines()
-    verdict = {line.split(":")[0]: line for line in lines if " vs " in line}
-    assert "overlap: the two are within" in verdict["ppo_arith vs grpo_arith"]
-    assert "do not overlap" in verdict["ppo_arith vs remax_arith"]
+    verdict = {line.split(":")[0]: (line, after) for line, after in zip(lines, lines[1:])
+               if " vs " in line}
+    assert "overlap: the two are within" in verdict["ppo_arith vs grpo_arith"][0]
+    assert "do not overlap" in verdict["ppo_arith vs remax_arith"][0]
     assert "seed 2: before 0.100, after 0.610" in out.stdout
+    # Paired by seed: grpo_arith beats its lr=1e-3 arm by 0.010 on every seed, which the
+    # unpaired intervals cannot tell apart; the paired difference's interval is [0.010, 0.010].
+    lr_pair = verdict["grpo_arith vs grpo_arith@actor.lr=1e-3"]
+    assert "overlap: the two are within" in lr_pair[0]
+    assert "difference +0.010 [+0.010, +0.010], excludes 0: told apart" in lr_pair[1]
+    diffs = np.subtract(arms["ppo_arith"], arms["grpo_arith"])
+    dm, dlo, dhi = over_seeds(list(diffs))
+    assert (f"difference {dm:+.3f} [{dlo:+.3f}, {dhi:+.3f}], includes 0: not told apart"
+            in verdict["ppo_arith vs grpo_arith"][1])
+    # The curve: mean over seeds 0, 1, 2 of step + seed, at the first step, every 2nd and the
+    # last.
+    assert "  remax_arith: 1: 2.000, 2: 3.000, 4: 5.000" in lines
+    assert "  remax_arith: 0: 0.500" in lines
     bad = subprocess.run([sys.executable, "scripts/seeds.py", "configs/nope.py"], cwd=ROOT,
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "no such config file: configs/nope.py" in bad.stderr
+    bad = subprocess.run([sys.executable, "scripts/seeds.py", "configs/grpo_arith.py@actor.lr"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "override 'actor.lr' is not KEY=VALUE" in bad.stderr
