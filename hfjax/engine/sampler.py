@@ -61,6 +61,7 @@ from hfjax.engine.decode import (
     decode_step,
     split_layers,
 )
+from hfjax.engine.images import ImagePrompts, VisionPrompts, place_images
 from hfjax.engine.token_select import (
     GenerateOutput,
     Knobs,
@@ -113,7 +114,8 @@ class _Carry(NamedTuple):
     cache: tuple[LayerCache, ...]  # per layer: prompt and response parts
     last: jax.Array  # int32 [rows]: the token fed at the next step
     done: jax.Array  # bool [rows]: a stop token has been emitted
-    lengths: jax.Array  # int32 [rows]: real prompt lengths (position of response token 0)
+    lengths: jax.Array  # int32 [rows]: position of response token 0 (the real prompt length,
+    # plus M-RoPE's offset for a prompt with images)
     keys: jax.Array  # PRNG keys [rows]
     attn: jax.Array  # int32 [rows, slots]: prompt mask, then ones for the response slots
     tokens: jax.Array  # int32 [rows, new_bucket]
@@ -175,8 +177,11 @@ def _prefill(
     salts: jax.Array,
     knobs: Knobs,
     stops: jax.Array,
+    images: ImagePrompts | None = None,
 ) -> _Carry:
-    """Prompt forward pass, cache fan-out to n samples and the first response token."""
+    """Prompt forward pass, cache fan-out to n samples and the first response token. With
+    `images`, the placeholders' embeddings are the prompts' image features and positions are
+    M-RoPE's: the images enter the cache here, once per prompt, shared by its n samples."""
     model = nnx.merge(graphdef, state)
     cfg = model.config
     n, new = static.n, static.new_bucket
@@ -184,8 +189,12 @@ def _prefill(
     rep = (lambda x: jnp.repeat(x, n, axis=0)) if n > 1 else (lambda x: x)
 
     cache = KVCache.zeros(cfg, batch, static.prompt_bucket)
-    positions = positions_from_mask(mask)
-    hidden, cache = model.model(ids, mask, positions=positions, cache=cache, cache_index=0)
+    positions, embeds, offsets = positions_from_mask(mask), None, 0
+    if images is not None:
+        positions, offsets = images.positions, images.offsets
+        embeds = place_images(model.model.embed(ids), images.is_image, images.features)
+    hidden, cache = model.model(ids, mask, positions=positions, cache=cache, cache_index=0,
+                                embeds=embeds)
     # Left padding puts every row's last prompt token in the last column; only that position's
     # logits are needed, which avoids a [B, T, vocab] tensor.
     logits = rep(model.logits(hidden[:, -1]))
@@ -204,7 +213,7 @@ def _prefill(
         cache=layer_cache,
         last=jnp.zeros((rows,), jnp.int32),
         done=jnp.zeros((rows,), bool),
-        lengths=rep(jnp.sum(mask, axis=-1, dtype=jnp.int32)),
+        lengths=rep(jnp.sum(mask, axis=-1, dtype=jnp.int32) + offsets),
         keys=row_keys,
         attn=jnp.concatenate([rep(mask), jnp.ones((rows, new), jnp.int32)], axis=1),
         tokens=jnp.full((rows, new), knobs.pad_id, jnp.int32),
@@ -468,6 +477,7 @@ class Sampler:
         attention_mask: Any,
         params: SamplingParams,
         seed: int | Sequence[int] | np.ndarray = 0,
+        images: VisionPrompts | None = None,
     ) -> GenerateOutput:
         """Samples `params.n` responses for each left-padded prompt with parameters `state`.
 
@@ -475,12 +485,22 @@ class Sampler:
         structure; it is moved to the decode layout first when the sampler has a mesh. `seed`
         is an int or one seed per prompt. Returns a GenerateOutput with rows b * n + j and
         `params.max_new_tokens` columns. Raises ValueError on bad input before compiling.
+
+        `images` (a vision-language policy, whose language model this sampler runs): the
+        prompts' image features, computed once per prompt (`VisionPrompts`).
         """
         ids, mask, seeds, salts, batch = self._prepare(input_ids, attention_mask, seed)
         knobs = self._knobs(params)
         stops = np.asarray(params.eos_ids, np.int32).reshape(-1)
+        extra = {}
+        if images is not None:
+            if type(self)._decode is not Sampler._decode or ids.shape[0] != batch:
+                raise ValueError("prompts with images decode in one static batch whose size the "
+                                 "data-parallel size divides; continuous batching and padded "
+                                 "batches with images are not built")
+            extra["images"] = images.place(ids, mask)
         out = self._decode(self.place(state), ids, mask, seeds, salts, knobs, stops, batch,
-                           params)
+                           params, **extra)
         rows_out, cols = batch * params.n, params.max_new_tokens
         if out.tokens.shape != (rows_out, cols):
             out = out.head(rows_out, cols)
@@ -488,7 +508,7 @@ class Sampler:
 
     def _decode(self, state: nnx.State, ids: np.ndarray, mask: np.ndarray, seeds: np.ndarray,
                 salts: np.ndarray, knobs: Knobs, stops: np.ndarray, batch: int,
-                params: SamplingParams) -> GenerateOutput:
+                params: SamplingParams, images: ImagePrompts | None = None) -> GenerateOutput:
         """The engine's part of `generate`: the request's prompts (`_prepare`d, `batch` real
         ones), knobs and stop ids decoded with the placed `state`; at least batch * n rows and
         max_new_tokens columns (`generate` cuts the rest). Here: one prefill and one decode
@@ -502,7 +522,7 @@ class Sampler:
             with jax.transfer_guard("allow"):
                 ids, mask, seeds, salts = jax.device_put((ids, mask, seeds, salts), rows)
                 knobs, stops = jax.device_put((knobs, stops), everywhere)
-        carry = prefill(state, ids, mask, seeds, salts, knobs, stops)
+        carry = prefill(state, ids, mask, seeds, salts, knobs, stops, images)
         carry = decode(state, carry, knobs, stops)
         return GenerateOutput(carry.tokens, carry.mask, carry.logprobs)
 

@@ -27,7 +27,7 @@ from flax import nnx
 
 from hfjax.models import hf_io, vision
 from hfjax.models.config import ModelConfig
-from hfjax.models.transformer import CausalLM, KVCache
+from hfjax.models.transformer import CausalLM
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,36 +176,6 @@ class VisionLM(nnx.Module):
                              "(qwen2_5_vl.mrope_positions)")
         embeds = self.embed(input_ids, features)
         return self.lm(input_ids, attention_mask, embeds=embeds, positions=positions, **kw)
-
-
-def greedy(model: VisionLM, input_ids, attention_mask, grids, pixels, max_new_tokens: int):
-    """Greedy continuations [B, max_new_tokens] of left-padded prompts with images, through
-    the KV cache: the image tokens enter the cache at prefill, each decoded token then reads
-    it. A reference decoder for checks; rollouts run through `hfjax.engine`."""
-    cfg = model.config
-    ids = np.asarray(input_ids)
-    mask = np.asarray(attention_mask, np.int32)
-    B, T = ids.shape
-    positions, offsets = mrope_positions(cfg, ids, mask, grids)
-    slots = T + max_new_tokens
-    cache = KVCache.zeros(cfg.text, B, slots)
-    slot_mask = np.zeros((B, slots), np.int32)
-    slot_mask[:, :T] = mask
-    feats = None if pixels is None else model.visual(jnp.asarray(pixels),
-                                                     vision.layout(cfg.vision, grids))
-    logits, cache = model(jnp.asarray(ids), jnp.asarray(slot_mask), features=feats,
-                          positions=jnp.asarray(positions), cache=cache, cache_index=0)
-    nxt = jnp.argmax(logits[:, -1], -1)
-    out = [nxt]
-    pos = mask.sum(1) + offsets
-    step = jax.jit(lambda m, tok, c, sm, p, i: m(tok, sm, positions=p, cache=c, cache_index=i))
-    for j in range(1, max_new_tokens):
-        slot_mask[:, T + j - 1] = 1
-        logits, cache = step(model, nxt[:, None], cache, jnp.asarray(slot_mask),
-                             jnp.asarray(pos + j - 1)[:, None], T + j - 1)
-        nxt = jnp.argmax(logits[:, -1], -1)
-        out.append(nxt)
-    return np.asarray(jnp.stack(out, 1))
 
 
 def load_hf(path: str, *, dtype: str = "float32") -> VisionLM:

@@ -1,7 +1,7 @@
 """Qwen2.5-VL against transformers' `Qwen2_5_VLForConditionalGeneration` on a tiny random model:
 logits of prompts with zero, one and two images of different sizes (window and full attention
-blocks both exercised: an image of 8x12 patches spans several 4x4-patch windows), greedy rows
-against `generate`, the HF round trip, and the refusals."""
+blocks both exercised: an image of 8x12 patches spans several 4x4-patch windows), the sampler's
+greedy rows with images against `generate`, the HF round trip, and the refusals."""
 
 import json
 
@@ -104,15 +104,6 @@ def test_logits_match_transformers(models, batch):
     assert np.abs(blank[0] - got[0]).max() == 0
 
 
-def test_greedy_rows_equal_generate(models, batch):
-    hf, _, ours = models
-    ids, mask, pixels, grids = batch
-    with torch.no_grad():
-        ref = hf.generate(**_hf_inputs(*batch), max_new_tokens=5, do_sample=False)
-    got = vl.greedy(ours, ids, mask, grids, pixels, 5)
-    np.testing.assert_array_equal(got, ref.numpy()[:, ids.shape[1]:])
-
-
 def test_save_loads_in_transformers(models, batch, tmp_path):
     import transformers as tf
 
@@ -139,3 +130,28 @@ def test_placeholders_and_images_must_agree(models, batch):
         models[2](jnp.asarray(ids), features=jnp.zeros((1, 32)))
     with pytest.raises(ValueError, match="mrope_section=.* summing to head_dim/2=4"):
         cfg.text.replace(mrope_section=(2, 2, 2))
+
+
+def test_rollout_with_images_shares_the_tower_across_samples(models, batch):
+    """The sampler decodes the language model with the prompts' image features in its prefill:
+    greedy rows equal transformers' `generate`, for each of n=2 samples of a prompt, while the
+    tower ran once, over the 3 prompts' images (not once per sample)."""
+    from hfjax.engine import images as engine_images
+    from hfjax.engine.sampler import Sampler
+    from hfjax.engine.token_select import SamplingParams
+
+    hf, _, ours = models
+    ids, mask, pixels, grids = batch
+    with torch.no_grad():
+        ref = hf.generate(**_hf_inputs(*batch), max_new_tokens=5, do_sample=False).numpy()
+    prompts = engine_images.encode(ours, pixels, grids)
+    assert prompts.features.shape[0] == int((ids == IMAGE).sum())  # per prompt, not per sample
+    sampler = Sampler(ours.lm, pad_id=0, max_prompt_len=64)
+    out = sampler.generate(nnx.state(ours.lm), ids, mask,
+                           SamplingParams(max_new_tokens=5, temperature=0.0, n=2),
+                           images=prompts)
+    np.testing.assert_array_equal(np.asarray(out.tokens),
+                                  np.repeat(ref[:, ids.shape[1]:], 2, axis=0))
+    with pytest.raises(ValueError, match="hold 54 image placeholders but the images give 36"):
+        sampler.generate(nnx.state(ours.lm), ids, mask, SamplingParams(max_new_tokens=2),
+                         images=prompts._replace(features=prompts.features[:36]))

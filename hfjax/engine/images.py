@@ -1,0 +1,62 @@
+"""Prompts with images for the sampler (`hfjax.engine.sampler`): a vision-language policy's
+image features, computed by its vision tower once per prompt, enter the prefill in place of
+the placeholders' token embeddings, with M-RoPE positions; the prefill's cache fan-out then
+shares them with the prompt's `n` samples, and decoded tokens continue at each row's M-RoPE
+offset (`hfjax.models.qwen2_5_vl.mrope_positions`)."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from hfjax.models import qwen2_5_vl, vision
+from hfjax.models.qwen2_5_vl import place_images
+
+__all__ = ["ImagePrompts", "VisionPrompts", "place_images", "encode"]
+
+
+class ImagePrompts(NamedTuple):
+    """What the prefill program reads for prompts with images (left-padded to its bucket)."""
+
+    features: jax.Array  # [N, D]: the tower's output for the batch's images, in order
+    is_image: jax.Array  # [B, P] bool: the placeholder columns
+    positions: jax.Array  # [3, B, P] int32: M-RoPE positions
+    offsets: jax.Array  # [B] int32: decoded token j of a row sits at length + offset + j
+
+
+class VisionPrompts(NamedTuple):
+    """A request's images: the model's config, their patch grids (in placeholder order) and the
+    tower's features for them (`encode`)."""
+
+    config: qwen2_5_vl.VLConfig
+    grids: np.ndarray
+    features: jax.Array
+
+    def place(self, ids: np.ndarray, mask: np.ndarray) -> ImagePrompts:
+        """The `ImagePrompts` of the sampler's padded prompt batch."""
+        positions, offsets = qwen2_5_vl.mrope_positions(self.config, ids, mask, self.grids)
+        n_marks = int((ids[mask.astype(bool)] == self.config.image_token_id).sum())
+        if n_marks != self.features.shape[0]:
+            raise ValueError(f"the prompts hold {n_marks} image placeholders but the images "
+                             f"give {self.features.shape[0]} features")
+        return ImagePrompts(self.features, jnp.asarray((ids == self.config.image_token_id)
+                                                       & mask.astype(bool)),
+                            jnp.asarray(positions), jnp.asarray(offsets))
+
+
+def encode(model: qwen2_5_vl.VisionLM, pixels: np.ndarray, grids) -> VisionPrompts:
+    """Runs the vision tower once over a request's images (patches [N, patch_dim] of every
+    prompt, in placeholder order), for all the samples the sampler will draw from them."""
+    cfg = model.config
+    lay = vision.layout(cfg.vision, grids)
+    features = _tower(model.visual, jnp.asarray(pixels), lay)
+    return VisionPrompts(cfg, np.asarray(grids), features)
+
+
+@nnx.jit
+def _tower(tower, pixels, lay):
+    return tower(pixels, lay)
