@@ -35,10 +35,14 @@ TRAIN_RULES: dict[str, Rule] = {
     "norm": None,
     "layers": None,
     "expert": "expert",  # a mixture of experts' experts (hfjax.models.expert_parallel)
+    # A vision tower's own dimensions (hfjax.models.vision), split as the decoder's are.
+    "vision_embed": "fsdp",
+    "vision_heads": "tensor",
+    "vision_mlp": "tensor",
 }
 
 # Decoding: tensor parallel only; every other dimension replicated.
-DECODE_RULES: dict[str, Rule] = {**TRAIN_RULES, "embed": None}
+DECODE_RULES: dict[str, Rule] = {**TRAIN_RULES, "embed": None, "vision_embed": None}
 
 # Training rules whose shards nest inside DECODE_RULES shards (the hybrid engine's layout):
 # `fsdp` splits the same dimensions as `tensor` where it divides them, so a device's training
@@ -53,6 +57,8 @@ NESTED_TRAIN_RULES: dict[str, Rule] = {
     "heads": ("tensor", "fsdp"),
     "kv_heads": ("tensor", "fsdp"),
     "mlp": ("tensor", "fsdp"),
+    "vision_heads": ("tensor", "fsdp"),
+    "vision_mlp": ("tensor", "fsdp"),
 }
 
 RULE_SETS = {"train": TRAIN_RULES, "decode": DECODE_RULES, "nested_train": NESTED_TRAIN_RULES}

@@ -155,3 +155,37 @@ def test_rollout_with_images_shares_the_tower_across_samples(models, batch):
     with pytest.raises(ValueError, match="hold 54 image placeholders but the images give 36"):
         sampler.generate(nnx.state(ours.lm), ids, mask, SamplingParams(max_new_tokens=2),
                          images=prompts._replace(features=prompts.features[:36]))
+
+
+def test_tower_shards_over_fsdp_and_tensor(models, batch):
+    """Under the training rules on fsdp=4 x tensor=2 the tower's weights are stored split
+    (its own axes: vision_embed over fsdp, vision_heads and vision_mlp over tensor), the
+    compiled tower computes each device's head of the attention ([1, N, N] scores, not the 2
+    heads' [2, N, N]), and the logits equal the unsharded model's. A tensor size that does not
+    divide the tower's heads is refused, naming the tensor."""
+    import jax
+
+    from hfjax.parallel.mesh import MeshSpec
+    from hfjax.parallel.sharding import layout
+
+    ours = models[2]
+    ids, mask, pixels, grids = batch
+    mesh = MeshSpec.parse("fsdp=4,tensor=2").build(jax.devices())
+    lay = layout(mesh, "train")
+    graphdef, state = nnx.split(ours)
+    sharded = nnx.merge(graphdef, jax.device_put(state, lay.state_shardings(state)))
+    spec = sharded.visual.qkv[...].sharding.spec
+    assert tuple(spec) == (None, "fsdp", None, "tensor")
+    assert tuple(sharded.visual.gate_proj[...].sharding.spec) == (None, "fsdp", "tensor")
+    np.testing.assert_allclose(_ours(sharded, *batch), _ours(ours, *batch), atol=1e-5)
+
+    vlay = vision.layout(ours.config.vision, grids)
+    n = pixels.shape[0]
+    hlo = nnx.jit(lambda t, x, v: t(x, v)).lower(sharded.visual, jnp.asarray(pixels),
+                                                 vlay).compile().as_text()
+    assert f"f32[1,{n},{n}]" in hlo and f"f32[2,{n},{n}]" not in hlo
+
+    with pytest.raises(ValueError, match=r"tensor proj: .*\(size 4\) do not divide dimension "
+                                         "'vision_heads'=2"):
+        layout(MeshSpec.parse("fsdp=2,tensor=4").build(jax.devices()), "train"
+               ).state_shardings(nnx.state(ours.visual))
