@@ -178,6 +178,42 @@ class VisionLM(nnx.Module):
         return self.lm(input_ids, attention_mask, embeds=embeds, positions=positions, **kw)
 
 
+def _preset(vocab: int, hidden: int, inter: int, layers: int, heads: int, kv: int,
+            tie: bool) -> VLConfig:
+    text = ModelConfig(model_type="qwen2", attention_bias=True, rope_theta=1000000.0,
+                       vocab_size=vocab, hidden_size=hidden, intermediate_size=inter,
+                       num_layers=layers, num_heads=heads, num_kv_heads=kv,
+                       head_dim=hidden // heads, rms_norm_eps=1e-6, tie_word_embeddings=tie,
+                       mrope_section=(16, 24, 24), max_position_embeddings=128000,
+                       bos_token_id=151643, eos_token_id=151645)
+    tower = vision.VisionConfig(depth=32, hidden_size=1280, intermediate_size=3420,
+                                num_heads=16, out_hidden_size=hidden, window_size=112,
+                                fullatt_block_indexes=(7, 15, 23, 31))
+    return VLConfig(text, tower, image_token_id=151655, video_token_id=151656,
+                    vision_start_token_id=151652, vision_end_token_id=151653)
+
+
+# The published Qwen2.5-VL-Instruct shapes (their config.json): 3.75B and 8.29B parameters,
+# 0.67B of them the vision tower's.
+PRESETS = {
+    "qwen2.5-vl-3b": lambda: _preset(151936, 2048, 11008, 36, 16, 2, tie=True),
+    "qwen2.5-vl-7b": lambda: _preset(152064, 3584, 18944, 28, 28, 4, tie=False),
+}
+
+
+def get_preset(name: str) -> VLConfig:
+    """The `VLConfig` of a published shape (`PRESETS`)."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown vision-language preset {name!r}; choose one of "
+                         f"{sorted(PRESETS)}")
+    return PRESETS[name]()
+
+
+def abstract(cfg: VLConfig) -> VisionLM:
+    """The model's structure with ShapeDtypeStruct leaves: nothing is allocated."""
+    return nnx.eval_shape(lambda: VisionLM(cfg, rngs=nnx.Rngs(0)))
+
+
 def load_hf(path: str, *, dtype: str = "float32") -> VisionLM:
     """A `VisionLM` from an HF Qwen2.5-VL directory (safetensors), on the default device.
     Tensors under `model.language_model.` (transformers 5 in memory) read as `model.`."""

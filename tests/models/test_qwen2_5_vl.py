@@ -189,3 +189,15 @@ def test_tower_shards_over_fsdp_and_tensor(models, batch):
                                          "'vision_heads'=2"):
         layout(MeshSpec.parse("fsdp=2,tensor=4").build(jax.devices()), "train"
                ).state_shardings(nnx.state(ours.visual))
+
+
+@pytest.mark.parametrize("name, total", [("qwen2.5-vl-3b", 3_754_622_976),
+                                         ("qwen2.5-vl-7b", 8_292_166_656)])
+def test_presets_have_the_published_parameter_counts(name, total):
+    """The totals of the published checkpoints' safetensors (Qwen2.5-VL-3B/7B-Instruct)."""
+    import jax
+
+    model = vl.abstract(vl.get_preset(name))
+    count = lambda m: sum(x.size for x in jax.tree.leaves(nnx.state(m, nnx.Param)))
+    assert count(model) == total
+    assert count(model.visual) in (668_684_288, 676_550_144)  # the merger's output differs
