@@ -36,15 +36,24 @@ class VisionPrompts(NamedTuple):
     grids: np.ndarray
     features: jax.Array
 
-    def place(self, ids: np.ndarray, mask: np.ndarray) -> ImagePrompts:
-        """The `ImagePrompts` of the sampler's padded prompt batch."""
-        positions, offsets = qwen2_5_vl.mrope_positions(self.config, ids, mask, self.grids)
-        n_marks = int((ids[mask.astype(bool)] == self.config.image_token_id).sum())
-        if n_marks != self.features.shape[0]:
+    def place(self, ids: np.ndarray, mask: np.ndarray, batch: int) -> ImagePrompts:
+        """The `ImagePrompts` of the sampler's padded prompt batch, whose rows past `batch`
+        repeat the first prompt (padding to the data-parallel size): they get its images."""
+        cfg, grids, features = self.config, [tuple(g) for g in self.grids], self.features
+        first = int((ids[0][mask[0].astype(bool)] == cfg.image_token_id).sum())
+        if len(ids) > batch and first:
+            per_grid = np.cumsum([int(np.prod(g)) // cfg.vision.merge_unit for g in grids])
+            n_grids = int(np.searchsorted(per_grid, first)) + 1
+            copies = len(ids) - batch
+            grids = grids + grids[:n_grids] * copies
+            features = jnp.concatenate([features] + [features[:first]] * copies)
+        positions, offsets = qwen2_5_vl.mrope_positions(cfg, ids, mask, grids)
+        n_marks = int((ids[mask.astype(bool)] == cfg.image_token_id).sum())
+        if n_marks != features.shape[0]:
             raise ValueError(f"the prompts hold {n_marks} image placeholders but the images "
-                             f"give {self.features.shape[0]} features")
-        return ImagePrompts(self.features, jnp.asarray((ids == self.config.image_token_id)
-                                                       & mask.astype(bool)),
+                             f"give {features.shape[0]} features")
+        return ImagePrompts(features, jnp.asarray((ids == cfg.image_token_id)
+                                                  & mask.astype(bool)),
                             jnp.asarray(positions), jnp.asarray(offsets))
 
 

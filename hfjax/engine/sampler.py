@@ -494,11 +494,10 @@ class Sampler:
         stops = np.asarray(params.eos_ids, np.int32).reshape(-1)
         extra = {}
         if images is not None:
-            if type(self)._decode is not Sampler._decode or ids.shape[0] != batch:
-                raise ValueError("prompts with images decode in one static batch whose size the "
-                                 "data-parallel size divides; continuous batching and padded "
-                                 "batches with images are not built")
-            extra["images"] = images.place(ids, mask)
+            if type(self)._decode is not Sampler._decode:
+                raise ValueError("continuous batching of prompts with images is not built; "
+                                 "decode them with a Sampler (rollout.continuous=False)")
+            extra["images"] = images.place(ids, mask, batch)
         out = self._decode(self.place(state), ids, mask, seeds, salts, knobs, stops, batch,
                            params, **extra)
         rows_out, cols = batch * params.n, params.max_new_tokens
@@ -522,6 +521,7 @@ class Sampler:
             with jax.transfer_guard("allow"):
                 ids, mask, seeds, salts = jax.device_put((ids, mask, seeds, salts), rows)
                 knobs, stops = jax.device_put((knobs, stops), everywhere)
+                images = jax.device_put(images, everywhere)
         carry = prefill(state, ids, mask, seeds, salts, knobs, stops, images)
         carry = decode(state, carry, knobs, stops)
         return GenerateOutput(carry.tokens, carry.mask, carry.logprobs)

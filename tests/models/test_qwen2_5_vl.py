@@ -150,8 +150,20 @@ def test_rollout_with_images_shares_the_tower_across_samples(models, batch):
     out = sampler.generate(nnx.state(ours.lm), ids, mask,
                            SamplingParams(max_new_tokens=5, temperature=0.0, n=2),
                            images=prompts)
-    np.testing.assert_array_equal(np.asarray(out.tokens),
-                                  np.repeat(ref[:, ids.shape[1]:], 2, axis=0))
+    want = np.repeat(ref[:, ids.shape[1]:], 2, axis=0)
+    np.testing.assert_array_equal(np.asarray(out.tokens), want)
+    # On a data=4 x tensor=2 decode mesh the 3 prompts are padded to 4 (the pad row repeats
+    # prompt 0 and its image); the rows are the same.
+    import jax
+
+    from hfjax.parallel.mesh import MeshSpec
+
+    mesh = MeshSpec.parse("data=4,tensor=2").build(jax.devices())
+    meshed = Sampler(ours.lm, pad_id=0, max_prompt_len=64, mesh=mesh)
+    out = meshed.generate(nnx.state(ours.lm), ids, mask,
+                          SamplingParams(max_new_tokens=5, temperature=0.0, n=2), images=prompts)
+    assert meshed.compile_log[0].batch == 4
+    np.testing.assert_array_equal(np.asarray(out.tokens), want)
     with pytest.raises(ValueError, match="hold 54 image placeholders but the images give 36"):
         sampler.generate(nnx.state(ours.lm), ids, mask, SamplingParams(max_new_tokens=2),
                          images=prompts._replace(features=prompts.features[:36]))
