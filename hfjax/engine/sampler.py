@@ -494,6 +494,9 @@ class Sampler:
         stops = np.asarray(params.eos_ids, np.int32).reshape(-1)
         extra = {}
         if images is not None:
+            if not self.config.mrope_section:
+                raise ValueError("images for a text-only model; sample a vision-language "
+                                 "model's language model (VisionLM.lm)")
             if type(self)._decode is not Sampler._decode:
                 raise ValueError("continuous batching of prompts with images is not built; "
                                  "decode them with a Sampler (rollout.continuous=False)")

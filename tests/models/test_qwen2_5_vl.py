@@ -13,8 +13,8 @@ from flax import nnx
 from PIL import Image
 
 from hfjax.data import images
+from hfjax.models import hf_io, vision
 from hfjax.models import qwen2_5_vl as vl
-from hfjax.models import vision
 
 IMAGE, START, END = 120, 118, 119
 
@@ -130,6 +130,9 @@ def test_placeholders_and_images_must_agree(models, batch):
         models[2](jnp.asarray(ids), features=jnp.zeros((1, 32)))
     with pytest.raises(ValueError, match="mrope_section=.* summing to head_dim/2=4"):
         cfg.text.replace(mrope_section=(2, 2, 2))
+    # The text-only loader (launch.train's) refuses the checkpoint, pointing at the VLM one.
+    with pytest.raises(ValueError, match="Qwen2.5-VL checkpoint is a vision-language model"):
+        hf_io.load(models[1])
 
 
 def test_rollout_with_images_shares_the_tower_across_samples(models, batch):
@@ -139,6 +142,7 @@ def test_rollout_with_images_shares_the_tower_across_samples(models, batch):
     from hfjax.engine import images as engine_images
     from hfjax.engine.sampler import Sampler
     from hfjax.engine.token_select import SamplingParams
+    from hfjax.models import transformer
 
     hf, _, ours = models
     ids, mask, pixels, grids = batch
@@ -164,6 +168,10 @@ def test_rollout_with_images_shares_the_tower_across_samples(models, batch):
                           SamplingParams(max_new_tokens=5, temperature=0.0, n=2), images=prompts)
     assert meshed.compile_log[0].batch == 4
     np.testing.assert_array_equal(np.asarray(out.tokens), want)
+    text_model = transformer.build(ours.config.text.replace(mrope_section=()))
+    with pytest.raises(ValueError, match="images for a text-only model"):
+        Sampler(text_model, pad_id=0).generate(nnx.state(text_model), ids, mask,
+                                               SamplingParams(max_new_tokens=2), images=prompts)
     with pytest.raises(ValueError, match="hold 54 image placeholders but the images give 36"):
         sampler.generate(nnx.state(ours.lm), ids, mask, SamplingParams(max_new_tokens=2),
                          images=prompts._replace(features=prompts.features[:36]))
