@@ -28,6 +28,7 @@ from flax import nnx
 from hfjax.models import hf_io, vision
 from hfjax.models.config import ModelConfig
 from hfjax.models.transformer import CausalLM
+from hfjax.parallel import sharding as shd
 
 
 @dataclasses.dataclass(frozen=True)
@@ -214,9 +215,12 @@ def abstract(cfg: VLConfig) -> VisionLM:
     return nnx.eval_shape(lambda: VisionLM(cfg, rngs=nnx.Rngs(0)))
 
 
-def load_hf(path: str, *, dtype: str = "float32") -> VisionLM:
-    """A `VisionLM` from an HF Qwen2.5-VL directory (safetensors), on the default device.
-    Tensors under `model.language_model.` (transformers 5 in memory) read as `model.`."""
+def load_hf(path: str, *, dtype: str = "float32", mesh=None,
+            rules: str | dict = "train") -> VisionLM:
+    """A `VisionLM` from an HF Qwen2.5-VL directory (safetensors), in the `rules` layout of
+    `mesh` (the decoder tensor by tensor, as `hf_io.assemble` places it; the tower with the
+    same rules for its own axes), or on the default device without a mesh. Tensors under
+    `model.language_model.` (transformers 5 in memory) read as `model.`."""
     cfg = VLConfig.from_hf_config(hf_io._read_config(path), dtype=dtype)
     files = hf_io._safetensor_files(path)
     visual = {}
@@ -231,8 +235,12 @@ def load_hf(path: str, *, dtype: str = "float32") -> VisionLM:
             else:
                 yield name, w
 
-    lm = hf_io.assemble(cfg.text, text_tensors())
+    lm = hf_io.assemble(cfg.text, text_tensors(), mesh=mesh, rules=rules)
     tower = vision.from_hf_tensors(cfg.vision, visual)
+    if mesh is not None:
+        graphdef, state = nnx.split(tower)
+        state = jax.device_put(state, shd.layout(mesh, rules).state_shardings(state))
+        tower = nnx.merge(graphdef, state)
     return VisionLM(cfg, rngs=nnx.Rngs(0), lm=lm, visual=tower)
 
 

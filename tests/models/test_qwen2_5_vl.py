@@ -178,7 +178,7 @@ def test_rollout_with_images_shares_the_tower_across_samples(models, batch):
 
 
 def test_tower_shards_over_fsdp_and_tensor(models, batch):
-    """Under the training rules on fsdp=4 x tensor=2 the tower's weights are stored split
+    """Loaded onto fsdp=4 x tensor=2 under the training rules, the tower's weights are split
     (its own axes: vision_embed over fsdp, vision_heads and vision_mlp over tensor), the
     compiled tower computes each device's head of the attention ([1, N, N] scores, not the 2
     heads' [2, N, N]), and the logits equal the unsharded model's. A tensor size that does not
@@ -191,9 +191,8 @@ def test_tower_shards_over_fsdp_and_tensor(models, batch):
     ours = models[2]
     ids, mask, pixels, grids = batch
     mesh = MeshSpec.parse("fsdp=4,tensor=2").build(jax.devices())
-    lay = layout(mesh, "train")
-    graphdef, state = nnx.split(ours)
-    sharded = nnx.merge(graphdef, jax.device_put(state, lay.state_shardings(state)))
+    sharded = vl.load_hf(models[1], mesh=mesh)
+    assert tuple(sharded.lm.model.layers.q_proj[...].sharding.spec) == (None, "fsdp", "tensor")
     spec = sharded.visual.qkv[...].sharding.spec
     assert tuple(spec) == (None, "fsdp", None, "tensor")
     assert tuple(sharded.visual.gate_proj[...].sharding.spec) == (None, "fsdp", "tensor")
