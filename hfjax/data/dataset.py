@@ -385,10 +385,13 @@ def _tokenize(tok, prompts: list[list[dict]]) -> list[list[int]]:
 
 
 def _fingerprint(rows: list[dict]) -> int:
-    """A checksum of the kept rows' prompt ids, rewards and order, to spot changed data."""
+    """A checksum of the kept rows' prompt ids, images, rewards and order, to spot changed
+    data."""
     crc = 0
     for r in rows:
         crc = zlib.crc32(np.asarray(r["prompt_ids"], np.int64).tobytes(), crc)
+        for picture in r.get("images") or ():
+            crc = zlib.crc32(picture, crc)
         tag = json.dumps([r["data_source"], r["reward_model"]["ground_truth"]])
         crc = zlib.crc32(tag.encode(), crc)
     return crc

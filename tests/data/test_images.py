@@ -68,6 +68,9 @@ def test_multimodal_parquet_rows_and_refusals(tmp_path, tok):
     ds = Dataset.from_parquet(path, tok, 64, images=True)
     assert [len(r["images"]) for r in ds.rows] == [1, 2]
     assert images.open_image(ds.rows[1]["images"][1]).size == (40, 10)
+    # A changed picture changes the fingerprint a resumed run checks its data against.
+    other = [good[0], _row(1, 2, [_png(8, 8), _png(40, 10, (0, 0, 255))])]
+    assert Dataset(other, tok, 64, images=True).fingerprint != ds.fingerprint
     with pytest.raises(ValueError, match=r"mm.parquet row 0 has images, but the policy is "
                                          "text-only"):
         Dataset.from_parquet(path, tok, 64)
