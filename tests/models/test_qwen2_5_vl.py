@@ -135,6 +135,7 @@ def test_placeholders_and_images_must_agree(models, batch):
         hf_io.load(models[1])
 
 
+@pytest.mark.slow  # 22 s wall on the shared 2-core machine (two samplers compiled)
 def test_rollout_with_images_shares_the_tower_across_samples(models, batch):
     """The sampler decodes the language model with the prompts' image features in its prefill:
     greedy rows equal transformers' `generate`, for each of n=2 samples of a prompt, while the
