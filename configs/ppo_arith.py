@@ -279,6 +279,10 @@ def get_config() -> config_dict.ConfigDict:
                      rollout_rs_threshold=0.0, rollout_rs_threshold_lower=0.0,
                      rollout_token_veto_threshold=0.0, bypass_mode=False)
             ),
+            # On-policy distillation (docs/algorithms.md): coef > 0 adds the teacher's
+            # per-token reverse-KL advantage (teacher.path) to any algorithm's, summed over
+            # later tokens with `discount` (0: each token's own).
+            distill=config_dict.ConfigDict(dict(coef=0.0, discount=0.0)),
         )
     )
     c.reward = config_dict.ConfigDict(
@@ -314,6 +318,10 @@ def get_config() -> config_dict.ConfigDict:
             reference_fn="",
         )
     )
+    # On-policy distillation's teacher (algo.distill.coef > 0, or --config.algorithm=opd): a
+    # causal LM with the student's vocabulary, on its own pool's mesh, scoring the samples.
+    c.teacher = config_dict.ConfigDict(
+        dict(path="", mesh="fsdp=-1", sequence_parallel="ulysses", dtype="float32"))
     # How python -m launch.plan models programs that hfjax's runs do not have yet (the trainer
     # ignores these): score_micro, rows per scoring pass (0: the whole batch in one call, as
     # hfjax scores); gen_rows, rows a decode replica generates at once (0: all of them, as

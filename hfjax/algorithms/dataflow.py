@@ -21,6 +21,7 @@ from hfjax.controller.batch import Batch
 from hfjax.numerics import core, losses, shaping
 from hfjax.numerics import rollout_correction as rc_numerics
 from hfjax.numerics.advantages import AdvantageInputs
+from hfjax.numerics.distill import reverse_kl_advantage
 from hfjax.numerics.losses import KLController, LagrangeMultiplier
 from hfjax.numerics.rollout_correction import RolloutCorrection
 from hfjax.parallel.transfer import mesh_scalar
@@ -37,7 +38,8 @@ def sample(w: WorkerGroups, batch: Batch, spec: StepSpec) -> Batch:
 
 def log_probs(w: WorkerGroups, batch: Batch, spec: StepSpec) -> Batch:
     """The scoring half of `sample`, for a batch already generated: old_log_probs when the
-    update needs them, ref_log_prob when there is a reference."""
+    update needs them, ref_log_prob when there is a reference, teacher_log_prob when there is
+    a teacher (on-policy distillation)."""
     if spec.algo.rollout_correction.bypass_mode:
         # verl's bypass mode: the sampler's log-probs stand for the old policy's, so PPO's
         # ratio is taken against the policy that sampled, and no scoring pass runs.
@@ -46,6 +48,9 @@ def log_probs(w: WorkerGroups, batch: Batch, spec: StepSpec) -> Batch:
         batch = batch.union(w.run("old_log_prob", w.actor.compute_log_prob, batch))
     if w.ref is not None:
         batch = batch.union(w.run("ref", w.ref.compute_ref_log_prob, batch))
+    teacher = w.roles.get("teacher")
+    if teacher is not None:
+        batch = batch.union(w.run("teacher", teacher.compute_teacher_log_prob, batch))
     return batch
 
 
@@ -103,16 +108,18 @@ def needs_old_log_prob(w: WorkerGroups, batch: Batch, spec: StepSpec) -> bool:
     rc = spec.algo.rollout_correction
     # A rollout correction compares the sampler's log-probs with the old policy's, so it needs
     # them even on-policy; bypass mode reads the sampler's as the old ones.
+    # Distillation's advantage compares the student's log-probs with the teacher's.
     return (spec.algo.use_kl_in_reward or not w.actor.single_update(len(batch))
-            or rc.bypass_mode or rc.resolved.active)
+            or rc.bypass_mode or rc.resolved.active or spec.algo.distill.coef > 0)
 
 
 # Batch arrays an estimator may read, beyond the rewards and the mask (AdvantageInputs fields).
 _OPTIONAL_INPUTS = ("values", "reward_baselines", "token_level_costs", "cost_values")
 
 
-@functools.partial(jax.jit, static_argnames=("estimator", "kl_penalty", "use_kl", "n", "opts"))
-def _advantage(arrays, kl_coef, scalars, *, estimator, kl_penalty, use_kl, n, opts):
+@functools.partial(jax.jit, static_argnames=("estimator", "kl_penalty", "use_kl", "n", "opts",
+                                             "distill"))
+def _advantage(arrays, kl_coef, scalars, *, estimator, kl_penalty, use_kl, n, opts, distill):
     mask = arrays["response_mask"].astype(jnp.float32)
     scores = arrays["token_level_scores"]
     metrics = {}
@@ -138,6 +145,12 @@ def _advantage(arrays, kl_coef, scalars, *, estimator, kl_penalty, use_kl, n, op
         **dict(opts),
     )
     adv, ret, *extra = core.ADV_ESTIMATORS.get(estimator)(inputs)
+    if distill is not None:  # on-policy distillation's term: (coef, discount)
+        term = reverse_kl_advantage(arrays["old_log_probs"], arrays["teacher_log_prob"], mask,
+                                    distill[1])
+        adv = adv + distill[0] * term
+        metrics["actor/distill_reverse_kl"] = core.masked_mean(
+            arrays["old_log_probs"] - arrays["teacher_log_prob"], mask)
     out = {"token_level_rewards": rewards, "advantages": adv, "returns": ret}
     return out | (extra[0] if extra else {}), metrics
 
@@ -146,6 +159,8 @@ def compute_advantage(batch: Batch, spec: StepSpec, kl_coef: float,
                       lagrange: LagrangeMultiplier | None = None) -> tuple[Batch, dict]:
     """Adds token_level_rewards, advantages and returns (and whatever else the estimator
     hands on, e.g. Safe-RLHF's cost_returns); rows come in groups of `spec.rollout.n` samples.
+    With `algo.distill.coef` > 0 the teacher's reverse-KL advantage, times the coefficient, is
+    added to the estimator's (`hfjax.numerics.distill`).
     Every input an estimator may read that the batch holds is passed (`AdvantageInputs`), and
     the Lagrange multiplier's current value when there is one."""
     StepSpec.require(spec, "compute_advantage")
@@ -154,6 +169,9 @@ def compute_advantage(batch: Batch, spec: StepSpec, kl_coef: float,
     keys = ["response_mask", "token_level_scores"] + (["old_log_probs", "ref_log_prob"]
                                                       if use_kl else [])
     keys += [k for k in _OPTIONAL_INPUTS if k in batch]
+    distill = (a.distill.coef, a.distill.discount) if a.distill.coef > 0 else None
+    if distill is not None:
+        keys += [k for k in ("old_log_probs", "teacher_log_prob") if k not in keys]
     # The correction comes first, so that its rejected tokens leave the advantages too.
     rc = a.rollout_correction.resolved
     rc_metrics = {}
@@ -179,6 +197,7 @@ def compute_advantage(batch: Batch, spec: StepSpec, kl_coef: float,
         use_kl=use_kl,
         n=spec.rollout.n,
         opts=opts,
+        distill=distill,
     )
     return batch.union(Batch(out)), metrics | rc_metrics
 

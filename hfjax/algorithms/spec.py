@@ -76,6 +76,17 @@ class RolloutCorrectionSpec(Spec):
 
 
 @dataclasses.dataclass(frozen=True)
+class DistillSpec(Spec):
+    """On-policy distillation's term (`algo.distill`, `hfjax.numerics.distill`): the teacher's
+    per-token reverse-KL advantage, times `coef`, added to the estimator's."""
+
+    ROLE = "algo.distill"
+
+    coef: float = key(Float(0.0, note="0: off; > 0 builds the teacher (teacher.path)"))
+    discount: float = key(Float(0.0, 1.0, note="0: each token's own term"))
+
+
+@dataclasses.dataclass(frozen=True)
 class AlgoSpec(Spec):
     """The advantage stage's settings and DAPO's sampling and shaping (the `algo` section)."""
 
@@ -90,6 +101,7 @@ class AlgoSpec(Spec):
     filter_groups: FilterGroupsSpec
     overlong_buffer: OverlongSpec
     rollout_correction: RolloutCorrectionSpec
+    distill: DistillSpec
 
 
 @dataclasses.dataclass(frozen=True)

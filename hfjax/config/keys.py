@@ -176,6 +176,11 @@ HAND_KEYS: dict[str, Callable[[Any], str | None]] = {
     **_score_model_rows("reward_model"),
     **_score_model_rows("cost_model"),
     "cost_model.reference_fn": Check(spec),
+    # on-policy distillation's teacher (algo.distill.coef > 0 or algorithm=opd)
+    "teacher.path": Check(model_path(optional=True)),
+    "teacher.mesh": Check(mesh(optional=False)),
+    "teacher.sequence_parallel": _SP,
+    "teacher.dtype": Choice(("float32", "bfloat16")),
     # python -m launch.train_rm (hfjax.run.rm)
     "rm.target": Choice(rm_targets),
     "rm.train_files": Check(parquet_files),

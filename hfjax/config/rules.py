@@ -14,13 +14,25 @@ from hfjax.numerics import rollout_correction as rc_numerics
 
 def run_roles(algo, cfg) -> tuple[str, ...]:
     """The algorithm's roles plus those the config selects: a reward model
-    (`reward_model.path`) scores for any algorithm with a reward. A cost model is part of an
-    algorithm that uses costs (Safe-RLHF); configuring one for another algorithm is a
-    ValueError, since nothing would read it."""
+    (`reward_model.path`) scores for any algorithm with a reward, and a teacher
+    (`teacher.path`) for any algorithm with a distillation term (`algo.distill.coef` > 0). A
+    cost model is part of an algorithm that uses costs (Safe-RLHF); configuring one for
+    another algorithm is a ValueError, since nothing would read it."""
     roles = list(algo.roles)
     rm = cfg.get("reward_model")
     if rm is not None and rm.path and "reward" in roles and "reward_model" not in roles:
         roles.append("reward_model")
+    distill = cfg.algo.get("distill")
+    teacher = cfg.get("teacher")
+    if distill is not None and distill.coef > 0:
+        if teacher is None or not teacher.path:
+            raise ValueError("algo.distill.coef > 0 distils from a teacher: set "
+                             "--config.teacher.path (a model sharing the student's tokenizer)")
+        if "teacher" not in roles:
+            roles.append("teacher")
+    elif teacher is not None and teacher.path:
+        raise ValueError("teacher.path is set but algo.distill.coef is 0, so nothing reads the "
+                         "teacher; set --config.algo.distill.coef (e.g. 1.0) or unset it")
     cm = cfg.get("cost_model")
     if cm is not None and cm.path and "cost_model" not in roles:
         raise ValueError(f"cost_model.path is set but algorithm {algo.name!r} has no cost; "

@@ -13,7 +13,7 @@ looks them up by the config's name (``ADV_ESTIMATORS.get(cfg.algo.adv_estimator)
 estimator or loss registers itself the same way from any module.
 """
 
-from hfjax.numerics import advantages, losses, shaping  # noqa: F401  (registration on import)
+from hfjax.numerics import advantages, distill, losses, shaping  # noqa: F401  (registration)
 from hfjax.numerics.advantages import AdvantageInputs
 from hfjax.numerics.core import ADV_ESTIMATORS, KL_PENALTIES, LOSS_AGG_MODES, POLICY_LOSSES
 from hfjax.numerics.losses import PolicyLossInputs

@@ -24,6 +24,7 @@ from hfjax.controller import compile_log
 from hfjax.controller.async_pools import ROLE as ROLLOUT
 from hfjax.data.batching import prompt_batch
 from hfjax.data.dataset import task_splits
+from hfjax.models.hf_io import read_model_config
 from hfjax.numerics import rollout_correction as rc_numerics
 from hfjax.parallel import distributed, lost_process, targets
 from hfjax.parallel.transfer import host_values
@@ -42,6 +43,7 @@ from hfjax.run.validation import generation_metrics
 from hfjax.workers import groups
 from hfjax.workers.groups import WorkerGroups
 from hfjax.workers.rollout import build_rollout
+from hfjax.workers.teacher import check_vocabulary
 
 
 class Trainer:
@@ -91,6 +93,10 @@ class Trainer:
             raise ValueError(f"the tokenizer has {self.tok.vocab_size} tokens, the model's "
                              f"vocabulary {self.model_cfg.vocab_size}; give a tokenizer that "
                              "fits the model (--config.model.tokenizer)")
+        if "teacher" in self.roles:  # refused before the warm start, not after it
+            t = cfg.teacher
+            check_vocabulary(t.path, read_model_config(t.path, dtype=t.dtype).vocab_size,
+                             self.model_cfg.vocab_size)
         self.actor = groups.build_actor(cfg, initial, self.pools, self.tok.pad_id, self.tok.eos_id,
                                         tokenizer=self.tok)
         if rc.bypass_mode and rc.resolved.active:  # rejection inside the policy loss

@@ -31,6 +31,7 @@ from hfjax.engine.continuous import rollout_sampler
 from hfjax.engine.layout_choice import actor_rules_and_engine
 from hfjax.engine.spec import MultiTurnSpec, RolloutSpec
 from hfjax.engine.update import make_optimizer
+from hfjax.models import load as load_model
 from hfjax.models import lora, transformer
 from hfjax.models.hf_io import load_score, read_model_config
 from hfjax.numerics.losses import (
@@ -46,6 +47,7 @@ from hfjax.workers.critic import CostCritic, Critic
 from hfjax.workers.reward import RuleReward, parse_source_weights
 from hfjax.workers.score import ModelReward
 from hfjax.workers.spec import ActorSpec, CriticSpec, ScoreSpec
+from hfjax.workers.teacher import Teacher, check_vocabulary
 
 
 @dataclasses.dataclass
@@ -278,7 +280,20 @@ def _score_builder(role: str, output: str) -> RoleBuilder:
     return build
 
 
+def _build_teacher(ctx: BuildContext) -> Teacher:
+    """The teacher from teacher.path, on its pool's mesh, scoring as the reference does."""
+    s = ctx.section("teacher")
+    config = read_model_config(s.path, dtype=s.dtype)
+    check_vocabulary(s.path, config.vocab_size, ctx.actor.config.vocab_size)
+    model = transformer.abstract(config) if ctx.actor.abstract else load_model(s.path,
+                                                                               dtype=s.dtype)
+    return Teacher("teacher", ctx.pools["teacher"], s.mesh, model, home=ctx.home,
+                   sequence_parallel=s.sequence_parallel, spec=ctx.actor.spec,
+                   rollout=ctx.actor.rollout)
+
+
 register_role("ref", _build_ref, side="generate")
+register_role("teacher", _build_teacher)
 register_role("critic", _critic_builder("critic", Critic, 1))
 register_role("cost_critic", _critic_builder("cost_critic", CostCritic, 2))
 register_role("reward_model", _score_builder("reward_model", "rm_scores"))

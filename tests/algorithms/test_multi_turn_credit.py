@@ -162,7 +162,9 @@ def test_every_estimator_is_covered_here():
     # hfjax's own estimators (other test modules register user ones in the same process).
     own = {n for n in core.ADV_ESTIMATORS.names()
            if core.ADV_ESTIMATORS.get(n).__module__.startswith("hfjax.")}
-    assert own <= set(ESTIMATORS)
+    # "distill" takes nothing from rewards; its teacher term's credit across tool tokens is
+    # checked against a loop in tests/algorithms/test_distill.py.
+    assert own - {"distill"} <= set(ESTIMATORS)
 
 
 @pytest.mark.parametrize("gamma,lam", [(1.0, 1.0), (0.9, 0.8)])
@@ -275,7 +277,9 @@ def score_dirs(tmp_path_factory):
 
 def _registered():
     _load_builtin()
-    return ALGORITHMS.names()
+    # opd's advantage is the teacher's term alone, whose credit across tool tokens
+    # tests/algorithms/test_distill.py checks against a loop (its step needs a teacher model).
+    return tuple(n for n in ALGORITHMS.names() if n != "opd")
 
 
 @pytest.mark.slow

@@ -686,7 +686,7 @@ def test_estimators_declare_the_batch_arrays_they_need():
 
 
 def test_registry_unknown_names_list_known():
-    with pytest.raises(ValueError, match=r"unknown adv_estimator 'foo'; known: gae, grpo"):
+    with pytest.raises(ValueError, match=r"unknown adv_estimator 'foo'; known: distill, gae, grpo"):
         core.ADV_ESTIMATORS.get("foo")
     with pytest.raises(ValueError, match=r"unknown policy_loss 'x'; known: gspo, vanilla"):
         core.POLICY_LOSSES.get("x")

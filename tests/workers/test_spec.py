@@ -14,6 +14,7 @@ from configs import ppo_arith
 from hfjax.algorithms import dataflow
 from hfjax.algorithms.spec import (
     AlgoSpec,
+    DistillSpec,
     FilterGroupsSpec,
     OverlongSpec,
     RolloutCorrectionSpec,
@@ -111,7 +112,8 @@ def test_the_step_spec_holds_the_default_configs_values():
         rollout_correction=RolloutCorrectionSpec(
             rollout_is="", rollout_is_threshold=2.0, rollout_rs="", rollout_rs_threshold=0.0,
             rollout_rs_threshold_lower=0.0, rollout_token_veto_threshold=0.0,
-            bypass_mode=False))
+            bypass_mode=False),
+        distill=DistillSpec(coef=0.0, discount=0.0))
     assert not s.algo.rollout_correction.resolved.active
     assert s.rollout == RolloutSpec.of(c.rollout) and StepSpec.of(s) is s
     assert isinstance(s.algo.gamma, float)  # read as the field's type
