@@ -121,7 +121,7 @@ class _RePrefillSession:
         p = dataclasses.replace(self.params, n=1, max_new_tokens=room)
         out = self.sampler.generate(self.state, np.asarray(ids), np.asarray(mask), p,
                                     seed=np.array([seeds[r] for r in picks]))
-        toks, m, lps = (np.asarray(x) for x in out)
+        toks, m, lps = (np.asarray(x) for x in out[:3])
         for k, r in enumerate(go):
             keep = m[k] > 0
             self._write(r, toks[k][keep], lps[k][keep], ends[r])

@@ -164,6 +164,10 @@ def get_config() -> config_dict.ConfigDict:
             # either way, with the least and most loaded experts' share of the mean load.
             moe_aux_loss_coef=0.0,
             moe_z_loss_coef=0.0,
+            # Routing replay (hfjax/workers/routing.py): the sampler records each token's
+            # experts; none | r2 (the old-policy log-probs route as the sampler did) | r3 (the
+            # update too). actor/router_mismatch is logged either way.
+            router_replay="none",
             # LoRA (hfjax/models/lora.py): rank > 0 trains low-rank adapters on the model RL
             # starts from (after the warm start) instead of its full weights; that base stays
             # frozen in model.param_dtype and is the reference (no second copy). targets:

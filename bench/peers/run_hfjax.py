@@ -144,6 +144,7 @@ def build(w: workload.Workload):
         share_prompt=mode == "continuous",
         logprob_chunk=head_chunks.DEFAULT_CHUNK,
         moe_aux_loss_coef=0.0, moe_z_loss_coef=0.0,  # a dense model: no router losses
+        router_replay="none",
     )
     # Every field of the rollout's spec (hfjax/engine/spec.py) too: decoding in the training
     # layout, reading the cache the platform's way, one turn.

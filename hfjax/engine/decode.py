@@ -12,7 +12,7 @@ SmolLM2-135M (batch 16, 192 cache slots; see docs/benchmarks.md):
   batched matmul against a transposed operand that XLA:CPU runs at about half the speed of the
   plain one (keys stored [batch, kv_heads, head_dim, slots]).
 
-This module runs the model's own layer pieces (`attention_inputs` and `layer_output` of
+This module runs the model's own layer pieces (`attention_inputs` and `routed_layer_output` of
 `hfjax.models.transformer`) with layers unrolled over weights sliced once per program call,
 and keeps the cache per layer as keys [batch, kv_heads, head_dim, slots] and values [batch,
 kv_heads, slots, head_dim]: both attention products are plain batched matmuls over the cache in
@@ -64,8 +64,8 @@ from hfjax.models.rope import rope_inv_freq, rope_tables
 from hfjax.models.transformer import (
     KVCache,
     attention_inputs,
-    layer_output,
     rms_norm,
+    routed_layer_output,
 )
 from hfjax.parallel import mesh as mesh_lib
 from hfjax.parallel import sharding as shd
@@ -328,9 +328,9 @@ def _layer(
     kv: LayerCache,
     col: jax.Array,
     opts: DecodeOptions,
-) -> tuple[jax.Array, LayerCache]:
+) -> tuple[jax.Array, LayerCache, moe.RouterStats | None]:
     """One decoder layer for h [R, 1, D]; returns (new h, the cache with response column `col`
-    written).
+    written, a sparse layer's router statistics or None).
 
     Only the cache handling differs from the model's own layer; the projections, norms, RoPE
     and MLP are `hfjax.models.transformer`'s.
@@ -376,7 +376,8 @@ def _layer(
     out = (acc.out / acc.total).astype(qg.dtype)
     # Heads flattened in (kv_head, group) order, which is the query-head order.
     attn = out.reshape(rows, 1, cfg.num_heads, head_dim)
-    return layer_output(cfg, p, h, attn), kv._replace(k=ck, v=cv)
+    h, stats = routed_layer_output(cfg, p, h, attn)
+    return h, kv._replace(k=ck, v=cv), stats
 
 
 def decode_step(
@@ -406,9 +407,13 @@ def decode_step(
     col = slot - (pk.shape[1] if options.layout == "gpu" else pk.shape[-1])
     h = model.model.embed(tokens[:, None])
     rope = rope_tables(positions[:, None], rope_inv_freq(cfg), storage_dtype(cfg.jnp_dtype), slots)
-    new_cache = []
+    new_cache, routed = [], []
     for p, kv in zip(layers, cache):
-        h, kv = _layer(cfg, rope, p, h, valid, kv, col, options)
+        h, kv, stats = _layer(cfg, rope, p, h, valid, kv, col, options)
         new_cache.append(kv)
+        routed += [] if stats is None else [stats]
+    # A mixture of experts' routing of the step's tokens, for an active `moe.collecting()`
+    # (the sampler records the expert ids).
+    moe.record(moe.stack(routed))
     h = rms_norm(h, model.model.norm[...], cfg.rms_norm_eps)
     return model.logits(h[:, 0]), tuple(new_cache)

@@ -31,6 +31,8 @@ Conventions:
   `min_new_tokens_bucket` (16). `max_new_tokens` itself is a traced loop bound, so a request for
   20 tokens runs the 32-token program and returns exactly what a 20-token program would. The
   batch size is not bucketed (a training run keeps it fixed).
+- **Routing.** A mixture of experts' programs record every fed token's expert ids per sparse
+  layer (`GenerateOutput.routing`, for routing replay: `hfjax.workers.routing`).
 - **Sharding.** With a decode mesh, parameters go to `Layout(mesh, DECODE_RULES)` (tensor
   parallel only), rows are split over the mesh's (data, fsdp) axes, and the cache's kv-heads over
   `tensor` when it divides them (otherwise they stay replicated, as the decode layout does for
@@ -69,6 +71,7 @@ from hfjax.engine.token_select import (
     Static,
     select_tokens,
 )
+from hfjax.models import moe
 from hfjax.models.config import ModelConfig
 from hfjax.models.transformer import KVCache, positions_from_mask
 from hfjax.parallel import mesh as mesh_lib
@@ -121,6 +124,9 @@ class _Carry(NamedTuple):
     tokens: jax.Array  # int32 [rows, new_bucket]
     mask: jax.Array  # int32 [rows, new_bucket]
     logprobs: jax.Array  # float32 [rows, new_bucket]
+    # A mixture of experts' expert ids [rows, prompt_bucket + new_bucket, sparse layers, k]
+    # (`GenerateOutput.routing`); None for a dense model.
+    routing: jax.Array | None
 
 
 def _step_keys(keys: jax.Array, t: jax.Array) -> jax.Array:
@@ -158,6 +164,7 @@ def _carry_shardings(mesh: Mesh, cfg: ModelConfig, layout: str = "cpu") -> _Carr
         tokens=row,
         mask=row,
         logprobs=row,
+        routing=row if cfg.is_moe else None,
     )
 
 
@@ -193,8 +200,9 @@ def _prefill(
     if images is not None:
         positions, offsets = images.positions, images.offsets
         embeds = place_images(model.model.embed(ids), images.is_image, images.features)
-    hidden, cache = model.model(ids, mask, positions=positions, cache=cache, cache_index=0,
-                                embeds=embeds)
+    with moe.collecting() as routed:
+        hidden, cache = model.model(ids, mask, positions=positions, cache=cache, cache_index=0,
+                                    embeds=embeds)
     # Left padding puts every row's last prompt token in the last column; only that position's
     # logits are needed, which avoids a [B, T, vocab] tensor.
     logits = rep(model.logits(hidden[:, -1]))
@@ -219,7 +227,11 @@ def _prefill(
         tokens=jnp.full((rows, new), knobs.pad_id, jnp.int32),
         mask=jnp.zeros((rows, new), jnp.int32),
         logprobs=jnp.zeros((rows, new), jnp.float32),
+        routing=None,
     )
+    if routed:  # the prompt's experts; the response's columns are written as it is decoded
+        prompt = moe.storage_ids(cfg, jnp.moveaxis(routed[0].ids, 0, 2))  # [B, P, layers, k]
+        carry = carry._replace(routing=jnp.pad(rep(prompt), [(0, 0), (0, new), (0, 0), (0, 0)]))
     carry = _constrain(carry, shardings)
     tok, lp = select_tokens(logits, _step_keys(row_keys, carry.t), static, knobs)
     return _constrain(_record(carry, tok, lp, stops, knobs), shardings)
@@ -246,10 +258,16 @@ def _decode(
         # Token t-1 sits at slot prompt_bucket + t - 1 and position length + t - 1.
         slot = static.prompt_bucket + c.t - 1
         positions = c.lengths + c.t - 1
-        logits, cache = decode_step(model, layers, c.last, positions, c.attn, c.cache, slot,
-                                    opts)
+        with moe.collecting() as routed:
+            logits, cache = decode_step(model, layers, c.last, positions, c.attn, c.cache, slot,
+                                        opts)
+        c = c._replace(cache=cache)
+        if routed:  # the fed token's experts, [layers, rows, 1, k], at its column
+            ids = moe.storage_ids(model.config, jnp.moveaxis(routed[0].ids, 0, 2))
+            c = c._replace(routing=jax.lax.dynamic_update_slice(
+                c.routing, ids, (jnp.int32(0), slot, jnp.int32(0), jnp.int32(0))))
         tok, lp = select_tokens(logits, _step_keys(c.keys, c.t), static, knobs)
-        return _constrain(_record(c._replace(cache=cache), tok, lp, stops, knobs), shardings)
+        return _constrain(_record(c, tok, lp, stops, knobs), shardings)
 
     return jax.lax.while_loop(cond, body, carry)
 
@@ -527,7 +545,7 @@ class Sampler:
                 images = jax.device_put(images, everywhere)
         carry = prefill(state, ids, mask, seeds, salts, knobs, stops, images)
         carry = decode(state, carry, knobs, stops)
-        return GenerateOutput(carry.tokens, carry.mask, carry.logprobs)
+        return GenerateOutput(carry.tokens, carry.mask, carry.logprobs, carry.routing)
 
 
 # --------------------------------------------------------------------------------------------

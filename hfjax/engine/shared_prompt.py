@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hfjax.models import transformer
+from hfjax.models import moe, transformer
 from hfjax.models.attention import ResponseBlocks, SharedPrompt
 from hfjax.parallel import sharding as shd
 
@@ -66,13 +66,9 @@ def group_rows(input_ids: jax.Array, attention_mask: jax.Array, response_len: in
 
     The prompt block is taken from each group's first row; responses keep their padded
     positions (the prompt's real length + t)."""
-    b, width = input_ids.shape
-    p, r, g = width - response_len, response_len, b // samples
-
-    def rows(x):  # [B, P + R] -> [G, P + n*R]
-        return jnp.concatenate([x[::samples, :p], x[:, p:].reshape(g, samples * r)], axis=1)
-
-    ids, mask = rows(input_ids), rows(attention_mask)
+    p, r = input_ids.shape[1] - response_len, response_len
+    ids = shared_rows(input_ids, response_len, samples)
+    mask = shared_rows(attention_mask, response_len, samples)
     prompt_mask = mask[:, :p].astype(jnp.int32)
     prompt_pos = transformer.positions_from_mask(prompt_mask)
     real = jnp.sum(prompt_mask, axis=1)
@@ -81,6 +77,15 @@ def group_rows(input_ids: jax.Array, attention_mask: jax.Array, response_len: in
     layout = SharedPrompt(p, samples)
     return (shd.constrain(ids, ("batch", None)), shd.constrain(mask, ("batch", None)),
             shd.constrain(positions, ("batch", None)), layout)
+
+
+def shared_rows(x: jax.Array, response_len: int, samples: int) -> jax.Array:
+    """x [B, P + R, ...] as shared rows [B / samples, P + samples * R, ...]: each group's
+    first prompt block, then its rows' responses in order."""
+    b, width = x.shape[:2]
+    p, g = width - response_len, b // samples
+    responses = x[:, p:].reshape(g, samples * response_len, *x.shape[2:])
+    return jnp.concatenate([x[::samples, :p], responses], axis=1)
 
 
 def predicting(hidden: jax.Array, layout: SharedPrompt) -> jax.Array:
@@ -101,7 +106,9 @@ def response_hidden(backbone, input_ids: jax.Array, attention_mask: jax.Array,
     states [B, R, D] that predict each response token, as the padded rows'
     `hidden[:, P - 1 : P + R - 1]` (see `group_rows`)."""
     ids, mask, positions, layout = group_rows(input_ids, attention_mask, response_len, samples)
-    hidden, _ = backbone(ids, mask, positions=positions, shared_prompt=layout)
+    # A mixture of experts' recorded routing (`moe.given_routing`) follows the rows.
+    with moe.regrouped(lambda x: shared_rows(x, response_len, samples)):
+        hidden, _ = backbone(ids, mask, positions=positions, shared_prompt=layout)
     return shd.constrain(predicting(hidden, layout), ("batch", None, None))
 
 

@@ -92,17 +92,30 @@ class GenerateOutput(NamedTuple):
     mask: int32 [rows, max_new_tokens], 1 on real response tokens (stop token included).
     logprobs: float32 [rows, max_new_tokens], log-prob of each token under the sampling
       distribution (see the module docstring), 0 where mask is 0.
+    routing: a mixture of experts' expert ids (None: a dense model, or a path that does not
+      record them), small ints [rows, prompt columns + max_new_tokens, sparse layers, k]:
+      column c holds the experts that routed the token at column c of the left-padded
+      prompt followed by the response (a response's last token is never fed: zeros).
     """
 
     tokens: jax.Array
     mask: jax.Array
     logprobs: jax.Array
+    routing: jax.Array | None = None
 
     def head(self, rows: int, cols: int) -> GenerateOutput:
-        """The first `rows` rows and `cols` columns of every array, sliced on device."""
+        """The first `rows` rows and `cols` response columns of every array, sliced on
+        device."""
         # A static slice with explicit strides: `x[:rows, :cols]`, and even `lax.slice`
         # without strides, run eagerly as a dynamic_slice that uploads its start indices.
-        return GenerateOutput(*(jax.lax.slice(x, (0, 0), (rows, cols), (1, 1)) for x in self))
+        def cut(x, width):
+            return jax.lax.slice(x, (0,) * x.ndim, (rows, width, *x.shape[2:]), (1,) * x.ndim)
+
+        r = self.routing
+        prompt = 0 if r is None else r.shape[1] - self.tokens.shape[1]
+        return GenerateOutput(cut(self.tokens, cols), cut(self.mask, cols),
+                              cut(self.logprobs, cols),
+                              None if r is None else cut(r, prompt + cols))
 
 
 def truncated(tokens: jax.Array, mask: jax.Array, max_new_tokens: int,

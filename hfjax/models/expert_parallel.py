@@ -80,7 +80,8 @@ def _local_experts(cfg: ModelConfig, p, rows, local_ids, n_local: int):
 
 
 def sparse_mlp(cfg: ModelConfig, p, x: jax.Array, layout: shd.Layout, *,
-               replay: jax.Array | None = None, valid: jax.Array | None = None):
+               recorded: jax.Array | None = None, replay: bool = True,
+               valid: jax.Array | None = None):
     """`moe.sparse_mlp` with the experts split over the `expert` axis of `layout`'s mesh."""
     check(cfg, layout)
     mesh = layout.mesh
@@ -94,16 +95,17 @@ def sparse_mlp(cfg: ModelConfig, p, x: jax.Array, layout: shd.Layout, *,
     tok = P(rows if rows else None, seq)
     weights = P(AXIS)
     valid = jnp.ones((B, T), bool) if valid is None else valid.astype(bool)
-    use_replay = replay is not None
-    replay = jnp.zeros((B, T, k), jnp.int32) if replay is None else replay.astype(jnp.int32)
+    given = recorded is not None
+    recorded = (jnp.zeros((B, T, k), jnp.int32) if recorded is None
+                else recorded.astype(jnp.int32))
 
-    def local(x, router, wg, wu, wd, replay_ids, valid):
+    def local(x, router, wg, wu, wd, recorded_ids, valid):
         b, t, _ = x.shape
         n = b * t
         x2 = x.reshape(n, D)
-        w, ids, logits = moe.route(cfg, x2, router, replay_ids.reshape(n, k) if use_replay
-                                   else None)
-        stats = moe.router_stats(cfg, logits, ids, valid.reshape(n), (b, t))
+        w, ids, logits, mismatch = moe.route(
+            cfg, x2, router, recorded_ids.reshape(n, k) if given else None, replay)
+        stats = moe.router_stats(cfg, logits, ids, mismatch, valid.reshape(n), (b, t))
         C = block_rows(cfg, n, ep, impl)
         flat = ids.T.reshape(-1)  # slot-major: every token's first choice first
         dest = flat // n_local
@@ -129,12 +131,12 @@ def sparse_mlp(cfg: ModelConfig, p, x: jax.Array, layout: shd.Layout, *,
         axes = tuple(a for a in (*rows, *((seq,) if seq else ())))
         stats = moe.RouterStats(jax.lax.pmean(stats.aux_loss, axes),
                                 jax.lax.pmean(stats.z_loss, axes),
-                                jax.lax.psum(stats.counts, axes), stats.ids)
+                                jax.lax.psum(stats.counts, axes), stats.ids, stats.mismatch)
         return y, stats
 
-    stats_spec = moe.RouterStats(P(), P(), P(), P(rows if rows else None, seq))
+    stats_spec = moe.RouterStats(P(), P(), P(), tok, tok)
     fn = jax.shard_map(local, mesh=mesh,
                        in_specs=(tok, P(), weights, weights, weights, tok, tok),
                        out_specs=(tok, stats_spec), check_vma=False)
-    return fn(x, p["router"], p["expert_gate"], p["expert_up"], p["expert_down"], replay,
+    return fn(x, p["router"], p["expert_gate"], p["expert_up"], p["expert_down"], recorded,
               valid)

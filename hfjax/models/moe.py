@@ -15,9 +15,12 @@ Two dispatches, chosen in `hfjax.models.backend.moe_impl`:
   are dropped (that expert contributes nothing to the token). Fixed shapes, dense batched
   matmuls.
 
-Routing decisions are data. `sparse_mlp` returns each token's expert ids, and takes ids to
-replay instead of its own top-k (routing replay, `actor.router_replay`): the weights are then
-the current router's probabilities at the replayed experts, so the router still trains.
+Routing decisions are data. `sparse_mlp` returns each token's expert ids, and takes recorded
+ids (the sampler's, `hfjax.engine.sampler`) to replay instead of its own top-k (routing
+replay, `actor.router_replay`): the weights are then the current router's probabilities at
+the replayed experts, so the router still trains. Given recorded ids, with replay or without,
+it marks the tokens whose own top-k set differs from them (`RouterStats.mismatch`). A trainer
+hands a batch's recorded ids to every forward pass it traces with `given_routing`.
 
 Router statistics for the losses and the logs (`RouterStats`): the Switch / Qwen load-balancing
 loss E * sum_e f_e * P_e (f_e the share of the batch's assignments that went to expert e, P_e
@@ -53,6 +56,7 @@ class RouterStats(NamedTuple):
     z_loss: jax.Array  # [] mean over tokens of logsumexp(router logits)^2
     counts: jax.Array  # [E] int32: (token, expert) assignments per expert
     ids: jax.Array  # [B, T, k] int32: each token's experts, in top-k order
+    mismatch: jax.Array  # [B, T] bool: own top-k set != the recorded ids (False: none given)
 
 
 def layer_kind(cfg: ModelConfig, name: str) -> str:
@@ -85,28 +89,34 @@ def layer_slices(cfg: ModelConfig, stacked: dict[str, jax.Array]) -> list[dict[s
 # --- routing --------------------------------------------------------------------------------
 
 
-def route(cfg: ModelConfig, x: jax.Array, router: jax.Array,
-          replay: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(weights [N, k] float32, expert ids [N, k] int32, router logits [N, E] float32) of
-    tokens x [N, D]. The logits are accumulated in float32 from compute-dtype operands and the
-    softmax is float32, as transformers computes them. With `replay` [N, k], those experts are
-    used and weighted by the current probabilities."""
+def route(cfg: ModelConfig, x: jax.Array, router: jax.Array, recorded: jax.Array | None = None,
+          replay: bool = True) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """(weights [N, k] float32, expert ids [N, k] int32, router logits [N, E] float32,
+    mismatch [N] bool) of tokens x [N, D]. The logits are accumulated in float32 from
+    compute-dtype operands and the softmax is float32, as transformers computes them. With
+    `recorded` ids [N, k]: `mismatch` marks the tokens whose own top-k set differs from
+    them, and with `replay` the recorded experts are used, weighted by the current
+    probabilities."""
     dt = cfg.jnp_dtype
     logits = jnp.dot(x.astype(dt), router.astype(dt), preferred_element_type=jnp.float32)
     probs = jax.nn.softmax(logits, axis=-1)
-    if replay is None:
-        weights, ids = jax.lax.top_k(probs, cfg.num_experts_per_tok)
-    else:
-        ids = replay.astype(jnp.int32)
-        weights = jnp.take_along_axis(probs, ids, axis=-1)
+    weights, ids = jax.lax.top_k(probs, cfg.num_experts_per_tok)
+    mismatch = jnp.zeros(ids.shape[:1], bool)
+    if recorded is not None:
+        recorded = recorded.astype(jnp.int32)
+        mismatch = jnp.any(jnp.sort(ids, axis=-1) != jnp.sort(recorded, axis=-1), axis=-1)
+        if replay:
+            ids = recorded
+            weights = jnp.take_along_axis(probs, ids, axis=-1)
     if cfg.norm_topk_prob:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
-    return weights, ids.astype(jnp.int32), logits
+    return weights, ids.astype(jnp.int32), logits, mismatch
 
 
-def router_stats(cfg: ModelConfig, logits: jax.Array, ids: jax.Array,
+def router_stats(cfg: ModelConfig, logits: jax.Array, ids: jax.Array, mismatch: jax.Array,
                  valid: jax.Array | None, shape: tuple[int, int]) -> RouterStats:
-    """`RouterStats` of logits [N, E] and ids [N, k] over the tokens `valid` [N] marks."""
+    """`RouterStats` of logits [N, E], ids [N, k] and `route`'s mismatch [N] over the tokens
+    `valid` [N] marks."""
     E = cfg.num_experts
     n = ids.shape[0]
     v = jnp.ones((n,), jnp.float32) if valid is None else valid.reshape(n).astype(jnp.float32)
@@ -116,7 +126,8 @@ def router_stats(cfg: ModelConfig, logits: jax.Array, ids: jax.Array,
     mean_prob = jnp.sum(jax.nn.softmax(logits, axis=-1) * v[:, None], axis=0) / count
     aux = E * jnp.sum(counts / count * mean_prob)
     z = jnp.sum(jax.nn.logsumexp(logits, axis=-1) ** 2 * v) / count
-    return RouterStats(aux, z, counts.astype(jnp.int32), ids.reshape(*shape, -1))
+    return RouterStats(aux, z, counts.astype(jnp.int32), ids.reshape(*shape, -1),
+                       mismatch.reshape(shape))
 
 
 # --- dispatch -------------------------------------------------------------------------------
@@ -184,22 +195,30 @@ def capacity_dispatch(cfg: ModelConfig, p, x: jax.Array, weights: jax.Array,
     return jnp.einsum("knd,nk->nd", got, weights)
 
 
-def sparse_mlp(cfg: ModelConfig, p, x: jax.Array, *, replay: jax.Array | None = None,
-               valid: jax.Array | None = None) -> tuple[jax.Array, RouterStats]:
+def sparse_mlp(cfg: ModelConfig, p, x: jax.Array, *, recorded: jax.Array | None = None,
+               replay: bool = True, valid: jax.Array | None = None,
+               ) -> tuple[jax.Array, RouterStats]:
     """The mixture of experts on x [B, T, D] (normed hidden states): (output [B, T, D] in the
-    compute dtype, the layer's `RouterStats`). `replay` [B, T, k] replays expert ids; `valid`
-    [B, T] marks the tokens the statistics count."""
+    compute dtype, the layer's `RouterStats`). `recorded` [B, T, k] expert ids are compared
+    with the router's own and, with `replay`, used (`route`); `valid` [B, T] marks the tokens
+    the statistics count."""
     B, T, D = x.shape
     x2 = x.reshape(B * T, D)
-    weights, ids, logits = route(cfg, x2, p["router"],
-                                 None if replay is None else replay.reshape(B * T, -1))
+    weights, ids, logits, mismatch = route(
+        cfg, x2, p["router"], None if recorded is None else recorded.reshape(B * T, -1), replay)
     impl = backend.moe_impl(cfg.moe_impl)
     if impl == "capacity":
         y = capacity_dispatch(cfg, p, x2, weights, ids)
     else:
         y = dropless(cfg, p, x2, weights, ids)
-    stats = router_stats(cfg, logits, ids, None if valid is None else valid.reshape(-1), (B, T))
+    stats = router_stats(cfg, logits, ids, mismatch,
+                         None if valid is None else valid.reshape(-1), (B, T))
     return y.astype(cfg.jnp_dtype).reshape(B, T, D), stats
+
+
+def storage_ids(cfg: ModelConfig, ids: jax.Array) -> jax.Array:
+    """Expert ids as a batch carries them: uint8 up to 256 experts, else int16."""
+    return ids.astype(jnp.uint8 if cfg.num_experts <= 256 else jnp.int16)
 
 
 # --- collecting statistics while a forward pass is traced -----------------------------------
@@ -219,6 +238,46 @@ def collecting() -> Iterator[list[RouterStats]]:
         yield found
     finally:
         _COLLECT.reset(token)
+
+
+class Routing(NamedTuple):
+    """A batch's recorded routing as a trainer hands it to the forward passes it traces."""
+
+    ids: jax.Array  # [B, T, sparse layers, k] small ints: the sampler's experts per token
+    replay: bool  # use them (routing replay); False: only compare (`RouterStats.mismatch`)
+
+
+_GIVEN: contextvars.ContextVar[Routing | None] = contextvars.ContextVar(
+    "hfjax_moe_given", default=None)
+
+
+@contextlib.contextmanager
+def given_routing(ids: jax.Array | None, replay: bool) -> Iterator[None]:
+    """Within: each decoder forward pass traced without a cache and without its own `routing`
+    takes `ids` [B, T, sparse layers, k] (rows and columns as its input ids) as the recorded
+    routing (`Routing`). None: nothing given."""
+    token = _GIVEN.set(None if ids is None else Routing(ids, replay))
+    try:
+        yield
+    finally:
+        _GIVEN.reset(token)
+
+
+@contextlib.contextmanager
+def regrouped(fn) -> Iterator[None]:
+    """Within: the given routing's ids are `fn(ids)`, for a pass that lays the rows out
+    differently (`fn` maps [B, T, ...] arrays as the pass maps its input ids)."""
+    now = _GIVEN.get()
+    token = _GIVEN.set(None if now is None else now._replace(ids=fn(now.ids)))
+    try:
+        yield
+    finally:
+        _GIVEN.reset(token)
+
+
+def given() -> Routing | None:
+    """The routing `given_routing` set, if any."""
+    return _GIVEN.get()
 
 
 def record(stats: RouterStats | None) -> None:
@@ -250,4 +309,4 @@ def merge(passes: list[RouterStats]) -> RouterStats:
         return passes[0]
     return RouterStats(sum(s.aux_loss for s in passes) / len(passes),
                        sum(s.z_loss for s in passes) / len(passes),
-                       sum(s.counts for s in passes), passes[0].ids)
+                       sum(s.counts for s in passes), passes[0].ids, passes[0].mismatch)

@@ -217,19 +217,21 @@ def layer_output(cfg: ModelConfig, p, h, attn):
     return routed_layer_output(cfg, p, h, attn)[0]
 
 
-def routed_layer_output(cfg: ModelConfig, p, h, attn, *, replay=None, valid=None):
-    """`layer_output` and the layer's `moe.RouterStats` (None for a dense MLP); `replay`
-    [B, T, k] replays a sparse layer's expert ids, `valid` [B, T] marks the tokens its
-    statistics count."""
+def routed_layer_output(cfg: ModelConfig, p, h, attn, *, recorded=None, replay=True,
+                        valid=None):
+    """`layer_output` and the layer's `moe.RouterStats` (None for a dense MLP); `recorded`
+    [B, T, k] expert ids are a sparse layer's recorded routing (replayed with `replay`, else
+    only compared: `moe.sparse_mlp`), `valid` [B, T] marks the tokens its statistics count."""
     D, F = cfg.hidden_size, cfg.intermediate_size
     h = h + _proj(cfg, p, attn, "o_proj", (D,))
     x = rms_norm(h, p["post_attn_norm"], cfg.rms_norm_eps)
     if "router" in p:
         layout = shd.active_layout()
         if expert_parallel.expert_size(layout) > 1:  # experts split over `expert`: all-to-all
-            y, stats = expert_parallel.sparse_mlp(cfg, p, x, layout, replay=replay, valid=valid)
+            y, stats = expert_parallel.sparse_mlp(cfg, p, x, layout, recorded=recorded,
+                                                  replay=replay, valid=valid)
         else:
-            y, stats = moe.sparse_mlp(cfg, p, x, replay=replay, valid=valid)
+            y, stats = moe.sparse_mlp(cfg, p, x, recorded=recorded, replay=replay, valid=valid)
         return h + y, stats
     if "gate_up_proj" in p:  # fused weights, as q/k/v above
         gate, up = jnp.split(_proj(cfg, p, x, "gate_up_proj", (2 * F,)), 2, axis=-1)
@@ -239,10 +241,11 @@ def routed_layer_output(cfg: ModelConfig, p, h, attn, *, replay=None, valid=None
     return h + _proj(cfg, p, jax.nn.silu(gate) * up, "down_proj", (D,)), None
 
 
-def _block(cfg: ModelConfig, rope, p, h, attention, cache_kv, cache_index, replay, valid):
+def _block(cfg: ModelConfig, rope, p, h, attention, cache_kv, cache_index, recorded, replay,
+           valid):
     """One decoder layer. p holds this layer's arrays; `attention(q, k, v)` is
-    `hfjax.models.attention.attention_fn`'s; cache_kv is (k, v) slots or None; replay and
-    valid are `routed_layer_output`'s.
+    `hfjax.models.attention.attention_fn`'s; cache_kv is (k, v) slots or None; recorded,
+    replay and valid are `routed_layer_output`'s.
 
     Returns (new hidden, new (k, v) slots or None, router stats or None).
     """
@@ -254,7 +257,8 @@ def _block(cfg: ModelConfig, rope, p, h, attention, cache_kv, cache_index, repla
         cv = jax.lax.dynamic_update_slice_in_dim(cv, v.astype(cv.dtype), cache_index, axis=1)
         new_kv = (ck, cv)
         k, v = ck, cv
-    h, stats = routed_layer_output(cfg, p, h, attention(q, k, v), replay=replay, valid=valid)
+    h, stats = routed_layer_output(cfg, p, h, attention(q, k, v), recorded=recorded,
+                                   replay=replay, valid=valid)
     return h, new_kv, stats
 
 
@@ -331,8 +335,9 @@ class Backbone(nnx.Module):
         (`compact_attention`). `positions` must be given.
 
         A mixture-of-experts model (`hfjax.models.moe`) replays the expert ids `routing`
-        [sparse layers, B, T, k] when given, and hands each pass's router statistics to an
-        active `moe.collecting()`.
+        [sparse layers, B, T, k] when given; without them and without a cache, it takes
+        those an active `moe.given_routing` holds (replayed or only compared). It hands each
+        pass's router statistics to an active `moe.collecting()`.
 
         A vision-language model (`hfjax.models.qwen2_5_vl`) passes `embeds` [B, T, D], the
         token embeddings with its image features in place, and M-RoPE `positions` [3, B, T].
@@ -341,6 +346,15 @@ class Backbone(nnx.Module):
         B, T = input_ids.shape
         if routing is not None and not cfg.is_moe:
             raise ValueError("routing replay needs a mixture-of-experts model; this one is dense")
+        replay, given = True, moe.given()
+        if routing is None and cache is None and cfg.is_moe and given is not None:
+            rows, cols = given.ids.shape[:2]
+            if rows != B or cols > T:  # fewer columns: a pass that pads its rows at the end
+                raise ValueError(f"recorded routing of rows {(rows, cols)} for a pass over "
+                                 f"rows {(B, T)}: this row layout does not carry it")
+            routing = jnp.pad(jnp.moveaxis(given.ids, 2, 0), [(0, 0), (0, 0), (0, T - cols),
+                                                              (0, 0)])
+            replay = given.replay
         if segment_ids is not None:
             if cache is not None or positions is None:
                 raise ValueError("packed rows (segment_ids) take positions and no cache")
@@ -397,7 +411,7 @@ class Backbone(nnx.Module):
                     routing = jnp.pad(routing, [(0, 0), *pad, (0, 0)])
 
         def layer(h, p, kv, r):
-            return _block(cfg, rope, p, h, attention, kv, cache_index, r, valid)
+            return _block(cfg, rope, p, h, attention, kv, cache_index, r, replay, valid)
 
         if cfg.remat_policy != "none":
             layer = jax.checkpoint(layer, policy=_REMAT[cfg.remat_policy])

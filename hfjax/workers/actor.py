@@ -14,6 +14,8 @@ The log-probs both groups score with, per row layout, are `hfjax.workers.logprob
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -39,7 +41,7 @@ from hfjax.numerics.losses import PolicyLossInputs
 from hfjax.parallel import reshard
 from hfjax.parallel.mesh import batch_sharding
 from hfjax.parallel.transfer import transfer
-from hfjax.workers import responses
+from hfjax.workers import responses, routing
 from hfjax.workers.base import SEQUENCES, Program, StepShape, WorkerGroup
 from hfjax.workers.logprobs import compact_logprobs, packed_logprobs, response_logprobs
 from hfjax.workers.spec import ActorSpec
@@ -95,15 +97,21 @@ class Reference(WorkerGroup):
             lambda params, mb: compact_logprobs(self.model(params), mb, self.temperature,
                                                 self.samples, self.chunk, self.dp_size))
 
-    def _logprob_fn(self, params, input_ids, attention_mask, response_len, n_micro=1, share=1):
+    def _logprob_fn(self, params, input_ids, attention_mask, response_len, n_micro=1, share=1,
+                    replay=None):
         """Log-probs and entropy [B, R] of padded rows in `n_micro` strided micro-batches (of
         whole groups when `self.samples` > 1), each computed as shared-prompt rows of `share`
-        samples (1: one row per sequence)."""
+        samples (1: one row per sequence); `replay`: the rows' recorded routing, replayed."""
         model = self.model(params)
-        return in_micro_batches(
-            lambda ids, mask: response_logprobs(model, ids, mask, response_len, self.temperature,
-                                                share, self.chunk, self.dp_size),
-            n_micro, input_ids, attention_mask, group=self.samples)
+
+        def score(ids, mask, *routed):  # (an update's pass keeps the routing it was given)
+            with moe.given_routing(*routed, replay=True) if routed else contextlib.nullcontext():
+                return response_logprobs(model, ids, mask, response_len, self.temperature,
+                                         share, self.chunk, self.dp_size)
+
+        extra = () if replay is None else (replay,)
+        return in_micro_batches(score, n_micro, input_ids, attention_mask, *extra,
+                                group=self.samples)
 
     def _sharing(self, rows: int) -> int:
         """The samples per shared-prompt row of a padded micro-batch of `rows` rows (whole
@@ -139,8 +147,10 @@ class Reference(WorkerGroup):
             # Padding rows for the data-parallel split come last: the real rows' groups stay
             # whole, and a batch of no whole number of groups is not shared (`fits`).
             n_micro = self.scoring_micro_batches(len(ids))
+            replay = (batch.arrays.get("routed_experts")  # r2, r3: `hfjax.workers.routing`
+                      if self.spec.router_replay != "none" else None)
             return self._logprob(self.params, ids, mask, r, n_micro,
-                                 self._sharing(len(ids) // n_micro))
+                                 self._sharing(len(ids) // n_micro), replay)
         shape = self.budget.shape(len(batch), ids.shape[1], self.dp_size, self.name)
         return self._packed_logprob(self.params, ids, mask, r, shape)
 
@@ -262,6 +272,9 @@ class ActorRollout(Reference):
                  eos_ids: tuple[int, ...] = (), hybrid: HybridEngine | None = None,
                  agent: AgentLoop | None = None, **kw):
         super().__init__(*args, spec=spec, rollout=rollout, **kw)
+        routing.check(spec.router_replay, moe=self.config.is_moe, packed=spec.use_remove_padding,
+                      grouped=spec.group_by_length, multi_turn=agent is not None,
+                      continuous=rollout.mode == "continuous")
         self.sampler = sampler
         self.eos_ids = tuple(eos_ids)
         self.hybrid = hybrid
@@ -360,7 +373,7 @@ class ActorRollout(Reference):
             # The decode mesh orders the same devices differently; programs below mix these
             # rows with the actor mesh's prompts, so the rows move over (device to device).
             rows = batch_sharding(self.mesh)
-            out = GenerateOutput(*(transfer(x, rows) for x in out))
+            out = GenerateOutput(*(None if x is None else transfer(x, rows) for x in out))
         rep = batch.select(["prompts", "prompt_mask"]).repeat(n, interleave=True)
         # The prompts' deliberate upload from the host data pipeline (the sampler's own upload
         # is bucketed and padded, so it can't be reused here).
@@ -370,6 +383,8 @@ class ActorRollout(Reference):
         resp, rmask = out.tokens, out.mask.astype(pmask.dtype)
         arrays = responses.join(prompts, pmask, resp, rmask)
         arrays["rollout_log_probs"] = out.logprobs
+        arrays |= routing.recorded(out.routing, prompts.shape[1], resp.shape[1],
+                                   self.spec.router_replay)
         # Cut off at the length limit without a stop token (verl's response_length/clip_ratio).
         arrays["truncated"] = responses.truncated(resp, rmask, r.response_length, self.eos_ids)
         return rep.union(Batch(arrays))
@@ -411,9 +426,10 @@ class ActorRollout(Reference):
         meta = {"trajectory": [t.to_dict() for t in res.trajectories]}
         return rep.union(Batch(arrays, meta=meta))
 
-    @method(DP_COMPUTE, reads=SEQUENCES)
+    @method(DP_COMPUTE, reads=SEQUENCES, may_read=("routed_experts",))
     def compute_log_prob(self, batch: Batch) -> Batch:
-        """Batch with `old_log_probs` and `entropys` [B, R] under the current policy."""
+        """Batch with `old_log_probs` and `entropys` [B, R] under the current policy (with
+        `actor.router_replay` r2 or r3, routed as the sampler routed)."""
         lp, ent = self._log_probs(batch)
         return Batch({"old_log_probs": lp, "entropys": ent})
 
@@ -421,7 +437,8 @@ class ActorRollout(Reference):
 
     def _policy_loss(self, params, mb, totals):
         a = self.spec
-        with moe.collecting() as routed:
+        recorded = mb.get("routed_experts")
+        with moe.collecting() as routed, moe.given_routing(recorded, a.router_replay == "r3"):
             lp, ent = self._train_logprobs(params, mb)
         mask = mb["response_mask"]
         weight = share_of_normaliser(mask, totals, a.loss_agg_mode)
@@ -480,22 +497,10 @@ class ActorRollout(Reference):
             loss = loss + a.kl_loss_coef * kl_loss * weight
             metrics["actor/kl_loss"] = kl_loss * weight
         if routed:
-            loss = loss + self._router_losses(moe.merge(routed), weight, metrics) * weight
+            share = self._sharing(len(mb["input_ids"])) if "packed" not in mb else 1
+            loss = loss + routing.update_terms(moe.merge(routed), a, mb, share, weight, totals,
+                                               metrics) * weight
         return loss, metrics | rejected
-
-    def _router_losses(self, stats: moe.RouterStats, weight, metrics) -> jax.Array:
-        """The router losses a mixture of experts' update adds (`actor.moe_aux_loss_coef`,
-        `moe_z_loss_coef`; both averaged over the sparse layers), with their metrics and the
-        tokens-per-expert spread (the least and most loaded experts' share of the mean load,
-        worst layer) written into `metrics`."""
-        a = self.spec
-        aux, z = jnp.mean(stats.aux_loss), jnp.mean(stats.z_loss)
-        low, high = moe.load_spread(stats.counts)
-        metrics["actor/moe_aux_loss"] = jax.lax.stop_gradient(aux) * weight
-        metrics["actor/moe_z_loss"] = jax.lax.stop_gradient(z) * weight
-        metrics["actor/expert_load_min"] = low * weight
-        metrics["actor/expert_load_max"] = high * weight
-        return a.moe_aux_loss_coef * aux + a.moe_z_loss_coef * z
 
     def _sft_loss(self, params, mb, totals):
         lp, _ = response_logprobs(
@@ -513,7 +518,8 @@ class ActorRollout(Reference):
         return a.ppo_epochs == 1 and a.ppo_mini_batch_size * self.rollout.n == rows
 
     @method(DP_COMPUTE, reads=("response_mask", "advantages", *SEQUENCES),
-            may_read=("old_log_probs", "ref_log_prob", "rollout_is_weights", "rollout_rs_mask"))
+            may_read=("old_log_probs", "ref_log_prob", "rollout_is_weights", "rollout_rs_mask",
+                      "routed_experts"))
     def update_actor(self, batch: Batch) -> dict[str, jax.Array]:
         """PPO epochs over shuffled mini-batches; returns mean metrics (device scalars).
 
@@ -525,10 +531,8 @@ class ActorRollout(Reference):
             batch = batch.select([k for k in batch.arrays if k != "response_mask"]).union(
                 Batch({"response_mask": keep}))
         keys = ["input_ids", "attention_mask", "responses", "response_mask", "advantages"]
-        if "rollout_is_weights" in batch:
-            keys.append("rollout_is_weights")
-        if "old_log_probs" in batch:
-            keys.append("old_log_probs")
+        keys += [k for k in ("rollout_is_weights", "old_log_probs", "routed_experts")
+                 if k in batch]
         if a.use_kl_loss:
             keys.append("ref_log_prob")
         mini = a.ppo_mini_batch_size * self.rollout.n

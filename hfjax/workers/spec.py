@@ -70,6 +70,9 @@ class ActorSpec(_UpdateSpec):
     moe_aux_loss_coef: float = key(Float(0.0, note="the load-balancing loss's weight "
                                          "(Switch / Qwen form: k when balanced)"))
     moe_z_loss_coef: float = key(Float(0.0, note="the router z-loss's weight"))
+    # Routing replay (`hfjax.workers.routing`): none | r2 (the old-policy log-probs route as
+    # the sampler did) | r3 (the update too).
+    router_replay: str = key(Choice(("none", "r2", "r3")))
 
     def samples_per_row(self, n: int) -> int:
         """The samples a shared-prompt row holds with `n` samples per prompt (1: none)."""

@@ -382,7 +382,7 @@ def test_stop_ids_end_rows(llama):
     out = generate(
         llama, ids, mask, max_new_tokens=16, temperature=1.0, n=4, seed=1, eos_ids=stops, pad_id=0
     )
-    tokens, m, lp = (np.asarray(x) for x in out)
+    tokens, m, lp = (np.asarray(x) for x in out[:3])
     ended = 0
     for r in range(tokens.shape[0]):
         hits = np.flatnonzero(np.isin(t[r], stops))

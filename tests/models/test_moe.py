@@ -130,16 +130,23 @@ def test_router_stats_and_replay():
     p = {k: v[0] for k, v in M.build(cfg).model.layers.arrays().items()}
     x = jax.random.normal(jax.random.key(2), (2, 5, cfg.hidden_size))
     valid = jnp.array([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]], bool)
-    mlp = jax.jit(lambda x, replay, valid: moe.sparse_mlp(cfg, p, x, replay=replay, valid=valid))
+    mlp = jax.jit(lambda x, rec, valid: moe.sparse_mlp(cfg, p, x, recorded=rec, valid=valid))
     y, stats = mlp(x, None, valid)
-    assert int(stats.counts.sum()) == 8 * 2
+    assert int(stats.counts.sum()) == 8 * 2 and not bool(stats.mismatch.any())
     flipped = (stats.ids + 1) % cfg.num_experts
     y_replay, again = mlp(x, flipped, valid)
     np.testing.assert_array_equal(np.asarray(again.ids), np.asarray(flipped))
     assert np.abs(np.asarray(y) - np.asarray(y_replay)).max() > 1e-4
+    assert bool(again.mismatch[valid].all())  # every flipped token's set differs
+    # Compared, not replayed: the router's own experts, and the tokens whose set differs;
+    # the same set in another order is no mismatch.
+    recorded = flipped.at[0, 0].set(stats.ids[0, 0, ::-1]).reshape(10, 2)
+    _, own, _, mismatch = moe.route(cfg, x.reshape(10, -1), p["router"], recorded, replay=False)
+    np.testing.assert_array_equal(np.asarray(own), np.asarray(stats.ids).reshape(10, 2))
+    np.testing.assert_array_equal(np.asarray(mismatch), np.arange(10) > 0)
     logits = jnp.zeros((8, cfg.num_experts))
     ids = jnp.arange(16).reshape(8, 2) % cfg.num_experts
-    balanced = moe.router_stats(cfg, logits, ids, None, (1, 8))
+    balanced = moe.router_stats(cfg, logits, ids, jnp.zeros(8, bool), None, (1, 8))
     assert float(balanced.aux_loss) == pytest.approx(2.0)
     assert float(balanced.z_loss) == pytest.approx(np.log(4.0) ** 2, rel=1e-5)
 

@@ -41,7 +41,7 @@ def test_the_actor_spec_holds_the_default_configs_values():
         share_prompt=True, logprob_chunk=2048, policy_loss="vanilla", clip_ratio=0.2,
         clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=3.0, loss_agg_mode="token-mean",
         entropy_coeff=0.0, use_kl_loss=False, kl_loss_coef=0.001, kl_loss_type="low_var_kl",
-        moe_aux_loss_coef=0.0, moe_z_loss_coef=0.0)
+        moe_aux_loss_coef=0.0, moe_z_loss_coef=0.0, router_replay="none")
     assert a.budget is None  # padded rows
     assert a.samples_per_row(4) == 4 and a.samples_per_row(3) == 1  # 64 rows: groups of 4
     assert isinstance(a.entropy_coeff, float)  # the config's 0.0; an int 0 would be cast
