@@ -354,3 +354,30 @@ def test_a_sequence_parallel_training_layout_reshards_to_any_decode_layout(
     back = engine.to_train(dec)
     assert [x.sharding for x in jax.tree.leaves(back)] == want
     chex.assert_trees_all_equal(before, host(back), strict=True)
+
+
+def test_expert_weights_reshard_at_the_lower_bound():
+    """A mixture of experts trained with its experts split over `expert` (and their width over
+    tensor x fsdp) decodes on data=4,tensor=2, which keeps every expert on each device (width
+    split over tensor): the experts do not nest (the engine moves them by plain on-device
+    transfers) but the bytes each device receives are still its decode shard minus its
+    training shard, written out from the config, the way back moves nothing, and the round
+    trip is bit-identical."""
+    cfg = SMALL.replace(model_type="qwen3_moe", qk_norm=True, num_experts=4,
+                        num_experts_per_tok=2, moe_intermediate_size=8, norm_topk_prob=True)
+    lay = layout("fsdp=2,expert=2,tensor=2", "nested_train")
+    params = place(transformer.build(cfg, seed=3), lay)
+    before = host(params)
+    engine = hybrid.HybridEngine(lay, "data=4,tensor=2", params)
+    back = engine.to_train(engine.to_decode(params))
+    chex.assert_trees_all_equal(before, host(back), strict=True)
+    assert engine.bytes_to_decode() == engine.lower_bound()
+    assert set(engine.bytes_to_train().values()) == {0}
+    experts = [leaf for leaf in engine.leaves if ".expert_" in leaf.name]
+    assert len(experts) == 3 and all(leaf.direct for leaf in experts)
+    L, E, D, F = cfg.num_layers, cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    whole = 3 * L * E * D * F * 4
+    moved = reshard.tree_transfer_bytes(
+        [leaf.train for leaf in experts], [leaf.decode for leaf in experts],
+        [jax.ShapeDtypeStruct(leaf.shape, leaf.dtype) for leaf in experts])
+    assert set(moved.values()) == {whole // 2 - whole // 8}  # decode shard - training shard
