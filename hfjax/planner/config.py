@@ -10,7 +10,7 @@ that `launch.train --flagfile=...` runs unchanged.
 from __future__ import annotations
 
 from hfjax.algorithms.registry import get_algorithm
-from hfjax.config import model_source
+from hfjax.config import model_source, run_roles
 from hfjax.data import arith
 from hfjax.engine.sampler import MIN_NEW_TOKENS_BUCKET, bucket_size, prompt_bucket
 from hfjax.models import backend, lora
@@ -71,6 +71,14 @@ def plan_inputs(cfg, reward_model: str = "", score_micro: int | None = None,
         # No KL term reads it, so the run builds no reference; the placement still names the
         # role, on the actor's pool.
         host.append("ref")
+    teacher = cfg.get("teacher")
+    if "teacher" in run_roles(algo, cfg):
+        # Scoring as the trainer builds it (`hfjax.workers.groups`): teacher.dtype throughout.
+        m = cfg.model
+        tcfg = read_model_config(teacher.path, dtype=teacher.dtype, scan_layers=m.scan_layers,
+                                 remat_policy=actor_cfg.remat_policy,
+                                 attention_impl=m.attention_impl)
+        models.append(ModelSpec("teacher", tcfg, "causal_lm", False, f"teacher {teacher.path}"))
     if "reward" in algo.roles:
         if reward_model:
             # Built as the trainer builds it: `reward_model.dtype` for weights and compute.
@@ -147,7 +155,8 @@ def _has_key(cfg, key: str) -> bool:
 
 def _scores_old_policy(cfg, single: bool) -> bool:
     """Whether a step runs the old-policy scoring pass (`dataflow.needs_old_log_prob`, less
-    rollout correction's bypass mode, which takes the sampler's log-probs instead)."""
+    rollout correction's bypass mode, which takes the sampler's log-probs instead; a
+    distillation term compares them with the teacher's)."""
     rc = cfg.algo.get("rollout_correction")
     if rc is not None and rc.bypass_mode:
         return False
@@ -155,4 +164,5 @@ def _scores_old_policy(cfg, single: bool) -> bool:
     corrects = rc is not None and bool(
         rollout_correction.level_in_force(rc.rollout_is, k, False)
         or rc.rollout_rs not in ("", rollout_correction.NONE) or rc.rollout_token_veto_threshold)
-    return bool(cfg.algo.use_kl_in_reward) or not single or corrects
+    distills = (cfg.algo.get("distill") or {}).get("coef", 0.0) > 0
+    return bool(cfg.algo.use_kl_in_reward) or not single or corrects or distills

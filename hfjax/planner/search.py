@@ -57,7 +57,7 @@ from hfjax.planner.simulator import (
     stages_of,
 )
 
-DEVICE_ROLES = ("actor", "critic", "ref", "reward")
+DEVICE_ROLES = ("actor", "critic", "ref", "reward", "teacher")
 # Rows (prompt + response tokens) from which layouts with sequence parallelism are considered:
 # below it one row's activations are small beside a device's memory.
 LONG_ROWS = 8192
@@ -79,12 +79,12 @@ class Stage:
 
 def rlhf_dataflow(roles: Iterable[str], old_log_prob: bool = True) -> tuple[Stage, ...]:
     """The stages of one step of an RLHF algorithm with these roles, in program order: generate;
-    score the samples (old log-probs, reference, values, reward); update critic and actor
-    (after the advantage, which reads every score)."""
+    score the samples (old log-probs, reference, teacher, values, reward); update critic and
+    actor (after the advantage, which reads every score)."""
     roles = set(roles)
     stages = [Stage("gen", "actor")]
     scoring = [("old_log_prob", "actor")] if old_log_prob else []
-    scoring += [(r, r) for r in ("ref",) if r in roles]
+    scoring += [(r, r) for r in ("ref", "teacher") if r in roles]
     scoring += [("values", "critic")] if "critic" in roles else []
     scoring += [("reward", "reward")] if "reward" in roles else []
     stages += [Stage(name, role, ("gen",)) for name, role in scoring]

@@ -294,7 +294,7 @@ class Workload:
         """A scoring ("forward") or training call of `role` over `rows` sequences in
         micro-batches of `micro`, as shared-prompt rows where the role's passes use them
         (`shared`) and a micro-batch's groups split over `dp` devices, else padded rows."""
-        k = self.shared if role in ("actor", "ref") else 1
+        k = self.shared if role in ("actor", "ref", "teacher") else 1
         if k > 1 and shared_prompt.fits(micro, k, dp):
             return Call(kind, rows // k, self.prompt_len + k * self.response_len,
                         k * self.response_len, micro // k if kind == "train" else 0, k)

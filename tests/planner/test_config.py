@@ -3,7 +3,7 @@ the flagfile launch.train reads."""
 
 import pytest
 
-from configs import grpo_arith, ppo_arith
+from configs import grpo_arith, opd_arith, ppo_arith
 from hfjax.planner import search
 from hfjax.planner.config import flagfile_lines, plan_inputs
 
@@ -86,3 +86,20 @@ def test_the_config_says_how_the_programs_batch_and_flags_override_it():
     cfg.plan.gen_rows = -2
     with pytest.raises(ConfigError, match="plan.gen_rows=-2: needs an int >= -1"):
         check_config(cfg)
+
+
+def test_opd_plans_the_teacher_as_a_role_of_its_own():
+    """OPD (configs/opd_arith.py) with a teacher twice the student's size: the teacher is a
+    frozen model of its own, scored after generation, and a placement is found for it."""
+    cfg = opd_arith.get_config()
+    cfg.teacher.path = "preset:tiny"
+    models, host, w = plan_inputs(cfg)
+    by_role = {m.role: m for m in models}
+    assert set(by_role) == {"actor", "teacher"} and host == ("reward",)
+    assert not by_role["teacher"].trainable
+    assert by_role["teacher"].config.hidden_size != by_role["actor"].config.hidden_size
+    assert w.old_log_prob  # the term compares the student's log-probs with the teacher's
+    result = search.plan(models, w, "cpu", 8, host_roles=host)
+    assert "teacher" in result.best.meshes()
+    assert [s.name for s in search.rlhf_dataflow(("actor", "teacher", "reward"))] == [
+        "gen", "old_log_prob", "teacher", "reward", "update_actor"]
