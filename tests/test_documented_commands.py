@@ -72,6 +72,19 @@ EXCLUDED: dict[str, str] = {
         "same variants below",
     "python -m bench.decode_profile": "the GPU measurement (a 1.5B model at 512 rows); its "
         "tiny form runs below",
+    # docs/async.md, "Learning": five arms' RL runs (one each in smoke mode, five compiles: over
+    # the tier's 30 s a command); the script's report is tested on finished runs
+    # (tests/run/test_intervals.py), and its arms' settings run in async.md's other commands.
+    "python scripts/seeds.py --seeds=5 --cpu_devices=2 --out=runs/async_eval "
+    "--set=model.path=runs/async_eval/warm_start/hf --set=sft.steps=0 --set=placement=split "
+    "--set=actor.lr=1e-3 --set=actor.ppo_mini_batch_size=8 --set=actor.ppo_micro_batch_size=64 "
+    "--set=trainer.total_steps=30 --set=trainer.test_freq=10 --curve=critic/score/mean "
+    "--curve=val-core/hfjax/arith/acc/mean@1 --curve_every=5 configs/grpo_arith.py "
+    "configs/grpo_arith.py@async_rollout.max_staleness=8@algo.rollout_correction.rollout_is=none "
+    "configs/grpo_arith.py@async_rollout.max_staleness=8 "
+    "configs/grpo_arith.py@async_rollout.max_staleness=2@algo.rollout_correction.rollout_is=none "
+    "configs/grpo_arith.py@async_rollout.max_staleness=2": "five arms x five seeds of RL "
+        "(35 min on the shared 2-core machine)",
 }
 
 # Placeholders in documented commands -> what the smoke tier runs instead. "{scratch}" is the
