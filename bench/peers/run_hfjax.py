@@ -107,6 +107,7 @@ def build(w: workload.Workload):
     import hfjax.models as M
     from hfjax.algorithms.spec import (
         AlgoSpec,
+        DistillSpec,
         FilterGroupsSpec,
         OverlongSpec,
         RolloutCorrectionSpec,
@@ -167,6 +168,7 @@ def build(w: workload.Workload):
             rollout_is="auto", rollout_is_threshold=2.0, rollout_rs="", rollout_rs_threshold=0.0,
             rollout_rs_threshold_lower=0.0, rollout_token_veto_threshold=0.0,
             bypass_mode=False).in_force(0),
+        distill=DistillSpec(coef=0.0, discount=0.0),
     )
 
     pool = ResourcePool("all", tuple(jax.devices()))

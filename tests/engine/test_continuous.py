@@ -157,7 +157,7 @@ def test_seeds_and_slots_decide_nothing_but_the_seeded_rows(llama, prompts):
     )
     assert_same(a, b)
     alone = three.generate(state, prompts[0][2:3], prompts[1][2:3], params, SEEDS[2:3])
-    assert_same(alone, type(a)(*(x[4:6] for x in a)))
+    assert_same(alone, type(a)(*(x[4:6] for x in a[:3])))
     other = three.generate(state, *prompts, params, SEEDS + 1)
     assert not np.array_equal(np.asarray(other.tokens), np.asarray(a.tokens))
     t = np.asarray(a.tokens)

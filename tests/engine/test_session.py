@@ -144,7 +144,7 @@ def _check_against_reprefill(model, loop, out):
         room = max(R - at for _, at, _ in turns)
         ref = reprefill.generate(state, np.asarray(cids), np.asarray(cmask),
                                  _params(n=1, max_new_tokens=room, eos_ids=stops), seed=seeds)
-        rt, rm, rl = (np.asarray(x) for x in ref)
+        rt, rm, rl = (np.asarray(x) for x in ref[:3])
         for j, (r, at, n) in enumerate(turns):
             got = rt[j][rm[j] > 0][:n]  # the loop cuts a turn at the row's budget or calls
             np.testing.assert_array_equal(out.tokens[r, at:at + n], got, err_msg=f"row {r}")
