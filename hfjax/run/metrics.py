@@ -98,6 +98,28 @@ class JsonlSink:
             self._f = None
 
 
+def _summary_writer_class():
+    """tensorboardX's SummaryWriter, imported without torch where torch is not loaded yet.
+
+    tensorboardX's writer imports torch whenever it is installed, only to accept torch tensors,
+    which hfjax never passes; that import is most of the cost of starting a short run (about 2 s
+    of CPU, more than jax's own). A missing `sys.modules` entry would let it load torch; `None`
+    makes its `import torch` fail, as on a machine without torch, for the length of this import.
+    """
+    import sys
+
+    if "torch" in sys.modules:
+        from tensorboardX import SummaryWriter
+
+        return SummaryWriter
+    sys.modules["torch"] = None  # type: ignore[assignment]
+    try:
+        from tensorboardX import SummaryWriter
+    finally:
+        del sys.modules["torch"]
+    return SummaryWriter
+
+
 class TensorBoardSink:
     """Scalars in `<out_dir>/tensorboard` (tensorboardX)."""
 
@@ -106,8 +128,7 @@ class TensorBoardSink:
         self._w = None
 
     def start(self, resumed_from: int | None) -> None:
-        from tensorboardX import SummaryWriter
-
+        SummaryWriter = _summary_writer_class()
         # purge_step drops events a killed run wrote after the step it resumes from.
         purge = None if resumed_from is None else resumed_from + 1
         # A unique suffix: a writer started within the same second must not reuse a file name.

@@ -3,10 +3,12 @@ resume keeps, TensorBoard purging, the console summary, the plot, and the option
 
 import json
 import struct
+import subprocess
 import sys
 
 import numpy as np
 import pytest
+from support import subprocess_env
 
 from hfjax.run import metrics
 
@@ -92,6 +94,18 @@ def test_tensorboard_writes_and_purges_on_resume(tmp_path):
     scalars = [(e["step"], e["value"]) for e in events if "value" in e]
     assert scalars == [(1, pytest.approx(0.5)), (1, pytest.approx(0.7))]
     assert any(e.get("session_log") == "START" and e["step"] == 1 for e in events)
+
+
+def test_tensorboard_sink_does_not_load_torch(tmp_path):
+    """A run's TensorBoard sink leaves torch unloaded (tensorboardX would import it, seconds of
+    every run's start-up); the events it writes are read back."""
+    code = ("import sys; from hfjax.run import metrics; s = metrics.TensorBoardSink(sys.argv[1]); "
+            "s.start(None); s.write(3, {'a': 1.5}); s.close(); print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "tb")], env=subprocess_env(),
+                         capture_output=True, text=True, timeout=120, check=True).stdout
+    assert out.strip() == "False"
+    assert [(e["step"], e["value"]) for e in _read_events(tmp_path / "tb") if "value" in e] == [
+        (3, pytest.approx(1.5))]
 
 
 def _read_events(d):
