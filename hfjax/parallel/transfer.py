@@ -149,11 +149,18 @@ def to_host(x: Array) -> np.ndarray:
 
 def host_values(values: dict[str, Any]) -> dict[str, Any]:
     """`jax.device_get(values)`, also where some arrays sit on devices of other processes
-    only (a pool of its own on each process: one all-gather for all of them)."""
+    only (a pool of its own on each process). Those are fetched in one `cross_pool.gather` per
+    owner: the arrays one process holds all of go through the key-value store from it (a
+    step's metrics mix arrays of both pools: one exchange per pool, no device collective);
+    the rest, spread over several processes, by one all-gather."""
     with jax.transfer_guard("allow"):
         far = [k for k, v in values.items()
                if isinstance(v, jax.Array) and cross_pool.needs_gather(v)]
         out = jax.device_get({k: v for k, v in values.items() if k not in far})
-    if far:
-        out |= dict(zip(far, cross_pool.gather([values[k] for k in far]), strict=True))
+    groups: dict[int, list[str]] = {}
+    for k in far:
+        owners = {d.process_index for d in values[k].sharding.device_set}
+        groups.setdefault(owners.pop() if len(owners) == 1 else -1, []).append(k)
+    for _, keys in sorted(groups.items()):  # the same order on every process
+        out |= dict(zip(keys, cross_pool.gather([values[k] for k in keys]), strict=True))
     return out

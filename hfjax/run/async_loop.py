@@ -24,10 +24,11 @@ machinery of K >= 1 with no overlap. Across processes (`jax.distributed`) there 
 every process runs the same single-threaded schedule. At each step with K >= 1 the step's batch
 (made at an earlier step) comes home first, then the generation of the steps issued ahead is
 dispatched, then the trainer's step (with K = 0 the step's "gen" stage generates its batch and
-brings it home). Each process only computes the programs of its own devices (the others' are
-no-ops there), so the rollout pool's process generates while the trainer's process updates, and
-every cross-process collective (the batch coming home, the push, host fetches) is issued in the
-same order on every process.
+brings it home); a step issued before its version exists (`push_every` > 1) is dispatched by
+the push that brings that version. Each process only computes the programs of its own devices
+(the others' are no-ops there), so the rollout pool's process generates while the trainer's
+process updates, and every cross-process collective (the batch coming home, the push, host
+fetches) is issued in the same order on every process.
 
 A batch stays on the rollout pool until its step takes it; then its response columns that are
 padding in every row are cut (as the synchronous loop's generate does) and it moves to the
@@ -105,6 +106,8 @@ class AsyncRollout:
         self._jobs: collections.deque[_Job] = collections.deque()
         self._pending: collections.deque[_Job] = collections.deque()  # issued, not consumed
         self._made: dict[int, Batch] = {}
+        # Across processes: jobs issued, not yet dispatched (`_dispatch`).
+        self._deferred: collections.deque[_Job] = collections.deque()
         self._error: BaseException | None = None
         self._closed = False
         self._idle_rollout = 0.0
@@ -131,6 +134,8 @@ class AsyncRollout:
         with self._cv:
             self._weights[version] = params
             self._cv.notify_all()
+        if not self.threaded:
+            self._dispatch()
         self._metrics["async/push_bytes"] = float(rollout_lib.param_bytes(params))
         self._metrics["async/push_s"] = seconds
 
@@ -233,15 +238,22 @@ class AsyncRollout:
                 return batch
 
             return made
-        for other in issued:  # at the first step, the batches up to this one
-            if other.step <= step:
-                self._made[other.step] = self._generate(other)
+        self._deferred.extend(issued)
+        self._dispatch(upto=step)  # at the first step, the batches up to this one
         batch = self._home(self._made.pop(step), job.version)
         self._metrics["timing_s/idle/train"] = self._wait_seconds(t0)
-        for other in issued:
-            if other.step > step:
-                self._made[other.step] = self._generate(other)
+        self._dispatch()
         return lambda: batch
+
+    def _dispatch(self, upto: int | None = None) -> None:
+        """Across processes: dispatches the generation of the issued jobs, oldest first, whose
+        versions have been pushed (up to step `upto`); the others wait for their push, which
+        dispatches them (with `push_every` > 1 a job can be issued before its version
+        exists). Every process dispatches at the same points of the schedule."""
+        while (self._deferred and self._deferred[0].version in self._weights
+               and (upto is None or self._deferred[0].step <= upto)):
+            job = self._deferred.popleft()
+            self._made[job.step] = self._generate(job)
 
     def _wait_seconds(self, t0: float) -> float:
         """Across processes, the seconds since `t0` the trainer's process spent getting its
