@@ -63,7 +63,7 @@ def refusal(layout, mode, algo) -> str | None:
     if layout == "pool_each" and algo == "lora":  # in one process as well
         return "a rollout pool of its own (async_rollout) does not run with actor.lora.rank"
     if mode == "partial":
-        return "partial rollouts run on the rollout thread of one process"
+        return "async_rollout.partial_rollout=True runs in one process only"
     return None
 
 
