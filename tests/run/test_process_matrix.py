@@ -8,6 +8,7 @@ must be refused in one line, which the test checks instead.
 CI runs the cells in `CI`; `scripts/process_matrix.sh` runs them all (HFJAX_PROCESS_MATRIX=1).
 """
 
+import math
 import os
 import random
 import signal
@@ -149,6 +150,21 @@ def test_cell(tmp_path, env, layout, mode, algo):
     assert [r["step"] for r in b] == list(range(TOTAL + 1))
     assert [sorted(r) for r in a] == [sorted(r) for r in b]
     assert all(r["actor/grad_norm"] > 0 for r in b[1:])
+    if layout == "pool_each":  # every checkpointed array sits on one process only
+        items = os.listdir(run / "checkpoints" / str(TOTAL))
+        assert "actor_params.per_process" in items, items
+    staleness = MODES[mode].get("async_rollout.max_staleness", 0)
+    if staleness:
+        # Stale samples, within the bound; each pool's idle time measured on its own
+        # process (process 0 generates, process 1 trains) and logged by both.
+        assert 0 < max(r["async/staleness/max"] for r in b[1:]) <= staleness
+        assert all(r["async/push_bytes"] > 0 for r in b[1:])
+        steps = [r for r in read_jsonl(os.path.join(run, "metrics.jsonl"))
+                 if "timing_s/idle/train" in r]
+        assert steps
+        for r in steps:
+            for key in ("timing_s/idle/train", "timing_s/idle/rollout"):
+                assert math.isfinite(r[key]) and r[key] >= 0, (r["step"], key, r[key])
     for x, y in zip(a, b, strict=True):
         for k in x:
             assert abs(x[k] - y[k]) <= 1e-6 * max(1.0, abs(x[k])), (x["step"], k, x[k], y[k])
