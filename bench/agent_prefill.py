@@ -50,7 +50,8 @@ from configs import ppo_arith  # noqa: E402
 from hfjax.agents import AgentLoop  # noqa: E402
 from hfjax.data import tool_arith  # noqa: E402
 from hfjax.data.batching import left_pad  # noqa: E402
-from hfjax.engine.sampler import Sampler, SamplingParams, bucket_size  # noqa: E402
+from hfjax.engine.buckets import bucket_size  # noqa: E402
+from hfjax.engine.sampler import Sampler, SamplingParams  # noqa: E402
 from hfjax.engine.spec import MultiTurnSpec  # noqa: E402
 from hfjax.models import presets, transformer  # noqa: E402
 from hfjax.tools import Tool, ToolRunner  # noqa: E402

@@ -9,7 +9,7 @@ import numpy as np
 
 from hfjax.controller.batch import Batch
 from hfjax.data.dataset import reward_meta
-from hfjax.engine.sampler import prompt_bucket
+from hfjax.engine.buckets import prompt_bucket
 
 
 def left_pad(seqs: Sequence[Sequence[int]], width: int, pad_id: int

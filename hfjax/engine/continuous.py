@@ -79,7 +79,8 @@ import numpy as np
 from absl import logging
 from flax import nnx
 
-from hfjax.engine.sampler import Sampler, bucket_size, prompt_bucket
+from hfjax.engine.buckets import bucket_size, prompt_bucket
+from hfjax.engine.sampler import Sampler
 from hfjax.engine.slots import Plan, run_shardings
 from hfjax.engine.slots import run as run_program
 from hfjax.engine.spec import RolloutSpec

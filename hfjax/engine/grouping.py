@@ -44,7 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hfjax.engine import shared_prompt
-from hfjax.engine.sampler import bucket_size, prompt_bucket
+from hfjax.engine.buckets import bucket_size, prompt_bucket
 
 # The narrowest prompt or response block a micro-batch is cut to.
 MIN_WIDTH = 16

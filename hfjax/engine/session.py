@@ -51,6 +51,7 @@ import numpy as np
 from absl import logging
 from flax import nnx
 
+from hfjax.engine.buckets import bucket_size
 from hfjax.engine.decode import (
     DecodeOptions,
     LayerCache,
@@ -58,7 +59,7 @@ from hfjax.engine.decode import (
     decode_step,
     split_layers,
 )
-from hfjax.engine.sampler import Sampler, _prefill, bucket_size
+from hfjax.engine.sampler import Sampler, _prefill
 from hfjax.engine.token_select import Knobs, SamplingParams, Static, select_tokens
 from hfjax.models.backend import storage_dtype
 from hfjax.models.rope import rope_inv_freq, rope_tables

@@ -12,7 +12,7 @@ from __future__ import annotations
 from hfjax.algorithms.registry import get_algorithm
 from hfjax.config import model_source, run_roles
 from hfjax.data import arith
-from hfjax.engine.sampler import MIN_NEW_TOKENS_BUCKET, bucket_size, prompt_bucket
+from hfjax.engine.buckets import MIN_NEW_TOKENS_BUCKET, bucket_size, prompt_bucket
 from hfjax.models import backend, lora
 from hfjax.models.config import ModelConfig
 from hfjax.models.hf_io import read_model_config

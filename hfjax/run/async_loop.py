@@ -52,7 +52,7 @@ from jax.sharding import PartitionSpec as P
 
 from hfjax.controller.batch import Batch
 from hfjax.controller.protocol import DP_COMPUTE
-from hfjax.engine.sampler import MIN_NEW_TOKENS_BUCKET, bucket_size
+from hfjax.engine.buckets import MIN_NEW_TOKENS_BUCKET, bucket_size
 from hfjax.parallel.transfer import to_host
 from hfjax.workers import rollout as rollout_lib
 from hfjax.workers.actor import ActorRollout

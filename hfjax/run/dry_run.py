@@ -74,7 +74,8 @@ from absl import logging
 from hfjax.algorithms import dataflow
 from hfjax.algorithms.spec import StepSpec
 from hfjax.config import model_source, run_roles, validate_config
-from hfjax.engine.sampler import SamplingParams, prompt_bucket
+from hfjax.engine.buckets import prompt_bucket
+from hfjax.engine.sampler import SamplingParams
 from hfjax.models import backend, transformer
 from hfjax.workers import groups
 from hfjax.workers.actor import BaseReference

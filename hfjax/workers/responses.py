@@ -10,7 +10,8 @@ import jax
 import jax.numpy as jnp
 
 from hfjax.engine import token_select
-from hfjax.engine.sampler import MIN_NEW_TOKENS_BUCKET, GenerateOutput, bucket_size
+from hfjax.engine.buckets import MIN_NEW_TOKENS_BUCKET, bucket_size
+from hfjax.engine.sampler import GenerateOutput
 from hfjax.parallel.transfer import to_host
 
 

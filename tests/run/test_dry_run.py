@@ -14,7 +14,7 @@ from support import subprocess_env
 from configs import ppo_arith
 from hfjax.data import arith
 from hfjax.data.batching import prompt_batch
-from hfjax.engine.sampler import MIN_NEW_TOKENS_BUCKET, bucket_size, prompt_bucket
+from hfjax.engine.buckets import MIN_NEW_TOKENS_BUCKET, bucket_size, prompt_bucket
 from hfjax.models import backend, save_hf, transformer
 from hfjax.models.config import scratch_model_config
 from hfjax.models.hf_io import load_score
