@@ -64,8 +64,6 @@ TEST_OPTIONS: dict[str, dict] = {
     "tests/models/test_hf_parity.py": {"size": "large"},
     "tests/models/test_smollm2.py": {"size": "large"},
     "tests/models/test_tokenizer.py": {"size": "large"},
-    # Two GRPO steps of SmolLM2-135M's real weights.
-    "tests/test_smollm2_grpo.py": {"size": "large"},
     # One module fixture saves the checkpoint that most of its tests restore: not sharded.
     "tests/run/test_checkpoint.py": {"size": "large"},
     # One module fixture runs the uninterrupted job that its tests compare with: not sharded.
@@ -107,13 +105,13 @@ TEST_OPTIONS: dict[str, dict] = {
 CI_TESTS: set[str] = {
     "tests/test_bazel_build.py",
     "tests/config/test_key_declarations.py",
-    "tests/controller/test_batch.py",
+    "tests/controller/test_placement.py",
     "tests/data/test_dataset.py",
     "tests/data/test_prepare_data.py",  # a launch/ binary from the runfiles
     "tests/engine/test_layout_choice.py",
     "tests/engine/test_update_schedule.py",
     "tests/models/test_load_errors.py",  # the hf_fixtures helper library
-    "tests/numerics/test_rlhf_numerics.py",
+    "tests/numerics/test_numerics.py",
     "tests/parallel/test_mesh.py",
     "tests/parallel/test_targets.py",
     "tests/planner/test_config.py",

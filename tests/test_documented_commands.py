@@ -1,5 +1,5 @@
 """The smoke tier: every shell command that README.md and docs/*.md show runs, as written, in
-smoke mode (HFJAX_SMOKE=1, launch/smoke.py), and so does every algorithm's config.
+smoke mode (HFJAX_SMOKE=1, launch/smoke.py).
 
 The commands are read from the docs' fenced blocks that hold a command, tagged ```bash or not
 (backslash continuations joined, `for` loops kept whole, comments dropped) and run with
@@ -159,11 +159,6 @@ SECONDS: dict[str, float] = {
 COMMAND_S, SMOLLM2_COMMAND_S = 30.0, 90.0
 _SMOLLM2 = re.compile(r"smollm2|\.gguf|--src=model\.gguf|launch\.generate(?!.*--model=)")
 
-# Configs that launch.train does not take: SFT, reward-model and DPO runs (their own entry points)
-# and a reward function file.
-NOT_TRAIN_CONFIGS = {"sft_arith.py", "rm_arith.py", "cost_arith.py", "dpo_arith.py",
-                     "last_number_reward.py"}
-
 # A command that starts a training run: launch.train itself, or under launch.local_cluster.
 _TRAINS = re.compile(r"python -m launch\.train\b(?!_rm)|scripts/train\.sh|"
                      r"python -m launch\.local_cluster(?!.*--(module|script)=)")
@@ -293,29 +288,6 @@ def substituted(command: str, scratch: str, gguf: str) -> str:
     return command
 
 
-def launch_train_configs() -> list[str]:
-    """configs/*.py files that launch.train runs."""
-    return sorted(f for f in os.listdir(os.path.join(ROOT, "configs"))
-                  if f.endswith(".py") and not f.startswith("_") and f not in NOT_TRAIN_CONFIGS)
-
-
-def configs_run_by_docs() -> set[str]:
-    """The launch.train configs that a documented command the tier runs uses: named with
-    --config, in a script it runs, or the default (configs/ppo_arith.py) of a bare run."""
-    texts = []
-    for doc in DOCS:
-        for cmd in to_run(doc):
-            texts.append(cmd)
-            for script in re.findall(r"bash (scripts/\w+\.sh)", cmd):
-                with open(os.path.join(ROOT, script)) as f:
-                    texts.append(f.read())
-    found = {name for name in launch_train_configs()
-             if any(f"--config=configs/{name}" in t for t in texts)}
-    if any(re.search(r"python -m launch\.train(?!_rm)(?!.*--config=)", t) for t in texts):
-        found.add("ppo_arith.py")
-    return found
-
-
 # -- fast checks (every run of the suite) ---------------------------------------------------------
 
 
@@ -415,19 +387,13 @@ def _check(command: str, proc: subprocess.CompletedProcess, seconds: float,
         json.loads(lines[-1])  # a final JSON line must parse
 
 
-def _config_id(config: str) -> str:
-    return f"configs/{config}"
-
-
 _DOC_PARTS = {part_id(doc, k, len(ps)): (doc, part) for doc in DOCS
               for ps in [parts(doc)] for k, part in enumerate(ps) if part}
-_CONFIGS = sorted(set(launch_train_configs()) - configs_run_by_docs())
-_SMOKE_ITEMS = list(_DOC_PARTS) + [_config_id(c) for c in _CONFIGS]
+_SMOKE_ITEMS = list(_DOC_PARTS)
 # The tier's items on pytest-xdist's workers (CI: --dist=loadgroup), and each worker's items
 # longest first.
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-_EXPECTED = {i: expected_s(i, _DOC_PARTS[i][1] if i in _DOC_PARTS else [i])
-             for i in _SMOKE_ITEMS}
+_EXPECTED = {i: expected_s(i, _DOC_PARTS[i][1]) for i in _SMOKE_ITEMS}
 _GROUP = groups(_EXPECTED, _WORKERS)
 
 
@@ -450,15 +416,3 @@ def test_documented_commands_run(doc, commands, tmp_path):
         if _TRAINS.search(command) and "runs/" not in command:
             shutil.rmtree(os.path.join(scratch, "runs"), ignore_errors=True)
         _check(command, *_run(command, scratch, env), EXIT_STATUS.get(documented_command, 0))
-
-
-@pytest.mark.smoke
-@pytest.mark.parametrize("config", _smoke_params({_config_id(c): (c,) for c in _CONFIGS}))
-def test_config_runs(config, tmp_path):
-    """The algorithms whose configs the docs name only in passing ("or rloo, dapo, ...")."""
-    command = (f"python -m launch.train --config=configs/{config} "
-               f"--config.trainer.out_dir={tmp_path / 'run'}")
-    proc, seconds = _run(command, ROOT, _env(ROOT))
-    _check(command, proc, seconds)
-    summary = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert summary["step"] == 2  # smoke mode's two RL steps ran
