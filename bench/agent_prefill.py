@@ -136,7 +136,7 @@ class RePrefill:
 
     def open(self, state, ids, mask, params, seed):
         out = self.sampler.generate(state, ids, mask, params, seed=seed)
-        toks, m, lps = (np.asarray(x) for x in out)
+        toks, m, lps = (np.asarray(x) for x in (out.tokens, out.mask, out.logprobs))
         n = params.n
         prompts = [list(ids[r // n][mask[r // n] > 0]) for r in range(toks.shape[0])]
         session = _RePrefillSession(self.sampler, state, prompts, params,
