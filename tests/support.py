@@ -267,3 +267,27 @@ def hfjax_children() -> list[str]:
                 and any(m in cmd for m in _WORKER_MARKS):
             found.append(f"{entry}: {cmd}")
     return found
+
+
+# The longest modules of the suite, longest first: measured CPU seconds (user + system, the
+# module's own process and the commands it starts), 2026-12-07 on the shared 2-core machine.
+# tests/conftest.py runs them first, so that pytest-xdist's workers (--dist=loadfile hands out
+# modules in collection order) end on short modules and finish together instead of one worker
+# running a long module alone.
+LONGEST_MODULES: dict[str, float] = {
+    "tests/engine/test_sampler.py": 152, "tests/models/test_attention.py": 128,
+    "tests/engine/test_continuous.py": 125, "tests/run/test_trainer_processes.py": 123,
+    "tests/config/test_bad_inputs.py": 110, "tests/run/test_resume.py": 109,
+    "tests/models/test_sequence_parallel_hlo.py": 109, "tests/engine/test_packing.py": 107,
+    "tests/run/test_process_matrix.py": 100, "tests/models/test_sequence_parallel.py": 99,
+    "tests/engine/test_head_chunks.py": 82, "tests/run/test_dry_run.py": 73,
+    "tests/models/test_lora_dropout.py": 73, "tests/run/test_sequence_parallel_run.py": 70,
+    "tests/run/test_lora_rl.py": 66, "tests/models/test_lora_export.py": 64,
+    "tests/run/test_checkpoint_processes.py": 60,
+}
+
+
+def longest_first(items: list, root: str) -> list:
+    """`items` (pytest items) with those of LONGEST_MODULES first, longest first; the rest, and
+    each module's own tests, in their order."""
+    return sorted(items, key=lambda i: -LONGEST_MODULES.get(os.path.relpath(str(i.path), root), 0))

@@ -1,11 +1,11 @@
-"""The suite's order (tests/conftest.py): the modules it runs first exist, and they come first,
-longest first, each module's tests in their own order."""
+"""The suite's order (tests/conftest.py, support.longest_first): the modules it runs first
+exist, and they come first, longest first, each module's tests in their own order."""
 
 import os
 import pathlib
 import types
 
-from conftest import LONGEST_MODULES, pytest_collection_modifyitems
+from support import LONGEST_MODULES, longest_first
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -19,7 +19,5 @@ def test_the_longest_modules_come_first_longest_first():
     a, b = sorted(LONGEST_MODULES, key=LONGEST_MODULES.get)[:2]  # b is the longer
     names = ["tests/x/test_short.py", a, "tests/y/test_other.py", b, a]
     items = [types.SimpleNamespace(path=pathlib.Path(ROOT, p), n=i) for i, p in enumerate(names)]
-    config = types.SimpleNamespace(rootpath=pathlib.Path(ROOT))
-    pytest_collection_modifyitems(config, items)
-    assert [i.n for i in items] == ([3, 1, 4, 0, 2] if LONGEST_MODULES[b] > LONGEST_MODULES[a]
-                                    else [1, 3, 4, 0, 2])
+    want = [3, 1, 4, 0, 2] if LONGEST_MODULES[b] > LONGEST_MODULES[a] else [1, 3, 4, 0, 2]
+    assert [i.n for i in longest_first(items, ROOT)] == want
