@@ -291,3 +291,35 @@ def longest_first(items: list, root: str) -> list:
     """`items` (pytest items) with those of LONGEST_MODULES first, longest first; the rest, and
     each module's own tests, in their order."""
     return sorted(items, key=lambda i: -LONGEST_MODULES.get(os.path.relpath(str(i.path), root), 0))
+
+
+def tiny_process_job(total_steps: int) -> dict:
+    """Config overrides of the tiny default-config job the cross-process tests run on 2
+    processes x 1 CPU device (tests/run/test_process_matrix.py, test_checkpoint_processes.py):
+    a checkpoint every step, tests/partial_credit_reward.py's per-character credit."""
+    import partial_credit_reward
+
+    return {
+        "sft.steps": 0,
+        "model.hidden_size": 32, "model.intermediate_size": 64, "model.head_dim": 16,
+        "model.num_layers": 1, "model.num_heads": 2, "model.num_kv_heads": 1,
+        "data.n_train": 32, "data.n_test": 8, "data.train_batch_size": 4, "rollout.n": 2,
+        "rollout.response_length": 12,
+        "actor.ppo_mini_batch_size": 4, "actor.ppo_micro_batch_size": 8,
+        "critic.ppo_mini_batch_size": 4, "critic.ppo_micro_batch_size": 8,
+        "reward.num_processes": 0,
+        "reward.custom_fn": f"{partial_credit_reward.__file__}:"
+                            f"{partial_credit_reward.score.__name__}",
+        "trainer.total_steps": total_steps, "trainer.test_freq": 0, "trainer.save_freq": 1,
+        "trainer.max_to_keep": 5, "trainer.logger": "jsonl", "trainer.plot": False,
+    }
+
+
+def start_rank(rank: int, port: int, args: list[str], env: dict, log) -> subprocess.Popen:
+    """Process `rank` of a 2-process `launch.train` on 1 CPU device each, joined with the
+    process flags (no launcher), in a session of its own (a test may SIGKILL it)."""
+    cmd = [sys.executable, "-u", "-m", "launch.train", "--cpu_devices=1",
+           f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2",
+           f"--process_id={rank}", *args]
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)

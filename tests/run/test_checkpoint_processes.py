@@ -17,9 +17,8 @@ import subprocess
 import sys
 import time
 
-import partial_credit_reward
 import pytest
-from support import comparable_records, subprocess_env
+from support import comparable_records, start_rank, subprocess_env, tiny_process_job
 
 from launch import local_cluster
 
@@ -27,33 +26,13 @@ pytestmark = pytest.mark.slow
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TOTAL = 2
-OVERRIDES = {
-    "sft.steps": 0,
-    "model.hidden_size": 32, "model.intermediate_size": 64, "model.head_dim": 16,
-    "model.num_layers": 1, "model.num_heads": 2, "model.num_kv_heads": 1,
-    "data.n_train": 32, "data.n_test": 8, "data.train_batch_size": 4, "rollout.n": 2,
-    "rollout.response_length": 12,
-    "actor.ppo_mini_batch_size": 4, "actor.ppo_micro_batch_size": 8,
-    "critic.ppo_mini_batch_size": 4, "critic.ppo_micro_batch_size": 8,
-    "reward.num_processes": 0,
-    "reward.custom_fn": f"{partial_credit_reward.__file__}:{partial_credit_reward.score.__name__}",
-    "placement": "gen=1:rollout;train=1:actor+ref+critic+reward",
-    "trainer.total_steps": TOTAL, "trainer.test_freq": 0, "trainer.save_freq": 1,
-    "trainer.max_to_keep": 5, "trainer.logger": "jsonl", "trainer.plot": False,
-}
+OVERRIDES = tiny_process_job(TOTAL) | {
+    "placement": "gen=1:rollout;train=1:actor+ref+critic+reward"}
 
 
 def _args(out_dir) -> list[str]:
     return [f"--config.trainer.out_dir={out_dir}",
             *(f"--config.{k}={v}" for k, v in OVERRIDES.items())]
-
-
-def _start(rank, port, out_dir, env, log):
-    cmd = [sys.executable, "-u", "-m", "launch.train", "--cpu_devices=1",
-           f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2",
-           f"--process_id={rank}", *_args(out_dir)]
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
 
 
 def _arrays(out_dir, step=TOTAL) -> dict:
@@ -76,7 +55,7 @@ def test_pool_per_process_killed_then_resumed_bitwise(tmp_path):
     run = tmp_path / "run"
     with open(tmp_path / "log", "a") as log:
         port = local_cluster.free_port()
-        procs = [_start(rank, port, run, env, log) for rank in range(2)]
+        procs = [start_rank(rank, port, _args(run), env, log) for rank in range(2)]
         done = run / "checkpoints" / "1" / "trainer"
         deadline = time.monotonic() + 600
         while not done.is_dir() and time.monotonic() < deadline:
@@ -88,7 +67,7 @@ def test_pool_per_process_killed_then_resumed_bitwise(tmp_path):
         codes = [q.wait(timeout=60) for q in procs]
         assert codes == [-signal.SIGKILL] * 2, (codes, open(tmp_path / "log").read()[-3000:])
         port = local_cluster.free_port()
-        procs = [_start(rank, port, run, env, log) for rank in range(2)]
+        procs = [start_rank(rank, port, _args(run), env, log) for rank in range(2)]
         codes = [q.wait(timeout=600) for q in procs]
     text = open(tmp_path / "log").read()
     assert codes == [0, 0], text[-3000:]

@@ -16,9 +16,8 @@ import subprocess
 import sys
 import time
 
-import partial_credit_reward
 import pytest
-from support import subprocess_env
+from support import start_rank, subprocess_env, tiny_process_job
 
 from hfjax.run.metrics import is_timing_key, read_jsonl
 from launch import local_cluster
@@ -27,19 +26,7 @@ pytestmark = pytest.mark.slow
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TOTAL = 3
-BASE = {
-    "sft.steps": 0,
-    "model.hidden_size": 32, "model.intermediate_size": 64, "model.head_dim": 16,
-    "model.num_layers": 1, "model.num_heads": 2, "model.num_kv_heads": 1,
-    "data.n_train": 32, "data.n_test": 8, "data.train_batch_size": 4, "rollout.n": 2,
-    "rollout.response_length": 12,
-    "actor.ppo_mini_batch_size": 4, "actor.ppo_micro_batch_size": 8,
-    "critic.ppo_mini_batch_size": 4, "critic.ppo_micro_batch_size": 8,
-    "reward.num_processes": 0,
-    "reward.custom_fn": f"{partial_credit_reward.__file__}:{partial_credit_reward.score.__name__}",
-    "trainer.total_steps": TOTAL, "trainer.test_freq": 0, "trainer.save_freq": 1,
-    "trainer.max_to_keep": 5, "trainer.logger": "jsonl", "trainer.plot": False,
-}
+BASE = tiny_process_job(TOTAL)
 LAYOUTS = {  # name: (placement with the default algorithm's roles, with GRPO's)
     "pool_each": ("gen=1:rollout;train=1:actor+ref+critic+reward",
                   "gen=1:rollout;train=1:actor+ref+reward"),
@@ -89,14 +76,6 @@ def _overrides(layout, mode, algo, out_dir) -> list[str]:
     return [f"--config.{k}={v}" for k, v in o.items()]
 
 
-def _start(rank, port, args, env, log):
-    cmd = [sys.executable, "-u", "-m", "launch.train", "--cpu_devices=1",
-           f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2",
-           f"--process_id={rank}", *args]
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
-
-
 def _records(out_dir) -> list[dict]:
     return [{k: v for k, v in r.items() if not is_timing_key(k) and k != "async/push_s"}
             for r in read_jsonl(os.path.join(out_dir, "metrics.jsonl"))]
@@ -115,7 +94,7 @@ def test_cell(tmp_path, env, layout, mode, algo):
     logfile = tmp_path / "log"
     with open(logfile, "a") as log:
         port = local_cluster.free_port()
-        procs = [_start(rank, port, args, env, log) for rank in range(2)]
+        procs = [start_rank(rank, port, args, env, log) for rank in range(2)]
         refused = refusal(layout, mode, algo)
         if refused:
             codes = [q.wait(timeout=300) for q in procs]
@@ -136,7 +115,7 @@ def test_cell(tmp_path, env, layout, mode, algo):
         for q in procs:
             q.wait(timeout=60)
         port = local_cluster.free_port()
-        procs = [_start(rank, port, args, env, log) for rank in range(2)]
+        procs = [start_rank(rank, port, args, env, log) for rank in range(2)]
         codes = [q.wait(timeout=600) for q in procs]
     text = open(logfile).read()
     assert codes == [0, 0], text[-3000:]
