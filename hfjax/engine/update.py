@@ -63,15 +63,16 @@ def _unstride(y: jax.Array, group: int) -> jax.Array:
     return jnp.swapaxes(y, 0, 1).reshape((n_micro * rows,) + y.shape[3:])
 
 
-def in_micro_batches(fn: Callable, n_micro: int, *arrays: jax.Array, group: int = 1) -> Any:
+def in_micro_batches(fn: Callable, n_micro: int, *arrays: Any, group: int = 1) -> Any:
     """`fn(*arrays)` computed over `n_micro` strided micro-batches of the arrays' rows (rows, or
     groups of `group` rows, i::n_micro, as the update takes them), one after another, with the
     outputs put back in row order: a scoring pass whose working set (e.g. [rows, positions,
     vocabulary] logits) is that of one micro-batch. n_micro = 1: one pass."""
     if n_micro == 1:
         return fn(*arrays)
-    out = jax.lax.map(lambda xs: fn(*xs),
-                      tuple(strided_micro_batches(x, n_micro, group) for x in arrays))
+    # Arguments may be pytrees of row arrays (None and empty ones too).
+    out = jax.lax.map(lambda xs: fn(*xs), tuple(
+        jax.tree.map(lambda a: strided_micro_batches(a, n_micro, group), x) for x in arrays))
     return jax.tree.map(lambda y: _unstride(y, group), out)
 
 

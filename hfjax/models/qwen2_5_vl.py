@@ -179,6 +179,17 @@ class VisionLM(nnx.Module):
         return self.lm(input_ids, attention_mask, embeds=embeds, positions=positions, **kw)
 
 
+def policy(model: VisionLM, freeze_vision: bool = True):
+    """(the actor's model, its frozen tower or None) of a vision-language policy, as
+    `ActorRollout(..., model, tower=...)` takes them (`hfjax.workers.vision`): with
+    `freeze_vision` the language model alone trains and the tower stays beside it; without,
+    the language model holds the tower as `visual`, so it trains and moves with it."""
+    if freeze_vision:
+        return model.lm, model.visual
+    model.lm.visual = model.visual
+    return model.lm, None
+
+
 def _preset(vocab: int, hidden: int, inter: int, layers: int, heads: int, kv: int,
             tie: bool) -> VLConfig:
     text = ModelConfig(model_type="qwen2", attention_bias=True, rope_theta=1000000.0,

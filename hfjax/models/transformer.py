@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from hfjax.models import expert_parallel, lora_dropout, moe
+from hfjax.models import expert_parallel, image_inputs, lora_dropout, moe
 from hfjax.models import sequence_parallel as sp
 from hfjax.models.attention import ResponseBlocks, SharedPrompt, attention_fn
 from hfjax.models.backend import storage_dtype
@@ -340,7 +340,9 @@ class Backbone(nnx.Module):
         pass's router statistics to an active `moe.collecting()`.
 
         A vision-language model (`hfjax.models.qwen2_5_vl`) passes `embeds` [B, T, D], the
-        token embeddings with its image features in place, and M-RoPE `positions` [3, B, T].
+        token embeddings with its image features in place, and M-RoPE `positions` [3, B, T];
+        without a cache and `embeds`, a pass takes the rows' images an active
+        `image_inputs.given` holds (a training batch's).
         """
         cfg = self.config
         B, T = input_ids.shape
@@ -362,6 +364,15 @@ class Backbone(nnx.Module):
         if attention_mask is None:
             attention_mask = jnp.ones((B, T if cache is None else cache.k.shape[2]), jnp.int32)
         key_valid = attention_mask.astype(bool)
+        images = image_inputs.active() if cache is None and embeds is None else None
+        if images is not None:
+            # A vision-language batch's rows (`hfjax.models.image_inputs`): padded rows only.
+            if (segment_ids is not None or shared_prompt is not None
+                    or response_blocks is not None or sp.sequence_size(shd.active_layout()) > 1):
+                raise ValueError("rows with images are scored as padded rows only: turn off "
+                                 "use_remove_padding, group_by_length and share_prompt, and "
+                                 "use a mesh with sequence=1")
+            embeds, positions = image_inputs.spliced(self.embed(input_ids), input_ids, images)
         if positions is None:
             if cache is not None:
                 raise ValueError("positions are required when decoding with a KV cache")

@@ -41,7 +41,7 @@ from hfjax.numerics.losses import PolicyLossInputs
 from hfjax.parallel import reshard
 from hfjax.parallel.mesh import batch_sharding
 from hfjax.parallel.transfer import transfer
-from hfjax.workers import responses, routing
+from hfjax.workers import responses, routing, vision
 from hfjax.workers.base import SEQUENCES, Program, StepShape, WorkerGroup
 from hfjax.workers.logprobs import compact_logprobs, packed_logprobs, response_logprobs
 from hfjax.workers.spec import ActorSpec
@@ -91,6 +91,9 @@ class Reference(WorkerGroup):
             raise ValueError(f"{self.name}: shared-prompt rows of {samples} samples need "
                              f"micro-batches of whole groups, not {self.micro_rows} rows")
         self.samples = samples
+        if self.vl is not None:
+            vision.check_rows(self.name, packed=self.budget is not None, grouped=self.grouped,
+                              samples=samples, mesh=self.mesh)
         self._logprob = self.jit(self._logprob_fn, static_argnums=(3, 4, 5))
         self._packed_logprob = self.jit(self._packed_logprob_fn, static_argnums=(3, 4))
         self._compact_logprob = self.jit(
@@ -98,19 +101,20 @@ class Reference(WorkerGroup):
                                                 self.samples, self.chunk, self.dp_size))
 
     def _logprob_fn(self, params, input_ids, attention_mask, response_len, n_micro=1, share=1,
-                    replay=None):
+                    replay=None, images=None):
         """Log-probs and entropy [B, R] of padded rows in `n_micro` strided micro-batches (of
         whole groups when `self.samples` > 1), each computed as shared-prompt rows of `share`
-        samples (1: one row per sequence); `replay`: the rows' recorded routing, replayed."""
+        samples (1: one row per sequence); `replay`: the rows' recorded routing, replayed;
+        `images`: the rows' image arrays (`hfjax.workers.vision`)."""
         model = self.model(params)
 
-        def score(ids, mask, *routed):  # (an update's pass keeps the routing it was given)
-            with moe.given_routing(*routed, replay=True) if routed else contextlib.nullcontext():
+        def score(ids, mask, routed, imgs):  # (an update's pass keeps the routing it was given)
+            with (moe.given_routing(routed, replay=True) if routed is not None
+                  else contextlib.nullcontext()), self.seeing(model, imgs):
                 return response_logprobs(model, ids, mask, response_len, self.temperature,
                                          share, self.chunk, self.dp_size)
 
-        extra = () if replay is None else (replay,)
-        return in_micro_batches(score, n_micro, input_ids, attention_mask, *extra,
+        return in_micro_batches(score, n_micro, input_ids, attention_mask, replay, images or {},
                                 group=self.samples)
 
     def _sharing(self, rows: int) -> int:
@@ -150,7 +154,8 @@ class Reference(WorkerGroup):
             replay = (batch.arrays.get("routed_experts")  # r2, r3: `hfjax.workers.routing`
                       if self.spec.router_replay != "none" else None)
             return self._logprob(self.params, ids, mask, r, n_micro,
-                                 self._sharing(len(ids) // n_micro), replay)
+                                 self._sharing(len(ids) // n_micro), replay,
+                                 vision.images_of(batch.arrays))
         shape = self.budget.shape(len(batch), ids.shape[1], self.dp_size, self.name)
         return self._packed_logprob(self.params, ids, mask, r, shape)
 
@@ -175,7 +180,8 @@ class Reference(WorkerGroup):
         # `train` cuts micro-batches of whole groups.
         rows = len(mb["input_ids"])
         return self._logprob_fn(params, mb["input_ids"], mb["attention_mask"],
-                                mb["responses"].shape[1], 1, self._sharing(rows))
+                                mb["responses"].shape[1], 1, self._sharing(rows),
+                                images=vision.images_of(mb))
 
     def log_prob_programs(self, what: str, shape: StepShape) -> list[Program]:
         """The log-prob pass over a step's sequences as `_log_probs` runs it: packed rows, a
@@ -206,7 +212,7 @@ class Reference(WorkerGroup):
         """The reference log-prob pass (`compute_ref_log_prob`)."""
         return self.log_prob_programs("log_prob", shape)
 
-    @method(DP_COMPUTE, reads=SEQUENCES)
+    @method(DP_COMPUTE, reads=SEQUENCES, may_read=vision.IMAGES)
     def compute_ref_log_prob(self, batch: Batch) -> Batch:
         """Batch with `ref_log_prob` [B, R]."""
         lp, _ = self._log_probs(batch)
@@ -227,7 +233,7 @@ class BaseReference(Reference):
         # No WorkerGroup.__init__: there is nothing to place.
         self.actor = actor
         self.name, self.pool, self.mesh, self.home = name, actor.pool, actor.mesh, actor.home
-        self.layout, self.config = actor.layout, actor.config
+        self.layout, self.config, self.vl = actor.layout, actor.config, actor.vl
         self.graphdef = self.base_graphdef = actor.base_graphdef
         self.trainable, self.lora, self.dropout = None, None, None
         self.param_shardings = self.train_shardings = self.layout.state_shardings(
@@ -270,8 +276,11 @@ class ActorRollout(Reference):
 
     def __init__(self, *args, sampler: Sampler, spec: ActorSpec, rollout: RolloutSpec,
                  eos_ids: tuple[int, ...] = (), hybrid: HybridEngine | None = None,
-                 agent: AgentLoop | None = None, **kw):
+                 agent: AgentLoop | None = None, tower=None, **kw):
         super().__init__(*args, spec=spec, rollout=rollout, **kw)
+        # The vision tower: `tower` is a frozen one, held beside the params; a model with its
+        # own `visual` trains it (`hfjax.workers.vision.Tower`). None: text only.
+        self.tower = vision.Tower.of(self, tower)
         routing.check(spec.router_replay, moe=self.config.is_moe, packed=spec.use_remove_padding,
                       grouped=spec.group_by_length, multi_turn=agent is not None,
                       continuous=rollout.mode == "continuous")
@@ -321,7 +330,7 @@ class ActorRollout(Reference):
         if self.hybrid is not None:
             self.params = self.hybrid.to_train(params)
 
-    @method(ON_HOST, reads=("prompts", "prompt_mask", "seeds"))
+    @method(ON_HOST, reads=("prompts", "prompt_mask", "seeds"), may_read=vision.HOST)
     def generate(self, batch: Batch, *, greedy: bool = False, n: int | None = None,
                  temperature: float | None = None) -> Batch:
         """Samples n responses per prompt of a host batch (prompts, prompt_mask, seeds).
@@ -340,16 +349,23 @@ class ActorRollout(Reference):
             self.opt_state = reshard.offload(self.opt_state)
         if self.agent is not None:
             return self._generate_turns(batch, params)
+        # The tower runs once per prompt, before the params move to the decode layout.
+        images = vision.prompt_features(self, batch)
         state = self.rollout_params()
         try:
             out = self.sampler.generate(
                 state, batch["prompts"], batch["prompt_mask"], params, seed=batch["seeds"],
+                images=None if images is None else images[0],
             )
         finally:
             self.release_rollout_params(state)
             if offload:
                 self.opt_state = reshard.reload(self.opt_state, self.opt_shardings)
-        return self.respond(batch, responses.trim(out) if self.trim else out, n)
+        out = self.respond(batch, responses.trim(out) if self.trim else out, n)
+        if images is None:
+            return out
+        return out.union(Batch(vision.rollout_rows(self, batch, images[1], n,
+                                                   out["responses"].shape[1])))
 
     def sampling_params(self, *, greedy: bool = False, n: int | None = None,
                         temperature: float | None = None) -> SamplingParams:
@@ -426,7 +442,7 @@ class ActorRollout(Reference):
         meta = {"trajectory": [t.to_dict() for t in res.trajectories]}
         return rep.union(Batch(arrays, meta=meta))
 
-    @method(DP_COMPUTE, reads=SEQUENCES, may_read=("routed_experts",))
+    @method(DP_COMPUTE, reads=SEQUENCES, may_read=("routed_experts", *vision.IMAGES))
     def compute_log_prob(self, batch: Batch) -> Batch:
         """Batch with `old_log_probs` and `entropys` [B, R] under the current policy (with
         `actor.router_replay` r2 or r3, routed as the sampler routed)."""
@@ -503,9 +519,11 @@ class ActorRollout(Reference):
         return loss, metrics | rejected
 
     def _sft_loss(self, params, mb, totals):
-        lp, _ = response_logprobs(
-            self.model(params), mb["input_ids"], mb["attention_mask"], mb["responses"].shape[1],
-            1.0, chunk=self.chunk, dp=self.dp_size)
+        model = self.model(params)
+        with self.seeing(model, mb):
+            lp, _ = response_logprobs(model, mb["input_ids"], mb["attention_mask"],
+                                      mb["responses"].shape[1], 1.0, chunk=self.chunk,
+                                      dp=self.dp_size)
         mask = mb["response_mask"]
         loss = -core.masked_sum(lp, mask) / totals["tokens"]
         return loss, {}
@@ -519,7 +537,7 @@ class ActorRollout(Reference):
 
     @method(DP_COMPUTE, reads=("response_mask", "advantages", *SEQUENCES),
             may_read=("old_log_probs", "ref_log_prob", "rollout_is_weights", "rollout_rs_mask",
-                      "routed_experts"))
+                      "routed_experts", *vision.IMAGES))
     def update_actor(self, batch: Batch) -> dict[str, jax.Array]:
         """PPO epochs over shuffled mini-batches; returns mean metrics (device scalars).
 
@@ -531,8 +549,8 @@ class ActorRollout(Reference):
             batch = batch.select([k for k in batch.arrays if k != "response_mask"]).union(
                 Batch({"response_mask": keep}))
         keys = ["input_ids", "attention_mask", "responses", "response_mask", "advantages"]
-        keys += [k for k in ("rollout_is_weights", "old_log_probs", "routed_experts")
-                 if k in batch]
+        keys += [k for k in ("rollout_is_weights", "old_log_probs", "routed_experts",
+                             *vision.IMAGES) if k in batch]
         if a.use_kl_loss:
             keys.append("ref_log_prob")
         mini = a.ppo_mini_batch_size * self.rollout.n
@@ -588,10 +606,11 @@ class ActorRollout(Reference):
         return self._sft_nll(self.params, batch["input_ids"], batch["attention_mask"],
                              batch["responses"], batch["response_mask"])
 
-    @method(DP_COMPUTE, reads=("response_mask", *SEQUENCES))
+    @method(DP_COMPUTE, reads=("response_mask", *SEQUENCES), may_read=vision.IMAGES)
     def update_sft(self, batch: Batch, micro: int) -> dict[str, jax.Array]:
         """One cross-entropy step on the responses of `batch` (the warm start)."""
-        keys = ["input_ids", "attention_mask", "responses", "response_mask"]
+        keys = ["input_ids", "attention_mask", "responses", "response_mask",
+                *(k for k in vision.IMAGES if k in batch)]
         m = self.train(self._sft_loss, batch, keys, mini=len(batch), micro=micro, epochs=1,
                        shuffle=False)
         return {"sft/loss": m["loss"], "sft/grad_norm": m["grad_norm"],

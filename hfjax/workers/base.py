@@ -31,6 +31,7 @@ from hfjax.models import sequence_parallel as sp
 from hfjax.parallel import sharding as shd
 from hfjax.parallel.mesh import MeshSpec, ResourcePool, batch_sharding, dp_size
 from hfjax.parallel.transfer import transfer
+from hfjax.workers import vision
 
 # The arrays every scoring pass reads: the sequences and which of their tokens are responses.
 SEQUENCES = ("input_ids", "attention_mask", "responses")
@@ -107,8 +108,12 @@ class WorkerGroup:
         optimizer: optax.GradientTransformation | None = None,
         home: Mesh | None = None,
         sequence_parallel: str = "ulysses",
+        vl=None,
     ):
         self.name = name
+        # A vision-language policy's `VLConfig` (`hfjax.workers.vision`): the group's passes
+        # then take the images its batches carry. None: text only.
+        self.vl = vl
         self.pool = pool
         self.mesh = pool.mesh(mesh_spec)
         # Where the dataflow keeps its batch: methods' Batch outputs are collected onto it.
@@ -160,6 +165,10 @@ class WorkerGroup:
         where they are (not copied); the adapters are placed by the group's layout, and the
         optimizer is installed afresh over them (its state is the adapters')."""
         model = self.model()
+        if getattr(model, "visual", None) is not None:
+            raise ValueError(f"{self.name}: actor.freeze_vision=False with LoRA trains no "
+                             "vision tower (adapters go on the language model only); set "
+                             "actor.freeze_vision=True or actor.lora.rank=0")
         self.base_graphdef = self.graphdef
         lora.add_adapters(model, spec, seed)
         self.lora = spec
@@ -183,6 +192,11 @@ class WorkerGroup:
         else all of them."""
         p = self.params if params is None else params
         return update.split_trainable(p, self.trainable)[0]
+
+    def seeing(self, model, arrays):
+        """The context to trace a pass of `model` over rows whose arrays are `arrays` in: the
+        rows' images, if they carry any (`hfjax.workers.vision.seeing`)."""
+        return vision.seeing(self.name, self.vl, model, vision.images_of(arrays))
 
     def jit(self, fn: Callable, **jit_kwargs) -> Callable:
         """`jax.jit(fn)` traced under this group's layout, so that the model's logical

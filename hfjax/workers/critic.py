@@ -11,7 +11,7 @@ from hfjax.engine import grouping, packing
 from hfjax.engine.spec import RolloutSpec
 from hfjax.engine.update import share_of_normaliser
 from hfjax.numerics import core, losses
-from hfjax.workers import responses
+from hfjax.workers import responses, vision
 from hfjax.workers.base import SEQUENCES, Program, StepShape, WorkerGroup
 from hfjax.workers.spec import CriticSpec
 
@@ -39,11 +39,16 @@ class Critic(WorkerGroup):
         self.budget = spec.budget
         # Padded micro-batches of similar lengths, each as wide as its rows need.
         self.grouped = spec.group_by_length
+        if self.vl is not None:
+            vision.check_rows(self.name, packed=self.budget is not None, grouped=self.grouped,
+                              samples=1, mesh=self.mesh)
         self._values = self.jit(self._values_fn, static_argnums=(3,))
         self._packed_values = self.jit(self._packed_values_fn, static_argnums=(3, 4))
 
-    def _values_fn(self, params, input_ids, attention_mask, response_len):
-        values = self.model(params)(input_ids, attention_mask)
+    def _values_fn(self, params, input_ids, attention_mask, response_len, images=None):
+        model = self.model(params)
+        with self.seeing(model, images or {}):  # the rows' images (`hfjax.workers.vision`)
+            values = model(input_ids, attention_mask)
         return values[:, -response_len - 1 : -1]
 
     def _packed_fn(self, params):
@@ -55,7 +60,7 @@ class Critic(WorkerGroup):
         return packing.forward(self._packed_fn(params), input_ids, attention_mask,
                                response_len, shape)
 
-    @method(DP_COMPUTE, reads=SEQUENCES)
+    @method(DP_COMPUTE, reads=SEQUENCES, may_read=vision.IMAGES)
     def compute_values(self, batch: Batch) -> Batch:
         """Batch with `values` [B, R]."""
         return self._compute_values(batch)
@@ -99,7 +104,8 @@ class Critic(WorkerGroup):
                 dict(batch.select(SEQUENCES).arrays), cuts, r, self.on_mesh)
             return Batch({self.VALUES: values})
         if self.budget is None:
-            return Batch({self.VALUES: self._values(self.params, ids, mask, r)})
+            return Batch({self.VALUES: self._values(self.params, ids, mask, r,
+                                                    vision.images_of(batch.arrays))})
         shape = self.budget.shape(len(batch), ids.shape[1], self.dp_size, self.name)
         return Batch({self.VALUES: self._packed_values(self.params, ids, mask, r, shape)})
 
@@ -109,7 +115,7 @@ class Critic(WorkerGroup):
             vpreds = packing.response_values(self._packed_fn(params), mb)
         else:
             vpreds = self._values_fn(params, mb["input_ids"], mb["attention_mask"],
-                                     mb["responses"].shape[1])
+                                     mb["responses"].shape[1], vision.images_of(mb))
         mask = mb["response_mask"]
         weight = share_of_normaliser(mask, totals, c.loss_agg_mode)
         vf_loss, clipfrac = losses.compute_value_loss(
@@ -125,7 +131,7 @@ class Critic(WorkerGroup):
         return vf_loss * weight, metrics
 
     @method(DP_COMPUTE, reads=("response_mask", "values", "returns", *SEQUENCES),
-            may_read=("rollout_rs_mask",))
+            may_read=("rollout_rs_mask", *vision.IMAGES))
     def update_critic(self, batch: Batch) -> dict[str, jax.Array]:
         """Value-loss epochs over shuffled mini-batches; returns mean metrics. A rollout
         correction's rejected tokens (`rollout_rs_mask` 0) leave the loss."""
@@ -141,7 +147,8 @@ class Critic(WorkerGroup):
             keep = responses.keep_tokens(batch["response_mask"], batch["rollout_rs_mask"])
             batch = batch.select([k for k in batch.arrays if k != "response_mask"]).union(
                 Batch({"response_mask": keep}))
-        keys = ["input_ids", "attention_mask", "responses", "response_mask", "values", "returns"]
+        keys = ["input_ids", "attention_mask", "responses", "response_mask", "values", "returns",
+                *(k for k in vision.IMAGES if k in batch)]
         out = self.train(self._loss, batch, keys, mini=c.ppo_mini_batch_size * self.rollout.n,
                          micro=c.ppo_micro_batch_size, epochs=c.ppo_epochs, shuffle=c.shuffle,
                          budget=self.budget, grouped=self.grouped)
@@ -159,13 +166,13 @@ class CostCritic(Critic):
 
     VALUES, RETURNS, METRICS = "cost_values", "cost_returns", "cost_critic"
 
-    @method(DP_COMPUTE, reads=SEQUENCES)
+    @method(DP_COMPUTE, reads=SEQUENCES, may_read=vision.IMAGES)
     def compute_values(self, batch: Batch) -> Batch:
         """Batch with `cost_values` [B, R]."""
         return self._compute_values(batch)
 
     @method(DP_COMPUTE, reads=("response_mask", "cost_values", "cost_returns", *SEQUENCES),
-            may_read=("rollout_rs_mask",))
+            may_read=("rollout_rs_mask", *vision.IMAGES))
     def update_critic(self, batch: Batch) -> dict[str, jax.Array]:
         """Value-loss epochs on the cost returns; returns mean metrics."""
         return self._update_critic(batch)

@@ -238,7 +238,7 @@ def _build_ref(ctx: BuildContext) -> Reference | None:
     # The reference scores in the actor's packing and micro-batches, as in verl.
     return Reference("ref", ctx.pools["ref"], c.ref.mesh, ctx.policy, home=ctx.home,
                      sequence_parallel=c.ref.sequence_parallel, spec=ctx.actor.spec,
-                     rollout=ctx.actor.rollout)
+                     rollout=ctx.actor.rollout, vl=ctx.actor.vl)
 
 
 def _critic_builder(role: str, cls: type[Critic], seed_offset: int) -> RoleBuilder:
@@ -257,7 +257,7 @@ def _critic_builder(role: str, cls: type[Critic], seed_offset: int) -> RoleBuild
             role, ctx.pools[role], s.mesh, value_model,
             spec=CriticSpec.of(s, role), rollout=ctx.actor.rollout,
             optimizer=make_optimizer(s.lr, weight_decay=s.weight_decay, grad_clip=s.grad_clip),
-            home=ctx.home, sequence_parallel=s.sequence_parallel,
+            home=ctx.home, sequence_parallel=s.sequence_parallel, vl=ctx.actor.vl,
         )
 
     return build
