@@ -34,6 +34,10 @@ def get_config() -> config_dict.ConfigDict:
             num_heads=4,
             num_kv_heads=2,
             head_dim=32,
+            # A vision tower from scratch (a Qwen2.5-VL-shaped policy, docs/vision.md); 0: none.
+            vision_depth=0,
+            vision_hidden_size=32,
+            vision_num_heads=2,
             # Compute dtype: float32 | bfloat16 | auto (bfloat16 on GPUs and TPUs and, for
             # hidden sizes >= 512, on CPUs with AMX or AVX-512 BF16; else float32: see
             # hfjax.models.backend.compute_dtype). Matmuls take
@@ -141,6 +145,9 @@ def get_config() -> config_dict.ConfigDict:
             # computed once instead of n times (hfjax/engine/shared_prompt.py). Same results;
             # needs ppo_micro_batch_size to hold whole groups of rollout.n, else off.
             share_prompt=True,
+            # A vision-language policy's tower stays frozen (out of the optimizer and the
+            # hybrid engine's transfers) unless this is False.
+            freeze_vision=True,
             # Log-probs and entropy over the vocabulary take the LM head on about this many
             # positions per data-parallel device at a time (an equal share of every row's),
             # recomputed in the backward (hfjax/engine/head_chunks.py): no [rows, T,

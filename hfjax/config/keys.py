@@ -105,10 +105,15 @@ HAND_KEYS: dict[str, Callable[[Any], str | None]] = {
     "model.moe_impl": Choice(("auto", "ragged", "capacity"), note="auto: ragged, the dropless "
                              "grouped matmul (hfjax.models.backend.moe_impl)"),
     "model.capacity_factor": Float(0.0, lo_open=True),
+    "model.vision_depth": Int(0, note="0: text only; > 0: a Qwen2.5-VL-shaped vision tower of "
+                              "that many blocks from scratch (docs/vision.md)"),
+    "model.vision_hidden_size": Int(4),
+    "model.vision_num_heads": Int(1),
     # data
-    "data.task": Choice(("arith", "arith_chain", "arith_tool", "parquet"),
+    "data.task": Choice(("arith", "arith_chain", "arith_tool", "shapes", "parquet"),
                         note="arith_chain: a + chain_steps * b worked line by line; "
-                        "arith_tool: 3-4 digit products, for the calculator"),
+                        "arith_tool: 3-4 digit products, for the calculator; shapes: count "
+                        "the red squares in a picture (a vision-language policy)"),
     "data.train_files": Check(parquet_files),
     "data.val_files": Check(parquet_files),
     "data.n_train": Int(1),
@@ -142,6 +147,8 @@ HAND_KEYS: dict[str, Callable[[Any], str | None]] = {
     # actor
     "actor.mesh": Check(mesh(optional=False)),
     "actor.rules": Choice(layout_rules),
+    # Keeps the vision tower out of the optimizer and the hybrid engine (docs/vision.md).
+    "actor.freeze_vision": Bool(),
     "actor.sequence_parallel": _SP,
     "actor.lr": _LR,
     "actor.weight_decay": Float(0.0),

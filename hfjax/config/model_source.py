@@ -15,11 +15,14 @@ preset can run the default task end to end); a preset on parquet data needs `mod
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 
-from hfjax.data import arith, tool_arith
+from flax import nnx
+
+from hfjax.data import arith, images, shapes, tool_arith
 from hfjax.engine import layout_choice
-from hfjax.models import backend, load_tokenizer, presets, transformer
+from hfjax.models import backend, load_tokenizer, presets, qwen2_5_vl, transformer, vision
 from hfjax.models import load as load_model
 from hfjax.models.config import ModelConfig, scratch_model_config
 from hfjax.models.hf_io import read_model_config
@@ -36,7 +39,9 @@ def task_tokenizer(cfg):
         return load_tokenizer(m.path)
     if cfg.data.task == "arith_tool":
         return tool_arith.tokenizer()
-    if cfg.data.task not in ("arith", "arith_chain"):
+    if cfg.data.task == "shapes":
+        return shapes.tokenizer()
+    if cfg.data.task not in ("arith", "arith_chain"):  # (arith's tokenizer)
         raise ValueError(f"model.path={m.path!r} has no tokenizer for data.task="
                          f"{cfg.data.task!r}; give one with --config.model.tokenizer=PATH "
                          "(an HF directory or .gguf file)")
@@ -92,5 +97,33 @@ def initial_model(cfg, tokenizer, compute_dtype: str, pools: Mapping[str, Resour
             kw = dict(mesh=pools["actor"].mesh(c.actor.mesh), rules=rules, seed=c.seed)
         return load_model(c.model.path, head="causal_lm", **model_overrides(cfg, compute_dtype),
                           **kw)
-    return transformer.build(model_config(cfg, tokenizer, compute_dtype), "causal_lm",
-                             seed=c.seed)
+    text = model_config(cfg, tokenizer, compute_dtype)
+    if c.model.vision_depth:
+        return vision_model(cfg, tokenizer, text)
+    return transformer.build(text, "causal_lm", seed=c.seed)
+
+
+def vision_model(cfg, tokenizer, text: ModelConfig) -> qwen2_5_vl.VisionLM:
+    """A Qwen2.5-VL-shaped policy from scratch: the scratch decoder `text` with M-RoPE bands
+    (a quarter of each head's frequencies for time, the rest shared by rows and columns, as
+    Qwen2.5-VL's 16/24/24 of 64) and a tower of `model.vision_*` sizes (windows of 2 x 2
+    merged patches, the last block attending over the whole picture); its image and vision
+    tokens are the tokenizer's (`hfjax.data.images.VISION_TOKENS`)."""
+    m = cfg.model
+    half = text.head_dim // 2
+    t = max(half // 4, 1)
+    section = (half - 2 * ((half - t) // 2), (half - t) // 2, (half - t) // 2)
+    text = dataclasses.replace(text, mrope_section=section)
+    tower = vision.VisionConfig(depth=m.vision_depth, hidden_size=m.vision_hidden_size,
+                                intermediate_size=2 * m.vision_hidden_size,
+                                num_heads=m.vision_num_heads, out_hidden_size=text.hidden_size,
+                                window_size=56, fullatt_block_indexes=(m.vision_depth - 1,),
+                                param_dtype=m.param_dtype, dtype=text.dtype)
+    ids = {name: tokenizer.backend.token_to_id(token)
+           for name, token in zip(("vision_start_token_id", "vision_end_token_id",
+                                   "image_token_id"), images.VISION_TOKENS)}
+    if None in ids.values():
+        raise ValueError(f"model.vision_depth > 0 needs the vision tokens "
+                         f"{', '.join(images.VISION_TOKENS)} in the tokenizer")
+    vl = qwen2_5_vl.VLConfig(text, tower, video_token_id=-1, **ids)
+    return qwen2_5_vl.VisionLM(vl, rngs=nnx.Rngs(cfg.seed))

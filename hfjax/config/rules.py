@@ -214,6 +214,47 @@ def _scratch_model(c) -> str | None:
     return None
 
 
+def _vision(c) -> str | None:
+    """A vision-language policy from scratch (model.vision_depth > 0): the settings its
+    training passes carry images with (docs/vision.md, "Training")."""
+    m, a, r = c.model, c.actor, c.rollout
+    if not m.vision_depth:
+        if c.data.task == "shapes":
+            return ("data.task='shapes' shows the policy pictures, and model.vision_depth=0 is "
+                    "a text-only model; set --config.model.vision_depth (e.g. 2)")
+        return None
+    if m.path:
+        return ("model.vision_depth builds a vision tower beside a language model from scratch; "
+                "with model.path set (launch.train does not load Qwen2.5-VL checkpoints yet) "
+                "set --config.model.vision_depth=0")
+    if not a.freeze_vision and a.lora.rank > 0:
+        return ("actor.freeze_vision=False with actor.lora.rank > 0 trains no vision tower "
+                "(adapters go on the language model only); set --config.actor.freeze_vision="
+                "True or --config.actor.lora.rank=0")
+    if m.vision_hidden_size % m.vision_num_heads or (m.vision_hidden_size
+                                                     // m.vision_num_heads) % 4:
+        return (f"model.vision_hidden_size={m.vision_hidden_size} / vision_num_heads="
+                f"{m.vision_num_heads} must give a head_dim divisible by 4 (2-D rotary)")
+    for key, text in (("actor.mesh", a.mesh), ("rollout.mesh", r.mesh)):
+        tensor = dict(i.split("=") for i in text.replace(" ", "").split(",") if "=" in i
+                      ).get("tensor", "1")
+        if int(tensor) > 1 and m.vision_num_heads % int(tensor):
+            return (f"{key}={text!r} splits the vision tower's heads {tensor} ways, which does "
+                    f"not divide model.vision_num_heads={m.vision_num_heads}; use a tensor size "
+                    "that divides it")
+    rows = [k for k, on in (("actor.use_remove_padding", a.use_remove_padding),
+                            ("actor.group_by_length", a.group_by_length),
+                            ("critic.use_remove_padding", c.critic.use_remove_padding),
+                            ("critic.group_by_length", c.critic.group_by_length),
+                            ("actor.share_prompt", a.share_prompt and r.n > 1),
+                            ("rollout.mode='continuous'", r.mode == "continuous"),
+                            ("rollout.multi_turn.enable", r.multi_turn.enable)) if on]
+    if rows:
+        return (f"model.vision_depth > 0: rows with images are built for padded rows and static "
+                f"rollouts only; turn off {', '.join(rows)}")
+    return None
+
+
 def _expert_axis(c) -> str | None:
     """An `expert` mesh axis must divide the actor's experts (a dense model takes it as one
     more data-parallel axis)."""
@@ -413,6 +454,7 @@ TRAIN_RULES: tuple[Callable[[Any], str | None], ...] = (
     _arith_sizes,
     _mini_batches_fit,
     _scratch_model,
+    _vision,
     _expert_axis,
     _adaptive_kl,
     _positions,

@@ -52,7 +52,7 @@ import numpy as np
 import pyarrow.parquet as pq
 from absl import logging
 
-from hfjax.data import arith, holdout, tool_arith
+from hfjax.data import arith, holdout, shapes, tool_arith
 from hfjax.data import images as image_lib
 from hfjax.rewards.registry import check_ground_truth, resolve_reward
 
@@ -499,11 +499,17 @@ def task_dataset(cfg, tokenizer, split: str) -> Dataset:
     if d.task == "arith_tool":
         return Dataset(tool_arith.problems(n, seed, split=split), tokenizer,
                        d.max_prompt_length, name="arith_tool")
+    # A vision-language policy (model.vision_depth > 0) reads rows' pictures; a text-only one
+    # refuses rows that have them.
+    images = c.model.vision_depth > 0
+    if d.task == "shapes":
+        return Dataset(shapes.problems(n, seed, split=split), tokenizer, d.max_prompt_length,
+                       name=f"shapes {split}", images=images)
     if d.task == "parquet":
         files = d.train_files if train else d.val_files
         return Dataset.from_parquet(files.split(","), tokenizer, d.max_prompt_length,
-                                    custom_reward_fn=c.reward.custom_fn or None)
-    raise ValueError(f"unknown data.task {d.task!r}; use 'arith', 'arith_chain' or "
+                                    custom_reward_fn=c.reward.custom_fn or None, images=images)
+    raise ValueError(f"unknown data.task {d.task!r}; use 'arith', 'arith_chain', 'shapes' or "
                      "'arith_tool' (built in) "
                      "or 'parquet' "
                      "(with data.train_files and data.val_files)")

@@ -35,10 +35,17 @@ def normalize(text: str) -> str:
 
 def problem_key(row: dict) -> str:
     """The identity of a row's problem: its last prompt message (or its prompt, when a string),
-    `normalize`d (module docstring)."""
+    `normalize`d (module docstring), and a digest of its pictures' bytes when it has any (a
+    visual question's text is often the same for every picture)."""
     prompt = row["prompt"]
     text = prompt if isinstance(prompt, str) else prompt[-1]["content"]
-    return normalize(text)
+    pictures = row.get("images") or ()
+    if not len(pictures):
+        return normalize(text)
+    digest = hashlib.blake2b(digest_size=16)
+    for p in pictures:
+        digest.update(p.get("bytes") if isinstance(p, dict) else p)
+    return f"{normalize(text)} [images {digest.hexdigest()}]"
 
 
 def _fraction(key: str) -> float:

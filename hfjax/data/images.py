@@ -81,6 +81,22 @@ def preprocess(images, *, patch_size: int = 14, merge_size: int = 2,
 
 # verl's placeholder for an image in a multimodal row's message text.
 PLACEHOLDER = "<image>"
+# Qwen2.5-VL's tokens around and for an image's merged patches, as its processor writes them.
+VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>")
+
+
+def expand_placeholders(messages, counts) -> list[dict]:
+    """`messages` with the i-th `PLACEHOLDER` (in order, over all messages) written as
+    Qwen2.5-VL's processor writes image i: the vision start token, `counts[i]` image tokens
+    (one per merged patch group), the vision end token."""
+    start, end, pad = VISION_TOKENS
+    it = iter(counts)
+    out = []
+    for m in messages:
+        parts = m["content"].split(PLACEHOLDER)
+        text = parts[0] + "".join(start + pad * next(it) + end + p for p in parts[1:])
+        out.append({**m, "content": text})
+    return out
 # Decoded area above which a row's picture is refused (resizing would shrink it, but decoding
 # it already costs the memory): a 8192 x 8192 image.
 MAX_DECODED_PIXELS = 8192 * 8192

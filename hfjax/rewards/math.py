@@ -73,7 +73,8 @@ def check_hashes_ground_truth(ground_truth: str, extra_info: dict | None = None)
     )
 
 
-@register_reward("openai/gsm8k", "hfjax/arith", "hfjax/arith_tool", styles=("gsm8k",),
+@register_reward("openai/gsm8k", "hfjax/arith", "hfjax/arith_tool", "hfjax/shapes",
+                 styles=("gsm8k",),
                  check=check_hashes_ground_truth)
 def answer_after_hashes(data_source, solution_str, ground_truth, extra_info=None) -> float:
     """1.0 for `#### <ground truth>` in the response's tail (strict mode), 0.0 otherwise."""

@@ -22,8 +22,8 @@ from hfjax.algorithms.spec import StepSpec
 from hfjax.config import model_source, run_roles, validate_config
 from hfjax.controller import compile_log
 from hfjax.controller.async_pools import ROLE as ROLLOUT
-from hfjax.data.batching import prompt_batch
 from hfjax.data.dataset import task_splits
+from hfjax.models import qwen2_5_vl
 from hfjax.models.hf_io import read_model_config
 from hfjax.numerics import rollout_correction as rc_numerics
 from hfjax.parallel import distributed, lost_process, targets
@@ -40,7 +40,7 @@ from hfjax.run.resume import (
     load_state,
 )
 from hfjax.run.validation import generation_metrics
-from hfjax.workers import groups
+from hfjax.workers import groups, vision
 from hfjax.workers.groups import WorkerGroups
 from hfjax.workers.rollout import build_rollout
 from hfjax.workers.teacher import check_vocabulary
@@ -86,6 +86,12 @@ class Trainer:
         self.reward = groups.build_reward(cfg, self.tok,
                                           home=self.pools["actor"].mesh(cfg.actor.mesh))
         initial = model_source.initial_model(cfg, self.tok, self.compute_dtype, self.pools)
+        # A vision-language policy: the actor trains its language model, the tower frozen
+        # beside it unless actor.freeze_vision is off (docs/vision.md).
+        self.vl, tower = None, None
+        if isinstance(initial, qwen2_5_vl.VisionLM):
+            self.vl = initial.config
+            initial, tower = qwen2_5_vl.policy(initial, cfg.actor.freeze_vision)
         self.model_cfg = initial.config
         # Peak dense bf16 FLOP/s of the devices, for perf/mfu/*; None on CPU (no MFU there).
         self._peak = targets.peak_flops(jax.devices()[0].device_kind)
@@ -98,7 +104,7 @@ class Trainer:
             check_vocabulary(t.path, read_model_config(t.path, dtype=t.dtype).vocab_size,
                              self.model_cfg.vocab_size)
         self.actor = groups.build_actor(cfg, initial, self.pools, self.tok.pad_id, self.tok.eos_id,
-                                        tokenizer=self.tok)
+                                        tokenizer=self.tok, tower=tower, vl=self.vl)
         if rc.bypass_mode and rc.resolved.active:  # rejection inside the policy loss
             self.actor.bypass_rejection = rc.resolved
         self._groups: WorkerGroups | None = None
@@ -161,7 +167,7 @@ class Trainer:
         return generation_metrics(
             self.actor, self.reward, self.test_data.rows, pad_id=self.tok.pad_id,
             max_prompt_length=self.cfg.data.max_prompt_length, n=int(v.n),
-            temperature=float(v.temperature), models=models,
+            temperature=float(v.temperature), models=models, tokenizer=self.tok,
             text_metrics={"cost_reference": import_spec(ref_fn)} if ref_fn else None)
 
     def _prompts(self, rows, attempt: int = 0, step: int | None = None):
@@ -170,7 +176,8 @@ class Trainer:
         # Attempt 0 is the step's batch; DAPO's further attempts get seeds of their own.
         seeds = (c.seed * 1_000_003 + step * 65_537 + attempt * 8_191
                  + np.arange(len(rows))) % (2**31)
-        return prompt_batch(rows, seeds, self.tok.pad_id, c.data.max_prompt_length)
+        return vision.prompts(rows, seeds, self.tok.pad_id, c.data.max_prompt_length, self.tok,
+                              self.vl)
 
     def _more_prompts(self, attempt: int):
         """Another host batch of prompts for the current step (dynamic sampling)."""

@@ -119,9 +119,12 @@ ROLE_FIELDS = ("actor", "reward", "ref", "critic", "cost_critic", "reward_model"
 
 
 def build_actor(cfg, model: nnx.Module, pools: Mapping[str, ResourcePool], pad_id: int,
-                eos_id: int, tokenizer=None) -> ActorRollout:
+                eos_id: int, tokenizer=None, tower: nnx.Module | None = None,
+                vl=None) -> ActorRollout:
     """The actor on its pool, with its sampler and, when `rollout.mesh` asks for one, the
     3D-HybridEngine; its optimizer is the warm start's until `build_groups` swaps in RL's.
+    A vision-language policy passes its `VLConfig` (`vl`) and a frozen `tower` (or a `model`
+    holding its tower as `visual`, `hfjax.models.qwen2_5_vl.policy`).
     With `rollout.multi_turn.enable` it rolls out multi-turn trajectories with tools
     (`build_agent`), which needs the run's `tokenizer`."""
     c = cfg
@@ -143,7 +146,7 @@ def build_actor(cfg, model: nnx.Module, pools: Mapping[str, ResourcePool], pad_i
         optimizer=make_optimizer(c.sft.lr, grad_clip=c.actor.grad_clip,
                                  decay_steps=c.sft.steps if c.sft.get("lr_schedule") == "cosine"
                                  else 0),
-        eos_ids=(eos_id,), hybrid=engine, home=mesh,
+        eos_ids=(eos_id,), hybrid=engine, home=mesh, tower=tower, vl=vl,
         sequence_parallel=c.actor.sequence_parallel,
         agent=(build_agent(rollout.multi_turn, sampler, tokenizer, c.data.max_prompt_length,
                            rollout.response_length) if turns else None),

@@ -28,7 +28,9 @@ import numpy as np
 from flax import nnx
 
 from hfjax.controller.batch import Batch
+from hfjax.data import batching
 from hfjax.data import images as image_data
+from hfjax.data.dataset import render_prompt
 from hfjax.engine.images import VisionPrompts
 from hfjax.models import image_inputs, vision
 from hfjax.models.qwen2_5_vl import VLConfig, mrope_positions
@@ -230,3 +232,22 @@ def rollout_rows(group, batch: Batch, carried: dict, n: int, response_len: int) 
     with jax.transfer_guard("allow"):  # built on the host from the host prompts
         pos = Batch({"mrope_positions": np.repeat(pos, n, axis=0)}).to(group.mesh)
     return {k: jnp.repeat(x, n, axis=0) for k, x in carried.items()} | dict(pos.arrays)
+
+
+def prompts(rows, seeds: np.ndarray, pad_id: int, max_prompt_length: int, tokenizer,
+            cfg: VLConfig | None) -> Batch:
+    """The host prompt batch of dataset rows (`batching.prompt_batch`); for a vision-language
+    policy (`cfg`), with each row's pictures (`prompt_images`) and its `<image>` placeholders
+    written out as the pictures' image tokens before the prompt is tokenized."""
+    if cfg is None:
+        return batching.prompt_batch(rows, seeds, pad_id, max_prompt_length)
+    host = prompt_images(cfg, [r.get("images") or [] for r in rows])
+    unit = cfg.vision.merge_unit
+    written = [r | {"prompt_ids": render_prompt(tokenizer, image_data.expand_placeholders(
+        r["prompt"], [int(np.prod(g)) // unit for g in grids]))}
+        for r, grids in zip(rows, row_grids(host["image_grids"]))]
+    longest = max(len(r["prompt_ids"]) for r in written)
+    if longest > max_prompt_length:
+        raise ValueError(f"a prompt with its image tokens has {longest} tokens, over "
+                         f"data.max_prompt_length={max_prompt_length}; raise it")
+    return batching.prompt_batch(written, seeds, pad_id, max_prompt_length).union(Batch(host))

@@ -330,6 +330,20 @@ CONFIG_CASES = [
      r"sft.corruption='carry' has no chain form; use 'format' or 'none'"),
     ("sft-schedule", _set(sft__lr_schedule="linear"),
      r"sft.lr_schedule.*needs one of constant, cosine"),
+    ("images-text-model", _set(data__task="shapes", sft__steps=0),
+     r"data.task='shapes' shows the policy pictures, and model.vision_depth=0 is a text-only "
+     r"model; set --config.model.vision_depth"),
+    ("vision-lora", _set(model__vision_depth=2, actor__freeze_vision=False,
+                         actor__lora__rank=4),
+     r"actor.freeze_vision=False with actor.lora.rank > 0 trains no vision tower"),
+    ("vision-mesh", _set(model__vision_depth=2, actor__mesh="fsdp=-1,tensor=4"),
+     r"actor.mesh='fsdp=-1,tensor=4' splits the vision tower's heads 4 ways, which does not "
+     r"divide model.vision_num_heads=2"),
+    ("vision-rows", _set(model__vision_depth=2, actor__use_remove_padding=True),
+     r"rows with images are built for padded rows and static rollouts only; turn off "
+     r"actor.use_remove_padding"),
+    ("vision-checkpoint", _set(model__vision_depth=2, model__path="preset:qwen2.5-7b"),
+     r"with model.path set .*set --config.model.vision_depth=0"),
 ]
 
 
@@ -340,7 +354,7 @@ CONFIG_CASES = [
 @pytest.mark.parametrize("name", [
     "dapo_arith", "drgrpo_arith", "grpo_arith", "grpo_long", "grpo_long_arith", "grpo_lora_arith",
     "grpo_lora_llama70b", "grpo_smollm2", "grpo_smollm2_arith", "grpo_smollm2_lora_arith",
-    "grpo_tool_arith", "gspo_arith", "ppo_arith", "ppo_llama8b", "ppo_tool_arith",
+    "grpo_shapes", "grpo_tool_arith", "gspo_arith", "ppo_arith", "ppo_llama8b", "ppo_tool_arith",
     "reinforce_plus_plus_arith", "reinforce_plus_plus_baseline_arith", "remax_arith",
     "rloo_arith"])
 def test_shipped_configs_pass(files, name):
