@@ -79,6 +79,8 @@ def get_config() -> config_dict.ConfigDict:
             # per step (hfjax.data.arith.chain; configs/grpo_long_arith.py)
             chain_steps=79,
             max_prompt_length=8,
+            # A vision-language run's control: every picture replaced by a white one.
+            blank_images=False,
             # A test problem that also occurs in training is refused (hfjax.data.holdout);
             # True lets it through, with a warning in the log.
             allow_overlap=False,

@@ -114,6 +114,8 @@ HAND_KEYS: dict[str, Callable[[Any], str | None]] = {
                         note="arith_chain: a + chain_steps * b worked line by line; "
                         "arith_tool: 3-4 digit products, for the calculator; shapes: count "
                         "the red squares in a picture (a vision-language policy)"),
+    # The control of a vision-language run: every picture white (docs/vision.md).
+    "data.blank_images": Bool(),
     "data.train_files": Check(parquet_files),
     "data.val_files": Check(parquet_files),
     "data.n_train": Int(1),

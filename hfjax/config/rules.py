@@ -134,7 +134,7 @@ def _data_files(c) -> str | None:
 
 
 def _warm_start_needs_arith(c) -> str | None:
-    if c.sft.steps > 0 and c.data.task not in ("arith", "arith_chain", "arith_tool") \
+    if c.sft.steps > 0 and c.data.task not in ("arith", "arith_chain", "arith_tool", "shapes") \
             and not split(c.sft.get("train_files", "")):
         return (f"sft.steps={c.sft.steps}: the warm start uses the arith task's "
                 f"demonstrations, and data.task={c.data.task!r}; set --config.sft.steps=0, or "
@@ -222,6 +222,9 @@ def _vision(c) -> str | None:
         if c.data.task == "shapes":
             return ("data.task='shapes' shows the policy pictures, and model.vision_depth=0 is "
                     "a text-only model; set --config.model.vision_depth (e.g. 2)")
+        if c.data.blank_images:
+            return ("data.blank_images=True blanks a vision-language policy's pictures, and "
+                    "model.vision_depth=0 is a text-only model; unset it")
         return None
     if m.path:
         return ("model.vision_depth builds a vision tower beside a language model from scratch; "

@@ -68,3 +68,13 @@ def problems(n: int, seed: int, split: str | None = None) -> list[dict]:
         if keep(holdout.problem_key(row)):
             rows.append(row)
     return rows
+
+
+def sft_texts(rows: list[dict], corrupt_frac: float, seed: int) -> list[str]:
+    """Deliberately imperfect demonstrations for `rows` (the arithmetic task's "format"
+    corruption): the answer after `####`, but in a fraction `corrupt_frac` of them the bare
+    count, which the reward rejects. The counts are right: what RL can add is the form, and
+    whatever the warm start did not learn of reading the picture."""
+    rng = np.random.default_rng(seed)
+    return [(r["reward_model"]["ground_truth"] if rng.random() < corrupt_frac
+             else f"#### {r['reward_model']['ground_truth']}") for r in rows]

@@ -22,6 +22,7 @@ from hfjax.algorithms.spec import StepSpec
 from hfjax.config import model_source, run_roles, validate_config
 from hfjax.controller import compile_log
 from hfjax.controller.async_pools import ROLE as ROLLOUT
+from hfjax.data import shapes
 from hfjax.data.dataset import task_splits
 from hfjax.models import qwen2_5_vl
 from hfjax.models.hf_io import read_model_config
@@ -134,6 +135,16 @@ class Trainer:
         s, c = self.cfg.sft, self.cfg
         if s.steps <= 0:
             return {}
+        if self.vl is not None and c.data.task == "shapes" and not s.get("train_files"):
+            # Demonstrations with pictures (hfjax.data.shapes.sft_texts).
+            rows = self.train_data.rows
+            batches = vision.sft_batches(
+                self.actor, self.tok, rows, shapes.sft_texts(rows, s.corrupt_frac, c.seed + 1),
+                batch_size=s.batch_size, steps=s.steps, seed=c.seed + 2,
+                max_prompt_length=c.data.max_prompt_length, response_width=sft.response_width(c),
+                blank=c.data.blank_images)
+            return sft.sft_steps(self.actor, batches, s.steps, s.micro_batch_size, cfg=c,
+                                 on_log=on_log, should_stop=should_stop)
         if s.get("train_files"):
             data = sft.parquet_examples(c, self.tok, s.train_files)
         elif c.data.task not in ("arith", "arith_chain", "arith_tool"):
@@ -168,6 +179,7 @@ class Trainer:
             self.actor, self.reward, self.test_data.rows, pad_id=self.tok.pad_id,
             max_prompt_length=self.cfg.data.max_prompt_length, n=int(v.n),
             temperature=float(v.temperature), models=models, tokenizer=self.tok,
+            blank_images=self.cfg.data.blank_images,
             text_metrics={"cost_reference": import_spec(ref_fn)} if ref_fn else None)
 
     def _prompts(self, rows, attempt: int = 0, step: int | None = None):
@@ -177,7 +189,7 @@ class Trainer:
         seeds = (c.seed * 1_000_003 + step * 65_537 + attempt * 8_191
                  + np.arange(len(rows))) % (2**31)
         return vision.prompts(rows, seeds, self.tok.pad_id, c.data.max_prompt_length, self.tok,
-                              self.vl)
+                              self.vl, c.data.blank_images)
 
     def _more_prompts(self, attempt: int):
         """Another host batch of prompts for the current step (dynamic sampling)."""

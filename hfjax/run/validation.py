@@ -18,7 +18,8 @@ def generation_metrics(actor, reward, rows: Sequence[dict], *, pad_id: int,
                        max_prompt_length: int, n: int = 1, temperature: float = 0.0,
                        models: Sequence = (),
                        text_metrics: Mapping[str, Callable[[str], float]] | None = None,
-                       records: list | None = None, tokenizer=None) -> dict[str, float]:
+                       records: list | None = None, tokenizer=None,
+                       blank_images: bool = False) -> dict[str, float]:
     """Mean rule score per data_source of `n` responses per prompt at `temperature` (0:
     greedy): `val-core/<source>/acc/mean@n`, and for n > 1 `val-aux/<source>/acc/best@n` (each
     prompt's best sample). Each worker group in `models` (a reward or cost model) adds the
@@ -31,7 +32,7 @@ def generation_metrics(actor, reward, rows: Sequence[dict], *, pad_id: int,
     # Fixed per-prompt seeds: sampled validation is reproducible and the same at every step.
     # (A vision-language actor's prompts carry their pictures: `vision.prompts`.)
     batch = vision.prompts(rows, np.arange(len(rows), dtype=np.int32), pad_id,
-                           max_prompt_length, tokenizer, actor.vl)
+                           max_prompt_length, tokenizer, actor.vl, blank_images)
     out = actor.generate(batch, greedy=temperature == 0.0, n=n, temperature=temperature)
     scored = reward.compute_reward(out)
     scores = to_host(jnp.sum(scored["token_level_scores"], axis=1)).reshape(-1, n)

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from PIL import Image
 
 from hfjax.controller.batch import Batch
 from hfjax.data import batching
@@ -49,14 +50,17 @@ def images_of(arrays) -> dict:
     return {k: arrays[k] for k in IMAGES if k in arrays}
 
 
-def prompt_images(cfg: VLConfig, pictures) -> dict[str, np.ndarray]:
+def prompt_images(cfg: VLConfig, pictures, blank: bool = False) -> dict[str, np.ndarray]:
     """Host arrays of the prompts' pictures (one list of images per prompt, as the dataset's
     `images` hold them): `image_patches` [B, N, patch_dim] (each row's patches, zero past
     them) and `image_grids` [B, G, 3] (each row's grids in placeholder order, zero past
-    them)."""
+    them). `blank`: every picture replaced by a white one of its size (the control that shows
+    what a policy learns without seeing)."""
     v = cfg.vision
     per_row = []
     for row in pictures:
+        if blank:
+            row = [Image.new("RGB", image_data.open_image(p).size, "white") for p in row]
         if len(row):
             per_row.append(image_data.preprocess(
                 row, patch_size=v.patch_size, merge_size=v.spatial_merge_size,
@@ -235,13 +239,14 @@ def rollout_rows(group, batch: Batch, carried: dict, n: int, response_len: int) 
 
 
 def prompts(rows, seeds: np.ndarray, pad_id: int, max_prompt_length: int, tokenizer,
-            cfg: VLConfig | None) -> Batch:
+            cfg: VLConfig | None, blank: bool = False) -> Batch:
     """The host prompt batch of dataset rows (`batching.prompt_batch`); for a vision-language
-    policy (`cfg`), with each row's pictures (`prompt_images`) and its `<image>` placeholders
-    written out as the pictures' image tokens before the prompt is tokenized."""
+    policy (`cfg`), with each row's pictures (`prompt_images`, blanked with `blank`) and its
+    `<image>` placeholders written out as the pictures' image tokens before the prompt is
+    tokenized."""
     if cfg is None:
         return batching.prompt_batch(rows, seeds, pad_id, max_prompt_length)
-    host = prompt_images(cfg, [r.get("images") or [] for r in rows])
+    host = prompt_images(cfg, [r.get("images") or [] for r in rows], blank)
     unit = cfg.vision.merge_unit
     written = [r | {"prompt_ids": render_prompt(tokenizer, image_data.expand_placeholders(
         r["prompt"], [int(np.prod(g)) // unit for g in grids]))}
@@ -251,3 +256,24 @@ def prompts(rows, seeds: np.ndarray, pad_id: int, max_prompt_length: int, tokeni
         raise ValueError(f"a prompt with its image tokens has {longest} tokens, over "
                          f"data.max_prompt_length={max_prompt_length}; raise it")
     return batching.prompt_batch(written, seeds, pad_id, max_prompt_length).union(Batch(host))
+
+
+def sft_batches(group, tokenizer, rows, responses, *, batch_size: int, steps: int, seed: int,
+                max_prompt_length: int, response_width: int, blank: bool = False):
+    """`steps` supervised batches of `batch_size` (row, response text) pairs drawn from `rows`
+    with their pictures, for the actor `group`'s warm start (`update_sft`): each batch's
+    prompts (`prompts`), responses ending in the end token, and the image arrays the tower
+    gives them (`prompt_features`, `rollout_rows` with one sample)."""
+    rng = np.random.default_rng(seed)
+    for _ in range(steps):
+        idx = rng.choice(len(rows), batch_size, replace=False)
+        host = prompts([rows[i] for i in idx], np.zeros(batch_size), tokenizer.pad_id,
+                       max_prompt_length, tokenizer, group.vl, blank)
+        resp = [tokenizer.encode(responses[i], add_special_tokens=False)[:response_width - 1]
+                + [tokenizer.eos_id] for i in idx]
+        rid, rmask = batching.right_pad(resp, response_width, tokenizer.pad_id)
+        _, carried = prompt_features(group, host)
+        images = rollout_rows(group, host, carried, 1, response_width)
+        yield Batch({"input_ids": np.concatenate([host["prompts"], rid], 1),
+                     "attention_mask": np.concatenate([host["prompt_mask"], rmask], 1),
+                     "responses": rid, "response_mask": rmask}).union(Batch(images))

@@ -342,6 +342,9 @@ CONFIG_CASES = [
     ("vision-rows", _set(model__vision_depth=2, actor__use_remove_padding=True),
      r"rows with images are built for padded rows and static rollouts only; turn off "
      r"actor.use_remove_padding"),
+    ("blank-text-model", _set(data__blank_images=True),
+     r"data.blank_images=True blanks a vision-language policy's pictures, and "
+     r"model.vision_depth=0 is a text-only model"),
     ("vision-checkpoint", _set(model__vision_depth=2, model__path="preset:qwen2.5-7b"),
      r"with model.path set .*set --config.model.vision_depth=0"),
 ]
