@@ -454,6 +454,12 @@ def step_shape(w: groups.WorkerGroups, cfg) -> StepShape:
 def _abstract_actor(cfg, pools, compute: str):
     """(the actor built from an abstract model with the warm start's optimizer, the task's
     tokenizer)."""
+    if cfg.model.vision_depth:
+        # Its programs would be the language model's alone: a verdict that leaves out the
+        # tower and the image rows' arrays.
+        raise ValueError("the dry run does not price a vision tower yet (model.vision_depth > "
+                         "0); run without --dry_run, and with model.remat_policy other than "
+                         "auto")
     tok = model_source.task_tokenizer(cfg)
     mcfg = model_source.model_config(cfg, tok, compute)
     abstract = transformer.abstract(mcfg, "causal_lm")

@@ -52,3 +52,13 @@ def test_held_out_pictures_are_disjoint_and_the_answer_is_in_them():
     row = batch["prompts"][0][batch["prompt_mask"][0] > 0].tolist()
     assert row == [start, image, image, image, image, end, tok.encode("=")[0]]
     assert batch["image_grids"].tolist() == [[[1, 4, 4]], [[1, 4, 4]]]
+
+
+def test_dry_run_refuses_a_vision_tower():
+    """The dry run would price the language model alone: refused in one line."""
+    import pytest
+
+    from hfjax.run.dry_run import dry_run
+
+    with pytest.raises(ValueError, match=r"^the dry run does not price a vision tower yet"):
+        dry_run(grpo_shapes.get_config())
