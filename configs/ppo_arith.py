@@ -27,6 +27,9 @@ def get_config() -> config_dict.ConfigDict:
             # Tokenizer (HF directory or .gguf); empty: model.path's own, or the embedded
             # task's for a preset or a model from scratch.
             tokenizer="",
+            # At most this many of model.path's decoder layers, its first ones (0: all): a
+            # shallower copy of a checkpoint, to try a pipeline on a small machine.
+            max_layers=0,
             vocab_size=0,  # 0: the task tokenizer's size
             hidden_size=128,
             intermediate_size=384,

@@ -3,7 +3,8 @@
 Every entry point applies it through `launch.cli.run` (and so does every script in scripts/, whose
 stages are these entry points; `scripts/install.sh` checks the installed packages instead of
 installing): training steps to 2 (SFT, reward-model and RL steps, validation and a checkpoint at
-the last step), 16 held-out prompts, 16-token responses, 64 + 16 generated prompts or pairs, 8
+the last step), 16 held-out prompts, 16-token responses, a checkpoint's first 2 decoder layers
+(`model.max_layers`), 64 + 16 generated prompts or pairs, 8
 new tokens, 16 evaluated prompts, no alternative plans and a minute of compiling for
 `launch.plan`. Only sizes go down; every other setting, the files read and
 written and the printed summaries are those of the full command. CI runs every command that
@@ -34,7 +35,11 @@ CONFIG_LIMITS: dict[str, int] = {
     "dpo.eval_every": 1,
     "data.n_test": 16,
     "rollout.response_length": 16,
+    # A checkpoint's first 2 decoder layers (SmolLM2 has 30; presets keep their depth).
+    "model.max_layers": 2,
 }
+# Keys of CONFIG_LIMITS whose 0 means "all", not "off": smoke mode lowers 0 to the limit too.
+ZERO_IS_ALL = {"model.max_layers"}
 
 # Entry point -> {flag: the most it may be}.
 FLAG_LIMITS: dict[str, dict[str, int]] = {
@@ -64,7 +69,7 @@ def shrink_config(cfg) -> list[str]:
         if node is None or leaf not in node:
             continue
         value = node[leaf]
-        if isinstance(value, int) and value > limit:
+        if isinstance(value, int) and (value > limit or value == 0 and key in ZERO_IS_ALL):
             node[leaf] = limit
             changes.append(f"{key} {value}->{limit}")
     return changes

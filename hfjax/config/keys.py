@@ -80,6 +80,7 @@ HAND_KEYS: dict[str, Callable[[Any], str | None]] = {
     # model
     "model.path": Check(model_path(optional=True, preset=True)),
     "model.tokenizer": Check(existing("tokenizer directory or .gguf file", optional=True)),
+    "model.max_layers": Int(0, note="0: all of model.path's layers; N: its first N at most"),
     "model.vocab_size": Int(0, note="0: the tokenizer's size"),
     "model.hidden_size": Int(1),
     "model.intermediate_size": Int(1),

@@ -50,9 +50,10 @@ def task_tokenizer(cfg):
 
 def model_overrides(cfg, compute_dtype: str) -> dict:
     """The `model` section's settings of a model loaded from `model.path` (its weights' and
-    compute dtypes, layer scan, rematerialisation, attention), as `load_model` takes them."""
+    compute dtypes, how many of its layers, layer scan, rematerialisation, attention), as
+    `load_model` takes them."""
     m = cfg.model
-    return dict(dtype=compute_dtype, param_dtype=m.param_dtype,
+    return dict(dtype=compute_dtype, param_dtype=m.param_dtype, max_layers=m.max_layers,
                 scan_layers=m.scan_layers, remat_policy=m.remat_policy,
                 attention_impl=m.attention_impl, moe_impl=m.moe_impl,
                 capacity_factor=m.capacity_factor)

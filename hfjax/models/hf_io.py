@@ -276,6 +276,7 @@ def load(
     replicate_indivisible: Iterable[str] = ("kv_heads",),
     require_head: bool = False,
     seed: int = 0,
+    max_layers: int = 0,
     **config_overrides,
 ) -> nnx.Module:
     """Loads an HF directory, a `.gguf` file or a preset (`"preset:NAME"`) as an hfjax model.
@@ -297,8 +298,10 @@ def load(
     A preset (hfjax.models.presets, e.g. "preset:qwen2.5-7b") has no weights: it is that
     architecture with random weights from `seed`, each parameter created directly in its
     sharding. `config_overrides` change any ModelConfig field of it or of a checkpoint's config.
+    `max_layers` > 0 keeps at most a checkpoint's first `max_layers` decoder layers (a preset
+    keeps its depth).
     """
-    cfg = read_model_config(path, dtype=dtype, **config_overrides)
+    cfg = read_model_config(path, dtype=dtype, max_layers=max_layers, **config_overrides)
     if presets.preset_name(path) is not None:
         head = head or "causal_lm"
         if head != "causal_lm" and require_head:
@@ -319,23 +322,42 @@ def load(
         files = _safetensor_files(path)
         _check_safetensor_headers(files, cfg, head, {"score.weight"} if optional else set())
         tensors = _iter_safetensors(files)
+    if max_layers:
+        tensors = _first_layers(tensors, cfg)
     return assemble(cfg, tensors, head=head, mesh=mesh, rules=rules, optional=optional,
                     replicate_indivisible=replicate_indivisible)
 
 
-def read_model_config(path: str, *, dtype: str = "float32", **config_overrides) -> ModelConfig:
-    """The ModelConfig `load(path, dtype=..., **config_overrides)` builds, read without loading
-    any weight: a preset's, a `.gguf` file's header or an HF directory's config.json."""
+def read_model_config(path: str, *, dtype: str = "float32", max_layers: int = 0,
+                      **config_overrides) -> ModelConfig:
+    """The ModelConfig `load(path, dtype=..., max_layers=..., **config_overrides)` builds, read
+    without loading any weight: a preset's, a `.gguf` file's header or an HF directory's
+    config.json."""
     overrides = {"param_dtype": dtype, "dtype": dtype, **config_overrides}
     if (name := presets.preset_name(path)) is not None:
         return presets.get_preset(name).replace(**overrides)
     if str(path).endswith(".gguf"):
         from hfjax.models import gguf_io
 
-        return ModelConfig.from_hf_config(gguf_io.read_gguf_config(path), **overrides)
-    if not os.path.isdir(path):
+        hf = gguf_io.read_gguf_config(path)
+    elif not os.path.isdir(path):
         raise FileNotFoundError(f"{path}: not a directory or a .gguf file")
-    return ModelConfig.from_hf_config(_read_config(path), **overrides)
+    else:
+        hf = _read_config(path)
+    cfg = ModelConfig.from_hf_config(hf, **overrides)
+    if 0 < max_layers < cfg.num_layers:
+        cfg = cfg.replace(num_layers=max_layers, mlp_only_layers=tuple(
+            i for i in cfg.mlp_only_layers if i < max_layers))
+    return cfg
+
+
+def _first_layers(tensors: Iterable[tuple[str, np.ndarray]], cfg: ModelConfig):
+    """`tensors` without those of layers past `cfg.num_layers` (a checkpoint cut to its first
+    layers: `load(max_layers=)`)."""
+    for name, w in tensors:
+        parsed = parse_hf_name(name, cfg.model_type)
+        if parsed is None or parsed[1] is None or parsed[1] < cfg.num_layers:
+            yield name, w
 
 
 def check_score_checkpoint(path: str, what: str = "path") -> None:

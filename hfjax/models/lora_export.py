@@ -58,7 +58,8 @@ def model(restored, graphdefs: dict, fingerprints: Callable) -> nnx.Module:
         path = record["base"]["path"]
         cfg = restored.state["model_config"]
         loaded = load_model(path, head="causal_lm", dtype=cfg["dtype"],
-                            param_dtype=cfg["param_dtype"], scan_layers=cfg["scan_layers"],
+                            param_dtype=cfg["param_dtype"], max_layers=cfg["num_layers"],
+                            scan_layers=cfg["scan_layers"],
                             remat_policy=cfg["remat_policy"],
                             attention_impl=cfg["attention_impl"])
         base = nnx.state(loaded)

@@ -92,3 +92,34 @@ def test_sharded_index_round_trip(llama_dir, tmp_path):
     again = M.load(out)
     ids = np.array([[1, 2, 3, 4]], np.int32)
     np.testing.assert_array_equal(np.asarray(model(ids)), np.asarray(again(ids)))
+
+
+def test_max_layers_keeps_a_checkpoints_first_layers(llama_dir, tmp_path):
+    """`max_layers` cuts an HF directory or a .gguf file to its first layers, their weights
+    unchanged; a larger value keeps every layer, and a preset keeps its depth. Smoke mode sets
+    it (0 means all, so 0 is lowered too)."""
+    from hf_fixtures import make_tiny_gguf
+
+    from configs import ppo_arith
+    from launch import smoke
+
+    gguf = make_tiny_gguf(tmp_path / "tiny.gguf")
+    for path in (llama_dir, gguf):
+        full, cut = M.load(path), M.load(path, max_layers=1)
+        assert full.config.num_layers == 2 and cut.config.num_layers == 1
+        full_state, cut_state = nnx_leaves(full), nnx_leaves(cut)
+        for name, w in cut_state.items():
+            ref = full_state[name]
+            np.testing.assert_array_equal(w, ref[:1] if w.shape != ref.shape else ref, name)
+        assert M.load(path, max_layers=5).config.num_layers == 2
+    assert M.hf_io.read_model_config("preset:tiny", max_layers=1).num_layers == \
+        M.hf_io.read_model_config("preset:tiny").num_layers
+    cfg = ppo_arith.get_config()
+    assert "model.max_layers 0->2" in smoke.shrink_config(cfg) and cfg.model.max_layers == 2
+
+
+def nnx_leaves(model):
+    from flax import nnx
+
+    return {"/".join(map(str, k)): np.asarray(v.get_value())
+            for k, v in nnx.to_flat_state(nnx.state(model))}
