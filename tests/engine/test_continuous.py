@@ -181,11 +181,13 @@ def test_smollm2_samples_equal_the_static_engine():
     """Real weights, temperature 1: bit-identical rows, as long as both engines decode with 33
     or more rows. XLA:CPU rounds a row of SmolLM2's projections differently below that (the
     matmul kernels depend on the row count; docs/benchmarks.md), so 40 slots against the
-    static engine's 48 rows is the smallest setting this can hold for."""
+    static engine's 48 rows is the smallest setting this can hold for. The rounding is a
+    matter of the projections' shapes, not of depth: the model is SmolLM2's first 2 layers
+    (its 30 make the two engines' programs compile for minutes)."""
     from hfjax.models.smollm2 import smollm2_gguf_path
 
     path = smollm2_gguf_path()
-    model, tok = M.load(str(path)), M.load_tokenizer(path)
+    model, tok = M.load(str(path), max_layers=2), M.load_tokenizer(path)
     texts = [
         "Write a short poem about the sea.",
         "What is 17 times 23? Answer briefly.",
