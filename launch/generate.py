@@ -46,6 +46,8 @@ flags.DEFINE_integer("n", 1, "samples per prompt")
 flags.DEFINE_integer("seed", 0, "sampling seed")
 flags.DEFINE_string("mesh", None, "decode mesh over all devices, e.g. 'data=2' (default: none)")
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "parameter and compute dtype")
+flags.DEFINE_integer("max_layers", 0, "at most the model's first N decoder layers (0: all)",
+                     lower_bound=0)
 flags.DEFINE_string("tools", None, "multi-turn with these tools, e.g. 'calculator' (default: "
                     "one turn)")
 flags.DEFINE_integer("max_turns", 4, "policy turns per trajectory at most (with --tools)")
@@ -82,7 +84,7 @@ def main(argv: list[str]) -> None:
     path = str(f.model or smollm2_gguf_path())
     mesh = MeshSpec.parse(spec).build(sorted_devices()) if spec else None
     # Loaded straight into the decode layout of the mesh: no device holds more than its shard.
-    model = M.load(path, dtype=f.dtype, mesh=mesh, rules="decode")
+    model = M.load(path, dtype=f.dtype, mesh=mesh, rules="decode", max_layers=f.max_layers)
     tokenizer = M.load_tokenizer(path)
 
     if f.responses is not None:

@@ -4,7 +4,7 @@ Every entry point applies it through `launch.cli.run` (and so does every script 
 stages are these entry points; `scripts/install.sh` checks the installed packages instead of
 installing): training steps to 2 (SFT, reward-model and RL steps, validation and a checkpoint at
 the last step), 16 held-out prompts, 16-token responses, a checkpoint's first 2 decoder layers
-(`model.max_layers`), 64 + 16 generated prompts or pairs, 8
+(`model.max_layers`, generate's `--max_layers`), 64 + 16 generated prompts or pairs, 8
 new tokens, 16 evaluated prompts, no alternative plans and a minute of compiling for
 `launch.plan`. Only sizes go down; every other setting, the files read and
 written and the printed summaries are those of the full command. CI runs every command that
@@ -44,11 +44,13 @@ ZERO_IS_ALL = {"model.max_layers"}
 # Entry point -> {flag: the most it may be}.
 FLAG_LIMITS: dict[str, dict[str, int]] = {
     "prepare_data": {"n_train": 64, "n_test": 16},
-    "generate": {"max_new_tokens": 8},
+    "generate": {"max_new_tokens": 8, "max_layers": 2},
     "evaluate": {"limit": 16},
     # With --prices=compiled, only the best plan's programs are compiled, for a minute at most.
     "plan": {"alternatives": 0, "compile_budget_s": 60},
 }
+# Flags of FLAG_LIMITS whose 0 means "all" (evaluate's --limit, generate's --max_layers).
+ZERO_IS_ALL_FLAGS = {"limit", "max_layers"}
 
 
 def enabled() -> bool:
@@ -77,13 +79,13 @@ def shrink_config(cfg) -> list[str]:
 
 def shrink_flags(entry: str, flag_values) -> list[str]:
     """Lowers entry point `entry`'s flags in FLAG_LIMITS (an absl FlagValues) in place; a flag
-    at 0 that means "all" (evaluate's --limit) gets the limit. Returns the changes."""
+    at 0 that means "all" (ZERO_IS_ALL_FLAGS) gets the limit. Returns the changes."""
     changes = []
     for name, limit in FLAG_LIMITS.get(entry, {}).items():
         if name not in flag_values:
             continue
         value = flag_values[name].value
-        if value is None or value > limit or (name == "limit" and value == 0):
+        if value is None or value > limit or (name in ZERO_IS_ALL_FLAGS and value == 0):
             flag_values[name].value = limit
             changes.append(f"--{name} {value}->{limit}")
     return changes
