@@ -394,8 +394,10 @@ def _check_tensor_types(reader: GGUFReader, path: str | os.PathLike[str]) -> Non
         )
 
 
-def iter_gguf_tensors(path: str | os.PathLike[str]) -> Iterator[tuple[str, np.ndarray]]:
-    """Yield `(hf_name, float32 array)` for every tensor in a llama GGUF file, one at a time.
+def iter_gguf_tensors(path: str | os.PathLike[str], keep=None
+                      ) -> Iterator[tuple[str, np.ndarray]]:
+    """Yield `(hf_name, float32 array)` for every tensor in a llama GGUF file, one at a time
+    (only those whose HF name `keep` accepts, when given; the others are not dequantized).
 
     Names and shapes are HF `LlamaForCausalLM`'s (e.g. `model.layers.3.self_attn.q_proj.weight`
     of shape [n_heads * head_dim, hidden]); q/k rows are restored to HF order. `lm_head.weight`
@@ -413,6 +415,8 @@ def iter_gguf_tensors(path: str | os.PathLike[str]) -> Iterator[tuple[str, np.nd
     for tensor in reader.tensors:
         hf_name = hf_tensor_name(tensor.name)
         assert hf_name is not None  # _check_tensor_names guarantees it
+        if keep is not None and not keep(hf_name):
+            continue
         shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
         weight = dequantize(tensor.data, tensor.tensor_type, shape)
         if hf_name.endswith("q_proj.weight"):

@@ -214,11 +214,14 @@ def _safe_open(fn: str):
         yield f
 
 
-def _iter_safetensors(files: list[str]) -> Iterator[tuple[str, np.ndarray]]:
+def _iter_safetensors(files: list[str], keep=None) -> Iterator[tuple[str, np.ndarray]]:
+    """(name, array) of every tensor of `files` whose name `keep` accepts (all when None),
+    read one at a time."""
     for fn in files:
         with _safe_open(fn) as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                if keep is None or keep(name):
+                    yield name, f.get_tensor(name)
 
 
 def _check_safetensor_headers(files, cfg: ModelConfig, head: str, optional_hf: set[str]):
@@ -302,6 +305,7 @@ def load(
     keeps its depth).
     """
     cfg = read_model_config(path, dtype=dtype, max_layers=max_layers, **config_overrides)
+    keep = _in_first_layers(cfg) if max_layers else None
     if presets.preset_name(path) is not None:
         head = head or "causal_lm"
         if head != "causal_lm" and require_head:
@@ -315,15 +319,13 @@ def load(
         if head != "causal_lm" and require_head:
             raise ValueError(f"{path}: a GGUF file holds a language model, not a {head} head")
         optional = ("score",) if head != "causal_lm" else ()
-        tensors = gguf_io.iter_gguf_tensors(path)
+        tensors = gguf_io.iter_gguf_tensors(path, keep=keep)
     else:
         head = head or head_of(_read_config(path))
         optional = ("score",) if head != "causal_lm" and not require_head else ()
         files = _safetensor_files(path)
         _check_safetensor_headers(files, cfg, head, {"score.weight"} if optional else set())
-        tensors = _iter_safetensors(files)
-    if max_layers:
-        tensors = _first_layers(tensors, cfg)
+        tensors = _iter_safetensors(files, keep=keep)
     return assemble(cfg, tensors, head=head, mesh=mesh, rules=rules, optional=optional,
                     replicate_indivisible=replicate_indivisible)
 
@@ -351,13 +353,13 @@ def read_model_config(path: str, *, dtype: str = "float32", max_layers: int = 0,
     return cfg
 
 
-def _first_layers(tensors: Iterable[tuple[str, np.ndarray]], cfg: ModelConfig):
-    """`tensors` without those of layers past `cfg.num_layers` (a checkpoint cut to its first
-    layers: `load(max_layers=)`)."""
-    for name, w in tensors:
+def _in_first_layers(cfg: ModelConfig):
+    """Whether an HF tensor name belongs to a layer below `cfg.num_layers`, or to no layer (a
+    checkpoint cut to its first layers, `load(max_layers=)`: the others are never read)."""
+    def keep(name: str) -> bool:
         parsed = parse_hf_name(name, cfg.model_type)
-        if parsed is None or parsed[1] is None or parsed[1] < cfg.num_layers:
-            yield name, w
+        return parsed is None or parsed[1] is None or parsed[1] < cfg.num_layers
+    return keep
 
 
 def check_score_checkpoint(path: str, what: str = "path") -> None:
