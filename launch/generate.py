@@ -46,8 +46,7 @@ flags.DEFINE_integer("n", 1, "samples per prompt")
 flags.DEFINE_integer("seed", 0, "sampling seed")
 flags.DEFINE_string("mesh", None, "decode mesh over all devices, e.g. 'data=2' (default: none)")
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "parameter and compute dtype")
-flags.DEFINE_integer("max_layers", 0, "at most the model's first N decoder layers (0: all)",
-                     lower_bound=0)
+flags.DEFINE_integer("max_layers", 0, "at most the model's first N decoder layers (0: all)")
 flags.DEFINE_string("tools", None, "multi-turn with these tools, e.g. 'calculator' (default: "
                     "one turn)")
 flags.DEFINE_integer("max_turns", 4, "policy turns per trajectory at most (with --tools)")

@@ -112,6 +112,7 @@ FLAG_KEYS: dict[str, dict[str, Callable[[Any], str | None]]] = {
         "compilation_cache_dir": _CACHE,
         "chat": Bool(),
         "dtype": _DTYPE,
+        "max_layers": Int(0, note="0: all"),
         "responses": _OUT_FILE,
     },
     "convert": {
