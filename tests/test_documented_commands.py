@@ -63,14 +63,6 @@ EXCLUDED: dict[str, str] = {
         "algorithm, with the config keys it needs; tests/algorithms/test_algorithms.py runs the "
         "example module (tests/algorithms/user_algo_module.py) through a Trainer",
     "python -m launch.train --config.algorithm=path/to/my_algo.py:step": "as above",
-    # A known defect, not a skip for time: in smoke mode this run (PPO, the critic and the
-    # reference on one fsdp=8 pool) hangs at step 1 or 2 in an XLA:CPU collective (devices wait
-    # in an all-reduce and an all-gather of the same program) until the 600 s collective
-    # timeout aborts it: 3 of 3 runs hang from commit 5dbfba1 on, 3 of 3 pass on fcd0e98
-    # (bisected 2026-12-07). tests/test_plan_run.py runs the same plan-then-train flow at its
-    # own sizes and passes. Remove this entry with the fix.
-    "python -m launch.train --flagfile=plan.flags --cpu_devices=8": "hangs in XLA:CPU "
-        "collectives since 5dbfba1 (see the comment above)",
     'pip install -e ".[cuda]"': "installs jax's CUDA plugin (for NVIDIA GPUs); CI has no GPU",
     'pip install -e ".[tpu]"': "installs libtpu (for Cloud TPU VMs); CI has no TPU",
     'pip install -e ".[wandb,mlflow]"': "the trackers' extras; CI installs them with the test "

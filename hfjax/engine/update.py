@@ -179,6 +179,9 @@ def make_update_step(
 
     def step(params, opt_state, batch, counter=None):
         totals = normalisers(batch) if normalisers else {}
+        if totals:  # the micro-batches read the batch once the totals exist (`ordered_after`)
+            ready = sum(jnp.sum(t).astype(jnp.float32) for t in jax.tree.leaves(totals))
+            batch = jax.tree.map(lambda x: ordered_after(x, ready), batch)
         train, frozen = split_trainable(params, trainable)
         loss = with_frozen(loss_fn, frozen)
         if dropout is not None and counter is None:
@@ -377,6 +380,25 @@ def normalisers(batch):
         "tokens": jnp.maximum(jnp.sum(mask), 1).astype(jnp.float32),
         "seqs": jnp.maximum(jnp.sum(jnp.any(mask > 0, axis=-1)), 1).astype(jnp.float32),
     }
+
+
+def ordered_after(x: jax.Array, ready: jax.Array) -> jax.Array:
+    """`x`, unchanged, as a value that exists only once `ready` (a scalar, or x's shape) does.
+
+    A workaround for XLA:CPU (jaxlib 0.10.2): a program read back from the persistent
+    compilation cache loses the order between a while loop that holds collectives (the
+    layers' scan, with its FSDP all-gathers) and the collectives outside it (a mask's sum), as
+    its thunks are deserialized (`WhileThunkFromProto` gives the loop body its own
+    collective resource). Devices then enter the two in different orders and deadlock. The
+    losses read their masks through this with `ready` the forward pass's output, and the
+    update step reads its batch after the totals, so data orders them on every device. An
+    optimization barrier does not: XLA:CPU removes it before running. The select keeps `x`
+    (a 32-bit pattern with its low bit set is never zero); elementwise, it costs nothing
+    next to the model.
+    """
+    bits = jax.lax.bitcast_convert_type(jax.lax.stop_gradient(ready).astype(jnp.float32),
+                                        jnp.int32)
+    return jnp.where((bits | 1) != 0, x, jnp.zeros_like(x))
 
 
 def share_of_normaliser(mask, totals, loss_agg_mode: str):

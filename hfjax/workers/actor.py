@@ -33,7 +33,12 @@ from hfjax.engine.sampler import (
     bucket_size,
 )
 from hfjax.engine.spec import RolloutSpec
-from hfjax.engine.update import in_micro_batches, scoring_micro_batches, share_of_normaliser
+from hfjax.engine.update import (
+    in_micro_batches,
+    ordered_after,
+    scoring_micro_batches,
+    share_of_normaliser,
+)
 from hfjax.models import lora, moe
 from hfjax.numerics import core, losses
 from hfjax.numerics import rollout_correction as rc_numerics
@@ -456,7 +461,7 @@ class ActorRollout(Reference):
         recorded = mb.get("routed_experts")
         with moe.collecting() as routed, moe.given_routing(recorded, a.router_replay == "r3"):
             lp, ent = self._train_logprobs(params, mb)
-        mask = mb["response_mask"]
+        mask = ordered_after(mb["response_mask"], lp)
         weight = share_of_normaliser(mask, totals, a.loss_agg_mode)
         horizon = float(self.rollout.response_length)  # batches may be trimmed (module docstring)
         # A batch without old log-probs is updated on-policy (see `single_update`): the policy

@@ -9,7 +9,7 @@ from hfjax.controller.batch import Batch
 from hfjax.controller.protocol import DP_COMPUTE, method
 from hfjax.engine import grouping, packing
 from hfjax.engine.spec import RolloutSpec
-from hfjax.engine.update import share_of_normaliser
+from hfjax.engine.update import ordered_after, share_of_normaliser
 from hfjax.numerics import core, losses
 from hfjax.workers import responses, vision
 from hfjax.workers.base import SEQUENCES, Program, StepShape, WorkerGroup
@@ -116,7 +116,7 @@ class Critic(WorkerGroup):
         else:
             vpreds = self._values_fn(params, mb["input_ids"], mb["attention_mask"],
                                      mb["responses"].shape[1], vision.images_of(mb))
-        mask = mb["response_mask"]
+        mask = ordered_after(mb["response_mask"], vpreds)
         weight = share_of_normaliser(mask, totals, c.loss_agg_mode)
         vf_loss, clipfrac = losses.compute_value_loss(
             vpreds, mb["returns"], mb["values"], mask, c.cliprange_value, c.loss_agg_mode,
