@@ -5,16 +5,17 @@
 Times forward + backward (gradients of every weight and of the input) of one MLP block on
 `--tokens` tokens: the dense gated MLP of width k x expert width (the same parameters per
 token as the sparse block's k experts), the sparse block with dropless dispatch (assignments
-sorted by expert, `jax.lax.ragged_dot`), and with capacity dispatch (capacity factor 1.25).
-Reports tokens/s (fastest of `--reps`: other jobs only slow a sample down) and each sparse
-path's ratio to the dense one. Then, on 8 simulated CPU devices (`--ep_mesh`, experts split
+sorted by expert) by each grouped matmul, blocks of rows (`moe.blocked_experts`, what CPUs
+run) and `jax.lax.ragged_dot` (what GPUs and TPUs run; `backend.blocked_grouped_matmul`),
+and with capacity dispatch (`--capacity_factor`, 1.25; experts / k drops nothing). Reports
+tokens/s (fastest of `--reps`: other jobs only slow a sample down) and each sparse path's
+ratio to the dense one. Then, on 8 simulated CPU devices (`--ep_mesh`, experts split
 over `expert`), the bytes one device's all-to-alls move per sparse layer in the forward pass,
 read from the compiled program, against the ideal: each of its tokens' hidden states out to
 its k experts and back (2 x tokens x k x hidden x 4 bytes). Then one JSON line.
 
-On CPU, XLA expands ragged_dot into one masked dense product per expert (E times the active
-FLOPs; hfjax.models.backend.moe_impl), which this measures; GPUs and TPUs run it as a grouped
-GEMM.
+XLA:CPU expands ragged_dot into one masked dense product per expert (E times the active
+FLOPs); the blocks compute at most (tokens x k + E x block) rows.
 """
 
 import json
@@ -29,7 +30,7 @@ import jax.numpy as jnp
 from absl import app, flags  # noqa: E402
 
 from bench.timing import best_time  # noqa: E402
-from hfjax.models import hf_io, moe  # noqa: E402
+from hfjax.models import backend, hf_io, moe  # noqa: E402
 from hfjax.models.config import ModelConfig  # noqa: E402
 from hfjax.parallel import sharding as shd  # noqa: E402
 from hfjax.parallel.hlo import collectives  # noqa: E402
@@ -41,6 +42,8 @@ _EXPERT = flags.DEFINE_integer("expert_width", 256, "each expert's MLP width")
 _EXPERTS = flags.DEFINE_integer("experts", 8, "experts")
 _K = flags.DEFINE_integer("k", 2, "experts per token")
 _REPS = flags.DEFINE_integer("reps", 7, "timed calls per path")
+_CF = flags.DEFINE_float("capacity_factor", 1.25, "capacity dispatch's factor (experts / k: "
+                         "no token can be dropped)")
 _EP_MESH = flags.DEFINE_string("ep_mesh", "fsdp=2,expert=4", "mesh of the exchange's bytes")
 _EP_ROWS = flags.DEFINE_integer("ep_rows", 16, "rows of the exchange's batch")
 _EP_LEN = flags.DEFINE_integer("ep_len", 64, "tokens per row of the exchange's batch")
@@ -81,6 +84,14 @@ def _step(mlp):
     return jax.jit(jax.grad(loss, argnums=(0, 1)))
 
 
+def _sparse(cfg: ModelConfig, target: str | None):
+    def mlp(p, x):
+        with backend.compiling_for(target):
+            return moe.sparse_mlp(cfg, p, x)[0]
+
+    return mlp
+
+
 def main(argv):
     del argv
     D, Fe, E, k, N = _HIDDEN.value, _EXPERT.value, _EXPERTS.value, _K.value, _TOKENS.value
@@ -96,18 +107,19 @@ def main(argv):
     base = ModelConfig(vocab_size=8, hidden_size=D, intermediate_size=k * Fe, num_layers=1,
                        num_heads=1, num_kv_heads=1, head_dim=8, model_type="qwen3_moe",
                        num_experts=E, num_experts_per_tok=k, moe_intermediate_size=Fe,
-                       norm_topk_prob=True)
+                       norm_topk_prob=True, capacity_factor=_CF.value)
     paths = {"dense": (_step(lambda p, x: _dense_mlp(p, x[0])), dense)}
-    for impl in ("ragged", "capacity"):
-        cfg = base.replace(moe_impl=impl)
-        paths[f"moe {impl}"] = (_step(lambda p, x, cfg=cfg: moe.sparse_mlp(cfg, p, x)[0]),
-                                sparse)
+    # The grouped matmul is chosen per platform; tracing as for another one picks the other.
+    for name, impl, target in (("moe blocks", "ragged", "cpu"),
+                               ("moe ragged_dot", "ragged", "gpu"),
+                               ("moe capacity", "capacity", None)):
+        paths[name] = (_step(_sparse(base.replace(moe_impl=impl), target)), sparse)
     results = {}
     for name, (fn, params) in paths.items():
         best, _ = best_time(fn, params, x, reps=_REPS.value)
         results[name] = N / best
         print(f"{name:14s} {N / best:12.0f} tokens/s  ({best * 1e3:.1f} ms)")
-    for name in ("moe ragged", "moe capacity"):
+    for name in ("moe blocks", "moe ragged_dot", "moe capacity"):
         print(f"{name} / dense: {results[name] / results['dense']:.2f}")
     exchange = exchange_bytes(base)
     print(json.dumps({"exchange": exchange, "bench": "moe",

@@ -170,10 +170,11 @@ def get_config() -> config_dict.ConfigDict:
             use_kl_loss=False,
             kl_loss_coef=0.001,
             kl_loss_type="low_var_kl",
-            # A mixture-of-experts actor's router losses (hfjax/models/moe.py), averaged over
-            # its sparse layers: the load-balancing loss (E * sum_e f_e * P_e, k when the load
-            # is even) and the z-loss (mean squared log-sum-exp of the router logits). Logged
-            # either way, with the least and most loaded experts' share of the mean load.
+            # A mixture-of-experts actor's router losses (hfjax/models/moe.py), in the warm
+            # start and the update, averaged over its sparse layers: the load-balancing loss
+            # (E * sum_e f_e * P_e, k when the load is even) and the z-loss (mean squared
+            # log-sum-exp of the router logits). Logged either way, with the least and most
+            # loaded experts' share of the mean load.
             moe_aux_loss_coef=0.0,
             moe_z_loss_coef=0.0,
             # Routing replay (hfjax/workers/routing.py): the sampler records each token's

@@ -253,6 +253,16 @@ def blocked_token_draw(platform: str | None = None) -> bool:
     return _platform(platform) != "cpu"
 
 
+def blocked_grouped_matmul(platform: str | None = None) -> bool:
+    """Whether dropless dispatch multiplies each expert's rows in fixed blocks of rows, every
+    block one expert's (`hfjax.models.moe.blocked_experts`), rather than by
+    `jax.lax.ragged_dot`: on CPU. XLA lowers ragged_dot to a grouped GEMM on GPUs and TPUs;
+    XLA:CPU expands it into a masked product per expert (E times the active FLOPs), which the
+    blocks beat 3.5-4.2x there (bench/moe.py, docs/benchmarks.md). Both are dropless and
+    compute the same sums."""
+    return _platform(platform) == "cpu"
+
+
 # --- recomputation ------------------------------------------------------------------------
 
 # `model.remat_policy=auto` keeps every activation when the run's peak without recomputation
@@ -312,13 +322,9 @@ MOE_IMPLS = ("auto", "ragged", "capacity")
 
 def moe_impl(impl: str = "auto", platform: str | None = None) -> str:
     """The expert dispatch `model.moe_impl` stands for (`hfjax.models.moe`): "auto" is the
-    dropless grouped matmul ("ragged", `jax.lax.ragged_dot`) on every platform; "capacity"
-    (fixed per-expert buffers, overflow dropped) only when asked.
-
-    XLA lowers ragged_dot to a grouped GEMM on GPUs and TPUs; XLA:CPU expands it into one
-    masked dense product per expert (E times the active FLOPs), which bench/moe.py measures
-    against capacity dispatch. Dropless stays the default there too: dropping tokens changes
-    the model, a slow CPU does not."""
+    dropless grouped matmul ("ragged": `jax.lax.ragged_dot`, or blocks of rows on CPU,
+    `blocked_grouped_matmul`) on every platform; "capacity" (fixed per-expert buffers, overflow
+    dropped) only when asked: dropping tokens changes the model."""
     if impl not in MOE_IMPLS:
         raise ValueError(f"model.moe_impl={impl!r}; choose one of {MOE_IMPLS}")
     del platform  # one answer everywhere today; the argument keeps the module's convention

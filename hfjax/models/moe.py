@@ -9,7 +9,9 @@ Two dispatches, chosen in `hfjax.models.backend.moe_impl`:
 
 - "ragged" (dropless, the default): the (token, expert) assignments are sorted by expert and
   each expert's run of rows is multiplied by its own weights in one grouped matmul,
-  `jax.lax.ragged_dot`. Every token reaches all k of its experts.
+  `jax.lax.ragged_dot` (on CPU, whose compiler expands ragged_dot into a dense product per
+  expert, batched matmuls over blocks of rows, one expert's each: `blocked_experts`). Every
+  token reaches all k of its experts.
 - "capacity": each expert takes at most C = ceil(capacity_factor * tokens * k / experts) rows
   into a fixed [experts, C, embed] buffer (top-1 choices first, then top-2, ...); rows past C
   are dropped (that expert contributes nothing to the token). Fixed shapes, dense batched
@@ -145,21 +147,64 @@ def _ragged(x: jax.Array, w: jax.Array, sizes: jax.Array, dtype) -> jax.Array:
 def dropless(cfg: ModelConfig, p, x: jax.Array, weights: jax.Array,
              ids: jax.Array) -> jax.Array:
     """sum_j weights[:, j] * expert_{ids[:, j]}(x) for x [N, D]: the assignments sorted by
-    expert, one grouped matmul per projection (`jax.lax.ragged_dot`). Returns [N, D] float32."""
+    expert, one grouped matmul per projection (`jax.lax.ragged_dot`, or `blocked_experts`).
+    Returns [N, D] float32."""
     N, k = ids.shape
     dt = cfg.jnp_dtype
     flat = ids.reshape(-1)
     order = jnp.argsort(flat, stable=True)
     sizes = jnp.bincount(flat, length=cfg.num_experts).astype(jnp.int32)
     xs = jnp.take(x, order // k, axis=0)
-    h = _gated(cfg, _ragged(xs, p["expert_gate"], sizes, dt),
-               _ragged(xs, p["expert_up"], sizes, dt))
-    out = jax.lax.ragged_dot(h, p["expert_down"].astype(dt), sizes,
-                             preferred_element_type=jnp.float32)
+    if backend.blocked_grouped_matmul():
+        out = blocked_experts(cfg, p, xs, sizes)
+    else:
+        h = _gated(cfg, _ragged(xs, p["expert_gate"], sizes, dt),
+                   _ragged(xs, p["expert_up"], sizes, dt))
+        out = jax.lax.ragged_dot(h, p["expert_down"].astype(dt), sizes,
+                                 preferred_element_type=jnp.float32)
     # Back to (token, slot) order: the inverse permutation is a gather, which differentiates
     # to a gather as well (a scatter-add would serialise on CPU).
     out = jnp.take(out, jnp.argsort(order), axis=0).reshape(N, k, -1)
     return jnp.einsum("nkd,nk->nd", out, weights)
+
+
+def block_rows(rows: int, experts: int) -> int:
+    """Rows per block of `blocked_experts` for `rows` assignments over `experts`: the power of
+    two at or below the mean rows per expert, within [8, 128] (each expert wastes less than a
+    block, so the blocks hold at most rows + experts x block rows)."""
+    mean = max(1, rows // experts)
+    return min(128, max(8, 1 << (mean.bit_length() - 1)))
+
+
+def blocked_experts(cfg: ModelConfig, p, xs: jax.Array, sizes: jax.Array) -> jax.Array:
+    """The experts' gated MLPs on rows xs [M, D] sorted by expert (`sizes` [E] rows each), as
+    batched matmuls over blocks of `block_rows` rows: each expert's run of rows is padded to
+    whole blocks and every block is multiplied by its expert's weights (gathered per block).
+    The grouped matmul of `jax.lax.ragged_dot` for backends that expand ragged_dot densely
+    (`backend.blocked_grouped_matmul`). Returns [M, D] float32."""
+    M, D = xs.shape
+    E, dt = cfg.num_experts, cfg.jnp_dtype
+    B = block_rows(M, E)
+    nb = -(-M // B) + E  # sum_e ceil(sizes_e / B) never exceeds it
+    starts = jnp.cumsum(sizes) - sizes
+    padded = (sizes + B - 1) // B * B
+    ends = jnp.cumsum(padded)
+    pstarts = ends - padded
+    block_expert = jnp.minimum(jnp.searchsorted(ends, jnp.arange(nb) * B, side="right"), E - 1)
+    row_expert = jnp.repeat(block_expert, B)
+    rank = jnp.arange(nb * B) - pstarts[row_expert]
+    filled = rank < sizes[row_expert]  # padding rows and unused blocks stay zero
+    src = jnp.clip(starts[row_expert] + rank, 0, M - 1)
+    buf = jnp.where(filled[:, None], jnp.take(xs, src, axis=0), 0).astype(dt).reshape(nb, B, D)
+
+    def bmm(a, w):
+        return jnp.einsum("bcd,bdf->bcf", a, jnp.take(w, block_expert, axis=0).astype(dt),
+                          preferred_element_type=jnp.float32)
+
+    h = _gated(cfg, bmm(buf, p["expert_gate"]), bmm(buf, p["expert_up"]))
+    out = bmm(h, p["expert_down"]).reshape(nb * B, D)
+    expert = jnp.repeat(jnp.arange(E), sizes, total_repeat_length=M)
+    return jnp.take(out, pstarts[expert] + jnp.arange(M) - starts[expert], axis=0)
 
 
 def capacity(cfg: ModelConfig, n_tokens: int) -> int:

@@ -525,13 +525,18 @@ class ActorRollout(Reference):
 
     def _sft_loss(self, params, mb, totals):
         model = self.model(params)
-        with self.seeing(model, mb):
+        with self.seeing(model, mb), moe.collecting() as routed:
             lp, _ = response_logprobs(model, mb["input_ids"], mb["attention_mask"],
                                       mb["responses"].shape[1], 1.0, chunk=self.chunk,
                                       dp=self.dp_size)
         mask = mb["response_mask"]
         loss = -core.masked_sum(lp, mask) / totals["tokens"]
-        return loss, {}
+        metrics = {}
+        if routed:  # a mixture of experts trained from scratch: its router losses here too
+            weight = share_of_normaliser(mask, totals, "token-mean")
+            loss = loss + routing.update_terms(moe.merge(routed), self.spec, mb, 1, weight,
+                                               totals, metrics) * weight
+        return loss, metrics
 
     def single_update(self, rows: int) -> bool:
         """True when `update_actor` on `rows` sequences is one optimizer step (one epoch of one
@@ -613,11 +618,14 @@ class ActorRollout(Reference):
 
     @method(DP_COMPUTE, reads=("response_mask", *SEQUENCES), may_read=vision.IMAGES)
     def update_sft(self, batch: Batch, micro: int) -> dict[str, jax.Array]:
-        """One cross-entropy step on the responses of `batch` (the warm start)."""
+        """One cross-entropy step on the responses of `batch` (the warm start); a mixture of
+        experts adds its router losses (`actor.moe_aux_loss_coef`, `moe_z_loss_coef`) and logs
+        them with its load spread as sft/moe_aux_loss, sft/expert_load_min, ..."""
         keys = ["input_ids", "attention_mask", "responses", "response_mask",
                 *(k for k in vision.IMAGES if k in batch)]
         m = self.train(self._sft_loss, batch, keys, mini=len(batch), micro=micro, epochs=1,
                        shuffle=False)
-        return {"sft/loss": m["loss"], "sft/grad_norm": m["grad_norm"],
-                "sft/nonfinite_updates": m["nonfinite"],
-                "sft/nonfinite_params": m["nonfinite_params"]}
+        out = {"sft/loss": m["loss"], "sft/grad_norm": m["grad_norm"],
+               "sft/nonfinite_updates": m["nonfinite"],
+               "sft/nonfinite_params": m["nonfinite_params"]}
+        return out | {"sft/" + k.split("/")[1]: v for k, v in m.items() if k.startswith("actor/")}

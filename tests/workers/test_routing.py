@@ -155,3 +155,19 @@ def test_replay_on_a_dense_actor_refused():
                                                   num_experts_per_tok=0), "causal_lm", seed=0)
     with pytest.raises(ValueError, match="router_replay=r2 needs a mixture-of-experts model"):
         _actor(dense, "r2")
+
+
+def test_a_warm_start_learns_with_every_expert_in_use(sampled):
+    """A mixture of experts from scratch learns in the warm start (`update_sft`): its loss falls
+    over a few steps on one batch, the load-balancing loss is added and logged, and every
+    expert of every layer keeps receiving tokens (the least loaded at least a quarter of the
+    mean load, the acceptance bar of the MoE learning runs, docs/architecture.md)."""
+    _, batch, _ = sampled
+    learner = _actor(transformer.build(CFG, "causal_lm", seed=1), moe_aux_loss_coef=0.01)
+    sft = batch.select(["input_ids", "attention_mask", "responses", "response_mask"])
+    logs = [{k: float(v) for k, v in learner.update_sft(sft, PROMPTS * N).items()}
+            for _ in range(6)]
+    assert logs[-1]["sft/loss"] < 0.9 * logs[0]["sft/loss"]  # measured: 4.18 -> 3.55
+    assert all(m["sft/expert_load_min"] >= 0.25 for m in logs)
+    assert logs[-1]["sft/expert_load_max"] > 1.0
+    assert logs[0]["sft/moe_aux_loss"] == pytest.approx(CFG.num_experts_per_tok, rel=0.5)
