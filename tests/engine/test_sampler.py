@@ -199,16 +199,20 @@ def test_greedy_matches_hf(hf_pair):
 
 @pytest.fixture(scope="module")
 def smollm2():
-    """(hfjax model, transformers model, tokenizer) of SmolLM2-135M from the same GGUF file."""
+    """(hfjax model, transformers model, tokenizer) of SmolLM2-135M's first 2 layers, both from
+    the same GGUF file. Greedy decoding runs the same code for every layer; full-depth logits
+    against transformers are tests/models/test_smollm2.py's, and 30 layers make this test's
+    programs compile for minutes."""
     import transformers
 
     from hfjax.models.smollm2 import smollm2_gguf_path
 
     path = smollm2_gguf_path()
     ref = transformers.AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32
+        str(path.parent), gguf_file=path.name, dtype=torch.float32, num_hidden_layers=2
     ).eval()
-    return M.load(str(path)), ref, M.load_tokenizer(path)
+    assert ref.config.num_hidden_layers == 2
+    return M.load(str(path), max_layers=2), ref, M.load_tokenizer(path)
 
 
 @pytest.mark.slow
