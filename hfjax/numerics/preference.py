@@ -10,7 +10,8 @@ reads the reference's log-probs (SimPO does not: its runs build no reference).
 - `sigmoid` (DPO): -log sigma(beta * h), h = (pi_c - ref_c) - (pi_r - ref_r), with label
   smoothing eps (conservative DPO): (1 - eps) of that plus eps of -log sigma(-beta * h);
 - `ipo`: (h' - 1 / (2 beta))^2, where h' is h over per-token means (IPO's log-probs are
-  length-averaged, as TRL averages them);
+  length-averaged, as TRL averages them); its rewards are DPO's, beta times the summed
+  log-ratios (TRL's `rewards/*` for IPO);
 - `simpo`: reference-free and length-normalised: -log sigma(beta * (pi_c / n_c - pi_r / n_r)
   - gamma), with the same label smoothing.
 """
@@ -61,11 +62,13 @@ def dpo_loss(x: PreferenceInputs) -> tuple[Array, Array, Array]:
 
 @PREFERENCE_LOSSES.register("ipo", reference=True)
 def ipo_loss(x: PreferenceInputs) -> tuple[Array, Array, Array]:
-    """IPO's squared loss pulling the per-token log-ratio margin to 1 / (2 beta)."""
-    chosen = (x.chosen_logps - x.ref_chosen_logps) / jnp.maximum(x.chosen_tokens, 1.0)
-    rejected = (x.rejected_logps - x.ref_rejected_logps) / jnp.maximum(x.rejected_tokens, 1.0)
-    return ((chosen - rejected - 1.0 / (2.0 * x.beta)) ** 2,
-            x.beta * chosen, x.beta * rejected)
+    """IPO's squared loss pulling the per-token log-ratio margin to 1 / (2 beta). Its rewards
+    are DPO's (summed log-ratios), as TRL reports them for IPO too."""
+    chosen = x.chosen_logps - x.ref_chosen_logps
+    rejected = x.rejected_logps - x.ref_rejected_logps
+    margin = (chosen / jnp.maximum(x.chosen_tokens, 1.0)
+              - rejected / jnp.maximum(x.rejected_tokens, 1.0))
+    return (margin - 1.0 / (2.0 * x.beta)) ** 2, x.beta * chosen, x.beta * rejected
 
 
 @PREFERENCE_LOSSES.register("simpo", reference=False)
