@@ -99,7 +99,7 @@ def hfjax_metrics(setup, prepared, loss_type):
     return {k: float(v) for k, v in m.items()}, tokens
 
 
-@pytest.mark.slow  # about 13 s alone: TRL's trainer is built and evaluates twice
+@pytest.mark.slow  # 13-19 s alone (shared 2-core machine): two TRL trainers are built
 @pytest.mark.parametrize("loss_type", ["sigmoid", "ipo"])
 def test_dpo_loss_and_metrics_equal_trl(setup, loss_type):
     trl_out, prepared = trl_metrics(setup, loss_type)
