@@ -108,3 +108,36 @@ def test_the_peer_benchmark_s_hfjax_runner_builds_the_tiny_workload(tmp_path, mo
     # A synchronous run: the rollout correction in force is off.
     assert spec.algo.rollout_correction.rollout_is not in ("auto", "token", "sequence")
     assert batch["prompts"].shape == (w.prompts, w.prompt_len)
+
+
+def test_the_vision_bench_s_two_rollouts_have_the_same_prompt_length(monkeypatch):
+    """bench/vision.py's prompts: one picture's placeholders (between the vision markers) in
+    each image prompt, text tokens in their place in the text prompt, the same token count;
+    the tower gives one feature per placeholder, and both rollouts decode every row."""
+    import numpy as np
+    from flax import nnx
+
+    from hfjax.engine import images as engine_images
+    from hfjax.engine.sampler import Sampler
+    from hfjax.engine.token_select import SamplingParams
+
+    monkeypatch.syspath_prepend(str(ROOT))
+    vision_model = importlib.import_module("bench.vision_model")
+    model = vision_model.build(64, 1, 32, 1)
+    with_images, text, pixels, grids = vision_model.prompts(2, 56, 3, np.random.default_rng(0))
+    assert with_images.shape == text.shape == (2, 3 + 1 + 4 + 1 + 3)
+    assert ((with_images == vision_model.IMAGE).sum(1) == 4).all()
+    assert (with_images[:, 3] == vision_model.START).all()
+    assert (with_images[:, 8] == vision_model.END).all()
+    assert (text < vision_model.START).all()
+    np.testing.assert_array_equal(np.delete(with_images, range(3, 9), 1),
+                                  np.delete(text, range(3, 9), 1))
+    encoded = engine_images.encode(model, pixels, grids)
+    assert encoded.features.shape == (8, 64)
+    sampler = Sampler(model.lm, pad_id=0, max_prompt_len=text.shape[1], rules=None)
+    sp = SamplingParams(max_new_tokens=4, n=2)
+    mask = np.ones_like(text)
+    state = nnx.state(model.lm)
+    for ids, images in ((text, None), (with_images, encoded)):
+        out = sampler.generate(state, ids, mask, sp, images=images)
+        assert np.asarray(out.tokens).shape == (4, 4) and np.asarray(out.mask).all()
