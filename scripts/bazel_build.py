@@ -26,6 +26,10 @@ a test helper's module name (a file a test hands to a subprocess by path) makes 
 dependency.
 
 tests/test_bazel_build.py fails when the checked-in BUILD files differ from what this writes.
+
+One file past 600 lines: the import scan, the rules that turn imports into targets and the
+writer are one pass over one model of the tree (`Target`), and a reader changing a rule wants
+the scan and the output beside it.
 """
 
 from __future__ import annotations
