@@ -129,7 +129,6 @@ def trl_evaluate(setup, loss_type):
     return trainer.evaluate(), ids
 
 
-@pytest.mark.slow  # ~15 s alone (shared 2-core machine): TRL builds three trainers
 @pytest.mark.parametrize("loss_type", ["sigmoid", "ipo", "simpo"])
 def test_preference_loss_and_metrics_equal_trl(setup, hfjax_logps, loss_type):
     want, ids = trl_evaluate(setup, loss_type)
