@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from hfjax.agents import AgentLoop, turn_lists
@@ -50,6 +49,7 @@ from hfjax.workers import responses, routing, vision
 from hfjax.workers.base import SEQUENCES, Program, StepShape, WorkerGroup
 from hfjax.workers.logprobs import compact_logprobs, packed_logprobs, response_logprobs
 from hfjax.workers.spec import ActorSpec
+from hfjax.workers.warm_start import WarmStart
 
 
 class Reference(WorkerGroup):
@@ -262,7 +262,7 @@ class BaseReference(Reference):
         raise ValueError(f"{self.name} shares the actor's base weights; set the actor's params")
 
 
-class ActorRollout(Reference):
+class ActorRollout(WarmStart, Reference):
     """The policy: generates, scores its own samples, and takes PPO-style updates.
 
     `rollout_params()` is where the hybrid engine plugs in: it returns the parameters in the
@@ -523,21 +523,6 @@ class ActorRollout(Reference):
                                                metrics) * weight
         return loss, metrics | rejected
 
-    def _sft_loss(self, params, mb, totals):
-        model = self.model(params)
-        with self.seeing(model, mb), moe.collecting() as routed:
-            lp, _ = response_logprobs(model, mb["input_ids"], mb["attention_mask"],
-                                      mb["responses"].shape[1], 1.0, chunk=self.chunk,
-                                      dp=self.dp_size)
-        mask = mb["response_mask"]
-        loss = -core.masked_sum(lp, mask) / totals["tokens"]
-        metrics = {}
-        if routed:  # a mixture of experts trained from scratch: its router losses here too
-            weight = share_of_normaliser(mask, totals, "token-mean")
-            loss = loss + routing.update_terms(moe.merge(routed), self.spec, mb, 1, weight,
-                                               totals, metrics) * weight
-        return loss, metrics
-
     def single_update(self, rows: int) -> bool:
         """True when `update_actor` on `rows` sequences is one optimizer step (one epoch of one
         mini-batch). The samples then come from the very policy being updated, and the step
@@ -591,41 +576,3 @@ class ActorRollout(Reference):
         return out + self.update_programs("update", self._policy_loss, mb,
                                           a.ppo_micro_batch_size, budget=self.budget,
                                           grouped=self.grouped, group=self.samples)
-
-    def warm_start_programs(self, batch_size: int, micro: int,
-                            shape: StepShape) -> list[Program]:
-        """The SFT warm start's update (`update_sft`) on `batch_size` sequences in
-        micro-batches of `micro`, with the optimizer installed now (the warm start's)."""
-        mb = self.abstract_sequences(batch_size, shape)
-        return self.update_programs("update_sft", self._sft_loss, mb, micro)
-
-    def _sft_nll_fn(self, params, input_ids, attention_mask, responses, response_mask):
-        lp, _ = response_logprobs(self.model(params), input_ids, attention_mask,
-                                  responses.shape[1], 1.0, chunk=self.chunk, dp=self.dp_size)
-        return {"nll": -core.masked_sum(lp, response_mask),
-                "tokens": jnp.sum(response_mask).astype(jnp.float32)}
-
-    @method(DP_COMPUTE, reads=("response_mask", *SEQUENCES))
-    def compute_sft_nll(self, batch: Batch) -> dict[str, jax.Array]:
-        """Summed negative log-likelihood of the loss-masked response tokens of `batch`, and
-        their count (device scalars): held-out SFT loss = nll / tokens, summed over batches.
-        Padding rows that dispatch adds repeat real rows, so callers pass batches whose size
-        the data-parallel size divides."""
-        if not hasattr(self, "_sft_nll"):
-            self._sft_nll = self.jit(self._sft_nll_fn)
-        return self._sft_nll(self.params, batch["input_ids"], batch["attention_mask"],
-                             batch["responses"], batch["response_mask"])
-
-    @method(DP_COMPUTE, reads=("response_mask", *SEQUENCES), may_read=vision.IMAGES)
-    def update_sft(self, batch: Batch, micro: int) -> dict[str, jax.Array]:
-        """One cross-entropy step on the responses of `batch` (the warm start); a mixture of
-        experts adds its router losses (`actor.moe_aux_loss_coef`, `moe_z_loss_coef`) and logs
-        them with its load spread as sft/moe_aux_loss, sft/expert_load_min, ..."""
-        keys = ["input_ids", "attention_mask", "responses", "response_mask",
-                *(k for k in vision.IMAGES if k in batch)]
-        m = self.train(self._sft_loss, batch, keys, mini=len(batch), micro=micro, epochs=1,
-                       shuffle=False)
-        out = {"sft/loss": m["loss"], "sft/grad_norm": m["grad_norm"],
-               "sft/nonfinite_updates": m["nonfinite"],
-               "sft/nonfinite_params": m["nonfinite_params"]}
-        return out | {"sft/" + k.split("/")[1]: v for k, v in m.items() if k.startswith("actor/")}
