@@ -17,7 +17,14 @@ shared-prompt rows), which are lowered and compiled here:
   `validate.prefill` / `validate.decode` when the validation batch has more rows than the
   training rollout (otherwise the training rollout's programs bound its memory);
 - `hybrid.to_decode` and `hybrid.to_train`: the 3D-HybridEngine's per-parameter transition
-  programs, run one after the other.
+  programs, run one after the other;
+- a vision-language policy from scratch (`model.vision_depth > 0`): `sft.vision_encode`,
+  `rollout.vision_encode` and `validate.vision_encode`, its tower over the prompts' pictures
+  (once per prompt, each prompt as full of image tokens as `data.max_prompt_length` allows),
+  the frozen tower resident beside the actor's params (`actor.freeze_vision=False`: in them,
+  with its optimizer state). Not yet priced: the image arrays the scoring and update passes
+  read (each row's features [K, hidden] and M-RoPE positions [3, T]), and, with the tower
+  training, its pass inside the update (its activations and gradients).
 
 Shapes are the worst case the config allows: prompts `data.max_prompt_length` wide, responses
 `rollout.response_length` long, batches padded to the data-parallel size as the transfer
@@ -70,14 +77,15 @@ from typing import Any
 import jax
 import numpy as np
 from absl import logging
+from flax import nnx
 
 from hfjax.algorithms import dataflow
 from hfjax.algorithms.spec import StepSpec
 from hfjax.config import model_source, run_roles, validate_config
 from hfjax.engine.buckets import prompt_bucket
 from hfjax.engine.sampler import SamplingParams
-from hfjax.models import backend, transformer
-from hfjax.workers import groups
+from hfjax.models import backend, qwen2_5_vl, transformer
+from hfjax.workers import groups, vision
 from hfjax.workers.actor import BaseReference
 from hfjax.workers.base import Program, StepShape, WorkerGroup
 from hfjax.workers.reward import RuleReward
@@ -391,12 +399,17 @@ def _dry_run(cfg, device_memory_bytes, target, platform, on_program) -> DryRun:
             (group.params, group.opt_state))
         if group.opt_state is not None:
             held[f"{role} optimizer"] = device_bytes(group.opt_state)
+        tower = getattr(group, "tower", None)
+        if tower is not None and not tower.trains:  # a training tower is in the params
+            held[f"{role} vision tower (frozen)"] = device_bytes(tower.frozen)
+            state[group.pool.name] += global_bytes(tower.frozen)
 
     hold("actor", actor)
     out = _Compiler(resident, on_program)
     # The warm start: the actor alone, with the SFT optimizer (swapped for RL's below).
     if c.sft.steps > 0:
         sft = StepShape(c.sft.batch_size, d.max_prompt_length, r.response_length)
+        _encode(out, actor, cfg, "sft", c.sft.batch_size)  # each batch's pictures
         for p in actor.warm_start_programs(c.sft.batch_size, c.sft.micro_batch_size, sft):
             out.compile_program(p, actor.pool.name)
 
@@ -413,10 +426,12 @@ def _dry_run(cfg, device_memory_bytes, target, platform, on_program) -> DryRun:
     val_rows = sampler.padded_batch(d.n_test) * int(v.n)
     # Validation decodes the same widths as the training rollout: with no more rows, the
     # training rollout's programs bound its memory, and compiling its own would only cost time.
-    if (c.trainer.test_freq > 0 or c.trainer.val_before_train) and (
-            val_rows > sampler.padded_batch(d.train_batch_size) * r.n):
+    validates = c.trainer.test_freq > 0 or c.trainer.val_before_train
+    if validates and val_rows > sampler.padded_batch(d.train_batch_size) * r.n:
         _rollout(out, w, cfg, tok, "validate", d.n_test, int(v.n),
                  temperature=float(v.temperature), greedy=float(v.temperature) == 0.0)
+    elif validates and d.n_test > d.train_batch_size:
+        _encode(out, w.actor, cfg, "validate", d.n_test)  # more pictures than training's
     shape = step_shape(w, cfg)
     listed = [(p, g.pool.name) for _, g in built for p in g.programs(shape)]
     # In the step's order: the scoring passes, then the updates, the actor's last.
@@ -454,14 +469,15 @@ def step_shape(w: groups.WorkerGroups, cfg) -> StepShape:
 def _abstract_actor(cfg, pools, compute: str):
     """(the actor built from an abstract model with the warm start's optimizer, the task's
     tokenizer)."""
-    if cfg.model.vision_depth:
-        # Its programs would be the language model's alone: a verdict that leaves out the
-        # tower and the image rows' arrays.
-        raise ValueError("the dry run does not price a vision tower yet (model.vision_depth > "
-                         "0); run without --dry_run, and with model.remat_policy other than "
-                         "auto")
     tok = model_source.task_tokenizer(cfg)
     mcfg = model_source.model_config(cfg, tok, compute)
+    if cfg.model.vision_depth:
+        # A vision-language policy from scratch: its language model trains, the tower beside
+        # it (frozen) or inside it (actor.freeze_vision=False), as the trainer builds them.
+        vlm = nnx.eval_shape(lambda: model_source.vision_model(cfg, tok, mcfg))
+        lm, tower = qwen2_5_vl.policy(vlm, cfg.actor.freeze_vision)
+        return groups.build_actor(cfg, lm, pools, tok.pad_id, tok.eos_id, tokenizer=tok,
+                                  tower=tower, vl=vlm.config), tok
     abstract = transformer.abstract(mcfg, "causal_lm")
     return groups.build_actor(cfg, abstract, pools, tok.pad_id, tok.eos_id, tokenizer=tok), tok
 
@@ -503,6 +519,7 @@ def _rollout(out: _Compiler, w, cfg, tok, name: str, prompts: int, n: int, *,
         state = engine.abstract_decode(a.params) if engine is not None else a.params
     if r.offload_optimizer:
         replaces.append("actor optimizer")
+    _encode(out, a, cfg, name, prompts)
     if engine is not None and name == "rollout":
         _transition(out, engine, pool, "to_decode", replaces)
     prefill, decode = sampler.programs(static)
@@ -516,6 +533,18 @@ def _rollout(out: _Compiler, w, cfg, tok, name: str, prompts: int, n: int, *,
                 {"params": state, "cache and loop state": carry})
     if engine is not None and name == "rollout" and a.trainable is None:
         _transition(out, engine, pool, "to_train", replaces)  # LoRA drops its decode copy
+
+
+def _encode(out: _Compiler, actor, cfg, name: str, prompts: int) -> None:
+    """A vision-language actor's tower over `prompts` prompts' pictures (once per prompt,
+    before the params move to the decode layout), each prompt as full of image tokens as
+    `data.max_prompt_length` allows."""
+    if actor.tower is not None:
+        # A frozen tower is an argument, not held again; a training one is part of the params
+        # held beside it (its bytes counted twice: a small overestimate).
+        passed = [] if actor.tower.trains else ["actor vision tower (frozen)"]
+        out.compile(f"{name}.vision_encode", actor.pool.name, actor.tower.encode,
+                    vision.abstract_prompts(actor, prompts, cfg.data.max_prompt_length), passed)
 
 
 def _transition(out: _Compiler, engine, pool: str, direction: str,

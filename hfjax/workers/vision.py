@@ -26,6 +26,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 from PIL import Image
 
 from hfjax.controller.batch import Batch
@@ -189,7 +191,7 @@ class Tower:
                              "one goes only beside a language model without one")
         graphdef, state = nnx.split(own if frozen is None else frozen)
         if frozen is not None:
-            state = jax.tree.map(lambda sh, v: v.replace(transfer(v.get_value(), sh)),
+            state = jax.tree.map(lambda sh, v: v.replace(_place(v.get_value(), sh)),
                                  group.layout.state_shardings(state), state,
                                  is_leaf=lambda x: isinstance(x, nnx.Variable))
         encode = group.jit(lambda t, px, lay, odr: tower_rows(nnx.merge(graphdef, t), px, lay,
@@ -199,6 +201,29 @@ class Tower:
     def state(self, params):
         """The tower's parameters now (out of the actor's `params` when it trains)."""
         return params["visual"] if self.trains else self.frozen
+
+
+def _place(x, sharding):
+    """`x` on `sharding`; an abstract leaf (the dry run's model) stays abstract there."""
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+    return transfer(x, sharding)
+
+
+def abstract_prompts(group, prompts: int, max_prompt_length: int) -> tuple:
+    """Abstract (tower state, patches, layout, order) of the actor's `encode` for `prompts`
+    prompts whose every token could be an image token (the most patches `max_prompt_length`
+    allows): what the dry run compiles the tower's program with."""
+    v = group.vl.vision
+    n = max_prompt_length * v.merge_unit
+    # As `prompt_features` places them: split over the data-parallel devices, or everywhere
+    # when the prompts do not divide.
+    split = group.abstract_rows(prompts, n).sharding
+    if prompts % group.dp_size:
+        split = NamedSharding(group.mesh, P())
+    shapes = ((n, v.patch_dim, jnp.float32), (n, 4, jnp.int32), (n // v.merge_unit, jnp.int32))
+    arrays = [jax.ShapeDtypeStruct((prompts, *s[:-1]), s[-1], sharding=split) for s in shapes]
+    return (group.tower.state(group.params), *arrays)
 
 
 def prompt_features(group, batch: Batch):

@@ -54,11 +54,43 @@ def test_held_out_pictures_are_disjoint_and_the_answer_is_in_them():
     assert batch["image_grids"].tolist() == [[[1, 4, 4]], [[1, 4, 4]]]
 
 
-def test_dry_run_refuses_a_vision_tower():
-    """The dry run would price the language model alone: refused in one line."""
-    import pytest
+def test_dry_run_prices_the_vision_tower():
+    """The dry run compiles the tower's pass over the rollout's prompts and holds the frozen
+    tower beside the actor: the state it counts exceeds the same model's without a tower by
+    the tower's bytes; with the tower training, the actor's params and optimizer state hold it."""
+    from hfjax.run import dry_run as dr
 
-    from hfjax.run.dry_run import dry_run
+    cfg = grpo_shapes.get_config()
+    cfg.sft.steps, cfg.trainer.test_freq = 0, 0
+    report = dr.dry_run(cfg)
+    text = cfg.copy_and_resolve_references()
+    text.model.vision_depth, text.data.task = 0, "arith"
+    text_state = sum(dr.global_bytes((g.params, g.opt_state))
+                     for _, g in dr.device_groups(dr.abstract_groups(text)))
+    actor = dr.abstract_groups(cfg).actor
+    tower = actor.tower.frozen
+    tower_bytes = dr.global_bytes(tower)
+    assert tower_bytes > 0
+    # Beyond the tower: the embedding rows of the shapes tokenizer's vision tokens.
+    extra = report.state_bytes["global"] - text_state - tower_bytes
+    assert 0 <= extra < tower_bytes / 50
+    assert report.resident["global"]["actor vision tower (frozen)"] == dr.device_bytes(tower)
+    encode = next(p for p in report.programs if p.name == "rollout.vision_encode")
+    # The tower and 16 prompts of up to 16 x 4 patches of 3 x 2 x 14 x 14 values (with their
+    # layout and order), per device.
+    args = vision.abstract_prompts(actor, 16, 16)
+    assert args[1].shape == (16, 64, 1176)
+    assert encode.argument_bytes == dr.device_bytes(args) > dr.device_bytes(tower)
+    assert encode.flops > 0
+    # The tower is its argument, not resident besides: the pool's other state is.
+    assert encode.resident_bytes == sum(report.resident["global"].values()) - dr.device_bytes(tower)
+    assert [p.name for p in report.programs][:2] == ["rollout.vision_encode", "rollout.prefill"]
 
-    with pytest.raises(ValueError, match=r"^the dry run does not price a vision tower yet"):
-        dry_run(grpo_shapes.get_config())
+    cfg.actor.freeze_vision = False
+    trains = dr.abstract_groups(cfg).actor
+    text_actor = dr.abstract_groups(text).actor
+    assert trains.tower.trains and trains.tower.frozen is None
+    extra = dr.global_bytes(trains.params) - dr.global_bytes(text_actor.params) - tower_bytes
+    assert 0 <= extra < tower_bytes / 50
+    assert (dr.global_bytes(trains.opt_state)
+            >= dr.global_bytes(text_actor.opt_state) + 2 * tower_bytes)
