@@ -18,13 +18,10 @@ shared-prompt rows), which are lowered and compiled here:
   training rollout (otherwise the training rollout's programs bound its memory);
 - `hybrid.to_decode` and `hybrid.to_train`: the 3D-HybridEngine's per-parameter transition
   programs, run one after the other;
-- a vision-language policy from scratch (`model.vision_depth > 0`): `sft.vision_encode`,
-  `rollout.vision_encode` and `validate.vision_encode`, its tower over the prompts' pictures
-  (once per prompt, each prompt as full of image tokens as `data.max_prompt_length` allows),
-  the frozen tower resident beside the actor's params (`actor.freeze_vision=False`: in them,
-  with its optimizer state). Not yet priced: the image arrays the scoring and update passes
-  read (each row's features [K, hidden] and M-RoPE positions [3, T]), and, with the tower
-  training, its pass inside the update (its activations and gradients).
+- a from-scratch vision-language policy's `sft.vision_encode`, `rollout.vision_encode`,
+  `validate.vision_encode` (`_encode`), its frozen tower resident beside the actor. Not yet
+  priced: the image arrays the scoring and update passes read, and a training tower's pass
+  inside the update (docs/vision.md).
 
 Shapes are the worst case the config allows: prompts `data.max_prompt_length` wide, responses
 `rollout.response_length` long, batches padded to the data-parallel size as the transfer
