@@ -52,10 +52,11 @@ def main(argv):
     import numpy as np
     from flax import nnx
 
-    from bench.vision_model import VOCAB, build, prompts
+    from bench.vision_model import VOCAB, build, prompts, row_inputs
     from hfjax.engine import images as engine_images
     from hfjax.engine.sampler import Sampler
     from hfjax.engine.token_select import SamplingParams
+    from hfjax.workers.vision import tower_rows
 
     if FLAGS.image % 28:
         raise app.UsageError(f"--image={FLAGS.image} must be a multiple of 28 (2 x 2 patches "
@@ -71,6 +72,12 @@ def main(argv):
     sampler = Sampler(model.lm, pad_id=0, max_prompt_len=ids_text.shape[1], rules=None)
     sp = SamplingParams(max_new_tokens=FLAGS.new, temperature=1.0, n=FLAGS.n)
 
+    rows_in = row_inputs(model, pixels, grids, FLAGS.rows)
+    by_rows = nnx.jit(tower_rows)
+
+    def rows_step():
+        return jax.block_until_ready(by_rows(model.visual, *rows_in))
+
     def text_step():
         return jax.block_until_ready(sampler.generate(state, ids_text, mask, sp).tokens)
 
@@ -84,17 +91,20 @@ def main(argv):
                                                images=encoded).tokens)
         return mid - start, time.perf_counter() - mid
 
-    text_step(), image_step()  # compile both
-    t_text, t_encode, t_generate = [], [], []
+    text_step(), image_step(), rows_step()  # compile all
+    t_text, t_encode, t_generate, t_rows = [], [], [], []
     for _ in range(FLAGS.repeats):
         start = time.perf_counter()
         text_step()
         t_text.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        rows_step()
+        t_rows.append(time.perf_counter() - start)
         enc, gen = image_step()
         t_encode.append(enc)
         t_generate.append(gen)
     med_text, med_enc = statistics.median(t_text), statistics.median(t_encode)
-    med_gen = statistics.median(t_generate)
+    med_gen, med_rows = statistics.median(t_generate), statistics.median(t_rows)
     med_image = statistics.median(e + g for e, g in zip(t_encode, t_generate))
     tokens = FLAGS.rows * FLAGS.n * FLAGS.new
     out = {
@@ -108,6 +118,8 @@ def main(argv):
         "text_tok_s": round(tokens / med_text, 1), "image_tok_s": round(tokens / med_image, 1),
         "image_over_text_s": round(med_image / med_text, 3),
         "tower_share": round(med_enc / med_image, 3),
+        "tower_rows_s": round(med_rows, 4),
+        "tower_rows_share": round(med_rows / (med_rows + med_gen), 3),
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
                    f"{jax.devices()[0].platform}",
     }
@@ -118,8 +130,10 @@ def main(argv):
     print(f"{'with images (whole step)':<28}{med_image:>10.3f}{tokens / med_image:>11.1f}")
     print(f"{'  tower (encode)':<28}{med_enc:>10.3f}")
     print(f"{'  generate':<28}{med_gen:>10.3f}")
+    print(f"{'tower row by row (actor)':<28}{med_rows:>10.3f}")
     print(f"images/text time {med_image / med_text:.2f}x; tower share of the image step "
-          f"{100 * med_enc / med_image:.1f}%")
+          f"{100 * med_enc / med_image:.1f}% (row by row, as the actor's rollout runs it: "
+          f"{100 * med_rows / (med_rows + med_gen):.1f}%)")
     print(json.dumps(out))
 
 

@@ -49,3 +49,18 @@ def prompts(rows: int, side: int, text: int, rng):
     with_images[:, text + 1:text + 1 + per_image] = IMAGE
     with_images[:, text + 1 + per_image] = END
     return with_images.astype(np.int32), words.astype(np.int32), pixels, grids
+
+
+def row_inputs(model, pixels, grids, rows: int):
+    """(patches [rows, N, patch_dim], layout, order) of one picture per row: what the actor's
+    rollout hands its tower (`hfjax.workers.vision.tower_rows`, each row's patches attending
+    within the row), beside `hfjax.engine.images.encode`'s one list over the batch."""
+    import numpy as np
+
+    from hfjax.workers import vision as worker_vision
+
+    v = model.config.vision
+    per_row = np.asarray(pixels).reshape(rows, -1, v.patch_dim)
+    layout, order = worker_vision.row_layouts(v, np.asarray(grids).reshape(rows, 1, 3),
+                                              per_row.shape[1])
+    return per_row, layout, order

@@ -113,7 +113,8 @@ def test_the_peer_benchmark_s_hfjax_runner_builds_the_tiny_workload(tmp_path, mo
 def test_the_vision_bench_s_two_rollouts_have_the_same_prompt_length(monkeypatch):
     """bench/vision.py's prompts: one picture's placeholders (between the vision markers) in
     each image prompt, text tokens in their place in the text prompt, the same token count;
-    the tower gives one feature per placeholder, and both rollouts decode every row."""
+    the tower gives one feature per placeholder (the same over the batch's list and row by
+    row), and both rollouts decode every row."""
     import numpy as np
     from flax import nnx
 
@@ -134,6 +135,12 @@ def test_the_vision_bench_s_two_rollouts_have_the_same_prompt_length(monkeypatch
                                   np.delete(text, range(3, 9), 1))
     encoded = engine_images.encode(model, pixels, grids)
     assert encoded.features.shape == (8, 64)
+    # Row by row (the actor's rollout), the same features.
+    from hfjax.workers.vision import tower_rows
+
+    rows = tower_rows(model.visual, *vision_model.row_inputs(model, pixels, grids, 2))
+    np.testing.assert_allclose(np.asarray(rows).reshape(8, 64), np.asarray(encoded.features),
+                               rtol=1e-5, atol=1e-5)
     sampler = Sampler(model.lm, pad_id=0, max_prompt_len=text.shape[1], rules=None)
     sp = SamplingParams(max_new_tokens=4, n=2)
     mask = np.ones_like(text)
