@@ -217,7 +217,7 @@ CONFIG_CASES = [
     ("rm-positions", _set(reward_model__path="{rm}", rollout__response_length=100),
      r"108 positions, more than reward_model.path's max_position_embeddings=64"),
     ("task", _set(data__task="json"),
-     r"data.task='json': needs one of arith, arith_chain, arith_tool, parquet"),
+     r"data.task='json': needs one of arith, arith_chain, arith_tool, shapes, parquet"),
     ("parquet-no-files", _set(data__task="parquet", sft__steps=0),
      r"data.task='parquet' needs data.train_files"),
     ("parquet-sft", _set(data__task="parquet", data__train_files="{parquet}",
