@@ -149,15 +149,14 @@ PARTS: dict[str, list[str]] = {
 # (`--durations=0`): the tier hands the parts to its workers longest first (`groups`), so that
 # the workers finish together. A part missing here is estimated by `expected_s`.
 SECONDS: dict[str, float] = {
-    # Measured 2026-12-07 by CI's command (two workers, nothing else running) on the shared
-    # 2-core machine; agents.md and benchmarks.md stopped early in that run (estimates). The
-    # SmolLM2 parts (algorithms.md:4of5, data.md) since model.max_layers: half their seconds
-    # measured one at a time on the machine shared with other work.
-    "docs/algorithms.md:4of5": 150.0, "docs/scaling.md": 420.0, "README.md": 399.0,
-    "docs/data.md:2of2": 70.0, "docs/data.md:1of2": 45.0, "docs/benchmarks.md": 180.0,
-    "docs/algorithms.md:1of5": 102.0, "docs/algorithms.md:2of5": 98.0,
-    "docs/algorithms.md:3of5": 64.0, "docs/checkpoints.md": 61.0, "docs/agents.md": 60.0,
-    "docs/async.md": 51.0, "docs/algorithms.md:5of5": 37.0,
+    # Measured 2026-12-07 17:07-17:24 UTC by CI's command on a clean clone of 970ce13 (two
+    # workers, nothing else running) on the shared 2-core machine.
+    "docs/scaling.md": 427.0, "README.md": 415.0, "docs/benchmarks.md": 183.0,
+    "docs/algorithms.md:4of5": 163.0, "docs/algorithms.md:1of5": 130.0,
+    "docs/data.md:2of2": 96.0, "docs/algorithms.md:3of5": 89.0, "docs/vision.md": 87.0,
+    "docs/async.md": 82.0, "docs/architecture.md": 76.0, "docs/agents.md": 64.0,
+    "docs/data.md:1of2": 53.0, "docs/algorithms.md:5of5": 51.0, "docs/algorithms.md:2of5": 50.0,
+    "docs/checkpoints.md": 47.0,
 }
 # The estimate for a part without a measurement, per command: SmolLM2-135M's commands (its
 # 49,152-token vocabulary and real weights to load, 2 of its layers in smoke mode) are the tier's
