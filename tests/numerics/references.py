@@ -24,7 +24,8 @@ def ref_whiten(x, mask):
     return (x - mu) / math.sqrt(ref_masked_var_unbiased(x, mask) + 1e-8)
 
 
-def ref_gae(rewards, values, mask, gamma, lam):
+def ref_gae_raw(rewards, values, mask, gamma, lam):
+    """GAE advantages, not whitened, zero on masked tokens."""
     b, t = rewards.shape
     adv = np.zeros((b, t))
     for i in range(b):
@@ -36,8 +37,12 @@ def ref_gae(rewards, values, mask, gamma, lam):
                 running = delta + gamma * lam * running
                 next_v = values[i, j]
             adv[i, j] = running
-    returns = (adv + values) * mask
-    return ref_whiten(adv, mask) * mask, returns
+    return adv * mask
+
+
+def ref_gae(rewards, values, mask, gamma, lam):
+    adv = ref_gae_raw(rewards, values, mask, gamma, lam)
+    return ref_whiten(adv, mask) * mask, (adv + values) * mask
 
 
 def ref_groups(index):

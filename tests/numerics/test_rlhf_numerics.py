@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from references import ref_gae_raw
 
 from hfjax.numerics import core, losses, shaping
 from hfjax.numerics.advantages import AdvantageInputs
@@ -32,20 +33,6 @@ def mask_with_lengths(lengths, t):
 
 
 # ---------------------------------------------------------------------------- references
-
-
-def ref_gae_raw(rewards, values, mask, gamma, lam):
-    b, t = rewards.shape
-    adv = np.zeros((b, t))
-    for i in range(b):
-        next_v, running = 0.0, 0.0
-        for j in reversed(range(t)):
-            if mask[i, j]:
-                delta = rewards[i, j] + gamma * next_v - values[i, j]
-                running = delta + gamma * lam * running
-                next_v = values[i, j]
-            adv[i, j] = running
-    return adv * mask
 
 
 def ref_whiten(x, mask):
