@@ -308,11 +308,24 @@ def get_config() -> config_dict.ConfigDict:
             # extra_info); replaces the built-in rewards
             num_processes=2,  # reward scorer subprocesses (0: score in the controller thread)
             timeout_s=10.0,  # per-call limit; a reward that hangs or raises scores 0
-            # With a reward model: score = rule_weight * rule + model_weight * model, per
-            # data_source; `sources` overrides both for some, "src=rule:W,model:W;src2=...".
+            # With a reward model or a judge: score = rule_weight * rule + model_weight *
+            # model + judge_weight * judge, per data_source; `sources` overrides them for
+            # some, "src=rule:W,model:W,judge:W;src2=..." (a weight left out: 0).
             rule_weight=1.0,
             model_weight=1.0,
+            judge_weight=1.0,
             sources="",
+            # A generative judge (docs/algorithms.md), a model role on its own pool: reads
+            # `template` with {prompt} and {response} filled in, writes a verdict greedily (at
+            # most max_verdict_tokens), and `parser` (a registered verdict parser's name, or a
+            # regex whose one group is the score) reads it; a verdict that does not parse, or
+            # whose parsing takes over timeout_s, scores default_score and is counted. It
+            # shares the policy's tokenizer. Empty path: no judge.
+            judge=config_dict.ConfigDict(
+                dict(path="", template="{prompt}{response}", parser="number",
+                     max_verdict_tokens=4, default_score=0.0, timeout_s=10.0,
+                     mesh="fsdp=-1", dtype="float32")
+            ),
         )
     )
     # Learned reward and cost models (HF *ForSequenceClassification directories, e.g. from

@@ -58,29 +58,43 @@ def reward(w: WorkerGroups, batch: Batch, spec: StepSpec, name: str = "reward") 
     """The reward stage: `token_level_scores` [B, R], each sequence's score on its last
     response token.
 
-    Without a reward model these are the rule rewards. With one (`reward_model.path`), each
-    row's score is rule_weight * rule score + model_weight * reward-model score, the weights
-    by data_source (`reward.rule_weight`, `reward.model_weight`, `reward.sources`); the rule
-    rewards are not computed at all when every row weighs them 0. The model's raw scores stay
-    in the batch as `rm_scores`. Stages are timed as `name` (rules) and `name`_model.
+    Without a reward model or a judge these are the rule rewards. With them
+    (`reward_model.path`, `reward.judge.path`), each row's score is rule_weight * rule score
+    + model_weight * reward-model score + judge_weight * judge score, the weights by
+    data_source (`reward.rule_weight`, `reward.model_weight`, `reward.judge_weight`,
+    `reward.sources`); the rule rewards are not computed at all when every row weighs them 0.
+    The raw scores stay in the batch as `rm_scores` and `judge_scores`. Stages are timed as
+    `name` (rules), `name`_model and `name`_judge.
     """
     del spec  # the weights live with the rule reward; the signature matches the other stages
-    if w.reward_model is None:
+    judge = w.roles.get("judge")
+    if w.reward_model is None and judge is None:
         return batch.union(w.run(name, w.reward.compute_reward, batch))
     weights = w.reward.source_weights(batch)
-    rm = w.run(f"{name}_model", w.reward_model.compute_score, batch)
+    learned = {}  # raw scores [B] of each learned scorer, and their weights [B]
+    verdicts = None
+    if w.reward_model is not None:
+        rm = w.run(f"{name}_model", w.reward_model.compute_score, batch)
+        learned["rm_scores"] = (rm["rm_scores"], weights["model_weight"])
+    if judge is not None:
+        verdicts = w.run(f"{name}_judge", judge.compute_judge_scores, batch)
+        learned["judge_scores"] = (verdicts["judge_scores"], weights["judge_weight"])
     rule = None
     if w.reward.needs_rules(batch.meta["data_source"]):
         rule = w.run(name, w.reward.compute_reward, batch)
-    scores = _combine(None if rule is None else rule["token_level_scores"], rm["rm_scores"],
-                      batch["response_mask"], weights["rule_weight"], weights["model_weight"])
-    out = Batch({"token_level_scores": scores, "rm_scores": rm["rm_scores"]})
-    return batch.union(out if rule is None else out.union(rule.select([])))
+    scores = _combine(None if rule is None else rule["token_level_scores"],
+                      list(learned.values()), batch["response_mask"], weights["rule_weight"])
+    out = Batch({"token_level_scores": scores} | {k: v[0] for k, v in learned.items()})
+    # The host stages' meta (response texts, the judge's verdicts) and counts come along.
+    for host in (rule, verdicts):
+        if host is not None:
+            out = out.union(host.select([]))
+    return batch.union(out)
 
 
 @jax.jit
-def _combine(rule_scores, model_scores, mask, rule_weight, model_weight):
-    model = shaping.scores_on_last_token(model_scores * model_weight, mask)
+def _combine(rule_scores, learned, mask, rule_weight):
+    model = shaping.scores_on_last_token(sum(s * wt for s, wt in learned), mask)
     if rule_scores is None:
         return model
     return rule_scores * rule_weight[:, None] + model
@@ -260,6 +274,8 @@ def step_metrics(a: dict, response_length: int) -> dict:
         out["critic/values/mean"] = core.masked_mean(a["values"], mask)
     if "rm_scores" in a:
         out["reward_model/score/mean"] = jnp.mean(a["rm_scores"])
+    if "judge_scores" in a:
+        out["reward/judge_score/mean"] = jnp.mean(a["judge_scores"])
     if "cost_scores" in a:
         # The mean episode cost the Lagrange multiplier steers below its threshold, and the
         # share of responses the cost model calls costly (a score above 0).

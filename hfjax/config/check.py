@@ -130,4 +130,6 @@ def validate_config(cfg):
     for role in MODEL_ROLES:
         if role in roles:
             MeshSpec.parse(cfg[role].mesh).build(pools[role].devices, role)
+    if "judge" in roles:
+        MeshSpec.parse(cfg.reward.judge.mesh).build(pools["judge"].devices, "judge")
     return algo, pools

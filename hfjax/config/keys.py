@@ -20,6 +20,7 @@ from hfjax.config.validators import (
     corruptions,
     custom_reward,
     existing,
+    judge_template,
     kl_controllers,
     layout_rules,
     mesh,
@@ -34,6 +35,7 @@ from hfjax.config.validators import (
     sinks,
     source_weights,
     spec,
+    verdict_parser,
 )
 from hfjax.engine.spec import RolloutSpec
 from hfjax.models.lora import LoraSpec
@@ -181,7 +183,17 @@ HAND_KEYS: dict[str, Callable[[Any], str | None]] = {
     "reward.timeout_s": Float(0.0, lo_open=True),
     "reward.rule_weight": Float(),
     "reward.model_weight": Float(),
+    "reward.judge_weight": Float(),
     "reward.sources": Check(source_weights),
+    # the generative judge (hfjax.workers.judge)
+    "reward.judge.path": Check(model_path(optional=True, preset=True)),
+    "reward.judge.template": Check(judge_template),
+    "reward.judge.parser": Check(verdict_parser),
+    "reward.judge.max_verdict_tokens": Int(1),
+    "reward.judge.default_score": Float(note="the score of a verdict that does not parse"),
+    "reward.judge.timeout_s": Float(0.0, lo_open=True, note="per row's verdict parsing"),
+    "reward.judge.mesh": Check(mesh(optional=False)),
+    "reward.judge.dtype": Choice(("float32", "bfloat16")),
     # learned reward and cost models (HF *ForSequenceClassification directories)
     **_score_model_rows("reward_model"),
     **_score_model_rows("cost_model"),

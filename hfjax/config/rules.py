@@ -14,7 +14,8 @@ from hfjax.numerics import rollout_correction as rc_numerics
 
 def run_roles(algo, cfg) -> tuple[str, ...]:
     """The algorithm's roles plus those the config selects: a reward model
-    (`reward_model.path`) scores for any algorithm with a reward, and a teacher
+    (`reward_model.path`) and a generative judge (`reward.judge.path`) score for any
+    algorithm with a reward, and a teacher
     (`teacher.path`) for any algorithm with a distillation term (`algo.distill.coef` > 0). A
     cost model is part of an algorithm that uses costs (Safe-RLHF); configuring one for
     another algorithm is a ValueError, since nothing would read it."""
@@ -22,6 +23,12 @@ def run_roles(algo, cfg) -> tuple[str, ...]:
     rm = cfg.get("reward_model")
     if rm is not None and rm.path and "reward" in roles and "reward_model" not in roles:
         roles.append("reward_model")
+    judge = cfg.get("reward", {}).get("judge")
+    if judge is not None and judge.path and "judge" not in roles:
+        if "reward" not in roles:
+            raise ValueError(f"reward.judge.path is set but algorithm {algo.name!r} has no "
+                             "reward stage to score with it; unset it")
+        roles.append("judge")
     distill = cfg.algo.get("distill")
     teacher = cfg.get("teacher")
     if distill is not None and distill.coef > 0:

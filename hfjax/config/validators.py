@@ -182,6 +182,18 @@ def spec(v) -> str | None:
     return None if callable(fn) else "needs package.module:function or path/to/file.py:function"
 
 
+def judge_template(v) -> str | None:
+    from hfjax.rewards.judge import template_problem
+
+    return template_problem(v)
+
+
+def verdict_parser(v) -> str | None:
+    from hfjax.rewards.judge import parser_problem
+
+    return parser_problem(v)
+
+
 def source_weights(v) -> str | None:
     from hfjax.workers.reward import parse_source_weights
 

@@ -43,6 +43,7 @@ from hfjax.run.resume import (
 from hfjax.run.validation import generation_metrics
 from hfjax.workers import groups, vision
 from hfjax.workers.groups import WorkerGroups
+from hfjax.workers.judge import check_vocabulary as check_judge_vocabulary
 from hfjax.workers.rollout import build_rollout
 from hfjax.workers.teacher import check_vocabulary
 
@@ -100,10 +101,15 @@ class Trainer:
             raise ValueError(f"the tokenizer has {self.tok.vocab_size} tokens, the model's "
                              f"vocabulary {self.model_cfg.vocab_size}; give a tokenizer that "
                              "fits the model (--config.model.tokenizer)")
-        if "teacher" in self.roles:  # refused before the warm start, not after it
+        # A teacher or judge of another vocabulary is refused before the warm start, not after.
+        if "teacher" in self.roles:
             t = cfg.teacher
             check_vocabulary(t.path, read_model_config(t.path, dtype=t.dtype).vocab_size,
                              self.model_cfg.vocab_size)
+        if "judge" in self.roles:
+            j = cfg.reward.judge
+            check_judge_vocabulary(j.path, read_model_config(j.path, dtype=j.dtype).vocab_size,
+                                   self.model_cfg.vocab_size)
         self.actor = groups.build_actor(cfg, initial, self.pools, self.tok.pad_id, self.tok.eos_id,
                                         tokenizer=self.tok, tower=tower, vl=self.vl)
         if rc.bypass_mode and rc.resolved.active:  # rejection inside the policy loss
@@ -268,6 +274,8 @@ class Trainer:
         if w.lagrange is not None:
             host["safe_rlhf/lambda"] = float(w.lagrange.value)
         host |= w.reward.pop_metrics()
+        for group in w.roles.values():  # a judge's unparsed and timed-out verdicts
+            host |= getattr(group, "pop_metrics", dict)()
         host[health.UNIFORM_KEY] = float(self._collapse.observe(host, self.step + 1))
         self.step += 1
         return host

@@ -44,6 +44,8 @@ from hfjax.parallel.mesh import ResourcePool
 from hfjax.tools import ToolRunner, resolve_tools
 from hfjax.workers.actor import ActorRollout, BaseReference, Reference
 from hfjax.workers.critic import CostCritic, Critic
+from hfjax.workers.judge import Judge
+from hfjax.workers.judge import check_vocabulary as check_judge_vocabulary
 from hfjax.workers.reward import RuleReward, parse_source_weights
 from hfjax.workers.score import ModelReward
 from hfjax.workers.spec import ActorSpec, CriticSpec, ScoreSpec
@@ -180,11 +182,12 @@ def build_agent(spec: MultiTurnSpec, sampler, tokenizer, max_prompt_length: int,
 
 def build_reward(cfg, tokenizer, home: Mesh) -> RuleReward:
     """The rule reward, scoring on the host and returning its scores to `home`, with the
-    per-data_source weights that combine it with a reward model's scores."""
+    per-data_source weights that combine it with a reward model's and a judge's scores."""
     r = cfg.reward
     return RuleReward(tokenizer, custom_fn=r.custom_fn or None, num_processes=r.num_processes,
                       timeout_s=r.timeout_s, home=home, rule_weight=r.rule_weight,
-                      model_weight=r.model_weight, sources=parse_source_weights(r.sources))
+                      model_weight=r.model_weight, judge_weight=r.judge_weight,
+                      sources=parse_source_weights(r.sources))
 
 
 def needs_ref(cfg, roles: tuple[str, ...]) -> bool:
@@ -199,13 +202,15 @@ def needs_ref(cfg, roles: tuple[str, ...]) -> bool:
 @dataclasses.dataclass
 class BuildContext:
     """What a role's builder may use: the config, the (warm-started) actor, the resource pool
-    of every active role, the run's active roles, and the actor's current weights as a model."""
+    of every active role, the run's active roles, the actor's current weights as a model, and
+    the run's tokenizer."""
 
     cfg: Any
     actor: ActorRollout
     pools: Mapping[str, ResourcePool]
     roles: tuple[str, ...]
     policy: nnx.Module
+    tokenizer: Any = None
 
     @property
     def home(self) -> Mesh:
@@ -295,8 +300,28 @@ def _build_teacher(ctx: BuildContext) -> Teacher:
                    rollout=ctx.actor.rollout)
 
 
+def _build_judge(ctx: BuildContext) -> Judge:
+    """The generative judge from reward.judge.path, on its pool's mesh, reading and writing
+    with the run's tokenizer."""
+    c = ctx.cfg
+    j = c.reward.judge
+    config = read_model_config(j.path, dtype=j.dtype)
+    check_judge_vocabulary(j.path, config.vocab_size, ctx.actor.config.vocab_size)
+    model = transformer.abstract(config) if ctx.actor.abstract else load_model(j.path,
+                                                                               dtype=j.dtype)
+    # A judge prompt: the template's own tokens, then a prompt and a response re-encoded from
+    # their text (twice their token caps, as room for a tokenizer that splits them otherwise).
+    template = len(ctx.tokenizer.encode(j.template, add_special_tokens=False))
+    longest = template + 2 * (c.data.max_prompt_length + c.rollout.response_length)
+    return Judge("judge", ctx.pools["judge"], j.mesh, model, tokenizer=ctx.tokenizer,
+                 template=j.template, parser=j.parser, max_verdict_tokens=j.max_verdict_tokens,
+                 default_score=j.default_score, timeout_s=j.timeout_s,
+                 num_processes=c.reward.num_processes, max_prompt_len=longest, home=ctx.home)
+
+
 register_role("ref", _build_ref, side="generate")
 register_role("teacher", _build_teacher)
+register_role("judge", _build_judge)
 register_role("critic", _critic_builder("critic", Critic, 1))
 register_role("cost_critic", _critic_builder("cost_critic", CostCritic, 2))
 register_role("reward_model", _score_builder("reward_model", "rm_scores"))
@@ -317,7 +342,7 @@ def build_groups(cfg, actor: ActorRollout, reward: RuleReward, roles: tuple[str,
         # RL trains adapters on the model it starts from (after the warm start, if any):
         # that model is the frozen base, and the reference.
         actor.add_adapters(spec, seed=c.seed + 7)
-    ctx = BuildContext(cfg, actor, pools, tuple(roles), actor.model())
+    ctx = BuildContext(cfg, actor, pools, tuple(roles), actor.model(), reward.tokenizer)
     built: dict[str, Any] = {}
     for role in roles:
         if role in ("actor", "reward"):

@@ -5,10 +5,10 @@ step's one deliberate fetch), are decoded and scored there, and the scores go ba
 dataflow's mesh as `token_level_scores` [B, R], each sequence's score on its last response
 token.
 
-When a run also has a reward model, the two are combined per data_source: each source has a
-rule weight and a model weight (`reward.rule_weight`, `reward.model_weight`, and per-source
-overrides in `reward.sources`, see `parse_source_weights`); `RuleReward.source_weights` gives
-every row its pair.
+When a run also has a reward model or a generative judge, the scores are combined per
+data_source: each source has a rule, a model and a judge weight (`reward.rule_weight`,
+`reward.model_weight`, `reward.judge_weight`, and per-source overrides in `reward.sources`, see
+`parse_source_weights`); `RuleReward.source_weights` gives every row its weights.
 """
 
 from __future__ import annotations
@@ -61,14 +61,15 @@ class RuleReward:
         home: Mesh | None = None,
         rule_weight: float = 1.0,
         model_weight: float = 1.0,
-        sources: dict[str, tuple[float, float]] | None = None,
+        judge_weight: float = 1.0,
+        sources: dict[str, tuple[float, float, float]] | None = None,
     ):
         self.tokenizer = tokenizer
         self.mesh = None  # computes on the host
         self.home = home
         self.custom_fn = custom_fn or None
         self.pool = pool if pool is not None else shared_pool(num_processes, timeout_s)
-        self.default_weights = (float(rule_weight), float(model_weight))
+        self.default_weights = (float(rule_weight), float(model_weight), float(judge_weight))
         self.sources = dict(sources or {})
         if self.custom_fn:
             # A bad spec, or a file that fails or hangs while importing, fails here, before any
@@ -154,8 +155,8 @@ class RuleReward:
         return Batch({"token_level_scores": scores_at_last_token(scores, mask)},
                      meta={"response_text": texts}, info=counts)
 
-    def weights_for(self, source: str) -> tuple[float, float]:
-        """(rule weight, model weight) of a data_source."""
+    def weights_for(self, source: str) -> tuple[float, float, float]:
+        """(rule weight, model weight, judge weight) of a data_source."""
         return self.sources.get(str(source), self.default_weights)
 
     def needs_rules(self, sources) -> bool:
@@ -165,10 +166,10 @@ class RuleReward:
 
     @method(ON_HOST, reads=())
     def source_weights(self, batch: Batch) -> Batch:
-        """Batch with `rule_weight` and `model_weight` [B] (float32), each row's pair by its
-        data_source, placed on `home` like any host result."""
+        """Batch with `rule_weight`, `model_weight` and `judge_weight` [B] (float32), each
+        row's by its data_source, placed on `home` like any host result."""
         w = np.array([self.weights_for(s) for s in batch.meta["data_source"]], np.float32)
-        return Batch({"rule_weight": w[:, 0].copy(), "model_weight": w[:, 1].copy()})
+        return Batch({f"{kind}_weight": w[:, i].copy() for i, kind in enumerate(WEIGHT_KINDS)})
 
     def pop_metrics(self) -> dict[str, float]:
         """`reward/failures` and `reward/timeouts` since the previous call, for step metrics."""
@@ -197,14 +198,18 @@ def _plain(info):
     return info
 
 
-def parse_source_weights(text: str) -> dict[str, tuple[float, float]]:
-    """{data_source: (rule weight, model weight)} from `reward.sources`, written
-    "source=rule:W,model:W;other=model:W" (a weight left out is 0 for that source), e.g.
-    "hfjax/arith=rule:1,model:0.5"; ValueError naming the bad item."""
-    out: dict[str, tuple[float, float]] = {}
+# The scores a reward stage combines, in the order of a source's weights.
+WEIGHT_KINDS = ("rule", "model", "judge")
+
+
+def parse_source_weights(text: str) -> dict[str, tuple[float, float, float]]:
+    """{data_source: (rule weight, model weight, judge weight)} from `reward.sources`, written
+    "source=rule:W,model:W,judge:W;other=model:W" (a weight left out is 0 for that source),
+    e.g. "hfjax/arith=rule:1,model:0.5"; ValueError naming the bad item."""
+    out: dict[str, tuple[float, float, float]] = {}
     for item in filter(None, (x.strip() for x in str(text or "").split(";"))):
         source, sep, rest = item.rpartition("=")
-        weights = {"rule": 0.0, "model": 0.0}
+        weights = dict.fromkeys(WEIGHT_KINDS, 0.0)
         try:
             if not sep or not source.strip():
                 raise ValueError
@@ -215,7 +220,7 @@ def parse_source_weights(text: str) -> dict[str, tuple[float, float]]:
                 weights[kind.strip()] = float(value)
         except ValueError:
             raise ValueError(
-                f"reward.sources item {item!r}: write data_source=rule:W,model:W (e.g. "
+                f"reward.sources item {item!r}: write data_source=rule:W,model:W,judge:W (e.g. "
                 "'hfjax/arith=rule:1,model:0.5'), items separated by ';'") from None
-        out[source.strip()] = (weights["rule"], weights["model"])
+        out[source.strip()] = tuple(weights[k] for k in WEIGHT_KINDS)
     return out

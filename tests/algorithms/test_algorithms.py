@@ -402,7 +402,7 @@ def test_safe_rlhf_step(score_dirs):
     from hfjax.algorithms.dataflow import reward
 
     with_source(trainer, DIGITS)
-    trainer.reward.sources = {DIGITS: (1.0, 0.5)}
+    trainer.reward.sources = {DIGITS: (1.0, 0.5, 0.0)}
     gen = w.actor.generate(trainer._prompts(next(trainer.train_iter)))
     mixed = reward(w, gen, cfg).fetch(["token_level_scores", "rm_scores"])
     rule = trainer.reward.compute_reward(gen).fetch(["token_level_scores"])
