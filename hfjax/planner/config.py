@@ -71,6 +71,12 @@ def plan_inputs(cfg, reward_model: str = "", score_micro: int | None = None,
         # No KL term reads it, so the run builds no reference; the placement still names the
         # role, on the actor's pool.
         host.append("ref")
+    if "judge" in run_roles(algo, cfg):
+        # Its work is a generation of its own (verdicts over prompt + response rows), which the
+        # simulator does not price yet; a plan without it would leave it no pool.
+        raise ValueError("launch.plan does not place a generative judge yet "
+                         "(reward.judge.path): plan without it, then give the judge a pool in "
+                         "--config.placement (its programs' memory: launch.train --dry_run)")
     teacher = cfg.get("teacher")
     if "teacher" in run_roles(algo, cfg):
         # Scoring as the trainer builds it (`hfjax.workers.groups`): teacher.dtype throughout.

@@ -41,6 +41,7 @@ from hfjax.numerics.losses import (
     get_kl_controller,
 )
 from hfjax.parallel.mesh import ResourcePool
+from hfjax.rewards.judge import render
 from hfjax.tools import ToolRunner, resolve_tools
 from hfjax.workers.actor import ActorRollout, BaseReference, Reference
 from hfjax.workers.critic import CostCritic, Critic
@@ -309,14 +310,13 @@ def _build_judge(ctx: BuildContext) -> Judge:
     check_judge_vocabulary(j.path, config.vocab_size, ctx.actor.config.vocab_size)
     model = transformer.abstract(config) if ctx.actor.abstract else load_model(j.path,
                                                                                dtype=j.dtype)
-    # A judge prompt: the template's own tokens, then a prompt and a response re-encoded from
-    # their text (twice their token caps, as room for a tokenizer that splits them otherwise).
-    template = len(ctx.tokenizer.encode(j.template, add_special_tokens=False))
-    longest = template + 2 * (c.data.max_prompt_length + c.rollout.response_length)
+    # The longest judge prompt: the template's own tokens, a prompt's and a response's.
+    template = len(ctx.tokenizer.encode(render(j.template, "", ""), add_special_tokens=False))
+    longest = template + c.data.max_prompt_length + c.rollout.response_length
     return Judge("judge", ctx.pools["judge"], j.mesh, model, tokenizer=ctx.tokenizer,
                  template=j.template, parser=j.parser, max_verdict_tokens=j.max_verdict_tokens,
                  default_score=j.default_score, timeout_s=j.timeout_s,
-                 num_processes=c.reward.num_processes, max_prompt_len=longest, home=ctx.home)
+                 num_processes=c.reward.num_processes, prompt_len=longest, home=ctx.home)
 
 
 register_role("ref", _build_ref, side="generate")

@@ -25,12 +25,13 @@ from hfjax.controller.batch import Batch
 from hfjax.controller.protocol import ON_HOST, method
 from hfjax.data.batching import left_pad
 from hfjax.data.dataset import render_prompt
+from hfjax.engine.buckets import prompt_bucket
 from hfjax.engine.continuous import ContinuousSampler
 from hfjax.engine.token_select import SamplingParams
 from hfjax.parallel.transfer import to_host
 from hfjax.rewards import judge as verdicts
 from hfjax.rewards.pool import ERROR, OK, TIMEOUT, shared_pool
-from hfjax.workers.base import WorkerGroup
+from hfjax.workers.base import Program, StepShape, WorkerGroup
 
 JUDGE_READS = ("prompts", "prompt_mask", "responses", "response_mask")
 
@@ -40,14 +41,16 @@ class Judge(WorkerGroup):
     continuous-batching sampler over them.
 
     `template` holds `{prompt}` and `{response}`; `parser` is a registered verdict parser's
-    name or a regex with one group (`hfjax.rewards.judge.parser_call`); `max_prompt_len`
-    bounds a rendered judge prompt in tokens; `num_processes` and `timeout_s` are the scorer
-    pool's that parses the verdicts.
+    name or a regex with one group (`hfjax.rewards.judge.parser_call`); `prompt_len` is the
+    longest judge prompt the step's caps give in tokens (the template's, a prompt's and a
+    response's), what the dry run prices; the sampler admits twice as many, room for a prompt
+    or response that re-encodes from its text into more tokens. `num_processes` and
+    `timeout_s` are the scorer pool's that parses the verdicts.
     """
 
     def __init__(self, name: str, pool, mesh_spec, model: nnx.Module, *, tokenizer,
                  template: str, parser: str, max_verdict_tokens: int, default_score: float,
-                 timeout_s: float, num_processes: int, max_prompt_len: int, **kw):
+                 timeout_s: float, num_processes: int, prompt_len: int, **kw):
         problem = verdicts.template_problem(template)
         if problem:
             raise ValueError(f"reward.judge.template {problem}")
@@ -60,8 +63,10 @@ class Judge(WorkerGroup):
             max_new_tokens=int(max_verdict_tokens), temperature=0.0,
             eos_ids=(tokenizer.eos_id,) if tokenizer.eos_id is not None else ())
         # Parameters are already in the sampler's layout (rules="decode"): nothing moves per call.
+        self.prompt_len = int(prompt_len)
         self.sampler = ContinuousSampler(model, mesh=self.mesh, rules="decode",
-                                         max_prompt_len=max_prompt_len, pad_id=tokenizer.pad_id)
+                                         max_prompt_len=2 * self.prompt_len,
+                                         pad_id=tokenizer.pad_id)
         self.pool_of_parsers = shared_pool(num_processes, timeout_s)
         self._since_pop = {"reward/judge_unparsed": 0, "reward/judge_timeouts": 0}
 
@@ -97,6 +102,22 @@ class Judge(WorkerGroup):
         for k, v in counts.items():
             self._since_pop[k] += v
         return Batch({"judge_scores": scores}, meta={"judge_verdict": texts}, info=counts)
+
+    def programs(self, shape: StepShape) -> list[Program]:
+        """The verdicts' generation for a step of `shape` at the widest judge prompt, priced as
+        the dry run prices the actor's rollout: the engine's prefill and decode programs for
+        the step's rows (`hfjax.run.dry_run`), the judge's weights their argument."""
+        s, params = self.sampler, self.params_for_verdicts
+        static = s.static_for(s.padded_batch(shape.sequences), prompt_bucket(self.prompt_len),
+                              params)
+        prefill, decode = s.programs(static)
+        request = s.abstract_request(static, params)
+        carry = prefill.eval_shape(self.params, *request)
+        held = (f"{self.name} params",)
+        return [Program(f"{self.name}.prefill", prefill, (self.params, *request), held,
+                        {"params": self.params}),
+                Program(f"{self.name}.decode", decode, (self.params, carry, *request[4:]), held,
+                        {"params": self.params, "cache and loop state": carry})]
 
     def pop_metrics(self) -> dict[str, float]:
         """`reward/judge_unparsed` and `reward/judge_timeouts` since the previous call."""

@@ -14,10 +14,13 @@ from support import tiny_rl_config
 
 from hfjax.config import validate_config
 from hfjax.data import arith
+from hfjax.engine.buckets import prompt_bucket
 from hfjax.models import save_hf, transformer
 from hfjax.models.config import scratch_model_config
+from hfjax.planner.config import plan_inputs
 from hfjax.rewards import judge as verdicts
 from hfjax.rewards.pool import ERROR, OK, RewardPool
+from hfjax.run.dry_run import abstract_groups, step_shape
 from hfjax.run.trainer import Trainer
 from hfjax.settings import ConfigError
 
@@ -87,6 +90,8 @@ def test_refusals_are_one_line(judge_dir, tmp_path):
     cfg.reward.judge.parser = "(\\d)(\\d)"
     with pytest.raises(ConfigError, match="reward.judge.parser=.* it has 2 groups"):
         validate_config(cfg)
+    with pytest.raises(ValueError, match="launch.plan does not place a generative judge yet"):
+        plan_inputs(judge_config(judge_dir))
     cfg = judge_config(_judge_dir(tmp_path / "other", vocab=arith.tokenizer().vocab_size + 8))
     with pytest.raises(ValueError, match=r"vocabulary of \d+ tokens, the policy's has \d+"):
         Trainer(cfg)
@@ -148,3 +153,20 @@ def test_judge_scores_reach_the_advantage(stepped):
     np.testing.assert_allclose(b["advantages"], centred.reshape(-1, 1) * b["response_mask"],
                                rtol=1e-4, atol=1e-5)
     assert np.abs(b["advantages"]).sum() > 0
+
+
+def test_the_dry_run_prices_the_judge_on_its_pool(judge_dir):
+    cfg = judge_config(judge_dir)
+    w = abstract_groups(cfg)
+    judge = w.judge
+    progs = {p.name: p for p in judge.programs(step_shape(w, cfg))}
+    assert set(progs) == {"judge.prefill", "judge.decode"}
+    prefill = progs["judge.prefill"]
+    ids = prefill.args[1]
+    # The step's 16 rows, as wide as the template's 0 tokens, a prompt's and a response's.
+    assert ids.shape == (16, prompt_bucket(cfg.data.max_prompt_length
+                                           + cfg.rollout.response_length))
+    compiled = prefill.fn.lower(*prefill.args).compile()
+    assert prefill.replaces == ("judge params",)
+    assert set(compiled.input_shardings[0][1].device_set) == set(judge.mesh.devices.flat)
+    assert not set(judge.mesh.devices.flat) & set(w.actor.mesh.devices.flat)
