@@ -40,7 +40,7 @@ from absl import flags
 from hfjax.config.run_dir import is_run
 from hfjax.parallel import distributed
 from hfjax.run import intervals
-from hfjax.run.checkpoint import export_hf
+from hfjax.run.export import export_hf
 from hfjax.run.validation import evaluate_policy
 from launch import cli
 

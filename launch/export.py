@@ -39,7 +39,7 @@ distributed.define_flags()
 def main(argv):
     del argv
     topo = distributed.initialize_from_flags()
-    from hfjax.run.checkpoint import export_hf
+    from hfjax.run.export import export_hf
 
     out = export_hf(_CKPT.value, _OUT.value, _STEP.value, _TOKENIZER.value, _FORMAT.value)
     if topo.process_id == 0:

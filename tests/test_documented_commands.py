@@ -63,6 +63,12 @@ EXCLUDED: dict[str, str] = {
         "algorithm, with the config keys it needs; tests/algorithms/test_algorithms.py runs the "
         "example module (tests/algorithms/user_algo_module.py) through a Trainer",
     "python -m launch.train --config.algorithm=path/to/my_algo.py:step": "as above",
+    "python -m launch.train --config=configs/grpo_arith.py --config.model.path=/models/Qwen2.5-"
+    "VL-3B-Instruct --config.data.task=parquet --config.data.train_files=data/geo3k/train.parquet"
+    " --config.data.val_files=data/geo3k/test.parquet --config.data.max_prompt_length=1024 "
+    "--config.actor.share_prompt=False": "a downloaded Qwen2.5-VL checkpoint (7.5 GB) and the "
+        "reader's multimodal parquet; tests/run/test_vision_language_checkpoint.py runs the "
+        "same path (train, export, PEFT) on a tiny Qwen2.5-VL that transformers builds",
     'pip install -e ".[cuda]"': "installs jax's CUDA plugin (for NVIDIA GPUs); CI has no GPU",
     'pip install -e ".[tpu]"': "installs libtpu (for Cloud TPU VMs); CI has no TPU",
     'pip install -e ".[wandb,mlflow]"': "the trackers' extras; CI installs them with the test "

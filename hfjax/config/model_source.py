@@ -59,6 +59,28 @@ def model_overrides(cfg, compute_dtype: str) -> dict:
                 capacity_factor=m.capacity_factor)
 
 
+def vision_language(cfg, compute_dtype: str = "float32") -> qwen2_5_vl.VLConfig | None:
+    """The VLConfig of a vision-language `model.path` (a Qwen2.5-VL directory or
+    `preset:qwen2.5-vl-*`) with the section's settings, read without a weight; None for a
+    text-only path or a model from scratch (`model.vision_depth` builds its tower in
+    `vision_model`)."""
+    m = cfg.model
+    if not m.path:
+        return None
+    return qwen2_5_vl.read_config(m.path, **model_overrides(cfg, compute_dtype))
+
+
+def check_vision_tokens(vl: qwen2_5_vl.VLConfig, tokenizer) -> None:
+    """ValueError unless the tokenizer writes the model's image, vision start and end tokens
+    (`hfjax.data.images.VISION_TOKENS`) as the model's ids."""
+    want = dict(zip(images.VISION_TOKENS, (vl.vision_start_token_id, vl.vision_end_token_id,
+                                           vl.image_token_id)))
+    got = {t: tokenizer.backend.token_to_id(t) for t in want}
+    if got != want:
+        raise ValueError(f"the tokenizer's vision tokens {got} are not the model's {want}; "
+                         "give the model's own tokenizer (--config.model.tokenizer)")
+
+
 def compute_dtype(cfg, platform: str) -> str:
     """`model.dtype` resolved on `platform` for this run's actor
     (`hfjax.models.backend.compute_dtype`; for `auto` on a CPU the model's hidden size counts,
@@ -66,7 +88,7 @@ def compute_dtype(cfg, platform: str) -> str:
     m = cfg.model
     hidden = None
     if m.dtype == "auto" and platform == "cpu":
-        hidden = read_model_config(m.path).hidden_size if m.path else m.hidden_size
+        hidden = model_config(cfg, None, "float32").hidden_size if m.path else m.hidden_size
     return backend.compute_dtype(m.dtype, backend.canonical(platform), hidden)
 
 
@@ -76,6 +98,9 @@ def model_config(cfg, tokenizer, compute_dtype: str) -> ModelConfig:
     ValueError for an unknown preset."""
     m = cfg.model
     if m.path:
+        vl = vision_language(cfg, compute_dtype)
+        if vl is not None:  # the decoder of a vision-language model
+            return vl.text
         return read_model_config(m.path, **model_overrides(cfg, compute_dtype))
     positions = cfg.data.max_prompt_length + cfg.rollout.response_length
     return scratch_model_config(m, tokenizer.vocab_size, tokenizer.pad_id, tokenizer.eos_id,
@@ -88,14 +113,17 @@ def initial_model(cfg, tokenizer, compute_dtype: str, pools: Mapping[str, Resour
     created directly in the actor's training layout."""
     c = cfg
     if c.model.path:
-        kw = {}
-        if presets.preset_name(c.model.path) is not None:
-            rules = c.actor.rules
-            if rules == layout_choice.AUTO:
-                # The choice needs the model's state; create it in the first candidate's
-                # layout, and the actor group moves it if it chooses other rules.
-                rules = layout_choice.CANDIDATES[0]
-            kw = dict(mesh=pools["actor"].mesh(c.actor.mesh), rules=rules, seed=c.seed)
+        rules = c.actor.rules
+        if rules == layout_choice.AUTO:
+            # The choice needs the model's state; create it in the first candidate's
+            # layout, and the actor group moves it if it chooses other rules.
+            rules = layout_choice.CANDIDATES[0]
+        placed = dict(mesh=pools["actor"].mesh(c.actor.mesh), rules=rules, seed=c.seed)
+        vl = vision_language(cfg, compute_dtype)
+        if vl is not None:  # its tower and merger from the checkpoint too
+            check_vision_tokens(vl, tokenizer)
+            return qwen2_5_vl.load(c.model.path, vl, **placed)
+        kw = placed if presets.preset_name(c.model.path) is not None else {}
         return load_model(c.model.path, head="causal_lm", **model_overrides(cfg, compute_dtype),
                           **kw)
     text = model_config(cfg, tokenizer, compute_dtype)

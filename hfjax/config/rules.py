@@ -222,47 +222,61 @@ def _scratch_model(c) -> str | None:
 
 
 def _vision(c) -> str | None:
-    """A vision-language policy from scratch (model.vision_depth > 0): the settings its
-    training passes carry images with (docs/vision.md, "Training")."""
+    """A vision-language policy (a tower from scratch, model.vision_depth > 0, or a
+    Qwen2.5-VL model.path): the settings its training passes carry images with
+    (docs/vision.md, "Training")."""
+    from hfjax.config.model_source import vision_language
+
     m, a, r = c.model, c.actor, c.rollout
-    if not m.vision_depth:
+    if m.vision_depth and m.path:
+        return ("model.vision_depth builds a vision tower beside a language model from scratch; "
+                "with model.path set (a Qwen2.5-VL path brings its own tower) set "
+                "--config.model.vision_depth=0")
+    loaded = vision_language(c)
+    if not m.vision_depth and loaded is None:
         if c.data.task == "shapes":
-            return ("data.task='shapes' shows the policy pictures, and model.vision_depth=0 is "
-                    "a text-only model; set --config.model.vision_depth (e.g. 2)")
+            return ("data.task='shapes' shows the policy pictures, and the model is text-only; "
+                    "set --config.model.vision_depth (e.g. 2) or a Qwen2.5-VL model.path")
         if c.data.blank_images:
             return ("data.blank_images=True blanks a vision-language policy's pictures, and "
-                    "model.vision_depth=0 is a text-only model; unset it")
+                    "the model is text-only; unset it")
         return None
-    if m.path:
-        return ("model.vision_depth builds a vision tower beside a language model from scratch; "
-                "with model.path set (launch.train does not load Qwen2.5-VL checkpoints yet) "
-                "set --config.model.vision_depth=0")
+    heads = loaded.vision.num_heads if loaded is not None else m.vision_num_heads
     if not a.freeze_vision and a.lora.rank > 0:
         return ("actor.freeze_vision=False with actor.lora.rank > 0 trains no vision tower "
                 "(adapters go on the language model only); set --config.actor.freeze_vision="
                 "True or --config.actor.lora.rank=0")
-    if m.vision_hidden_size % m.vision_num_heads or (m.vision_hidden_size
-                                                     // m.vision_num_heads) % 4:
+    if loaded is None and (m.vision_hidden_size % m.vision_num_heads
+                           or (m.vision_hidden_size // m.vision_num_heads) % 4):
         return (f"model.vision_hidden_size={m.vision_hidden_size} / vision_num_heads="
                 f"{m.vision_num_heads} must give a head_dim divisible by 4 (2-D rotary)")
     for key, text in (("actor.mesh", a.mesh), ("rollout.mesh", r.mesh)):
         tensor = dict(i.split("=") for i in text.replace(" ", "").split(",") if "=" in i
                       ).get("tensor", "1")
-        if int(tensor) > 1 and m.vision_num_heads % int(tensor):
+        if int(tensor) > 1 and heads % int(tensor):
             return (f"{key}={text!r} splits the vision tower's heads {tensor} ways, which does "
-                    f"not divide model.vision_num_heads={m.vision_num_heads}; use a tensor size "
-                    "that divides it")
+                    f"not divide its {heads} heads; use a tensor size that divides it")
     rows = [k for k, on in (("actor.use_remove_padding", a.use_remove_padding),
                             ("actor.group_by_length", a.group_by_length),
                             ("critic.use_remove_padding", c.critic.use_remove_padding),
                             ("critic.group_by_length", c.critic.group_by_length),
                             ("actor.share_prompt", a.share_prompt and r.n > 1),
                             ("rollout.mode='continuous'", r.mode == "continuous"),
-                            ("rollout.multi_turn.enable", r.multi_turn.enable)) if on]
+                            ("rollout.multi_turn.enable", r.multi_turn.enable),
+                            ("a rollout pool of its own (async_rollout)", _rollout_pool(c)))
+            if on]
     if rows:
-        return (f"model.vision_depth > 0: rows with images are built for padded rows and static "
-                f"rollouts only; turn off {', '.join(rows)}")
+        return (f"a vision-language policy: rows with images are built for padded rows and "
+                f"static rollouts only; turn off {', '.join(rows)}")
     return None
+
+
+def _rollout_pool(c) -> bool:
+    """Whether the placement gives the rollout a pool of its own (an asynchronous run)."""
+    from hfjax.controller.async_pools import rollout_pool_name
+
+    a = c.get("async_rollout")
+    return a is not None and rollout_pool_name(placement_of(c), a.max_staleness) is not None
 
 
 def _expert_axis(c) -> str | None:
@@ -308,8 +322,12 @@ def _positions(c) -> str | None:
 
 def _max_positions(path: str) -> int:
     """The max_position_embeddings of a preset, a .gguf file or an HF model directory."""
+    from hfjax.models import qwen2_5_vl
     from hfjax.models.config import ModelConfig
 
+    vl = qwen2_5_vl.read_config(path)
+    if vl is not None:
+        return vl.text.max_position_embeddings
     if path.startswith("preset:"):
         from hfjax.models import presets
 

@@ -85,12 +85,15 @@ def model_path(optional: bool, preset: bool = False) -> Callable[[Any], str | No
 
 
 def _preset_problem(path: str) -> str | None:
-    from hfjax.models import presets
+    from hfjax.models import presets, qwen2_5_vl
 
+    name = presets.preset_name(path)
+    if name in qwen2_5_vl.PRESETS:  # a vision-language one
+        return None
     try:
-        presets.get_preset(presets.preset_name(path))
+        presets.get_preset(name)
     except ValueError as err:
-        return str(err)
+        return f"{err}, {', '.join(sorted(qwen2_5_vl.PRESETS))}"
     return None
 
 

@@ -499,9 +499,11 @@ def task_dataset(cfg, tokenizer, split: str) -> Dataset:
     if d.task == "arith_tool":
         return Dataset(tool_arith.problems(n, seed, split=split), tokenizer,
                        d.max_prompt_length, name="arith_tool")
-    # A vision-language policy (model.vision_depth > 0) reads rows' pictures; a text-only one
-    # refuses rows that have them.
-    images = c.model.vision_depth > 0
+    # A vision-language policy reads rows' pictures; a text-only one refuses rows that have
+    # them.
+    from hfjax.models.qwen2_5_vl import read_config
+
+    images = c.model.vision_depth > 0 or read_config(c.model.path) is not None
     if d.task == "shapes":
         return Dataset(shapes.problems(n, seed, split=split), tokenizer, d.max_prompt_length,
                        name=f"shapes {split}", images=images)

@@ -208,8 +208,9 @@ class ModelConfig:
         model_type = hf.get("model_type")
         if model_type == "qwen2_5_vl":
             raise ValueError("a Qwen2.5-VL checkpoint is a vision-language model: "
-                             "hfjax.models.qwen2_5_vl.load_hf loads it, and training one is not "
-                             "built yet (docs/vision.md)")
+                             "hfjax.models.qwen2_5_vl.load_hf loads it, and launch.train trains "
+                             "it as the actor (model.path); not as a reward, cost or reference "
+                             "model (docs/vision.md)")
         if model_type not in ARCHITECTURES:
             archs = hf.get("architectures")
             raise ValueError(

@@ -1,5 +1,5 @@
 """A LoRA run's actor out of its checkpoint: restore targets, the adapted model, the merged
-model, and the PEFT export (`hfjax.run.checkpoint.load_actor` / `export_hf`).
+model, and the PEFT export (`hfjax.run.export.load_actor` / `export_hf`).
 
 The checkpoint holds the adapters (`actor_params`) and, when the run made its base, the base
 (`actor_base`); otherwise the trainer state names the base's path and fingerprints
@@ -14,7 +14,8 @@ from collections.abc import Callable
 import jax
 from flax import nnx
 
-from hfjax.models import lora, peft_io
+from hfjax.models import lora, peft_io, qwen2_5_vl
+from hfjax.models.config import ModelConfig
 from hfjax.models.hf_io import load as load_model
 from hfjax.models.hf_io import save_hf
 
@@ -57,11 +58,15 @@ def model(restored, graphdefs: dict, fingerprints: Callable) -> nnx.Module:
     else:
         path = record["base"]["path"]
         cfg = restored.state["model_config"]
-        loaded = load_model(path, head="causal_lm", dtype=cfg["dtype"],
-                            param_dtype=cfg["param_dtype"], max_layers=cfg["num_layers"],
-                            scan_layers=cfg["scan_layers"],
-                            remat_policy=cfg["remat_policy"],
-                            attention_impl=cfg["attention_impl"])
+        if restored.state.get("vision"):  # a Qwen2.5-VL directory: its language model
+            vl = qwen2_5_vl.from_record(ModelConfig(**cfg), restored.state["vision"]["config"])
+            loaded = qwen2_5_vl.load_hf(path, cfg=vl).lm
+        else:
+            loaded = load_model(path, head="causal_lm", dtype=cfg["dtype"],
+                                param_dtype=cfg["param_dtype"], max_layers=cfg["num_layers"],
+                                scan_layers=cfg["scan_layers"],
+                                remat_policy=cfg["remat_policy"],
+                                attention_impl=cfg["attention_impl"])
         base = nnx.state(loaded)
         if fingerprints(lora.leaf_names(base)) != record["base"]["fingerprints"]:
             raise ValueError(f"the base model at {path} is not the one the adapters were "
@@ -81,16 +86,25 @@ def save_peft(adapted: nnx.Module, record: dict, out: str, tokenizer) -> str:
     `AutoPeftModelForCausalLM.from_pretrained(out)` loads by the name in adapter_config.json:
     an HF directory base is named by its absolute path; any other (a .gguf file, a preset, a
     base the checkpoint saved) is written once as an HF directory in `out/base`, which
-    transformers loads without a `gguf_file=` argument, and named instead."""
+    transformers loads without a `gguf_file=` argument, and named instead. For a
+    vision-language `adapted` (`qwen2_5_vl.VisionLM`), the adapters are its language model's
+    and the base written is the whole Qwen2.5-VL model, its tower included."""
     spec = spec_of(record)
-    layers = adapted.model.layers
-    arrays = {k: v.get_value() for k, v in vars(layers).items()
+    vl = isinstance(adapted, qwen2_5_vl.VisionLM)
+    lm = adapted.lm if vl else adapted
+    arrays = {k: v.get_value() for k, v in vars(lm.model.layers).items()
               if isinstance(v, nnx.LoRAParam)}
     path = record["base"]["path"]
     hf_base = bool(path) and os.path.isfile(os.path.join(path, "config.json"))
     base_dir = os.path.abspath(path if hf_base else os.path.join(out, "base"))
-    peft_io.save_peft(arrays, adapted.config, spec, out, base_dir)
+    peft_io.save_peft(arrays, lm.config, spec, out, base_dir,
+                      layers_prefix=peft_io.VL_LAYERS if vl else peft_io.LAYERS)
     if not hf_base:
-        base = nnx.merge(lora.base_graphdef(adapted), lora.base_state(nnx.state(adapted)))
-        save_hf(base, base_dir, tokenizer=tokenizer)
+        base = nnx.merge(lora.base_graphdef(lm), lora.base_state(nnx.state(lm)))
+        if vl:
+            qwen2_5_vl.save_hf(qwen2_5_vl.VisionLM(adapted.config, rngs=None, lm=base,
+                                                   visual=adapted.visual),
+                               base_dir, tokenizer=tokenizer)
+        else:
+            save_hf(base, base_dir, tokenizer=tokenizer)
     return out

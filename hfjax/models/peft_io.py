@@ -21,19 +21,25 @@ from hfjax.models.config import ModelConfig
 from hfjax.models.lora import LoraSpec
 from hfjax.parallel.transfer import to_host
 
+# Where a model's decoder layers sit under PEFT's wrapper: a causal LM's, and a Qwen2.5-VL's
+# language model's (transformers 5's module tree, which PEFT names tensors by).
+LAYERS = "base_model.model.model.layers"
+VL_LAYERS = "base_model.model.model.language_model.layers"
+
 _MODULE = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn",
            "o_proj": "self_attn", "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
 
 
-def peft_tensors(adapters: dict[str, object], cfg: ModelConfig,
-                 spec: LoraSpec) -> dict[str, np.ndarray]:
-    """{PEFT tensor name: float32 array} of stacked adapters {`<proj>_lora_a|b`: array}."""
+def peft_tensors(adapters: dict[str, object], cfg: ModelConfig, spec: LoraSpec,
+                 layers_prefix: str = LAYERS) -> dict[str, np.ndarray]:
+    """{PEFT tensor name: float32 array} of stacked adapters {`<proj>_lora_a|b`: array}, the
+    decoder layers named under `layers_prefix`."""
     out = {}
     for name in spec.targets:
         a = np.asarray(to_host(adapters[f"{name}_lora_a"]), np.float32)
         b = np.asarray(to_host(adapters[f"{name}_lora_b"]), np.float32)
         for i in range(cfg.num_layers):
-            prefix = f"base_model.model.model.layers.{i}.{_MODULE[name]}.{name}"
+            prefix = f"{layers_prefix}.{i}.{_MODULE[name]}.{name}"
             out[f"{prefix}.lora_A.weight"] = np.ascontiguousarray(
                 a[i].reshape(-1, spec.rank).T)
             out[f"{prefix}.lora_B.weight"] = np.ascontiguousarray(
@@ -41,8 +47,14 @@ def peft_tensors(adapters: dict[str, object], cfg: ModelConfig,
     return out
 
 
-def adapter_config(spec: LoraSpec, base_model: str) -> dict:
-    """PEFT's adapter_config.json for `spec` on the model at `base_model`."""
+def adapter_config(spec: LoraSpec, base_model: str, layers_prefix: str = LAYERS) -> dict:
+    """PEFT's adapter_config.json for `spec` on the model at `base_model`. The target
+    modules are the projections' names, or, for a vision-language model (whose tower has
+    projections of the same names), a pattern that matches the language model's alone."""
+    targets = list(spec.targets)
+    if layers_prefix != LAYERS:
+        inner = layers_prefix.removeprefix("base_model.model.").replace(".", r"\.")
+        targets = rf"{inner}\.\d+\.(self_attn|mlp)\.({'|'.join(spec.targets)})"
     return {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -50,7 +62,7 @@ def adapter_config(spec: LoraSpec, base_model: str) -> dict:
         "r": spec.rank,
         "lora_alpha": spec.alpha,
         "lora_dropout": spec.dropout,
-        "target_modules": list(spec.targets),
+        "target_modules": targets,
         "bias": "none",
         "fan_in_fan_out": False,
         "use_rslora": False,
@@ -61,19 +73,19 @@ def adapter_config(spec: LoraSpec, base_model: str) -> dict:
 
 
 def save_peft(adapters: dict[str, object], cfg: ModelConfig, spec: LoraSpec, out_dir: str,
-              base_model: str) -> str:
+              base_model: str, layers_prefix: str = LAYERS) -> str:
     """Writes `out_dir` (adapter_config.json, adapter_model.safetensors) for adapters on the
-    model at `base_model`; written under a temporary name and renamed into place. Returns
-    out_dir."""
+    model at `base_model`, its decoder layers under `layers_prefix`; written under a
+    temporary name and renamed into place. Returns out_dir."""
     from safetensors.numpy import save_file
 
     parent = os.path.dirname(os.path.abspath(out_dir)) or "."
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".tmp-hfjax-peft-", dir=parent)
-    save_file(peft_tensors(adapters, cfg, spec), os.path.join(tmp, "adapter_model.safetensors"),
-              {"format": "pt"})
+    save_file(peft_tensors(adapters, cfg, spec, layers_prefix),
+              os.path.join(tmp, "adapter_model.safetensors"), {"format": "pt"})
     with open(os.path.join(tmp, "adapter_config.json"), "w") as f:
-        json.dump(adapter_config(spec, base_model), f, indent=2)
+        json.dump(adapter_config(spec, base_model, layers_prefix), f, indent=2)
     if os.path.exists(out_dir):  # an earlier export (the caller checked it is one)
         shutil.rmtree(out_dir)
     os.replace(tmp, out_dir)

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from hfjax.models import hf_io, vision
+from hfjax.models import hf_io, presets, vision
 from hfjax.models.config import ModelConfig
 from hfjax.models.transformer import CausalLM
 from hfjax.parallel import sharding as shd
@@ -50,9 +50,11 @@ class VLConfig:
                              f"the decoder's hidden_size={self.text.hidden_size}")
 
     @classmethod
-    def from_hf_config(cls, hf: dict, dtype: str = "float32") -> VLConfig:
+    def from_hf_config(cls, hf: dict, dtype: str = "float32", **text_overrides) -> VLConfig:
         """From an HF Qwen2.5-VL config.json: transformers 5's nested `text_config` or the
-        flat layout of the published checkpoints (`rope_scaling: {type: mrope, ...}`)."""
+        flat layout of the published checkpoints (`rope_scaling: {type: mrope, ...}`).
+        `text_overrides` change the decoder's ModelConfig fields (its `param_dtype` is the
+        tower's too)."""
         if hf.get("model_type") != "qwen2_5_vl":
             raise ValueError(f"model_type={hf.get('model_type')!r} is not qwen2_5_vl")
         text = dict(hf.get("text_config") or hf)
@@ -66,10 +68,10 @@ class VLConfig:
         text.setdefault("tie_word_embeddings", hf.get("tie_word_embeddings", False))
         if "tie_word_embeddings" in hf:
             text["tie_word_embeddings"] = hf["tie_word_embeddings"]
-        tcfg = ModelConfig.from_hf_config(text, mrope_section=tuple(section), dtype=dtype,
-                                          param_dtype=dtype)
-        vcfg = vision.VisionConfig.from_hf_config(hf["vision_config"], dtype=dtype,
-                                                  param_dtype=dtype)
+        text_overrides = {"dtype": dtype, "param_dtype": dtype, **text_overrides}
+        tcfg = ModelConfig.from_hf_config(text, mrope_section=tuple(section), **text_overrides)
+        vcfg = vision.VisionConfig.from_hf_config(hf["vision_config"], dtype=tcfg.dtype,
+                                                  param_dtype=tcfg.param_dtype)
         return cls(tcfg, vcfg, hf["image_token_id"], hf["video_token_id"],
                    hf["vision_start_token_id"], hf["vision_end_token_id"])
 
@@ -90,6 +92,20 @@ class VLConfig:
                 "vision_start_token_id": self.vision_start_token_id,
                 "vision_end_token_id": self.vision_end_token_id,
                 "dtype": self.text.param_dtype}
+
+
+def config_record(cfg: VLConfig) -> dict:
+    """The tower's config and the special tokens as JSON data (a checkpoint holds the
+    decoder's config apart, as a text-only run's): `from_record` reads it back."""
+    out = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "text"}
+    out["vision"]["fullatt_block_indexes"] = list(cfg.vision.fullatt_block_indexes)
+    return out
+
+
+def from_record(text: ModelConfig, record: dict) -> VLConfig:
+    """The VLConfig of a decoder config and a `config_record`."""
+    return VLConfig(text, vision.VisionConfig(**record["vision"]),
+                    **{k: v for k, v in record.items() if k != "vision"})
 
 
 def mrope_positions(cfg: VLConfig, input_ids, attention_mask, grids):
@@ -221,20 +237,68 @@ def get_preset(name: str) -> VLConfig:
     return PRESETS[name]()
 
 
+def read_config(path: str, *, dtype: str = "float32", max_layers: int = 0,
+                **text_overrides) -> VLConfig | None:
+    """The VLConfig of a vision-language `path` (`preset:qwen2.5-vl-*`, or an HF directory
+    whose config.json says model_type qwen2_5_vl), read without a weight; None for any other
+    path (a text-only model). `max_layers` > 0 keeps the decoder's first layers at most;
+    `text_overrides` as `VLConfig.from_hf_config` takes them."""
+    path = str(path or "")
+    name = presets.preset_name(path)
+    if not path:
+        return None
+    if name is not None:
+        if name not in PRESETS:
+            return None
+        cfg = get_preset(name)
+        text = cfg.text.replace(**{"dtype": dtype, "param_dtype": dtype, **text_overrides})
+        cfg = dataclasses.replace(cfg, text=text, vision=dataclasses.replace(
+            cfg.vision, dtype=text.dtype, param_dtype=text.param_dtype))
+    else:
+        config_json = os.path.join(path, "config.json")
+        if not os.path.isfile(config_json):
+            return None
+        with open(config_json) as f:
+            hf = json.load(f)
+        if hf.get("model_type") != "qwen2_5_vl":
+            return None
+        cfg = VLConfig.from_hf_config(hf, dtype, **text_overrides)
+    if 0 < max_layers < cfg.text.num_layers:
+        cfg = dataclasses.replace(cfg, text=cfg.text.replace(num_layers=max_layers))
+    return cfg
+
+
+def load(path: str, cfg: VLConfig, *, mesh=None, rules: str | dict = "train",
+         seed: int = 0) -> VisionLM:
+    """The `VisionLM` of `path` with config `cfg` (`read_config(path, ...)`): an HF
+    directory's weights (`load_hf`), or a preset's random ones from `seed`, in the `rules`
+    layout of `mesh` (the default device without one)."""
+    if presets.preset_name(path) is None:
+        return load_hf(path, mesh=mesh, rules=rules, cfg=cfg)
+    model = VisionLM(cfg, rngs=nnx.Rngs(seed))
+    if mesh is not None:
+        graphdef, state = nnx.split(model)
+        state = jax.device_put(state, shd.layout(mesh, rules).state_shardings(state))
+        model = nnx.merge(graphdef, state)
+    return model
+
+
 def abstract(cfg: VLConfig) -> VisionLM:
     """The model's structure with ShapeDtypeStruct leaves: nothing is allocated."""
     return nnx.eval_shape(lambda: VisionLM(cfg, rngs=nnx.Rngs(0)))
 
 
-def load_hf(path: str, *, dtype: str = "float32", mesh=None,
-            rules: str | dict = "train") -> VisionLM:
+def load_hf(path: str, *, dtype: str = "float32", mesh=None, rules: str | dict = "train",
+            cfg: VLConfig | None = None) -> VisionLM:
     """A `VisionLM` from an HF Qwen2.5-VL directory (safetensors), in the `rules` layout of
     `mesh` (the decoder tensor by tensor, as `hf_io.assemble` places it; the tower with the
     same rules for its own axes), or on the default device without a mesh. Tensors under
-    `model.language_model.` (transformers 5 in memory) read as `model.`."""
-    cfg = VLConfig.from_hf_config(hf_io._read_config(path), dtype=dtype)
+    `model.language_model.` (transformers 5 in memory) read as `model.`. `cfg` (default: the
+    directory's, in `dtype`) may keep fewer decoder layers (`read_config(max_layers=)`)."""
+    cfg = cfg or VLConfig.from_hf_config(hf_io._read_config(path), dtype=dtype)
     files = hf_io._safetensor_files(path)
     visual = {}
+    in_model = hf_io._in_first_layers(cfg.text)
 
     def text_tensors():
         for name, w in hf_io._iter_safetensors(files):
@@ -243,7 +307,7 @@ def load_hf(path: str, *, dtype: str = "float32", mesh=None,
                 name = name[len("model."):]
             if name.startswith("visual."):
                 visual[name] = w
-            else:
+            elif in_model(name):
                 yield name, w
 
     lm = hf_io.assemble(cfg.text, text_tensors(), mesh=mesh, rules=rules)
@@ -255,15 +319,32 @@ def load_hf(path: str, *, dtype: str = "float32", mesh=None,
     return VisionLM(cfg, rngs=nnx.Rngs(0), lm=lm, visual=tower)
 
 
-def save_hf(model: VisionLM, path: str) -> None:
-    """Writes `model` as an HF Qwen2.5-VL directory (config.json and model.safetensors) that
-    transformers' `Qwen2_5_VLForConditionalGeneration.from_pretrained` loads."""
+def save_hf(model: VisionLM, path: str, tokenizer=None) -> str:
+    """Writes `model` as an HF Qwen2.5-VL directory (config.json, model.safetensors and the
+    `tokenizer`'s files) that transformers' `Qwen2_5_VLForConditionalGeneration.
+    from_pretrained` loads; written under a temporary name and renamed into place, replacing
+    an earlier export. Returns path."""
+    import shutil
+    import tempfile
+
     from safetensors.numpy import save_file
 
-    os.makedirs(path, exist_ok=True)
-    tensors = dict(hf_io.iter_hf_tensors(model.lm))
-    tensors.update(vision.to_hf_tensors(model.visual))
-    tensors = {k: np.ascontiguousarray(v) for k, v in tensors.items()}
-    save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(model.config.to_hf_config(), f, indent=1)
+    parent = os.path.dirname(os.path.abspath(path)) or "."
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".tmp-hfjax-vl-", dir=parent)
+    try:
+        tensors = dict(hf_io.iter_hf_tensors(model.lm))
+        tensors.update(vision.to_hf_tensors(model.visual))
+        tensors = {k: np.ascontiguousarray(v) for k, v in tensors.items()}
+        save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump(model.config.to_hf_config(), f, indent=1)
+        if tokenizer is not None:
+            tokenizer.save(tmp)
+        if os.path.exists(path):
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return path

@@ -18,7 +18,7 @@ shared-prompt rows), which are lowered and compiled here:
   training rollout (otherwise the training rollout's programs bound its memory);
 - `hybrid.to_decode` and `hybrid.to_train`: the 3D-HybridEngine's per-parameter transition
   programs, run one after the other;
-- a from-scratch vision-language policy's `sft.vision_encode`, `rollout.vision_encode`,
+- a vision-language policy's `sft.vision_encode`, `rollout.vision_encode`,
   `validate.vision_encode` (`_encode`), its frozen tower resident beside the actor. Not yet
   priced: the image arrays the scoring and update passes read, and a training tower's pass
   inside the update (docs/vision.md).
@@ -468,10 +468,12 @@ def _abstract_actor(cfg, pools, compute: str):
     tokenizer)."""
     tok = model_source.task_tokenizer(cfg)
     mcfg = model_source.model_config(cfg, tok, compute)
-    if cfg.model.vision_depth:
-        # A vision-language policy from scratch: its language model trains, the tower beside
-        # it (frozen) or inside it (actor.freeze_vision=False), as the trainer builds them.
-        vlm = nnx.eval_shape(lambda: model_source.vision_model(cfg, tok, mcfg))
+    loaded = model_source.vision_language(cfg, compute)
+    if cfg.model.vision_depth or loaded is not None:
+        # A vision-language policy (from scratch or model.path's), built as the trainer does:
+        # the tower beside the language model (frozen) or inside it (freeze_vision=False).
+        vlm = (qwen2_5_vl.abstract(loaded) if loaded is not None else
+               nnx.eval_shape(lambda: model_source.vision_model(cfg, tok, mcfg)))
         lm, tower = qwen2_5_vl.policy(vlm, cfg.actor.freeze_vision)
         return groups.build_actor(cfg, lm, pools, tok.pad_id, tok.eos_id, tokenizer=tok,
                                   tower=tower, vl=vlm.config), tok

@@ -11,6 +11,7 @@ import json
 import os
 from typing import Any
 
+from hfjax.models import qwen2_5_vl
 from hfjax.numerics.losses import (
     LagrangeMultiplier,
     kl_controller_from_state,
@@ -77,6 +78,9 @@ def checkpoint_items(w: WorkerGroups, cfg) -> dict[str, Any]:
         items = lora_state.items(w.actor, lora_base_path(cfg))
     else:
         items = {"actor_params": w.actor.params, "actor_opt_state": w.actor.opt_state}
+    tower = w.actor.tower
+    if tower is not None and not tower.trains:  # a frozen tower: the export needs it
+        items["actor_vision"] = tower.frozen
     if w.ref is not None and not isinstance(w.ref, BaseReference):
         items["ref_params"] = w.ref.params
     for name, g in trained_groups(w).items():
@@ -98,6 +102,8 @@ def host_state(w: WorkerGroups, cfg, *, step: int, data: dict, model_cfg) -> dic
         "lagrange": None if w.lagrange is None else w.lagrange.state(),
         "train_calls": {name: g._train_calls for name, g in trained_groups(w).items()},
         "model_config": dataclasses.asdict(model_cfg),
+        **({"vision": {"config": qwen2_5_vl.config_record(w.actor.vl),
+                       "frozen": not w.actor.tower.trains}} if w.actor.vl is not None else {}),
         **({"lora": lora_state.state(w.actor, lora_base_path(cfg), ckpt_lib.fingerprints)}
            if w.actor.trainable is not None else {}),
     }
@@ -113,6 +119,8 @@ def load_state(w: WorkerGroups, restored: ckpt_lib.Restored, train_iter) -> int:
             raise ckpt_lib.CheckpointMismatch(problem)
     else:
         w.actor.params, w.actor.opt_state = it["actor_params"], it["actor_opt_state"]
+    if "actor_vision" in it:
+        w.actor.tower.frozen = it["actor_vision"]
     if w.ref is not None and not isinstance(w.ref, BaseReference):
         w.ref.params = it["ref_params"]
     trained = trained_groups(w)

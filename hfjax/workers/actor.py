@@ -353,6 +353,9 @@ class ActorRollout(WarmStart, Reference):
         if offload:
             self.opt_state = reshard.offload(self.opt_state)
         if self.agent is not None:
+            if "image_grids" in batch:  # its turns would go without the pictures
+                raise ValueError(f"{self.name}: multi-turn rollouts of prompts with images are "
+                                 "not built; turn off rollout.multi_turn.enable")
             return self._generate_turns(batch, params)
         # The tower runs once per prompt, before the params move to the decode layout.
         images = vision.prompt_features(self, batch)

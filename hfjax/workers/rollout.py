@@ -99,6 +99,9 @@ def generate_partial(group: ActorRollout, prompts: Batch, first, first_version: 
     The first columns are decoded under `first` (version `first_version`); `second()` is
     called once they are done and returns the next version's weights (waiting for its push).
     The batch carries `token_versions` [rows, response_length] (-1 on padding)."""
+    if "image_grids" in prompts:  # its sampler calls would go without the pictures
+        raise ValueError("partial rollouts of prompts with images are not built; set "
+                         "--config.async_rollout.partial_rollout=False")
     params = group.sampling_params()
     at, n = partial_column(params.max_new_tokens), params.n
     ids, mask, seeds = prompts["prompts"], prompts["prompt_mask"], prompts["seeds"]

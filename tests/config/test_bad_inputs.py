@@ -335,20 +335,28 @@ CONFIG_CASES = [
     ("sft-schedule", _set(sft__lr_schedule="linear"),
      r"sft.lr_schedule.*needs one of constant, cosine"),
     ("images-text-model", _set(data__task="shapes", sft__steps=0),
-     r"data.task='shapes' shows the policy pictures, and model.vision_depth=0 is a text-only "
-     r"model; set --config.model.vision_depth"),
+     r"data.task='shapes' shows the policy pictures, and the model is text-only; set "
+     r"--config.model.vision_depth \(e.g. 2\) or a Qwen2.5-VL model.path"),
     ("vision-lora", _set(model__vision_depth=2, actor__freeze_vision=False,
                          actor__lora__rank=4),
      r"actor.freeze_vision=False with actor.lora.rank > 0 trains no vision tower"),
     ("vision-mesh", _set(model__vision_depth=2, actor__mesh="fsdp=-1,tensor=4"),
      r"actor.mesh='fsdp=-1,tensor=4' splits the vision tower's heads 4 ways, which does not "
-     r"divide model.vision_num_heads=2"),
+     r"divide its 2 heads"),
+    ("vision-checkpoint-rows", _set(model__path="preset:qwen2.5-vl-3b",
+                                    rollout__mode="continuous"),
+     r"a vision-language policy: rows with images are built for padded rows and static "
+     r"rollouts only; turn off rollout.mode='continuous'"),
+    ("vision-rollout-pool", _set(model__vision_depth=2, actor__share_prompt=False,
+                                 placement="gen=4:rollout;train=4:actor+ref+critic+reward",
+                                 async_rollout__max_staleness=1),
+     r"turn off a rollout pool of its own \(async_rollout\)"),
     ("vision-rows", _set(model__vision_depth=2, actor__use_remove_padding=True),
      r"rows with images are built for padded rows and static rollouts only; turn off "
      r"actor.use_remove_padding"),
     ("blank-text-model", _set(data__blank_images=True),
      r"data.blank_images=True blanks a vision-language policy's pictures, and "
-     r"model.vision_depth=0 is a text-only model"),
+     r"the model is text-only"),
     ("vision-checkpoint", _set(model__vision_depth=2, model__path="preset:qwen2.5-7b"),
      r"with model.path set .*set --config.model.vision_depth=0"),
 ]
@@ -490,7 +498,7 @@ FILE_CASES = [
 
 
 def _restore(run):
-    from hfjax.run.checkpoint import load_actor
+    from hfjax.run.export import load_actor
 
     return load_actor(run)
 

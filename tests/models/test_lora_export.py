@@ -22,7 +22,8 @@ from hf_fixtures import make_hf_model
 from support import ROOT, subprocess_env, tiny_rl_config
 
 from hfjax.data import arith
-from hfjax.run.checkpoint import RunCheckpointer, export_hf
+from hfjax.run.checkpoint import RunCheckpointer
+from hfjax.run.export import export_hf
 from hfjax.run.trainer import Trainer
 
 pytestmark = pytest.mark.slow

@@ -229,7 +229,7 @@ def test_resume_disable_refuses_a_directory_with_checkpoints(saved, tmp_path):
 
 
 def test_explicit_step_and_export_loader(saved):
-    from hfjax.run.checkpoint import load_actor
+    from hfjax.run.export import load_actor
 
     model, restored = load_actor(str(saved[0] / "checkpoints" / "2"))
     assert restored.step == 2

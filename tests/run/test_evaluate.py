@@ -13,7 +13,8 @@ from support import subprocess_env, tiny_rl_config
 from hfjax.config.model_source import task_tokenizer
 from hfjax.config.run_dir import is_run
 from hfjax.rewards.registry import register_reward
-from hfjax.run.checkpoint import RunCheckpointer, export_hf
+from hfjax.run.checkpoint import RunCheckpointer
+from hfjax.run.export import export_hf
 from hfjax.run.intervals import wilson
 from hfjax.run.trainer import Trainer
 from hfjax.run.validation import evaluate_policy

@@ -163,7 +163,7 @@ def test_export_cli_loads_in_transformers_with_matching_logits(tmp_path, referen
     import torch
     import transformers
 
-    from hfjax.run.checkpoint import load_actor
+    from hfjax.run.export import load_actor
 
     run = reference[0]
     hf_dir = tmp_path / "hf"
