@@ -9,7 +9,8 @@ multi-turn fields: docs/agents.md), in verl's prompt schema (docs/data.md); `--t
 starts every prompt with a system message describing the tools (docs/agents.md), and
 `--sft_demos` adds tool-use demonstrations of the same prompts for an SFT warm start
 (sft_train.parquet, sft_test.parquet; docs/algorithms.md); and arith_prefs /
-arith_cost_prefs, preference pairs for reward / cost models (docs/algorithms.md):
+arith_cost_prefs, preference pairs for reward / cost models, and arith_judge, SFT rows that
+teach a generative judge the exact-answer rule's verdict (docs/algorithms.md):
 
     python -m launch.prepare_data --task=arith_prefs --n_train=1000 --n_test=200 \
         --task_config='{"max_b": 9, "pairs_per_prompt": 4}' --out=data/arith_prefs

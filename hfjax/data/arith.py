@@ -274,3 +274,24 @@ def preference_rows(rows: list[dict], seed: int, kind: str = "correctness",
                          "rejected_unsafe": True}
             out.append(pair)
     return out
+
+
+# A generative judge's prompt on this task (configs/ppo_judge_arith.py, `judge_rows`): the
+# problem, the answer, then "==" where the judge writes its verdict, 1 (right) or 0.
+JUDGE_TEMPLATE = "{prompt}{response}=="
+
+
+def judge_rows(pairs: list[dict], template: str = JUDGE_TEMPLATE) -> list[dict]:
+    """SFT rows teaching a judge the rule reward's verdict, from `preference_rows` pairs of the
+    "correctness" kind: each pair's chosen answer (the exact answer after `####`, which the rule
+    scores 1) gives a row answered "1", its rejected one (scored 0) a row answered "0". A row is
+    {data_source, prompt: the template filled with the problem and the answer, response}."""
+    from hfjax.rewards.judge import render
+
+    out = []
+    for pair in pairs:
+        problem = pair["prompt"][-1]["content"]
+        for answer, verdict in ((pair["chosen"], "1"), (pair["rejected"], "0")):
+            out.append({"data_source": pair["data_source"],
+                        "prompt": render(template, problem, answer), "response": verdict})
+    return out

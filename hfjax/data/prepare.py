@@ -4,7 +4,10 @@ Tasks: reasoning-gym's gsm_symbolic, basic_arithmetic, countdown and chain_sum, 
 embedded arithmetic task `arith`, the tool-use task `arith_tool`; and preference pairs on the
 arithmetic task's prompts, for reward-model training (`arith_prefs`: right answers preferred
 to wrong or unformatted ones) and cost-model training (`arith_cost_prefs`: answers without the
-digit 7 preferred to answers with one), in the schema of `hfjax.data.preferences`.
+digit 7 preferred to answers with one), in the schema of `hfjax.data.preferences`; and a
+generative judge's SFT rows (`arith_judge`: the same correctness pairs as verdicts, "1" for the
+right answer and "0" for the other, the prompt the judge template filled in:
+`hfjax.data.arith.judge_rows`; task_config "template" sets another template).
 
 - A reasoning-gym row has data_source `reasoning_gym/<task>`. Its prompt is the generated
   question followed by verl's GSM8K instruction (`GSM_SUFFIX`), because the reward reads the
@@ -68,7 +71,9 @@ RG_TASKS = {
 # Preference tasks: their rows are made from the arith task's rows (same seeded stream and
 # split), turned into pairs by `arith.preference_rows` of the given kind.
 PREFERENCE_TASKS = {"arith_prefs": "correctness", "arith_cost_prefs": "forbidden_digit"}
-TASKS = (*RG_TASKS, "arith", "arith_tool", *PREFERENCE_TASKS)
+# A judge's SFT rows (`arith.judge_rows`), from the correctness pairs of the same prompts.
+JUDGE_TASK = "arith_judge"
+TASKS = (*RG_TASKS, "arith", "arith_tool", *PREFERENCE_TASKS, JUDGE_TASK)
 
 _MESSAGES = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
 _REWARD_MODEL = pa.struct([("style", pa.string()), ("ground_truth", pa.string())])
@@ -95,6 +100,12 @@ def write_rows(rows: list[dict], path: str | os.PathLike) -> None:
         # verl's multimodal column (HF datasets' Image feature): {bytes, path} per image.
         columns["images"] = pa.array([r.get("images") or [] for r in rows], _IMAGES)
     pq.write_table(pa.table(columns), os.fspath(path))
+
+
+def write_sft_rows(rows: list[dict], path: str | os.PathLike) -> None:
+    """SFT rows {data_source, prompt, response} (strings) to one SFT parquet file."""
+    pq.write_table(pa.table({k: pa.array([r[k] for r in rows], pa.string())
+                             for k in ("data_source", "prompt", "response")}), os.fspath(path))
 
 
 def _rg_stream(task: str, seed: int, config: dict, size: int) -> Iterator[dict]:
@@ -190,6 +201,10 @@ def make_splits(
     config = dict(config or {})
     if task in PREFERENCE_TASKS:
         return _preference_splits(task, n_train, n_test, seed, config)
+    if task == JUDGE_TASK:
+        template = config.pop("template", arith.JUDGE_TEMPLATE)
+        return tuple(arith.judge_rows(rows, template)
+                     for rows in _preference_splits("arith_prefs", n_train, n_test, seed, config))
     if task == "arith":
         stream = _arith_stream(seed, config)
     elif task == "arith_tool":
@@ -263,9 +278,9 @@ def prepare(
     written (a split with 0 rows is not written). A test split that shares a problem with the
     train split, or with the other split's file already in `out_dir` when one split is empty,
     is refused (`check_files_disjoint`)."""
-    if sft_demos and task in PREFERENCE_TASKS:
-        raise ValueError(f"task {task!r} writes preference pairs; --sft_demos needs a task "
-                         "with arithmetic expressions")
+    if sft_demos and (task in PREFERENCE_TASKS or task == JUDGE_TASK):
+        raise ValueError(f"task {task!r} writes pairs or a judge's SFT rows; --sft_demos needs "
+                         "a task with arithmetic expressions")
     named = resolve_tools(tools, DESCRIBE_ONLY) if tools.strip() else {}
     if sft_demos and "calculator" not in named:
         raise ValueError("--sft_demos writes calls to the calculator; add --tools=calculator")
@@ -273,7 +288,8 @@ def prepare(
     check_files_disjoint(train, test, out_dir, allow_overlap)
     os.makedirs(out_dir, exist_ok=True)
     paths = {}
-    write = preferences.write_rows if task in PREFERENCE_TASKS else write_rows
+    write = (preferences.write_rows if task in PREFERENCE_TASKS
+             else write_sft_rows if task == JUDGE_TASK else write_rows)
     for split, rows in (("train", train), ("test", test)):
         if rows:
             paths[split] = os.path.join(os.fspath(out_dir), f"{split}.parquet")

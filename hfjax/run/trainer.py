@@ -173,7 +173,8 @@ class Trainer:
         `rollout.val_kwargs` sets the samples per prompt n and their temperature (0: greedy,
         the default); `val-core/<source>/acc/mean@n` averages all samples and, for n > 1,
         `val-aux/<source>/acc/best@n` averages each prompt's best sample. With reward or cost
-        models, their mean scores on the same responses are reported too (`val-aux/...`), and
+        models or a judge, their mean scores on the same responses are reported too
+        (`val-aux/...`; the judge's agreement with the rule reward too), and
         `cost_model.reference_fn` checks the cost model against the rule it was trained to
         measure.
         """
@@ -185,6 +186,7 @@ class Trainer:
             self.actor, self.reward, self.test_data.rows, pad_id=self.tok.pad_id,
             max_prompt_length=self.cfg.data.max_prompt_length, n=int(v.n),
             temperature=float(v.temperature), models=models, tokenizer=self.tok,
+            judge=None if w is None else w.roles.get("judge"),
             blank_images=self.cfg.data.blank_images,
             text_metrics={"cost_reference": import_spec(ref_fn)} if ref_fn else None)
 

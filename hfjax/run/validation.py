@@ -16,7 +16,7 @@ from hfjax.workers import vision
 
 def generation_metrics(actor, reward, rows: Sequence[dict], *, pad_id: int,
                        max_prompt_length: int, n: int = 1, temperature: float = 0.0,
-                       models: Sequence = (),
+                       models: Sequence = (), judge=None,
                        text_metrics: Mapping[str, Callable[[str], float]] | None = None,
                        records: list | None = None, tokenizer=None,
                        blank_images: bool = False) -> dict[str, float]:
@@ -24,10 +24,14 @@ def generation_metrics(actor, reward, rows: Sequence[dict], *, pad_id: int,
     greedy): `val-core/<source>/acc/mean@n`, and for n > 1 `val-aux/<source>/acc/best@n` (each
     prompt's best sample). Each worker group in `models` (a reward or cost model) adds the
     mean of its scores on the same responses, `val-aux/<its output>/mean`, and the share above
-    0; each `text_metrics` entry name -> fn(response text) adds `val-aux/<name>/mean` (e.g. the
+    0; a generative `judge` adds its mean score, `val-aux/judge_scores/mean`, and the share of
+    responses it scores exactly as the rule reward does, `val-aux/judge_agreement/mean`
+    (for a judge of the rule's 0/1 verdicts: how often it agrees); each `text_metrics` entry
+    name -> fn(response text) adds `val-aux/<name>/mean` (e.g. the
     rule a cost model was trained to measure, to check it against). With a `records` list, one
     dict per response is appended to it: prompt index, sample, data_source, ground truth,
-    response text, its token count, whether it ended before the length cap, and its score.
+    response text, its token count, whether it ended before the length cap, and its score
+    (and the judge's).
     """
     # Fixed per-prompt seeds: sampled validation is reproducible and the same at every step.
     # (A vision-language actor's prompts carry their pictures: `vision.prompts`.)
@@ -48,6 +52,11 @@ def generation_metrics(actor, reward, rows: Sequence[dict], *, pad_id: int,
         metrics[f"val-aux/{model.output}/mean"] = float(to_host(jnp.mean(s[model.output])))
         metrics[f"val-aux/{model.output}/positive_frac"] = float(
             to_host(jnp.mean((s[model.output] > 0).astype(jnp.float32))))
+    said = None
+    if judge is not None:
+        said = to_host(judge.compute_judge_scores(out)["judge_scores"])
+        metrics["val-aux/judge_scores/mean"] = float(said.mean())
+        metrics["val-aux/judge_agreement/mean"] = float(np.mean(said == scores.reshape(-1)))
     texts = list(scored.meta["response_text"])
     trajs = out.meta.get("trajectory")
     if records is not None:
@@ -61,6 +70,8 @@ def generation_metrics(actor, reward, rows: Sequence[dict], *, pad_id: int,
                     "ground_truth": str(truths[i]), "response": texts[i * n + j],
                     "response_tokens": int(lengths[i, j]),
                     "finished": bool(lengths[i, j] < cap), "score": float(scores[i, j])})
+                if said is not None:
+                    records[-1]["judge_score"] = float(said[i * n + j])
                 if trajs is not None:  # multi-turn: the trajectory, turn by turn
                     records[-1] |= trajs[i * n + j]
     for name, fn in (text_metrics or {}).items():

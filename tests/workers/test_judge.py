@@ -9,19 +9,23 @@ import dataclasses
 import re
 
 import numpy as np
+import pyarrow.parquet as pq
 import pytest
 from support import tiny_rl_config
 
 from hfjax.config import validate_config
-from hfjax.data import arith
+from hfjax.data import arith, holdout
+from hfjax.data.prepare import prepare
 from hfjax.engine.buckets import prompt_bucket
 from hfjax.models import save_hf, transformer
 from hfjax.models.config import scratch_model_config
 from hfjax.planner.config import plan_inputs
 from hfjax.rewards import judge as verdicts
 from hfjax.rewards.pool import ERROR, OK, RewardPool
+from hfjax.rewards.registry import get_reward_fn
 from hfjax.run.dry_run import abstract_groups, step_shape
 from hfjax.run.trainer import Trainer
+from hfjax.run.validation import generation_metrics
 from hfjax.settings import ConfigError
 
 # The test's own reading of a verdict: a digit first, else unparsed (the judge's `parser`).
@@ -127,6 +131,15 @@ def test_a_step_judges_every_row_in_one_engine_call(stepped):
     w = trainer.workers
     assert not set(w.judge.mesh.devices.flat) & set(w.actor.mesh.devices.flat)
     assert metrics["reward/judge_timeouts"] == 0
+    # Validation: the judge's agreement with the rule reward on the held-out answers.
+    records = []
+    val = generation_metrics(w.actor, trainer.reward, trainer.test_data.rows, judge=w.judge,
+                             pad_id=trainer.tok.pad_id, records=records,
+                             max_prompt_length=trainer.cfg.data.max_prompt_length)
+    agree = np.mean([r["judge_score"] == r["score"] for r in records])
+    assert val["val-aux/judge_agreement/mean"] == pytest.approx(agree)
+    assert val["val-aux/judge_scores/mean"] == pytest.approx(
+        np.mean([r["judge_score"] for r in records]))
 
 
 @pytest.mark.slow
@@ -170,3 +183,19 @@ def test_the_dry_run_prices_the_judge_on_its_pool(judge_dir):
     assert prefill.replaces == ("judge params",)
     assert set(compiled.input_shardings[0][1].device_set) == set(judge.mesh.devices.flat)
     assert not set(judge.mesh.devices.flat) & set(w.actor.mesh.devices.flat)
+
+
+def test_judge_rows_say_what_the_rule_says(tmp_path):
+    """launch.prepare_data --task=arith_judge: each row's verdict is the rule reward's score of
+    the answer its prompt shows, and its test rows ask held-out problems only."""
+    paths = prepare("arith_judge", 16, 8, tmp_path, config={"max_b": 9})
+    rule = get_reward_fn(arith.DATA_SOURCE)
+    verdicts_seen = set()
+    for split in ("train", "test"):
+        for row in pq.read_table(paths[split]).to_pylist():
+            a, op, b, answer = re.fullmatch(r"(\d+)([+-])(\d+)=(.*)==", row["prompt"]).groups()
+            truth = int(a) + int(b) if op == "+" else int(a) - int(b)
+            assert float(row["response"]) == rule(arith.DATA_SOURCE, answer, str(truth), None)
+            assert holdout.is_heldout(f"{a}{op}{b}=") == (split == "test")
+            verdicts_seen.add(row["response"])
+    assert verdicts_seen == {"0", "1"}
