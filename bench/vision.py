@@ -7,14 +7,18 @@ token count:
 - images: every prompt holds one random picture of `--image` x `--image` pixels
   (`<|vision_start|>`, its image tokens, `<|vision_end|>` between text tokens); a rollout
   step is the tower over the prompts' pictures (`hfjax.engine.images.encode`, once per
-  prompt) and then the sampler's `generate` with those features in its prefill;
+  prompt, image by image) and then the sampler's `generate` with those features in its
+  prefill;
 - text: the same prompts with every image token (and the two markers) replaced by a text
   token: `generate` alone.
 
 Sampling at temperature 1 with no stop token, so every row decodes `--new` tokens. Each
 figure is the median of `--repeats` calls after one that compiles, the two rollouts timed
 alternately so that other jobs' load falls on both alike. Reported: generated tokens/s of
-each, their ratio, and the tower's share of the image step (encode / (encode + generate)).
+each, their ratio, and the tower's share of the image step (encode / (encode + generate));
+beside them the tower row by row, as the actor's rollout runs it
+(`hfjax.workers.vision.tower_rows`), and the naive tower over one list of every picture
+(`hfjax.engine.images.encode_together`, dense attention over all the batch's patches).
 The last line is JSON. HFJAX_SMOKE=1 (launch/smoke.py) runs a 2-layer model on 2 prompts
 with a 56-pixel picture, one repeat.
 
@@ -78,6 +82,10 @@ def main(argv):
     def rows_step():
         return jax.block_until_ready(by_rows(model.visual, *rows_in))
 
+    def together_step():  # the naive tower: one dense list over the batch's patches
+        return jax.block_until_ready(engine_images.encode_together(model, pixels, grids)
+                                     .features)
+
     def text_step():
         return jax.block_until_ready(sampler.generate(state, ids_text, mask, sp).tokens)
 
@@ -91,8 +99,8 @@ def main(argv):
                                                images=encoded).tokens)
         return mid - start, time.perf_counter() - mid
 
-    text_step(), image_step(), rows_step()  # compile all
-    t_text, t_encode, t_generate, t_rows = [], [], [], []
+    text_step(), image_step(), rows_step(), together_step()  # compile all
+    t_text, t_encode, t_generate, t_rows, t_together = [], [], [], [], []
     for _ in range(FLAGS.repeats):
         start = time.perf_counter()
         text_step()
@@ -100,11 +108,15 @@ def main(argv):
         start = time.perf_counter()
         rows_step()
         t_rows.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        together_step()
+        t_together.append(time.perf_counter() - start)
         enc, gen = image_step()
         t_encode.append(enc)
         t_generate.append(gen)
     med_text, med_enc = statistics.median(t_text), statistics.median(t_encode)
     med_gen, med_rows = statistics.median(t_generate), statistics.median(t_rows)
+    med_together = statistics.median(t_together)
     med_image = statistics.median(e + g for e, g in zip(t_encode, t_generate))
     tokens = FLAGS.rows * FLAGS.n * FLAGS.new
     out = {
@@ -119,6 +131,8 @@ def main(argv):
         "image_over_text_s": round(med_image / med_text, 3),
         "tower_share": round(med_enc / med_image, 3),
         "tower_rows_s": round(med_rows, 4),
+        "encode_together_s": round(med_together, 4),
+        "together_over_encode": round(med_together / med_enc, 3),
         "tower_rows_share": round(med_rows / (med_rows + med_gen), 3),
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
                    f"{jax.devices()[0].platform}",
@@ -131,6 +145,8 @@ def main(argv):
     print(f"{'  tower (encode)':<28}{med_enc:>10.3f}")
     print(f"{'  generate':<28}{med_gen:>10.3f}")
     print(f"{'tower row by row (actor)':<28}{med_rows:>10.3f}")
+    print(f"{'tower over one list (naive)':<28}{med_together:>10.3f}  "
+          f"({med_together / med_enc:.2f}x encode's image by image)")
     print(f"images/text time {med_image / med_text:.2f}x; tower share of the image step "
           f"{100 * med_enc / med_image:.1f}% (row by row, as the actor's rollout runs it: "
           f"{100 * med_rows / (med_rows + med_gen):.1f}%)")

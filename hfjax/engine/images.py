@@ -16,7 +16,7 @@ from flax import nnx
 from hfjax.models import qwen2_5_vl, vision
 from hfjax.models.qwen2_5_vl import place_images
 
-__all__ = ["ImagePrompts", "VisionPrompts", "place_images", "encode"]
+__all__ = ["ImagePrompts", "VisionPrompts", "place_images", "encode", "encode_together"]
 
 
 class ImagePrompts(NamedTuple):
@@ -59,7 +59,33 @@ class VisionPrompts(NamedTuple):
 
 def encode(model: qwen2_5_vl.VisionLM, pixels: np.ndarray, grids) -> VisionPrompts:
     """Runs the vision tower once over a request's images (patches [N, patch_dim] of every
-    prompt, in placeholder order), for all the samples the sampler will draw from them."""
+    prompt, in placeholder order), for all the samples the sampler will draw from them.
+
+    Image by image: the images of one grid shape are stacked and the tower mapped over them
+    (one program per shape), so attention costs each image its own patches squared, and the
+    request's cost grows linearly with its images, not with the square of all their patches
+    (`encode_together`, the tower over one list, gives the same features)."""
+    cfg = model.config
+    grids = np.asarray(grids, np.int64).reshape(-1, 3)
+    sizes = grids.prod(-1)
+    starts = np.concatenate([[0], np.cumsum(sizes)])
+    pieces = [None] * len(grids)
+    for shape in sorted({tuple(g) for g in grids.tolist()}):
+        which = [i for i, g in enumerate(grids.tolist()) if tuple(g) == shape]
+        stacked = np.stack([pixels[starts[i]:starts[i + 1]] for i in which])
+        lay = vision.layout(cfg.vision, [shape])
+        features = _per_image(model.visual, jnp.asarray(stacked), lay)
+        for j, i in enumerate(which):
+            pieces[i] = features[j]
+    features = (jnp.concatenate(pieces) if pieces else
+                jnp.zeros((0, cfg.vision.out_hidden_size), jnp.dtype(cfg.vision.dtype)))
+    return VisionPrompts(cfg, grids, features)
+
+
+def encode_together(model: qwen2_5_vl.VisionLM, pixels: np.ndarray, grids) -> VisionPrompts:
+    """`encode` as one tower call over all the images' patches (dense attention over the
+    request's patches with a mask keeping each image to its own): the reference `encode`
+    matches, and what bench/vision.py compares it with."""
     cfg = model.config
     lay = vision.layout(cfg.vision, grids)
     features = _tower(model.visual, jnp.asarray(pixels), lay)
@@ -69,3 +95,8 @@ def encode(model: qwen2_5_vl.VisionLM, pixels: np.ndarray, grids) -> VisionPromp
 @nnx.jit
 def _tower(tower, pixels, lay):
     return tower(pixels, lay)
+
+
+@nnx.jit
+def _per_image(tower, stacked, lay):
+    return jax.vmap(lambda px: tower(px, lay))(stacked)

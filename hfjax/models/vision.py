@@ -12,8 +12,8 @@ returns them to the image's raster order.
 
 Which patches may attend to which comes from the image grids alone, so `layout` computes it on
 the host with NumPy; the jitted tower sees only arrays whose shapes depend on the patch count.
-Attention is dense with a segment mask (quadratic in the patches of a batch): right for the
-small images of tests and RL prompts, not for many large images at once.
+Attention is dense with a segment mask (quadratic in the patches of one call): the sampler's
+`hfjax.engine.images.encode` calls it image by image, so a batch costs linearly in its images.
 """
 
 from __future__ import annotations

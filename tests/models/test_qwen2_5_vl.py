@@ -135,6 +135,26 @@ def test_placeholders_and_images_must_agree(models, batch):
         hf_io.load(models[1])
 
 
+def test_encode_image_by_image_equals_the_tower_over_one_list(models, batch):
+    """`engine.images.encode` maps the tower over each grid shape's images (linear in the
+    images); its features equal the tower's over all the patches at once (the batch: two
+    images of one shape and one of another, in an order that interleaves them)."""
+    from hfjax.engine import images as engine_images
+
+    _, _, ours = models
+    _, _, pixels, grids = batch
+    order = [1, 0, 2]  # the small image first, then the two large ones
+    sizes = [int(np.prod(g)) for g in grids]
+    starts = np.concatenate([[0], np.cumsum(sizes)])
+    pixels = np.concatenate([pixels[starts[i]:starts[i + 1]] for i in order])
+    grids = grids[order]
+    apart = engine_images.encode(ours, pixels, grids)
+    together = engine_images.encode_together(ours, pixels, grids)
+    assert apart.features.shape == together.features.shape == (sum(sizes) // 4, 32)
+    np.testing.assert_allclose(np.asarray(apart.features), np.asarray(together.features),
+                               atol=1e-5, rtol=0)
+
+
 @pytest.mark.slow  # 22 s wall on the shared 2-core machine (two samplers compiled)
 def test_rollout_with_images_shares_the_tower_across_samples(models, batch):
     """The sampler decodes the language model with the prompts' image features in its prefill:

@@ -6,6 +6,8 @@ takes one GRPO step, and its export loads in transformers with the trained model
 prompt with a picture; a LoRA run on the language model exports adapters that PEFT loads onto
 the base, without key warnings, with the adapted model's logits."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -216,3 +218,28 @@ def test_a_tokenizer_with_other_vision_ids_is_refused(base):
     with pytest.raises(ValueError, match=r"the tokenizer's vision tokens .* are not the model's "
                                          r".*give the model's own tokenizer"):
         check_vision_tokens(cfg, arith.tokenizer())
+
+
+def test_the_dry_run_builds_a_qwen2_5_vl_preset_with_its_frozen_tower():
+    """`preset:qwen2.5-vl-3b` as model.path: the dry run's abstract actor is the preset's
+    language model with its 32-block tower frozen beside it, sharded over the actor's mesh
+    (the tower's 16 heads over tensor=2), nothing allocated."""
+    from configs import grpo_arith
+
+    from hfjax.run import dry_run
+
+    c = grpo_arith.get_config()
+    c.model.path = "preset:qwen2.5-vl-3b"
+    c.actor.share_prompt, c.sft.steps = False, 0
+    c.actor.mesh = "fsdp=4,tensor=2"
+    w = dry_run.abstract_groups(c, platform="gpu")
+    preset = vl.get_preset("qwen2.5-vl-3b")
+    assert w.actor.vl.vision == dataclasses.replace(preset.vision, dtype="bfloat16")
+    assert w.actor.config.num_layers == 36 and not w.actor.tower.trains
+    leaves = jax.tree.leaves(w.actor.tower.frozen)
+    assert all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)
+    # The published checkpoint's 3,754,622,976 parameters less Qwen2.5-3B's decoder
+    # (3,085,938,688: 36 layers of 77,076,992, the tied 151,936 x 2,048 embedding, a norm).
+    assert sum(int(np.prod(x.shape)) for x in leaves) == 3_754_622_976 - 3_085_938_688
+    qkv = w.actor.tower.frozen["qkv"].get_value()
+    assert qkv.sharding.shard_shape(qkv.shape)[3] == 8  # 16 heads over tensor=2
