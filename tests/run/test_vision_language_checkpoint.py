@@ -225,7 +225,6 @@ def test_the_dry_run_builds_a_qwen2_5_vl_preset_with_its_frozen_tower():
     language model with its 32-block tower frozen beside it, sharded over the actor's mesh
     (the tower's 16 heads over tensor=2), nothing allocated."""
     from configs import grpo_arith
-
     from hfjax.run import dry_run
 
     c = grpo_arith.get_config()
