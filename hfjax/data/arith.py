@@ -277,21 +277,27 @@ def preference_rows(rows: list[dict], seed: int, kind: str = "correctness",
 
 
 # A generative judge's prompt on this task (configs/ppo_judge_arith.py, `judge_rows`): the
-# problem, the answer, then "==" where the judge writes its verdict, 1 (right) or 0.
+# problem, the answer, then "==" where the judge writes its verdict: the right answer as it
+# works it out, a space, and 1 if the answer shown is the exact one after `####`, else 0.
 JUDGE_TEMPLATE = "{prompt}{response}=="
+JUDGE_PARSER = r"^-?\d+ ([01])"
 
 
 def judge_rows(pairs: list[dict], template: str = JUDGE_TEMPLATE) -> list[dict]:
     """SFT rows teaching a judge the rule reward's verdict, from `preference_rows` pairs of the
     "correctness" kind: each pair's chosen answer (the exact answer after `####`, which the rule
-    scores 1) gives a row answered "1", its rejected one (scored 0) a row answered "0". A row is
-    {data_source, prompt: the template filled with the problem and the answer, response}."""
+    scores 1) gives a row answered "<answer> 1", its rejected one (scored 0) a row answered
+    "<answer> 0", where <answer> is the problem's right answer: the judge works it out before
+    its verdict, which reads it. A row is {data_source, prompt: the template filled with the
+    problem and the answer shown, response}."""
     from hfjax.rewards.judge import render
 
     out = []
     for pair in pairs:
         problem = pair["prompt"][-1]["content"]
+        truth = pair["chosen"].removeprefix("#### ")
         for answer, verdict in ((pair["chosen"], "1"), (pair["rejected"], "0")):
             out.append({"data_source": pair["data_source"],
-                        "prompt": render(template, problem, answer), "response": verdict})
+                        "prompt": render(template, problem, answer),
+                        "response": f"{truth} {verdict}"})
     return out

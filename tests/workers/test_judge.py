@@ -195,7 +195,10 @@ def test_judge_rows_say_what_the_rule_says(tmp_path):
         for row in pq.read_table(paths[split]).to_pylist():
             a, op, b, answer = re.fullmatch(r"(\d+)([+-])(\d+)=(.*)==", row["prompt"]).groups()
             truth = int(a) + int(b) if op == "+" else int(a) - int(b)
-            assert float(row["response"]) == rule(arith.DATA_SOURCE, answer, str(truth), None)
+            worked, verdict = row["response"].split(" ")
+            assert int(worked) == truth
+            assert float(verdict) == rule(arith.DATA_SOURCE, answer, str(truth), None)
+            assert verdicts.regex_verdict(row["response"], arith.JUDGE_PARSER) == float(verdict)
             assert holdout.is_heldout(f"{a}{op}{b}=") == (split == "test")
-            verdicts_seen.add(row["response"])
+            verdicts_seen.add(verdict)
     assert verdicts_seen == {"0", "1"}
