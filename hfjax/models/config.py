@@ -209,8 +209,9 @@ class ModelConfig:
         if model_type == "qwen2_5_vl":
             raise ValueError("a Qwen2.5-VL checkpoint is a vision-language model: "
                              "hfjax.models.qwen2_5_vl.load_hf loads it, and launch.train trains "
-                             "it as the actor (model.path); not as a reward, cost or reference "
-                             "model (docs/vision.md)")
+                             "it as the actor (model.path); the other entry points and roles "
+                             "(launch.sft, reward, cost and teacher models) take text-only "
+                             "checkpoints (docs/vision.md)")
         if model_type not in ARCHITECTURES:
             archs = hf.get("architectures")
             raise ValueError(

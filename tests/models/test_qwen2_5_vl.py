@@ -130,7 +130,7 @@ def test_placeholders_and_images_must_agree(models, batch):
         models[2](jnp.asarray(ids), features=jnp.zeros((1, 32)))
     with pytest.raises(ValueError, match="mrope_section=.* summing to head_dim/2=4"):
         cfg.text.replace(mrope_section=(2, 2, 2))
-    # The text-only loader (launch.train's) refuses the checkpoint, pointing at the VLM one.
+    # The text-only loader (launch.sft's, a reward model's) refuses it, pointing at the VLM one.
     with pytest.raises(ValueError, match="Qwen2.5-VL checkpoint is a vision-language model"):
         hf_io.load(models[1])
 
