@@ -128,7 +128,7 @@ def assemble(
             want = full[1:]
             del expert_rows[(ours, i)]
         target = lay.sharding(axes, want, name)
-        pieces[ours][i] = jax.device_put(np.asarray(converted, dtype=dt), target)
+        pieces[ours][i] = _place(np.asarray(converted, dtype=dt), target)
         del converted, w
     for (ours, i), rows in expert_rows.items():
         gap = next(j for j in range(params[ours].get_value().shape[1]) if j not in rows)
@@ -177,7 +177,15 @@ def _fresh_head(cfg: ModelConfig, head: str, var: nnx.Variable, lay: shd.Layout)
     else:
         w = 0.02 * np.random.default_rng(0).standard_normal(shape, dtype=np.float32)
     target = lay.sharding(var.get_metadata()["logical_axes"], shape, "score")
-    return jax.device_put(np.asarray(w, dtype=cfg.jnp_param_dtype), target)
+    return _place(np.asarray(w, dtype=cfg.jnp_param_dtype), target)
+
+
+def _place(host: np.ndarray, target: NamedSharding) -> jax.Array:
+    """`host`, which every process read alike, on `target`: each process uploads the shards of
+    its own devices (jax.device_put refuses a host array onto a sharded layout that spans
+    several processes, e.g. a pool over all of them)."""
+    return jax.make_array_from_callback(host.shape, target, lambda index: host[index],
+                                        dtype=host.dtype)
 
 
 # ----------------------------------------------------------------------------- safetensors

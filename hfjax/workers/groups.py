@@ -282,7 +282,10 @@ def _score_builder(role: str, output: str) -> RoleBuilder:
             model = transformer.abstract(read_model_config(spec.path, dtype=spec.dtype), "score")
         else:
             # A checkpoint without a trained score head is refused (run_config checks it first).
-            model = load_score(spec.path, what=f"{role}.path", dtype=spec.dtype)
+            # Loaded straight onto its pool (each process places its own shards), which may
+            # span processes that the first device's process is not one of.
+            model = load_score(spec.path, what=f"{role}.path", dtype=spec.dtype,
+                               mesh=ctx.pools[role].mesh(s.mesh))
         return ModelReward(role, ctx.pools[role], s.mesh, model, output=output, home=ctx.home,
                            budget=spec.budget, sequence_parallel=s.sequence_parallel)
 
