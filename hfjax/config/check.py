@@ -94,19 +94,6 @@ def validate_config(cfg):
     # A rollout pool of its own (asynchronous rollout) is an extra entry, "rollout".
     pools = resolve_pools(placement_of(cfg), active_roles(algo, cfg), jax.devices(),
                           cfg.async_rollout.max_staleness)
-    if cfg.async_rollout.partial_rollout and jax.process_count() > 1:
-        # Interrupted rows come to the host between their two versions (hfjax.engine.partial),
-        # and across processes a process cannot read the rollout pool's rows.
-        raise ConfigError("async_rollout.partial_rollout=True runs in one process only; set "
-                          "--config.async_rollout.partial_rollout=False across processes")
-    if "rollout" in pools and jax.process_count() > 1:
-        # Across processes, batches and weights move between the pools by a collective
-        # permute, device i to device i (hfjax.parallel.cross_pool).
-        sizes = (len(pools["rollout"].devices), len(pools["actor"].devices))
-        if sizes[0] != sizes[1]:
-            raise ConfigError(f"across processes the rollout pool and the actor's pool need as "
-                              f"many devices, here {sizes[0]} and {sizes[1]}; give them the "
-                              "same size in --config.placement")
     dp = dp_size(MeshSpec.parse(cfg.actor.mesh).build(pools["actor"].devices, "actor"))
     check_mini_batching(n_seq, cfg.actor.ppo_mini_batch_size * cfg.rollout.n,
                         cfg.actor.ppo_micro_batch_size, dp, "actor")

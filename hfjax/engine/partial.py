@@ -23,12 +23,12 @@ from __future__ import annotations
 import dataclasses
 from typing import NamedTuple
 
-import jax
 import numpy as np
 from flax import nnx
 
 from hfjax.engine.sampler import Sampler
 from hfjax.engine.token_select import SamplingParams
+from hfjax.parallel.transfer import host_values
 
 
 class PartialRows(NamedTuple):
@@ -44,9 +44,7 @@ def cut(out, at: int, version: int, eos_ids: tuple[int, ...]) -> tuple[PartialRo
     """(the first `at` response columns of a generate output `out` drawn under `version`, the
     rows still decoding there [rows] bool). A row is still decoding when it has `at` real
     tokens and none of them is a stop token."""
-    with jax.transfer_guard("allow"):
-        tokens, mask, lps = (np.asarray(x)[:, :at] for x in jax.device_get(
-            (out.tokens, out.mask, out.logprobs)))
+    tokens, mask, lps = (np.asarray(x)[:, :at] for x in _fetch(out))
     stopped = np.any(np.isin(tokens, np.asarray(eos_ids)) & (mask > 0), axis=1)
     live = (mask.sum(axis=1) == at) & ~stopped
     versions = np.where(mask > 0, version, -1).astype(np.int32)
@@ -89,9 +87,7 @@ def continue_rows(sampler: Sampler, state: nnx.State, prompt_ids, prompt_mask, n
     more = sampler.generate(state, ids, mask,
                             dataclasses.replace(params, max_new_tokens=rest, n=1),
                             seed=np.asarray([seeds[r] for r in go], np.uint32))
-    with jax.transfer_guard("allow"):
-        tok, msk, lp = (np.asarray(x) for x in jax.device_get((more.tokens, more.mask,
-                                                                more.logprobs)))
+    tok, msk, lp = _fetch(more)
     for k, r in enumerate(go):
         room = int(budget - have[r])
         m = msk[k, :room] > 0
@@ -102,3 +98,11 @@ def continue_rows(sampler: Sampler, state: nnx.State, prompt_ids, prompt_mask, n
         out.versions[r, span] = np.where(m, version, -1)
     return out
 
+
+
+def _fetch(out) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A generate output's tokens, mask and log-probs on the host of every process, also one
+    that holds none of the rollout pool's devices (`host_values`: across processes they come
+    through the key-value store)."""
+    got = host_values({"tokens": out.tokens, "mask": out.mask, "logprobs": out.logprobs})
+    return tuple(np.asarray(got[k]) for k in ("tokens", "mask", "logprobs"))

@@ -10,7 +10,8 @@ process does not hold is a no-op there. Two things then need a program that span
   devices so that the i-th source device holds exactly the shard the i-th destination device
   needs (the destination's mesh shape and spec over the source devices), then one collective
   permute over the union of the two device sets moves shard i to destination device i: each
-  byte crosses once.
+  byte crosses once. Pools of different sizes take a gather on the source pool first
+  (`_send_uneven`).
 - `gather`: a host copy of an array on every process, also on processes that hold none of its
   devices (`multihost_utils.process_allgather` needs a shard on every process). An array whose
   devices all sit on one process is fetched there and handed to the others through the
@@ -78,26 +79,26 @@ def _rows(x: jax.Array, devices: Sequence, shape, dtype) -> list[jax.Array]:
 
 
 @functools.cache
-def _permute(n: int, mesh: Mesh):
-    body = functools.partial(jax.lax.ppermute, axis_name=_AXIS,
-                             perm=[(i, n + i) for i in range(n)])
+def _permute(perm: tuple[tuple[int, int], ...], mesh: Mesh):
+    body = functools.partial(jax.lax.ppermute, axis_name=_AXIS, perm=list(perm))
     return jax.jit(jax.shard_map(lambda xs: [body(x) for x in xs], mesh=mesh,
                                  in_specs=P(_AXIS), out_specs=P(_AXIS)))
 
 
 def send(xs: Sequence[jax.Array], dsts: Sequence[NamedSharding]) -> list[jax.Array]:
     """`xs[i]` placed on `dsts[i]` (over devices on other processes than the source's), by one
-    collective permute for all of them. Source and destination must have as many devices."""
+    collective permute for all of them where source and destination have as many devices
+    (`_send_uneven` for one array otherwise)."""
     if not xs:
         return []
     staged, meshes = [], []
     for x, dst in zip(xs, dsts, strict=True):
         src = ordered_devices(x.sharding)
-        if src is None or not isinstance(dst, NamedSharding) or len(src) != dst.mesh.size:
-            raise ValueError(
-                f"moving an array between pools on different processes needs as many devices "
-                f"on each side, here {len(src or ())} and {len(dst.device_set)}; give the "
-                "rollout pool and the trainer's pools the same size in --config.placement")
+        if src is None or not isinstance(dst, NamedSharding):
+            raise ValueError(f"cannot move an array on {x.sharding} to the devices of other "
+                             "processes: both sides need a mesh (NamedSharding)")
+        if len(src) != dst.mesh.size:
+            return [_send_uneven(x, d) for x, d in zip(xs, dsts, strict=True)]
         # The destination's mesh over the source devices: device i holds destination i's shard.
         stage = NamedSharding(Mesh(np.asarray(src, dtype=object).reshape(dst.mesh.devices.shape),
                                    dst.mesh.axis_names), dst.spec)
@@ -113,13 +114,43 @@ def send(xs: Sequence[jax.Array], dsts: Sequence[NamedSharding]) -> list[jax.Arr
         rows.append(jax.make_array_from_single_device_arrays(
             (len(union.devices), *shape), NamedSharding(union, P(_AXIS)),
             _rows(x, union.devices.flat, shape, x.dtype), dtype=x.dtype))
-    moved = _permute(len(src), union)(rows)
+    moved = _permute(tuple((i, len(src) + i) for i in range(len(src))), union)(rows)
     out = []
     for x, dst, y in zip(xs, dsts, moved, strict=True):
         mine = {s.device: s.data[0] for s in y.addressable_shards}
         local = [mine[d] for d in dst.mesh.devices.flat if d.process_index == jax.process_index()]
         out.append(jax.make_array_from_single_device_arrays(x.shape, dst, local, dtype=x.dtype))
     return out
+
+
+def _send_uneven(x: jax.Array, dst: NamedSharding) -> jax.Array:
+    """`send` between pools of different sizes (m source devices, n destination devices; a
+    pool spanning 2 of 3 processes and one on the third). Every source device gets a whole
+    copy of `x` (one all-gather on the source pool), cuts destination device j's shard from it
+    on device j mod m, and ceil(n / m) permutes move those shards, m at a time: each byte
+    crosses once, after the source pool's gather."""
+    src = ordered_devices(x.sharding)
+    m, targets = len(src), list(dst.mesh.devices.flat)
+    full = reshard_in_place(x, NamedSharding(Mesh(np.asarray(src, dtype=object), (_AXIS,)),
+                                             P()))
+    copies = {s.device: s.data for s in full.addressable_shards}
+    where, shape = dst.devices_indices_map(x.shape), dst.shard_shape(x.shape)
+    union = Mesh(np.asarray(src + targets, dtype=object), (_AXIS,))
+    me, local = jax.process_index(), {}
+    for first in range(0, len(targets), m):
+        now = targets[first:first + m]
+        rows = [copies[d][where[now[i]]][None] if i < len(now) else
+                jax.device_put(np.zeros((1, *shape), x.dtype), d)
+                for i, d in enumerate(src) if d.process_index == me]
+        rows += [jax.device_put(np.zeros((1, *shape), x.dtype), d)
+                 for d in targets if d.process_index == me]
+        stacked = jax.make_array_from_single_device_arrays(
+            (len(union.devices), *shape), NamedSharding(union, P(_AXIS)), rows, dtype=x.dtype)
+        perm = tuple((i, m + first + i) for i in range(len(now)))
+        (moved,) = _permute(perm, union)([stacked])
+        local |= {s.device: s.data[0] for s in moved.addressable_shards if s.device in now}
+    mine = [local[d] for d in targets if d.process_index == me]
+    return jax.make_array_from_single_device_arrays(x.shape, dst, mine, dtype=x.dtype)
 
 
 @functools.cache

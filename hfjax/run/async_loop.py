@@ -25,7 +25,9 @@ every process runs the same single-threaded schedule. At each step with K >= 1 t
 (made at an earlier step) comes home first, then the generation of the steps issued ahead is
 dispatched, then the trainer's step (with K = 0 the step's "gen" stage generates its batch and
 brings it home); a step issued before its version exists (`push_every` > 1) is dispatched by
-the push that brings that version. Each process only computes the programs of its own devices
+the push that brings that version. With partial rollouts a batch's first columns are
+dispatched with it and the rest by the push of the version they continue under (the rows come
+to every process's host there). Each process only computes the programs of its own devices
 (the others' are no-ops there), so the rollout pool's process generates while the trainer's
 process updates, and every cross-process collective (the batch coming home, the push, host
 fetches) is issued in the same order on every process.
@@ -96,9 +98,9 @@ class AsyncRollout:
         # A rollout thread in one process; across processes one schedule on one thread.
         self.threaded = (jax.process_count() == 1) if threaded is None else threaded
         self.partial = bool(partial_rollout)
-        if self.partial and (self.k < 1 or not self.threaded):
-            raise ValueError("partial rollouts run on the rollout thread of one process with "
-                             "max_staleness >= 1; set async_rollout.partial_rollout=False")
+        if self.partial and self.k < 1:
+            raise ValueError("partial rollouts need max_staleness >= 1; set "
+                             "async_rollout.partial_rollout=False")
         self._continued: dict[int, float] = {}  # step -> fraction of its rows continued
         self._prompts = prompts  # step -> (host prompts, data cursor before drawing them)
         self._cv = threading.Condition()
@@ -106,8 +108,10 @@ class AsyncRollout:
         self._jobs: collections.deque[_Job] = collections.deque()
         self._pending: collections.deque[_Job] = collections.deque()  # issued, not consumed
         self._made: dict[int, Batch] = {}
-        # Across processes: jobs issued, not yet dispatched (`_dispatch`).
+        # Across processes: jobs issued, not yet dispatched (`_dispatch`), and partial
+        # rollouts' first columns, dispatched, waiting for the version they continue under.
         self._deferred: collections.deque[_Job] = collections.deque()
+        self._heads: dict[int, tuple[_Job, Any]] = {}
         self._error: BaseException | None = None
         self._closed = False
         self._idle_rollout = 0.0
@@ -253,7 +257,21 @@ class AsyncRollout:
         while (self._deferred and self._deferred[0].version in self._weights
                and (upto is None or self._deferred[0].step <= upto)):
             job = self._deferred.popleft()
-            self._made[job.step] = self._generate(job)
+            if job.switch is None:
+                self._made[job.step] = self._generate(job)
+            else:  # its first columns now, the rest once its switch version is pushed
+                head = rollout_lib.partial_head(self.rollout, job.prompts,
+                                                self._swap(job.version))
+                self._heads[job.step] = (job, head)
+        for step in sorted(self._heads):
+            job, head = self._heads[step]
+            if job.switch in self._weights:
+                del self._heads[step]
+                batch, continued = rollout_lib.partial_rest(
+                    self.rollout, job.prompts, head, job.version, self._swap(job.switch),
+                    job.switch)
+                self._continued[step] = continued
+                self._made[step] = batch
 
     def _wait_seconds(self, t0: float) -> float:
         """Across processes, the seconds since `t0` the trainer's process spent getting its

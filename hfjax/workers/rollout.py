@@ -99,16 +99,34 @@ def generate_partial(group: ActorRollout, prompts: Batch, first, first_version: 
     The first columns are decoded under `first` (version `first_version`); `second()` is
     called once they are done and returns the next version's weights (waiting for its push).
     The batch carries `token_versions` [rows, response_length] (-1 on padding)."""
+    head = partial_head(group, prompts, first)
+    return partial_rest(group, prompts, head, first_version, second(), second_version)
+
+
+def partial_head(group: ActorRollout, prompts: Batch, first):
+    """The first `partial_column` response columns of `prompts` decoded under `first` (a
+    generate output on the rollout pool, dispatched, not waited for)."""
     if "image_grids" in prompts:  # its sampler calls would go without the pictures
         raise ValueError("partial rollouts of prompts with images are not built; set "
                          "--config.async_rollout.partial_rollout=False")
     params = group.sampling_params()
+    at = partial_column(params.max_new_tokens)
+    return group.sampler.generate(first, prompts["prompts"], prompts["prompt_mask"],
+                                  dataclasses.replace(params, max_new_tokens=at),
+                                  seed=prompts["seeds"])
+
+
+def partial_rest(group: ActorRollout, prompts: Batch, head, first_version: int, second,
+                 second_version: int) -> tuple[Batch, float]:
+    """`generate_partial` from its `head` on: the rows still decoding continue under `second`
+    (version `second_version`). The head's and the continuation's rows come to the host of
+    every process (`partial.cut`, `partial.continue_rows`), so across processes each reads
+    the rollout pool's rows, and the finished rows go back to the rollout pool."""
+    params = group.sampling_params()
     at, n = partial_column(params.max_new_tokens), params.n
     ids, mask, seeds = prompts["prompts"], prompts["prompt_mask"], prompts["seeds"]
-    head = group.sampler.generate(first, ids, mask, dataclasses.replace(params, max_new_tokens=at),
-                                  seed=seeds)
     rows, live = partial.cut(head, at, first_version, group.eos_ids)
-    rows = partial.continue_rows(group.sampler, second(), ids, mask, n, rows, live,
+    rows = partial.continue_rows(group.sampler, second, ids, mask, n, rows, live,
                                  second_version, params, continuation_seeds(seeds, n, at))
     # The finished rows' upload back to the rollout pool, where `generate` leaves its rows.
     sharding = batch_sharding(group.mesh)
