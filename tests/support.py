@@ -315,11 +315,12 @@ def tiny_process_job(total_steps: int) -> dict:
     }
 
 
-def start_rank(rank: int, port: int, args: list[str], env: dict, log) -> subprocess.Popen:
-    """Process `rank` of a 2-process `launch.train` on 1 CPU device each, joined with the
-    process flags (no launcher), in a session of its own (a test may SIGKILL it)."""
+def start_rank(rank: int, port: int, args: list[str], env: dict, log,
+               num_processes: int = 2) -> subprocess.Popen:
+    """Process `rank` of a `num_processes`-process `launch.train` on 1 CPU device each, joined
+    with the process flags (no launcher), in a session of its own (a test may SIGKILL it)."""
     cmd = [sys.executable, "-u", "-m", "launch.train", "--cpu_devices=1",
-           f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2",
+           f"--coordinator_address=127.0.0.1:{port}", f"--num_processes={num_processes}",
            f"--process_id={rank}", *args]
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)
