@@ -311,8 +311,11 @@ def _build_judge(ctx: BuildContext) -> Judge:
     j = c.reward.judge
     config = read_model_config(j.path, dtype=j.dtype)
     check_judge_vocabulary(j.path, config.vocab_size, ctx.actor.config.vocab_size)
-    model = transformer.abstract(config) if ctx.actor.abstract else load_model(j.path,
-                                                                               dtype=j.dtype)
+    # Loaded straight into its decode layout on its own pool's devices (each process reads and
+    # places its own shards): no whole copy on one device, none moved between processes.
+    model = (transformer.abstract(config) if ctx.actor.abstract
+             else load_model(j.path, dtype=j.dtype, mesh=ctx.pools["judge"].mesh(j.mesh),
+                             rules="decode"))
     # The longest judge prompt: the template's own tokens, a prompt's and a response's.
     template = len(ctx.tokenizer.encode(render(j.template, "", ""), add_special_tokens=False))
     longest = template + c.data.max_prompt_length + c.rollout.response_length
