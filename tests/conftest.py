@@ -96,8 +96,16 @@ def _workers_closed(request):
 # -- order --------------------------------------------------------------------------------------
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's hook reads the groups
 def pytest_collection_modifyitems(config, items):
-    """The longest modules first, longest first (support.LONGEST_MODULES)."""
+    """The longest work first (support.longest_first: the longest modules and smoke-tier
+    parts), and each module one unit of pytest-xdist's `--dist=loadgroup` (scripts/test.sh): a
+    test without an `xdist_group` mark joins its module's group, so the module's fixtures are
+    built once, while each smoke-tier part is a group of its own."""
     from support import longest_first
 
-    items[:] = longest_first(items, str(config.rootpath))
+    root = str(config.rootpath)
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(os.path.relpath(str(item.path), root)))
+    items[:] = longest_first(items, root)

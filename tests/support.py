@@ -269,11 +269,10 @@ def hfjax_children() -> list[str]:
     return found
 
 
-# The longest modules of the suite, longest first: measured CPU seconds (user + system, the
-# module's own process and the commands it starts), 2026-12-07 on the shared 2-core machine.
-# tests/conftest.py runs them first, so that pytest-xdist's workers (--dist=loadfile hands out
-# modules in collection order) end on short modules and finish together instead of one worker
-# running a long module alone.
+# The longest modules of the suite: measured seconds, 2026-12-07 on the shared 2-core machine.
+# tests/conftest.py hands out the longest work first (these modules and the smoke tier's parts,
+# each with its `seconds` mark), so that pytest-xdist's workers end on short modules and finish
+# together instead of one worker running a long module alone.
 LONGEST_MODULES: dict[str, float] = {
     "tests/engine/test_sampler.py": 152, "tests/models/test_attention.py": 128,
     "tests/engine/test_continuous.py": 125, "tests/run/test_trainer_processes.py": 123,
@@ -287,10 +286,19 @@ LONGEST_MODULES: dict[str, float] = {
 }
 
 
+def expected_seconds(item, root: str) -> float:
+    """How long `item`'s unit of work is expected to take: its `seconds` mark (a smoke-tier
+    part), else its module's LONGEST_MODULES entry, else 0."""
+    mark = item.get_closest_marker("seconds")
+    if mark is not None:
+        return float(mark.args[0])
+    return LONGEST_MODULES.get(os.path.relpath(str(item.path), root), 0.0)
+
+
 def longest_first(items: list, root: str) -> list:
-    """`items` (pytest items) with those of LONGEST_MODULES first, longest first; the rest, and
-    each module's own tests, in their order."""
-    return sorted(items, key=lambda i: -LONGEST_MODULES.get(os.path.relpath(str(i.path), root), 0))
+    """`items` (pytest items), longest expected work first (`expected_seconds`); items of equal
+    expectation, and each module's own tests, in their order."""
+    return sorted(items, key=lambda i: -expected_seconds(i, root))
 
 
 def tiny_process_job(total_steps: int) -> dict:

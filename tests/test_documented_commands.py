@@ -16,9 +16,11 @@ command (a path the reader fills in) is replaced through SUBSTITUTIONS. Both tab
 documented commands, and any other documented command runs: a new command in the docs cannot
 escape the tier.
 
-The tier is marked `smoke` and deselected by default (pyproject.toml); CI runs it after the
-suite on two pytest-xdist workers (`.ci/run`: `-m smoke --numprocesses=2 --dist=loadgroup`),
-each given its share of the parts, longest first, by their expected durations (`expected_s`).
+The tier is marked `smoke` and deselected by default (pyproject.toml); CI runs it in one
+pytest session with the suite (`.ci/run`), each part a unit of work that pytest-xdist hands to
+the next free worker, longest first by its expected duration (`expected_s`) among the suite's
+modules (tests/conftest.py), so that the tier's parts fill the workers the suite would leave
+idle and every worker finishes at about the same time.
 """
 
 from __future__ import annotations
@@ -154,9 +156,9 @@ PARTS: dict[str, list[str]] = {
     ],
 }
 
-# Measured seconds of parts of the tier (test ids below), from the durations CI prints
-# (`--durations=0`): the tier hands the parts to its workers longest first (`groups`), so that
-# the workers finish together. A part missing here is estimated by `expected_s`.
+# Measured seconds of parts of the tier (test ids below), from the durations CI prints: the
+# session hands the longest work out first, so that the workers finish together. A part missing
+# here is estimated by `expected_s`.
 SECONDS: dict[str, float] = {
     # Measured 2026-12-07 17:07-17:24 UTC by CI's command on a clean clone of 970ce13 (two
     # workers, nothing else running) on the shared 2-core machine.
@@ -285,19 +287,6 @@ def expected_s(item: str, commands: list[str]) -> float:
     return total
 
 
-def groups(seconds: dict[str, float], n: int) -> dict[str, int]:
-    """Each item of `seconds` (an id -> its expected time) given to one of `n` workers,
-    longest first, each to the worker with the least time so far (the longest-processing-time
-    rule): the workers then end within about one short item of each other."""
-    load = [0.0] * max(n, 1)
-    out = {}
-    for item in sorted(seconds, key=lambda i: (-seconds[i], i)):
-        worker = min(range(len(load)), key=lambda w: (load[w], w))
-        out[item] = worker
-        load[worker] += seconds[item]
-    return out
-
-
 def substituted(command: str, scratch: str, gguf: str) -> str:
     for old, new in SUBSTITUTIONS.items():
         command = command.replace(old, new.format(scratch=scratch, gguf=gguf))
@@ -347,13 +336,7 @@ def test_parts_keep_every_command_once_and_in_order():
     assert len(parts("docs/algorithms.md")) == len(PARTS["docs/algorithms.md"]) + 1
 
 
-def test_the_longest_items_go_to_different_workers_first():
-    seconds = {"a": 10.0, "b": 9.0, "c": 6.0, "d": 5.0, "e": 4.0, "f": 1.0}
-    g = groups(seconds, 2)
-    assert g["a"] != g["b"]
-    load = [sum(t for i, t in seconds.items() if g[i] == w) for w in (0, 1)]
-    assert sorted(load) == [16.0, 19.0]  # a, d, e and b, c, f
-    assert set(groups(seconds, 1).values()) == {0}
+def test_the_measured_parts_exist():
     stale = sorted(set(SECONDS) - set(_SMOKE_ITEMS))
     assert not stale, f"SECONDS names items the tier no longer has: {stale}"
 
@@ -406,17 +389,15 @@ def _check(command: str, proc: subprocess.CompletedProcess, seconds: float,
 _DOC_PARTS = {part_id(doc, k, len(ps)): (doc, part) for doc in DOCS
               for ps in [parts(doc)] for k, part in enumerate(ps) if part}
 _SMOKE_ITEMS = list(_DOC_PARTS)
-# The tier's items on pytest-xdist's workers (CI: --dist=loadgroup), and each worker's items
-# longest first.
-_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 _EXPECTED = {i: expected_s(i, _DOC_PARTS[i][1]) for i in _SMOKE_ITEMS}
-_GROUP = groups(_EXPECTED, _WORKERS)
 
 
 def _smoke_params(items: dict) -> list:
-    order = sorted(items, key=lambda i: -_EXPECTED[i])
-    return [pytest.param(*items[i], id=i,
-                         marks=pytest.mark.xdist_group(f"smoke{_GROUP[i]}")) for i in order]
+    """Each part a unit of work of its own for pytest-xdist (`--dist=loadgroup`), with its
+    expected seconds: the suite's order (tests/conftest.py) hands the longest out first."""
+    return [pytest.param(*items[i], id=i, marks=[pytest.mark.xdist_group(f"smoke:{i}"),
+                                                 pytest.mark.seconds(_EXPECTED[i])])
+            for i in items]
 
 
 @pytest.mark.smoke
