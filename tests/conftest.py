@@ -9,8 +9,9 @@ does not know, so a probe process checks them once per session against the insta
 commands the tests start get them too (`support.subprocess_env`).
 
 Programs are kept in JAX's persistent compilation cache for the session, in a fresh directory
-(nothing carries over between sessions): many tests build the same small models and meshes,
-and a program one test compiled is read back by the next instead of compiled again.
+(nothing carries over between sessions) with no size limit: many tests build the same small
+models and meshes, and a program one test compiled is read back by the next instead of
+compiled again.
 """
 
 import atexit
@@ -44,6 +45,7 @@ simulate_cpu_devices(8, keep_given=False)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
+from support import NO_CACHE_LIMIT  # noqa: E402
 
 from launch import compile_cache  # noqa: E402
 
@@ -53,7 +55,10 @@ _CACHE = os.environ.get("HFJAX_TEST_XLA_CACHE")
 if not _CACHE:
     _CACHE = os.environ["HFJAX_TEST_XLA_CACHE"] = tempfile.mkdtemp(prefix="hfjax-tests-xla-")
     atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
+# No size limit (support.NO_CACHE_LIMIT says why), here and in every process the tests start.
+os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"] = NO_CACHE_LIMIT
 compile_cache.enable(_CACHE)
+jax.config.update("jax_compilation_cache_max_size", int(NO_CACHE_LIMIT))
 
 jax.config.update("jax_enable_x64", False)
 # The 8 simulated devices share the machine's cores: with async dispatch, programs with

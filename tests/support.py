@@ -15,9 +15,16 @@ from hfjax.engine.spec import RolloutSpec
 from hfjax.parallel.mesh import ResourcePool
 from hfjax.run.metrics import is_timing_key, read_jsonl
 from hfjax.tools import Tool
-from launch import compile_cache
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+# The session's compilation cache has no size limit: with one, JAX takes a lock over the whole
+# directory for every read and write and, for every write, reads every entry's access time to
+# find what to evict, so each compile costs time in proportion to the programs compiled before
+# it, and the suite's processes queue for the lock (at CI's ~6,000 entries two of three workers
+# were seen waiting on it). The directory is the session's own and is removed at its end.
+NO_CACHE_LIMIT = "-1"
 
 
 def subprocess_env(cache_dir=None) -> dict[str, str]:
@@ -32,9 +39,8 @@ def subprocess_env(cache_dir=None) -> dict[str, str]:
     env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
     env["JAX_COMPILATION_CACHE_DIR"] = str(cache_dir or os.environ["HFJAX_TEST_XLA_CACHE"])
-    # Every process that shares the directory, whatever starts its cache, keeps the same size
-    # limit (JAX's eviction reads per-entry files that only a limited cache writes).
-    env["JAX_COMPILATION_CACHE_MAX_SIZE"] = str(compile_cache.MAX_BYTES)
+    # No size limit, in every process that shares the directory (tests/conftest.py).
+    env["JAX_COMPILATION_CACHE_MAX_SIZE"] = NO_CACHE_LIMIT
     return env
 
 
