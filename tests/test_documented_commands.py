@@ -160,16 +160,15 @@ PARTS: dict[str, list[str]] = {
 # session hands the longest work out first, so that the workers finish together. A part missing
 # here is estimated by `expected_s`.
 SECONDS: dict[str, float] = {
-    # Measured 2026-12-07 17:07-17:24 UTC by CI's command on a clean clone of 970ce13 (two
-    # workers, nothing else running) on the shared 2-core machine.
-    "docs/scaling.md": 427.0, "README.md": 415.0, "docs/benchmarks.md": 183.0,
-    # (docs/algorithms.md's parts after its first renumbered when the judge's part, 2of6, was
-    # cut out of the first; the judge's part from its author's run: 10.6 + 21.2 + 164 s cold.)
-    "docs/algorithms.md:5of6": 163.0, "docs/algorithms.md:1of6": 130.0,
-    "docs/data.md:2of2": 96.0, "docs/algorithms.md:4of6": 89.0, "docs/vision.md": 87.0,
-    "docs/async.md": 82.0, "docs/architecture.md": 76.0, "docs/agents.md": 64.0,
-    "docs/data.md:1of2": 53.0, "docs/algorithms.md:6of6": 51.0, "docs/algorithms.md:3of6": 50.0,
-    "docs/checkpoints.md": 47.0, "docs/algorithms.md:2of6": 196.0,
+    # Measured 2026-12-07 20:26-21:00 UTC by CI's command on a clean clone of d730c4a (three
+    # workers, the tier's parts among the suite's modules, nothing else running) on the shared
+    # 2-core machine.
+    "docs/scaling.md": 555.0, "README.md": 462.0, "docs/benchmarks.md": 275.0,
+    "docs/algorithms.md:2of6": 232.0, "docs/algorithms.md:5of6": 179.0,
+    "docs/data.md:2of2": 140.0, "docs/algorithms.md:4of6": 105.0, "docs/data.md:1of2": 91.0,
+    "docs/agents.md": 79.0, "docs/algorithms.md:6of6": 77.0, "docs/checkpoints.md": 75.0,
+    "docs/architecture.md": 65.0, "docs/vision.md": 58.0, "docs/async.md": 57.0,
+    "docs/algorithms.md:3of6": 47.0, "docs/algorithms.md:1of6": 22.0,
 }
 # The estimate for a part without a measurement, per command: SmolLM2-135M's commands (its
 # 49,152-token vocabulary and real weights to load, 2 of its layers in smoke mode) are the tier's
