@@ -450,6 +450,24 @@ def iter_hf_tensors(model: nnx.Module) -> Iterator[tuple[str, np.ndarray]]:
             yield tmpl, np.asarray(to_hf(to_host(arr), cfg))
 
 
+@contextlib.contextmanager
+def written_in_place(path: str, prefix: str = ".tmp-hfjax-") -> Iterator[str]:
+    """A new directory beside `path` to write into: when the block ends without an error it
+    replaces `path` (an earlier one removed), and on an error it is removed, so a reader never
+    sees a half-written directory."""
+    parent = os.path.dirname(os.path.abspath(path)) or "."
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=prefix, dir=parent)
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if os.path.exists(path):
+        shutil.rmtree(path)
+    os.replace(tmp, path)
+
+
 def save_hf(
     model: nnx.Module,
     out_dir: str,
@@ -471,10 +489,7 @@ def save_hf(
             pass
         return out_dir
     cfg: ModelConfig = model.config
-    parent = os.path.dirname(os.path.abspath(out_dir)) or "."
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".tmp-hfjax-", dir=parent)
-    try:
+    with written_in_place(out_dir) as tmp:
         shards: list[dict[str, np.ndarray]] = [{}]
         size = 0
         for name, w in iter_hf_tensors(model):
@@ -506,11 +521,5 @@ def save_hf(
             json.dump(hf, f, indent=2)
         if tokenizer is not None:
             tokenizer.save(tmp)
-        if os.path.exists(out_dir):
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out_dir
 

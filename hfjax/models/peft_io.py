@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 
 import numpy as np
 
+from hfjax.models import hf_io
 from hfjax.models.config import ModelConfig
 from hfjax.models.lora import LoraSpec
 from hfjax.parallel.transfer import to_host
@@ -79,14 +78,10 @@ def save_peft(adapters: dict[str, object], cfg: ModelConfig, spec: LoraSpec, out
     temporary name and renamed into place. Returns out_dir."""
     from safetensors.numpy import save_file
 
-    parent = os.path.dirname(os.path.abspath(out_dir)) or "."
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".tmp-hfjax-peft-", dir=parent)
-    save_file(peft_tensors(adapters, cfg, spec, layers_prefix),
-              os.path.join(tmp, "adapter_model.safetensors"), {"format": "pt"})
-    with open(os.path.join(tmp, "adapter_config.json"), "w") as f:
-        json.dump(adapter_config(spec, base_model, layers_prefix), f, indent=2)
-    if os.path.exists(out_dir):  # an earlier export (the caller checked it is one)
-        shutil.rmtree(out_dir)
-    os.replace(tmp, out_dir)
+    # An earlier export at out_dir is replaced (the caller checked it is one).
+    with hf_io.written_in_place(out_dir, ".tmp-hfjax-peft-") as tmp:
+        save_file(peft_tensors(adapters, cfg, spec, layers_prefix),
+                  os.path.join(tmp, "adapter_model.safetensors"), {"format": "pt"})
+        with open(os.path.join(tmp, "adapter_config.json"), "w") as f:
+            json.dump(adapter_config(spec, base_model, layers_prefix), f, indent=2)
     return out_dir

@@ -324,15 +324,9 @@ def save_hf(model: VisionLM, path: str, tokenizer=None) -> str:
     `tokenizer`'s files) that transformers' `Qwen2_5_VLForConditionalGeneration.
     from_pretrained` loads; written under a temporary name and renamed into place, replacing
     an earlier export. Returns path."""
-    import shutil
-    import tempfile
-
     from safetensors.numpy import save_file
 
-    parent = os.path.dirname(os.path.abspath(path)) or "."
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".tmp-hfjax-vl-", dir=parent)
-    try:
+    with hf_io.written_in_place(path, ".tmp-hfjax-vl-") as tmp:
         tensors = dict(hf_io.iter_hf_tensors(model.lm))
         tensors.update(vision.to_hf_tensors(model.visual))
         tensors = {k: np.ascontiguousarray(v) for k, v in tensors.items()}
@@ -341,10 +335,4 @@ def save_hf(model: VisionLM, path: str, tokenizer=None) -> str:
             json.dump(model.config.to_hf_config(), f, indent=1)
         if tokenizer is not None:
             tokenizer.save(tmp)
-        if os.path.exists(path):
-            shutil.rmtree(path)
-        os.replace(tmp, path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return path
